@@ -1,0 +1,146 @@
+"""The data plane's contract: what the control plane sends to the workers and what comes back.
+
+Stdlib only (no torch): policy modules in ``app/`` import these types without pulling torch in.
+Everything here is a plain, picklable dataclass; no tensors cross this boundary.
+
+Block ids are *logical*: every pipeline stage and tensor-parallel rank holds the same block ids
+for its own layers and heads, so one plan addresses the whole pipeline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+#: Why a job stopped. ``stop`` = EOS or a stop token/string, ``length`` = ``max_tokens`` reached,
+#: ``abort`` = the client went away or the job was cancelled, ``error`` = the engine failed it.
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+SwapDirection = Literal["out", "in"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings (OpenAI / vLLM semantics).
+
+    ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
+    ``seed`` makes sampling reproducible: the same seed and prompt give the same tokens, whatever
+    else shares the batch (each step draws from a generator seeded by ``(seed, step index)``).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the offending value."""
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.seed is not None and self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def finish_reason(self, token_id: int, num_generated: int, eos_token_id: int) -> FinishReason | None:
+        """Whether generation stops after emitting ``token_id`` as the ``num_generated``-th token."""
+        if (not self.ignore_eos and token_id == eos_token_id) or token_id in self.stop_token_ids:
+            return "stop"
+        if num_generated >= self.max_tokens:
+            return "length"
+        return None
+
+
+@dataclass(frozen=True)
+class BatchEntry:
+    """One job's part of one iteration.
+
+    ``token_ids`` are the tokens fed this step, at positions ``start_pos ..``. A first iteration
+    (``is_prefill``) feeds the whole prompt with ``start_pos == 0``; a recompute after the job's KV
+    was dropped feeds prompt + generated tokens the same way. A decode step feeds one token.
+    ``block_table`` lists the device blocks holding positions ``0 .. start_pos + len(token_ids)``.
+    ``step_index`` is how many tokens the job has generated before this step (seeds sampling).
+    """
+
+    job_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_table: tuple[int, ...]
+    is_prefill: bool
+    sampling: SamplingParams
+    step_index: int = 0
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SwapCommand:
+    """Copy one job's blocks between tiers: ``out`` = device -> host, ``in`` = host -> device.
+
+    ``src_blocks[k]`` is copied to ``dst_blocks[k]``; ids are device ids on the device side and
+    host ids on the host side.
+    """
+
+    direction: SwapDirection
+    job_id: str
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.src_blocks) != len(self.dst_blocks):
+            raise ValueError(
+                f"swap {self.direction} for {self.job_id}: {len(self.src_blocks)} source blocks "
+                f"but {len(self.dst_blocks)} destination blocks"
+            )
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """One iteration for the whole pipeline: swaps to start, entries to run, jobs to forget.
+
+    Every stage applies ``swap_out`` then ``swap_in`` to its own KV (asynchronously, overlapped with
+    compute), then runs ``entries``. A swap may target blocks no entry of this plan uses: that is
+    the proactive case, finished in the background. ``free`` names jobs whose per-job data-plane
+    state may be dropped (they finished or were aborted).
+    """
+
+    step_id: int
+    entries: tuple[BatchEntry, ...]
+    swap_out: tuple[SwapCommand, ...] = ()
+    swap_in: tuple[SwapCommand, ...] = ()
+    free: tuple[str, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(e.token_ids) for e in self.entries)
+
+
+@dataclass
+class StepOutput:
+    """What the last stage returns for one plan: one sampled token per entry, and timings.
+
+    A plan's output comes back only once its swaps have completed on every worker: swaps run
+    beside the plan's forward (overlapped with it, paper Fig. 9b) and are awaited at the end.
+    So when the control plane sees plan k's output, every block that plan swapped is settled:
+    a swapped-in job is resident and a swapped-out job's device blocks may be reused.
+
+    ``timings`` holds seconds by phase: ``swap_wait`` (forward blocked on a swap touching its
+    blocks), ``forward``, ``sample``, ``swap_tail`` (waiting for swaps after the forward), ``total``.
+    """
+
+    step_id: int
+    tokens: dict[str, int]
+    timings: dict[str, float] = field(default_factory=dict)
