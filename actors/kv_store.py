@@ -1,0 +1,180 @@
+"""The KV store of one worker: a device pool and a host pool of paged blocks, and swaps between them.
+
+Layout, per pool: ``[num_blocks, num_layers, 2, block_size, num_heads, head_dim]`` — block-major,
+so one block of every layer is one contiguous region and a swap of a block is a single copy (on a
+GPU, one DMA per run of consecutive blocks). Layer ``l`` reads the strided view ``pool[:, l]``.
+
+Swaps are asynchronous. On a GPU they run on a side CUDA stream into pinned host memory and are
+tracked by events; on CPU a single copy thread runs them. Either way they complete in issue order
+(one stream, one thread), so a swap-in issued after a swap-out that frees the same host block
+reads the right data. A step waits only on the in-flight swaps that touch the blocks it uses
+(``wait_for``); everything else overlaps with its compute.
+
+This object owns device memory only. Which block belongs to which job is the control plane's
+business (``app/kv``): the store copies what it is told.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+import kernels
+
+BlockPairs = Sequence[tuple[int, int]]
+
+
+@dataclass
+class SwapHandle:
+    """An issued swap: which device blocks it touches, and how to wait for it."""
+
+    device_blocks: frozenset[int]
+    host_blocks: frozenset[int]
+    _future: Future[None] | None = None
+    _event: torch.cuda.Event | None = None
+    issued_at: float = field(default_factory=time.perf_counter)
+
+    def done(self) -> bool:
+        if self._future is not None:
+            return self._future.done()
+        return self._event is None or bool(self._event.query())
+
+    def wait(self) -> None:
+        if self._future is not None:
+            self._future.result()  # re-raises a failed copy here, on the step's thread
+        elif self._event is not None:
+            self._event.synchronize()
+
+
+class KVStore:
+    def __init__(
+        self,
+        num_layers: int,
+        num_heads: int,
+        head_dim: int,
+        block_size: int,
+        num_device_blocks: int,
+        num_host_blocks: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        for name, value in (("num_device_blocks", num_device_blocks), ("block_size", block_size)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
+        self.block_size = block_size
+        self.device = torch.device(device)
+        shape = (num_layers, 2, block_size, num_heads, head_dim)
+        self.device_pool = torch.zeros((num_device_blocks, *shape), dtype=dtype, device=self.device)
+        pin = self.device.type == "cuda"
+        self.host_pool = torch.zeros((num_host_blocks, *shape), dtype=dtype, pin_memory=pin)
+        self._inflight: list[SwapHandle] = []
+        self._lock = threading.Lock()
+        if self.device.type == "cuda":
+            self._stream: torch.cuda.Stream | None = torch.cuda.Stream(device=self.device)
+            self._copier: ThreadPoolExecutor | None = None
+        else:
+            self._stream = None
+            self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-swap")
+        self.swapped_out_blocks = 0
+        self.swapped_in_blocks = 0
+
+    @property
+    def num_device_blocks(self) -> int:
+        return int(self.device_pool.shape[0])
+
+    @property
+    def num_host_blocks(self) -> int:
+        return int(self.host_pool.shape[0])
+
+    @property
+    def bytes_per_block(self) -> int:
+        return int(self.device_pool[0].numel() * self.device_pool.element_size())
+
+    def layer(self, index: int) -> torch.Tensor:
+        """Layer ``index``'s cache, ``[num_blocks, 2, block_size, heads, head_dim]`` (a view)."""
+        return self.device_pool[:, index]
+
+    def swap_out(self, pairs: BlockPairs) -> SwapHandle:
+        """Copy device blocks to host blocks: ``pairs`` = [(device_block, host_block), ...]."""
+        self._check(pairs, self.num_device_blocks, self.num_host_blocks, "device", "host")
+        self.swapped_out_blocks += len(pairs)
+        return self._issue(self.device_pool, self.host_pool, pairs,
+                           frozenset(d for d, _ in pairs), frozenset(h for _, h in pairs))
+
+    def swap_in(self, pairs: BlockPairs) -> SwapHandle:
+        """Copy host blocks to device blocks: ``pairs`` = [(host_block, device_block), ...]."""
+        self._check(pairs, self.num_host_blocks, self.num_device_blocks, "host", "device")
+        self.swapped_in_blocks += len(pairs)
+        return self._issue(self.host_pool, self.device_pool, pairs,
+                           frozenset(d for _, d in pairs), frozenset(h for h, _ in pairs))
+
+    def wait_for(self, device_blocks: Iterable[int]) -> float:
+        """Block until every in-flight swap touching ``device_blocks`` is done; seconds waited."""
+        wanted = frozenset(device_blocks)
+        with self._lock:
+            touching = [h for h in self._inflight if h.device_blocks & wanted]
+        if self._stream is not None:
+            # On a GPU the compute stream waits on the copy's event; the host does not block.
+            compute = torch.cuda.current_stream(self.device)
+            for h in touching:
+                if h._event is not None:
+                    compute.wait_event(h._event)
+            return 0.0
+        return self._wait(touching)
+
+    def wait_all(self) -> float:
+        with self._lock:
+            pending = list(self._inflight)
+        return self._wait(pending)
+
+    def close(self) -> None:
+        self.wait_all()
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+
+    def _wait(self, handles: list[SwapHandle]) -> float:
+        start = time.perf_counter()
+        for h in handles:
+            h.wait()
+        with self._lock:
+            self._inflight = [h for h in self._inflight if not h.done()]
+        return time.perf_counter() - start
+
+    def _issue(self, src: torch.Tensor, dst: torch.Tensor, pairs: BlockPairs,
+               device_blocks: frozenset[int], host_blocks: frozenset[int]) -> SwapHandle:
+        src_ids = [s for s, _ in pairs]
+        dst_ids = [d for _, d in pairs]
+        handle = SwapHandle(device_blocks, host_blocks)
+        if not pairs:
+            return handle
+        if self._stream is not None:
+            # The side stream must not start before the compute that wrote these blocks.
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                kernels.copy_blocks(src, dst, src_ids, dst_ids, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            handle._event = event
+        else:
+            assert self._copier is not None
+            handle._future = self._copier.submit(kernels.copy_blocks, src, dst, src_ids, dst_ids)
+        with self._lock:
+            self._inflight.append(handle)
+        return handle
+
+    @staticmethod
+    def _check(pairs: BlockPairs, n_src: int, n_dst: int, src_name: str, dst_name: str) -> None:
+        for s, d in pairs:
+            if not 0 <= s < n_src:
+                raise ValueError(f"{src_name} block {s} out of range [0, {n_src})")
+            if not 0 <= d < n_dst:
+                raise ValueError(f"{dst_name} block {d} out of range [0, {n_dst})")
+        if len({d for _, d in pairs}) != len(pairs):
+            raise ValueError(f"a swap writes one {dst_name} block twice: {list(pairs)}")

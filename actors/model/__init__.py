@@ -1,0 +1,1 @@
+"""OPT model code: configuration, batch layout, the transformer stage and weight loading."""

@@ -1,0 +1,194 @@
+"""OPT decoder, written for serving: one pipeline stage, one tensor-parallel shard, paged KV.
+
+``OPTStage`` runs layers ``[layer_start, layer_end)`` of an OPT model on one tensor-parallel rank.
+The first stage embeds tokens and positions; the last applies the final norm/projection and the
+tied LM head. Tensor parallelism is Megatron-style: q/k/v and fc1 are column-parallel (each rank
+owns ``num_heads / tp`` heads and ``ffn_dim / tp`` columns), out_proj and fc2 row-parallel and
+followed by an all-reduce; their biases are added once, after the reduce. Embeddings and the LM
+head are replicated on the ranks that need them (simpler than vocab-parallel; OPT-175B's table is
+1.2 GB in fp16, small next to its layers).
+
+Attention reads and writes K/V through ``kernels`` on the stage's block-major cache
+``[num_blocks, num_layers, 2, block_size, heads, head_dim]`` (see ``actors.kv_store``).
+Module names mirror Hugging Face's ``OPTDecoder`` so that checkpoint names map one-to-one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from actors.model.batch import ForwardBatch
+from actors.model.config import POSITION_OFFSET, OPTConfig
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _no_reduce(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+@dataclass(frozen=True)
+class StageShard:
+    """Which slice of the model one worker holds: a layer range and a tensor-parallel rank."""
+
+    layer_start: int
+    layer_end: int
+    num_layers_total: int
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    @classmethod
+    def whole(cls, config: OPTConfig) -> StageShard:
+        return cls(0, config.num_hidden_layers, config.num_hidden_layers)
+
+    @property
+    def is_first(self) -> bool:
+        return self.layer_start == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.layer_end == self.num_layers_total
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    def check(self, config: OPTConfig) -> None:
+        if not 0 <= self.layer_start < self.layer_end <= config.num_hidden_layers:
+            raise ValueError(
+                f"layer range [{self.layer_start}, {self.layer_end}) is outside the model's "
+                f"{config.num_hidden_layers} layers"
+            )
+        for what, n in (("num_attention_heads", config.num_attention_heads), ("ffn_dim", config.ffn_dim)):
+            if n % self.tp_size:
+                raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={self.tp_size}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} outside tensor_parallel_size {self.tp_size}")
+
+
+class Attention(nn.Module):
+    def __init__(self, config: OPTConfig, shard: StageShard, all_reduce: AllReduce) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads // shard.tp_size
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        local = self.num_heads * self.head_dim
+        bias = config.enable_bias
+        self.q_proj = nn.Linear(config.hidden_size, local, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, local, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, local, bias=bias)
+        # Row-parallel: the bias is added after the all-reduce, exactly once.
+        self.out_proj = nn.Linear(local, config.hidden_size, bias=bias)
+        self.all_reduce = all_reduce
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, layer_cache: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_heads, self.head_dim)
+        key_cache, value_cache = layer_cache[:, 0], layer_cache[:, 1]
+        kernels.write_kv(key_cache, value_cache, k, v, batch.slot_mapping)
+        p = batch.num_prefill_tokens
+        parts = []
+        if p:
+            parts.append(kernels.prefill_attention(q[:p], k[:p], v[:p], batch.prefill_cu_seqlens, self.scale))
+        if batch.num_decode:
+            parts.append(
+                kernels.paged_attention(
+                    q[p:], key_cache, value_cache,
+                    batch.decode_block_tables, batch.decode_context_lens, self.scale,
+                )
+            )
+        attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+        out = F.linear(attn.reshape(n, -1), self.out_proj.weight)
+        out = self.all_reduce(out)
+        return out if self.out_proj.bias is None else out + self.out_proj.bias
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: OPTConfig, shard: StageShard, all_reduce: AllReduce) -> None:
+        super().__init__()
+        self.pre_norm = config.do_layer_norm_before
+        affine = config.layer_norm_elementwise_affine
+        self.self_attn = Attention(config, shard, all_reduce)
+        self.self_attn_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine)
+        ffn_local = config.ffn_dim // shard.tp_size
+        self.fc1 = nn.Linear(config.hidden_size, ffn_local, bias=config.enable_bias)
+        self.fc2 = nn.Linear(ffn_local, config.hidden_size, bias=config.enable_bias)
+        self.final_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine)
+        self.all_reduce = all_reduce
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, layer_cache: torch.Tensor) -> torch.Tensor:
+        h = self.self_attn_layer_norm(x) if self.pre_norm else x
+        x = x + self.self_attn(h, batch, layer_cache)
+        if not self.pre_norm:
+            x = self.self_attn_layer_norm(x)
+        h = self.final_layer_norm(x) if self.pre_norm else x
+        h = F.linear(F.relu(self.fc1(h)), self.fc2.weight)
+        h = self.all_reduce(h)
+        x = x + (h if self.fc2.bias is None else h + self.fc2.bias)
+        if not self.pre_norm:
+            x = self.final_layer_norm(x)
+        return x
+
+
+class OPTStage(nn.Module):
+    """One pipeline stage × one tensor-parallel rank of an OPT model."""
+
+    def __init__(self, config: OPTConfig, shard: StageShard | None = None,
+                 all_reduce: AllReduce = _no_reduce) -> None:
+        super().__init__()
+        shard = shard or StageShard.whole(config)
+        shard.check(config)
+        self.config = config
+        self.shard = shard
+        if shard.is_first or shard.is_last:  # the last stage needs it as the tied LM head
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.proj_dim)
+        if shard.is_first:
+            self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET,
+                                                config.hidden_size)
+            if config.proj_dim != config.hidden_size:
+                self.project_in = nn.Linear(config.proj_dim, config.hidden_size, bias=False)
+        self.layers = nn.ModuleList(DecoderLayer(config, shard, all_reduce) for _ in range(shard.num_layers))
+        if shard.is_last:
+            if config.has_final_layer_norm:
+                self.final_layer_norm = nn.LayerNorm(
+                    config.hidden_size, elementwise_affine=config.layer_norm_elementwise_affine)
+            if config.proj_dim != config.hidden_size:
+                self.project_out = nn.Linear(config.hidden_size, config.proj_dim, bias=False)
+
+    @property
+    def num_local_heads(self) -> int:
+        return self.config.num_attention_heads // self.shard.tp_size
+
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        if hasattr(self, "project_in"):
+            x = self.project_in(x)
+        return x + self.embed_positions(batch.positions + POSITION_OFFSET)
+
+    def forward(self, batch: ForwardBatch, cache: torch.Tensor,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Run this stage's layers. ``hidden`` comes from the previous stage (None on the first).
+
+        ``cache`` is this stage's block-major KV cache; layer ``i`` of the stage uses ``cache[:, i]``.
+        Returns hidden states for every token (the next stage's input, or ``logits``' input).
+        """
+        x = self.embed(batch) if hidden is None else hidden
+        for i, layer in enumerate(self.layers):
+            x = layer(x, batch, cache[:, i])
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm, projection and tied LM head; float32 logits for the rows given."""
+        if hasattr(self, "final_layer_norm"):
+            hidden = self.final_layer_norm(hidden)
+        if hasattr(self, "project_out"):
+            hidden = self.project_out(hidden)
+        return F.linear(hidden, self.embed_tokens.weight).float()

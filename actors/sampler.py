@@ -1,0 +1,64 @@
+"""Token sampling for one batch: greedy, temperature, top-k, top-p and per-request seeds.
+
+Greedy rows take the argmax. Other rows are scaled by temperature, filtered by top-k then top-p
+(the smallest set of tokens whose probability reaches ``top_p``; the most likely token always
+survives), and sampled. A request with a ``seed`` draws from a generator seeded by
+``(seed, step_index)``, so its tokens do not depend on what else shares the batch, on preemption,
+or on recomputation; requests without a seed share the worker's generator.
+
+Stopping (EOS, stop ids, ``max_tokens``) is decided by the control plane with
+``SamplingParams.finish_reason``; the sampler only picks tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from actors.messages import SamplingParams
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio multiplier: spreads (seed, step) over 63 bits
+_SEED_BITS = (1 << 63) - 1
+
+
+def step_seed(seed: int, step_index: int) -> int:
+    return (seed * _SEED_MIX + step_index) & _SEED_BITS
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self._shared = torch.Generator().manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+               step_indices: Sequence[int]) -> list[int]:
+        """One token per row of ``logits`` ([batch, vocab], float32)."""
+        if logits.shape[0] != len(params):
+            raise ValueError(f"{logits.shape[0]} logit rows for {len(params)} requests")
+        out = logits.argmax(dim=-1).tolist()
+        for row, (p, step) in enumerate(zip(params, step_indices, strict=True)):
+            if not p.greedy:
+                out[row] = self._sample_row(logits[row], p, step)
+        return [int(t) for t in out]
+
+    def _sample_row(self, row: torch.Tensor, p: SamplingParams, step: int) -> int:
+        probs = filtered_probs(row.float().cpu(), p)
+        gen = self._shared if p.seed is None else torch.Generator().manual_seed(step_seed(p.seed, step))
+        return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Probabilities after temperature, top-k and top-p (renormalised)."""
+    scaled = logits / p.temperature
+    if 0 < p.top_k < scaled.numel():
+        kth = torch.topk(scaled, p.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        before = sorted_probs.cumsum(0) - sorted_probs  # mass strictly above each token
+        drop = before >= p.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+        probs = probs / probs.sum()
+    return probs

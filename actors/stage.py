@@ -1,0 +1,63 @@
+"""One worker's step: start the plan's swaps, run this stage's layers, (last stage) sample.
+
+Shared by the in-process executor and the Ray stage workers, so both execute a plan the same way:
+swaps are issued first and overlap the forward; the forward waits only on swaps that touch its
+own blocks (the reactive case); the step returns after every swap it issued has completed, which
+is what lets the control plane treat a plan's output as "its swaps are settled".
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from actors.kv_store import KVStore, SwapHandle
+from actors.messages import BatchPlan
+from actors.model.batch import ForwardBatch
+from actors.model.opt import OPTStage
+from actors.sampler import Sampler
+
+
+class StageRunner:
+    def __init__(self, model: OPTStage, kv: KVStore, sampler: Sampler | None = None) -> None:
+        self.model = model
+        self.kv = kv
+        self.sampler = sampler if sampler is not None else Sampler()
+        self.device = kv.device
+
+    def begin_swaps(self, plan: BatchPlan) -> list[SwapHandle]:
+        handles = [self.kv.swap_out([(s, d) for s, d in zip(c.src_blocks, c.dst_blocks, strict=True)])
+                   for c in plan.swap_out]
+        handles += [self.kv.swap_in([(s, d) for s, d in zip(c.src_blocks, c.dst_blocks, strict=True)])
+                    for c in plan.swap_in]
+        return handles
+
+    def build_batch(self, plan: BatchPlan) -> ForwardBatch:
+        return ForwardBatch.build(plan.entries, self.kv.block_size, self.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None,
+                timings: dict[str, float]) -> torch.Tensor:
+        timings["swap_wait"] = timings.get("swap_wait", 0.0) + self.kv.wait_for(batch.block_ids)
+        start = time.perf_counter()
+        out = self.model(batch, self.kv.device_pool, hidden)
+        timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - start
+        return out
+
+    @torch.inference_mode()
+    def sample(self, plan: BatchPlan, batch: ForwardBatch, hidden: torch.Tensor,
+               timings: dict[str, float]) -> dict[str, int]:
+        start = time.perf_counter()
+        logits = self.model.logits(hidden[batch.sample_index])
+        tokens = self.sampler.sample(logits, [e.sampling for e in plan.entries],
+                                     [e.step_index for e in plan.entries])
+        timings["sample"] = time.perf_counter() - start
+        return {e.job_id: t for e, t in zip(plan.entries, tokens, strict=True)}
+
+    def finish_swaps(self, handles: list[SwapHandle], timings: dict[str, float]) -> None:
+        start = time.perf_counter()
+        for h in handles:
+            h.wait()
+        self.kv.wait_all()
+        timings["swap_tail"] = timings.get("swap_tail", 0.0) + time.perf_counter() - start

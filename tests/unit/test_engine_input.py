@@ -1,0 +1,49 @@
+"""Bad input to the engine raises a ValueError naming the value and leaves it usable."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.executor import InProcessExecutor
+from actors.messages import BatchEntry, BatchPlan, SamplingParams
+from actors.model.config import OPTConfig
+
+TINY = OPTConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 ffn_dim=64, max_position_embeddings=64, name="tiny")
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def executor() -> InProcessExecutor:
+    return InProcessExecutor(TINY, num_device_blocks=16, num_host_blocks=4, block_size=4)
+
+
+@pytest.mark.parametrize("prompt, sampling, message", [
+    ([], GREEDY, "prompt is empty"),
+    (list(range(2, 63)), GREEDY, "prompt of 61 tokens \\+ max_tokens 4 exceeds the model's context of 64"),
+    ([2, 5, 100], GREEDY, "token id 100 is outside the vocabulary \\[0, 100\\)"),
+    ([2, -1], GREEDY, "token id -1 is outside"),
+    ([2, 5], SamplingParams(max_tokens=0), "max_tokens must be >= 1, got 0"),
+])
+def test_bad_requests_are_rejected_by_name(executor: InProcessExecutor, prompt: list[int],
+                                           sampling: SamplingParams, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        executor.validate(prompt, sampling)
+    _still_usable(executor)
+
+
+@pytest.mark.parametrize("entry, message", [
+    (BatchEntry("x", (), 0, (0,), True, GREEDY), "job x: entry has no tokens"),
+    (BatchEntry("x", (2, 3), 4, (0, 1), True, GREEDY), "must start at position 0, got 4"),
+    (BatchEntry("x", (2, 3), 4, (0, 1), False, GREEDY), "a decode step feeds one token, got 2"),
+    (BatchEntry("x", tuple(range(2, 11)), 0, (0, 1), True, GREEDY), "2 blocks cannot hold 9 tokens"),
+])
+def test_malformed_plans_are_rejected(executor: InProcessExecutor, entry: BatchEntry, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        executor.execute(BatchPlan(0, (entry,)))
+    _still_usable(executor)
+
+
+def _still_usable(executor: InProcessExecutor) -> None:
+    out = executor.execute(BatchPlan(1, (BatchEntry("ok", (2, 7, 9), 0, (3,), True, GREEDY),)))
+    assert set(out.tokens) == {"ok"} and 0 <= out.tokens["ok"] < TINY.vocab_size
