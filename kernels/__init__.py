@@ -1,1 +1,163 @@
-"""placeholder"""
+"""Device code of the data plane: KV-cache writes, attention and block copies.
+
+Owns the kernel API the model code calls (``write_kv``, ``prefill_attention``,
+``paged_attention``, ``copy_blocks``) and the choice, per call, between the CuPy/CUDA kernels in
+``kernels/cuda/`` (launched by ``kernels.cupy_ops``) and the torch reference implementations in
+``kernels.reference`` (same signatures, same results to rounding).
+
+Which implementation runs:
+
+* ``write_kv`` and ``paged_attention`` use the CUDA kernels when the tensor is on a CUDA device,
+  its dtype is float16/bfloat16/float32, and ``cupy`` imports and sees a device; otherwise the
+  torch reference. ``backend_for(tensor)`` says which. Setting the environment variable
+  ``FASTSERVE_KERNEL_BACKEND=torch`` forces the reference everywhere.
+* ``prefill_attention`` always uses torch's ``scaled_dot_product_attention`` (flash/efficient
+  kernels on CUDA), one call per sequence.
+* ``copy_blocks`` always uses torch slice copies (``cudaMemcpyAsync`` underneath), one per run of
+  consecutive block ids; with pinned host memory and ``non_blocking=True`` on a side stream it
+  overlaps with compute.
+
+KV cache layout (fixed by the lead): one tensor per pipeline stage,
+``cache[num_blocks, num_layers, 2, block_size, num_heads, head_dim]`` (2 = key, value), so one
+block is one contiguous range. Kernels receive the per-layer views ``cache[:, layer, 0]`` and
+``cache[:, layer, 1]`` of shape ``[num_blocks, block_size, num_heads, head_dim]``, strided along
+dim 0; every implementation honours the strides.
+
+cupy is imported lazily (any wheel: cupy-cuda12x, cupy-cuda13x, ...); importing this package never
+needs CUDA. Nothing here imports ``app`` or ``actors``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+
+from kernels import reference
+
+__all__ = [
+    "BACKEND_ENV_VAR",
+    "CUDA_BACKEND",
+    "TORCH_BACKEND",
+    "backend_for",
+    "copy_blocks",
+    "paged_attention",
+    "prefill_attention",
+    "write_kv",
+]
+
+CUDA_BACKEND = "cuda"
+TORCH_BACKEND = "torch"
+BACKEND_ENV_VAR = "FASTSERVE_KERNEL_BACKEND"
+# Kernel-name suffix of each dtype the .cu sources are instantiated for.
+CUDA_KERNEL_SUFFIX: dict[torch.dtype, str] = {
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.float32: "f32",
+}
+# MAX_HEAD_DIM in kernels/cuda/paged_attention.cu.
+PAGED_ATTENTION_MAX_HEAD_DIM = 256
+
+_log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _cupy_usable() -> bool:
+    """Whether cupy imports and sees at least one device (probed once per process)."""
+    try:
+        import cupy
+
+        usable = bool(cupy.cuda.runtime.getDeviceCount() > 0)
+    except Exception as exc:  # any import/driver/runtime failure means "no CUDA path"
+        if torch.cuda.is_available():
+            _log.warning("cupy unusable (%s); CUDA tensors use the torch reference kernels", exc)
+        return False
+    return usable
+
+
+def backend_for(tensor: torch.Tensor) -> str:
+    """``"cuda"`` or ``"torch"``: which implementation a kernel call on ``tensor`` would use."""
+    if os.environ.get(BACKEND_ENV_VAR, "").strip().lower() == TORCH_BACKEND:
+        return TORCH_BACKEND
+    if tensor.is_cuda and tensor.dtype in CUDA_KERNEL_SUFFIX and _cupy_usable():
+        return CUDA_BACKEND
+    return TORCH_BACKEND
+
+
+def _cupy_ops() -> ModuleType:
+    from kernels import cupy_ops
+
+    return cupy_ops
+
+
+def write_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's K and V into its cache slot, in place.
+
+    ``key``/``value``: ``[num_tokens, num_heads, head_dim]``; ``slot_mapping``: int64
+    ``[num_tokens]`` with ``slot = block_id * block_size + offset``; a slot < 0 is padding and is
+    skipped. Caches are per-layer views ``[num_blocks, block_size, num_heads, head_dim]``.
+    """
+    impl = _cupy_ops() if backend_for(key_cache) == CUDA_BACKEND else reference
+    impl.write_kv(key_cache, value_cache, key, value, slot_mapping)
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Varlen causal self-attention over the new tokens of packed sequences.
+
+    ``query``/``key``/``value``: ``[num_tokens, num_heads, head_dim]``; ``cu_seqlens``: int
+    ``[B + 1]`` cumulative starts. Token t of a sequence attends to tokens 0..t of the same
+    sequence; scores are ``scale * q.k``, softmax in float32. Returns ``[num_tokens, num_heads,
+    head_dim]`` in the input dtype.
+    """
+    return reference.prefill_attention(query, key, value, cu_seqlens, scale)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention: one query token per sequence over its paged KV (already written).
+
+    ``query``: ``[B, num_heads, head_dim]``; ``block_tables``: int32 ``[B, max_blocks_per_seq]``
+    (padded with 0); ``context_lens``: int32 ``[B]`` (>= 1). Sequence b attends to positions
+    ``0..context_lens[b]-1``; position p lives in block ``block_tables[b, p // block_size]`` at
+    offset ``p % block_size``. Returns ``[B, num_heads, head_dim]`` in the input dtype.
+    """
+    impl = _cupy_ops() if backend_for(query) == CUDA_BACKEND else reference
+    return impl.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
+
+
+def copy_blocks(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_ids: Sequence[int] | torch.Tensor,
+    dst_ids: Sequence[int] | torch.Tensor,
+    non_blocking: bool = False,
+) -> None:
+    """Copy whole blocks ``src[src_ids[k]] -> dst[dst_ids[k]]`` of full block-major caches.
+
+    Runs of consecutive ids (in both lists) become one slice copy each. Used for swaps between
+    device and pinned host memory: call it on a side stream with ``non_blocking=True`` to overlap
+    with compute, and synchronise that stream before reusing the source blocks.
+    """
+    reference.copy_blocks(src, dst, src_ids, dst_ids, non_blocking=non_blocking)

@@ -1,0 +1,176 @@
+"""Torch reference implementations of the kernels API (any device, CPU first).
+
+Owns the semantics of every kernel: the CUDA sources in ``kernels/cuda/`` must compute the same
+function as these (the tests hold both to these). Each function has the same signature as its
+public counterpart in ``kernels/__init__.py``; see there for the contracts.
+
+Attention math follows Hugging Face OPT: scores and softmax in float32 whatever the input dtype,
+output cast back to the input dtype. Half-precision inputs are upcast before the matmuls so the
+reference is at least as accurate as the kernels it checks (and CPU fp16/bf16 matmuls are slow).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+# Positions past a sequence's context get this score, so softmax gives them exactly zero weight.
+MASKED_SCORE = float("-inf")
+ACCUM_DTYPE = torch.float32
+
+BlockIds = Sequence[int] | torch.Tensor
+
+
+def write_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter each token's K/V row into cache slot ``slot_mapping[t]``; slots < 0 are skipped."""
+    block_size = key_cache.shape[1]
+    slots = slot_mapping.to(device=key_cache.device, dtype=torch.long)
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[keep.to(key.device)], value[keep.to(value.device)]
+    blocks = torch.div(slots, block_size, rounding_mode="floor")
+    offsets = slots % block_size
+    # Advanced-index assignment on the (non-contiguous) views writes through to the cache storage.
+    key_cache[blocks, offsets] = key.to(device=key_cache.device, dtype=key_cache.dtype)
+    value_cache[blocks, offsets] = value.to(device=value_cache.device, dtype=value_cache.dtype)
+
+
+def _compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """Dtype the reference attention runs its matmuls in.
+
+    On CUDA, SDPA's fused kernels already keep the softmax in float32 for half inputs, so the
+    native dtype is kept; elsewhere half inputs are upcast (CPU half matmuls are slow and less
+    accurate).
+    """
+    if tensor.is_cuda or tensor.dtype == torch.float64:
+        return tensor.dtype
+    return ACCUM_DTYPE
+
+
+def _sequence_bounds(cu_seqlens: torch.Tensor | Sequence[int]) -> list[tuple[int, int]]:
+    """[(start, end)] per sequence from cumulative starts [B+1]."""
+    starts = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+    return [(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:], strict=True)]
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Varlen causal self-attention over packed sequences: [T, H, D] -> [T, H, D]."""
+    out = torch.empty_like(query)
+    compute_dtype = _compute_dtype(query)
+    for start, end in _sequence_bounds(cu_seqlens):
+        if end <= start:
+            continue
+        # SDPA wants [..., L, D]: heads become the batch dimension.
+        q = query[start:end].transpose(0, 1).to(compute_dtype)
+        k = key[start:end].transpose(0, 1).to(compute_dtype)
+        v = value[start:end].transpose(0, 1).to(compute_dtype)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        out[start:end] = attended.transpose(0, 1).to(query.dtype)
+    return out
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention of one query per sequence over its paged context: [B, H, D] -> [B, H, D]."""
+    block_size = key_cache.shape[1]
+    context_lens = context_lens.to(device=query.device, dtype=torch.long)
+    # Only gather the blocks the longest context needs, not the whole padded table.
+    max_context = int(context_lens.max()) if context_lens.numel() else 0
+    blocks_needed = max(1, -(-max_context // block_size))
+    tables = block_tables[:, :blocks_needed].to(device=key_cache.device, dtype=torch.long)
+    num_seqs, num_heads, head_dim = query.shape
+    positions = blocks_needed * block_size
+
+    compute_dtype = ACCUM_DTYPE if query.dtype != torch.float64 else torch.float64
+    # [B, blocks, block_size, H, D] -> [B, H, positions, D]
+    keys = key_cache[tables].reshape(num_seqs, positions, num_heads, head_dim)
+    values = value_cache[tables].reshape(num_seqs, positions, num_heads, head_dim)
+    keys = keys.to(compute_dtype).permute(0, 2, 1, 3)
+    values = values.to(compute_dtype).permute(0, 2, 1, 3)
+
+    q = query.to(compute_dtype).unsqueeze(2)  # [B, H, 1, D]
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [B, H, 1, positions]
+    position_ids = torch.arange(positions, device=query.device)
+    past_context = position_ids[None, :] >= context_lens[:, None]  # [B, positions]
+    scores = scores.masked_fill(past_context[:, None, None, :], MASKED_SCORE)
+    probs = torch.softmax(scores, dim=-1)
+    # Slots past a context may hold anything (NaN from never-written memory): 0 * NaN is NaN.
+    values = values.masked_fill(past_context[:, None, :, None], 0.0)
+    out = torch.matmul(probs, values).squeeze(2)  # [B, H, D]
+    return out.to(query.dtype)
+
+
+def _as_id_list(ids: BlockIds) -> list[int]:
+    return [int(i) for i in (ids.tolist() if isinstance(ids, torch.Tensor) else ids)]
+
+
+def coalesce_runs(src_ids: BlockIds, dst_ids: BlockIds) -> list[tuple[int, int, int]]:
+    """Group (src, dst) id pairs into (src_start, dst_start, length) runs.
+
+    A pair extends the current run when both its ids are one past the run's last ids, so the
+    run can be moved as one slice copy. Order is preserved.
+    """
+    src, dst = _as_id_list(src_ids), _as_id_list(dst_ids)
+    if len(src) != len(dst):
+        raise ValueError(f"copy_blocks: {len(src)} source ids but {len(dst)} destination ids")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if runs:
+            run_src, run_dst, length = runs[-1]
+            if s == run_src + length and d == run_dst + length:
+                runs[-1] = (run_src, run_dst, length + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs
+
+
+def _check_run(start: int, length: int, num_blocks: int, side: str) -> None:
+    if start < 0 or start + length > num_blocks:
+        raise IndexError(
+            f"copy_blocks: {side} blocks [{start}, {start + length}) out of range [0, {num_blocks})"
+        )
+
+
+def copy_blocks(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_ids: BlockIds,
+    dst_ids: BlockIds,
+    non_blocking: bool = False,
+) -> None:
+    """Copy whole blocks ``src[src_ids[k]] -> dst[dst_ids[k]]``, one slice copy per run.
+
+    Runs must not overlap when ``src`` and ``dst`` share storage.
+    """
+    if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
+        raise ValueError(
+            f"copy_blocks: block shape/dtype mismatch {tuple(src.shape[1:])}/{src.dtype} "
+            f"vs {tuple(dst.shape[1:])}/{dst.dtype}"
+        )
+    for src_start, dst_start, length in coalesce_runs(src_ids, dst_ids):
+        # Slicing past the end would silently shorten a run and copy_ would then broadcast.
+        _check_run(src_start, length, src.shape[0], "source")
+        _check_run(dst_start, length, dst.shape[0], "destination")
+        dst[dst_start : dst_start + length].copy_(
+            src[src_start : src_start + length], non_blocking=non_blocking
+        )

@@ -1,0 +1,389 @@
+"""CPU tests of the kernels package: torch references vs naive per-token loops, and nvcc builds.
+
+The naive implementations below are the executable spec: they walk tokens and slots one at a
+time in float64, with none of the batching, gathering or masking the references use. Caches are
+always per-layer views of a block-major ``[num_blocks, num_layers, 2, block_size, H, D]`` tensor,
+so dim 0 is strided exactly as in the model.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels
+from kernels import reference
+
+KERNELS_DIR = Path(kernels.__file__).resolve().parent
+CUDA_SOURCES = sorted((KERNELS_DIR / "cuda").glob("*.cu"))
+NVCC_ARCH = "sm_90"
+NVCC_TIMEOUT_S = 120
+
+NUM_LAYERS = 3
+LAYER = 1  # a middle layer, so neither neighbour's storage is adjacent by accident
+KEY, VALUE = 0, 1
+PAD_SLOT = -1
+
+# Absolute/relative tolerances vs a float64 loop, per storage dtype (output rounding dominates).
+TOLERANCE = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+ATTN_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def dtype_id(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def make_cache(
+    num_blocks: int,
+    block_size: int,
+    num_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+) -> torch.Tensor:
+    shape = (num_blocks, NUM_LAYERS, 2, block_size, num_heads, head_dim)
+    return torch.randn(shape, generator=gen).to(dtype)
+
+
+def layer_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return cache[:, LAYER, KEY], cache[:, LAYER, VALUE]
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    atol, rtol = TOLERANCE[dtype]
+    assert actual.dtype == dtype
+    torch.testing.assert_close(actual.double(), expected.double(), atol=atol, rtol=rtol)
+
+
+# ---------------------------------------------------------------- naive loop implementations
+
+
+def naive_write_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    block_size = key_cache.shape[1]
+    for token, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        block, offset = divmod(slot, block_size)
+        key_cache[block, offset] = key[token]
+        value_cache[block, offset] = value[token]
+
+
+def naive_attend(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float
+) -> torch.Tensor:
+    """One query [H, D] against a list of [H, D] keys/values, float64, per head."""
+    num_heads, head_dim = q.shape
+    out = torch.zeros(num_heads, head_dim, dtype=torch.float64)
+    for head in range(num_heads):
+        scores = [scale * float(q[head].double() @ k[head].double()) for k in keys]
+        peak = max(scores)
+        weights = [math.exp(s - peak) for s in scores]
+        total = sum(weights)
+        for w, v in zip(weights, values, strict=True):
+            out[head] += (w / total) * v[head].double()
+    return out
+
+
+def naive_prefill(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: list[int], scale: float
+) -> torch.Tensor:
+    out = torch.zeros(query.shape, dtype=torch.float64)
+    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
+        for t in range(start, end):
+            visible = range(start, t + 1)
+            out[t] = naive_attend(
+                query[t], [key[j] for j in visible], [value[j] for j in visible], scale
+            )
+    return out
+
+
+def naive_paged(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    block_size = key_cache.shape[1]
+    out = torch.zeros(query.shape, dtype=torch.float64)
+    for seq, context_len in enumerate(context_lens.tolist()):
+        keys, values = [], []
+        for pos in range(context_len):
+            block = int(block_tables[seq, pos // block_size])
+            keys.append(key_cache[block, pos % block_size])
+            values.append(value_cache[block, pos % block_size])
+        out[seq] = naive_attend(query[seq], keys, values, scale)
+    return out
+
+
+# ---------------------------------------------------------------- write_kv
+
+
+@pytest.mark.parametrize("dtype", ATTN_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_write_kv_matches_naive_with_padding(dtype: torch.dtype, block_size: int) -> None:
+    gen = torch.Generator().manual_seed(block_size)
+    num_blocks, num_heads, head_dim, num_tokens = 13, 3, 8, 11
+    cache = make_cache(num_blocks, block_size, num_heads, head_dim, dtype, gen)
+    expected_cache = cache.clone()
+    key = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    value = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[[2, 7]] = PAD_SLOT
+
+    key_cache, value_cache = layer_views(cache)
+    assert not key_cache.is_contiguous()
+    kernels.write_kv(key_cache, value_cache, key, value, slots)
+    naive_write_kv(*layer_views(expected_cache), key, value, slots)
+
+    # Bit-exact over the WHOLE cache: other layers and the padded tokens' slots are untouched.
+    assert torch.equal(cache, expected_cache)
+
+
+def test_write_kv_strided_sources_and_all_padding() -> None:
+    gen = torch.Generator().manual_seed(0)
+    num_blocks, block_size, num_heads, head_dim, num_tokens = 4, 3, 2, 4, 5
+    cache = make_cache(num_blocks, block_size, num_heads, head_dim, torch.float32, gen)
+    # Key/value as slices of a fused QKV projection: strided along tokens.
+    qkv = torch.randn(num_tokens, 3, num_heads, head_dim, generator=gen)
+    key, value = qkv[:, 1], qkv[:, 2]
+    slots = torch.tensor([0, 4, 11, 5, 1])
+    expected_cache = cache.clone()
+    kernels.write_kv(*layer_views(cache), key, value, slots)
+    naive_write_kv(*layer_views(expected_cache), key, value, slots)
+    assert torch.equal(cache, expected_cache)
+
+    untouched = cache.clone()
+    kernels.write_kv(*layer_views(cache), key, value, torch.full((num_tokens,), PAD_SLOT))
+    assert torch.equal(cache, untouched)
+
+
+# ---------------------------------------------------------------- prefill_attention
+
+
+@pytest.mark.parametrize("dtype", ATTN_DTYPES, ids=dtype_id)
+def test_prefill_attention_matches_naive(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    num_heads, head_dim = 3, 16
+    seq_lens = [1, 7, 13, 4]
+    cu_seqlens = [0]
+    for n in seq_lens:
+        cu_seqlens.append(cu_seqlens[-1] + n)
+    num_tokens = cu_seqlens[-1]
+    query, key, value = (
+        torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype) for _ in range(3)
+    )
+    scale = head_dim**-0.5
+
+    out = kernels.prefill_attention(query, key, value, torch.tensor(cu_seqlens), scale)
+
+    assert out.shape == query.shape
+    assert_close(out, naive_prefill(query, key, value, cu_seqlens, scale), dtype)
+
+
+def test_prefill_attention_is_causal_and_per_sequence() -> None:
+    gen = torch.Generator().manual_seed(2)
+    num_heads, head_dim = 2, 8
+    query, key, value = (torch.randn(10, num_heads, head_dim, generator=gen) for _ in range(3))
+    cu_seqlens = torch.tensor([0, 6, 10], dtype=torch.int32)
+    out = kernels.prefill_attention(query, key, value, cu_seqlens, 0.5)
+
+    # Changing a later token (or another sequence) must not change earlier outputs.
+    key2, value2 = key.clone(), value.clone()
+    key2[4:], value2[4:] = 0.0, 0.0
+    out2 = kernels.prefill_attention(query, key2, value2, cu_seqlens, 0.5)
+    assert torch.equal(out[:4], out2[:4])
+    # The first token of each sequence sees only itself.
+    assert torch.allclose(out[[0, 6]], value[[0, 6]], atol=1e-6)
+
+
+# ---------------------------------------------------------------- paged_attention
+
+
+def make_paged_case(
+    context_lens: list[int],
+    block_size: int,
+    num_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random cache + query; each sequence gets distinct, shuffled (non-sequential) blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in context_lens]
+    max_blocks = max(blocks_per_seq) + 1  # one extra column so every row has 0-padding
+    num_blocks = sum(blocks_per_seq) + 2
+    cache = make_cache(num_blocks, block_size, num_heads, head_dim, dtype, gen)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    block_tables = torch.zeros(len(context_lens), max_blocks, dtype=torch.int32)
+    for seq, n in enumerate(blocks_per_seq):
+        block_tables[seq, :n] = torch.tensor([order.pop() for _ in range(n)])
+    query = torch.randn(len(context_lens), num_heads, head_dim, generator=gen).to(dtype)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    return query, cache, block_tables, lens
+
+
+@pytest.mark.parametrize("dtype", ATTN_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_paged_attention_matches_naive(dtype: torch.dtype, block_size: int) -> None:
+    # Lengths end mid-block, exactly on a block boundary, and at 1.
+    context_lens = [1, block_size, 2 * block_size + 1, 5 * block_size - 1, 17]
+    num_heads, head_dim = 2, 24
+    query, cache, tables, lens = make_paged_case(
+        context_lens, block_size, num_heads, head_dim, dtype, seed=block_size
+    )
+    key_cache, value_cache = layer_views(cache)
+    scale = head_dim**-0.5
+
+    out = kernels.paged_attention(query, key_cache, value_cache, tables, lens, scale)
+
+    assert out.shape == query.shape
+    expected = naive_paged(query, key_cache, value_cache, tables, lens, scale)
+    assert_close(out, expected, dtype)
+
+
+def test_paged_attention_ignores_positions_past_context() -> None:
+    query, cache, tables, lens = make_paged_case([5, 9], 4, 2, 8, torch.float32, seed=3)
+    key_cache, value_cache = layer_views(cache)
+    out = kernels.paged_attention(query, key_cache, value_cache, tables, lens, 0.3)
+    # Poison every slot past each context (rest of the last block, and padded block 0 entries
+    # other sequences do not own): results must not move.
+    for seq, n in enumerate(lens.tolist()):
+        last_block = int(tables[seq, (n - 1) // 4])
+        key_cache[last_block, (n - 1) % 4 + 1 :] = float("nan")
+        value_cache[last_block, (n - 1) % 4 + 1 :] = float("nan")
+    again = kernels.paged_attention(query, key_cache, value_cache, tables, lens, 0.3)
+    assert torch.equal(out, again)
+
+
+def test_decode_after_prefill_matches_prefill_last_token() -> None:
+    """write_kv + paged_attention of the last token == prefill output of that token."""
+    gen = torch.Generator().manual_seed(4)
+    num_heads, head_dim, block_size, seq_len = 2, 8, 5, 12
+    q, k, v = (torch.randn(seq_len, num_heads, head_dim, generator=gen) for _ in range(3))
+    cache = make_cache(4, block_size, num_heads, head_dim, torch.float32, gen)
+    table = torch.tensor([[3, 0, 2]], dtype=torch.int32)
+    slots = torch.tensor(
+        [int(table[0, p // block_size]) * block_size + p % block_size for p in range(seq_len)]
+    )
+    kernels.write_kv(*layer_views(cache), k, v, slots)
+
+    prefill = kernels.prefill_attention(q, k, v, torch.tensor([0, seq_len]), 0.25)
+    decode = kernels.paged_attention(
+        q[-1:], *layer_views(cache), table, torch.tensor([seq_len], dtype=torch.int32), 0.25
+    )
+    torch.testing.assert_close(decode[0], prefill[-1], atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- copy_blocks
+
+
+def test_coalesce_runs_groups_only_consecutive_pairs() -> None:
+    src = [3, 4, 5, 9, 1, 2, 7, 8]
+    dst = [0, 1, 2, 7, 8, 9, 4, 6]
+    assert reference.coalesce_runs(src, dst) == [
+        (3, 0, 3),  # 3,4,5 -> 0,1,2
+        (9, 7, 1),
+        (1, 8, 2),  # 1,2 -> 8,9
+        (7, 4, 1),  # 7 -> 4, 8 -> 6: src consecutive but dst not, so two copies
+        (8, 6, 1),
+    ]
+    assert reference.coalesce_runs(torch.tensor([2, 3]), torch.tensor([5, 6])) == [(2, 5, 2)]
+    assert reference.coalesce_runs([], []) == []
+
+
+@pytest.mark.parametrize(
+    ("src_ids", "dst_ids"),
+    [
+        ([0, 1, 2, 3], [4, 5, 6, 7]),
+        ([5, 0, 6, 2], [1, 3, 2, 0]),
+        ([7, 1, 2, 3, 9], [0, 4, 5, 6, 2]),
+    ],
+)
+def test_copy_blocks_matches_per_block_copy(src_ids: list[int], dst_ids: list[int]) -> None:
+    gen = torch.Generator().manual_seed(5)
+    src = make_cache(10, 3, 2, 4, torch.bfloat16, gen)
+    dst = make_cache(8, 3, 2, 4, torch.bfloat16, gen)
+    expected = dst.clone()
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        expected[d] = src[s]
+    kernels.copy_blocks(src, dst, torch.tensor(src_ids), dst_ids)
+    assert torch.equal(dst, expected)
+
+
+def test_copy_blocks_rejects_bad_input() -> None:
+    src = torch.zeros(4, 2, 3)
+    with pytest.raises(ValueError, match="ids"):
+        kernels.copy_blocks(src, torch.zeros(4, 2, 3), [0, 1], [0])
+    with pytest.raises(ValueError, match="mismatch"):
+        kernels.copy_blocks(src, torch.zeros(4, 2, 4), [0], [0])
+    with pytest.raises(IndexError, match="out of range"):
+        kernels.copy_blocks(src, torch.zeros(4, 2, 3), [3, 4], [0, 1])
+    with pytest.raises(IndexError, match="out of range"):
+        kernels.copy_blocks(src, torch.zeros(4, 2, 3), [0], [-1])
+
+
+# ---------------------------------------------------------------- dispatch and packaging
+
+
+def test_cpu_tensors_use_torch_backend_without_loading_cupy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert kernels.backend_for(torch.zeros(1)) == kernels.TORCH_BACKEND
+    monkeypatch.setenv(kernels.BACKEND_ENV_VAR, "torch")
+    assert kernels.backend_for(torch.zeros(1)) == kernels.TORCH_BACKEND
+    assert "kernels.cupy_ops" not in sys.modules
+
+
+def test_kernels_imports_nothing_above_it() -> None:
+    forbidden = {"app", "actors", "loadtest", "cupy"}
+    for path in KERNELS_DIR.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        # Module-level imports only: cupy is allowed lazily, inside functions.
+        top_level = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
+        for node in top_level:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+            roots = {str(name).split(".")[0] for name in names}
+            allowed_cupy = path.name == "cupy_ops.py"  # only imported once cupy works
+            bad = roots & (forbidden - ({"cupy"} if allowed_cupy else set()))
+            assert not bad, f"{path.name} imports {bad}"
+
+
+def test_cuda_sources_exist() -> None:
+    names = {p.name for p in CUDA_SOURCES}
+    assert {"paged_attention.cu", "write_kv.cu"} <= names
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("source", CUDA_SOURCES, ids=lambda p: p.name)
+def test_cuda_source_compiles(source: Path, tmp_path: Path) -> None:
+    ptx = tmp_path / f"{source.stem}.ptx"
+    result = subprocess.run(
+        ["nvcc", f"-arch={NVCC_ARCH}", "--ptx", "-o", str(ptx), str(source)],
+        capture_output=True,
+        text=True,
+        timeout=NVCC_TIMEOUT_S,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    text = ptx.read_text()
+    for suffix in kernels.CUDA_KERNEL_SUFFIX.values():
+        assert f".entry {source.stem}_{suffix}" in text, f"{source.stem}_{suffix} not exported"
