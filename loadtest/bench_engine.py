@@ -1,0 +1,113 @@
+"""Engine throughput vs transformers, side by side in one run: ``python -m loadtest.bench_engine``.
+
+Prefill and decode tokens/s at batch 1/8/32 for the demo model (opt-125m shapes, dummy weights)
+on this machine: our in-process executor (paged KV, mixed-batch forward, sampling included)
+against ``transformers``' ``OPTForCausalLM`` forward on the same weights (contiguous KV cache,
+logits only). Prints a table and, last, one JSON object with the figures and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import transformers
+
+from actors.executor import InProcessExecutor
+from actors.messages import BatchEntry, BatchPlan, SamplingParams
+from actors.model.config import OPTConfig
+from actors.model.weights import dummy_weights
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT_LEN = 128
+BATCH_SIZES = (1, 8, 32)
+BLOCK_SIZE = 16
+DECODE_STEPS = 8
+GREEDY = SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
+
+
+def _median(run: Callable[[], None], repeats: int) -> float:
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _hf_twin(ex: InProcessExecutor, config: OPTConfig, seed: int) -> transformers.OPTForCausalLM:
+    hf = transformers.OPTForCausalLM(transformers.OPTConfig(**config.to_hf_dict())).eval()
+    hf.load_state_dict({f"model.decoder.{n}": t for n, t in dummy_weights(ex.model, seed)}, strict=False)
+    hf.tie_weights()
+    return hf
+
+
+def bench_ours(ex: InProcessExecutor, b: int, repeats: int) -> tuple[float, float]:
+    per_seq = -(-(PROMPT_LEN + DECODE_STEPS + 1) // BLOCK_SIZE)
+    tables = [tuple(range(j * per_seq, (j + 1) * per_seq)) for j in range(b)]
+    prompt = tuple(2 + i for i in range(PROMPT_LEN))
+    prefill = BatchPlan(0, tuple(BatchEntry(str(j), prompt, 0, tables[j], True, GREEDY) for j in range(b)))
+    t_prefill = _median(lambda: ex.execute(prefill), repeats)
+
+    def decode_steps() -> None:
+        for k in range(DECODE_STEPS):
+            ex.execute(BatchPlan(1, tuple(BatchEntry(str(j), (7,), PROMPT_LEN + k, tables[j], False,
+                                                     GREEDY, k + 1) for j in range(b))))
+
+    t_decode = _median(decode_steps, repeats) / DECODE_STEPS
+    return b * PROMPT_LEN / t_prefill, b / t_decode
+
+
+@torch.inference_mode()
+def bench_hf(hf: transformers.OPTForCausalLM, b: int, repeats: int) -> tuple[float, float]:
+    ids = torch.arange(2, 2 + PROMPT_LEN).repeat(b, 1)
+    t_prefill = _median(lambda: hf(ids, use_cache=False), repeats)
+
+    def decode_steps() -> None:
+        cache = hf(ids, use_cache=True).past_key_values
+        start = time.perf_counter()
+        for _ in range(DECODE_STEPS):
+            cache = hf(torch.full((b, 1), 7), past_key_values=cache, use_cache=True).past_key_values
+        decode_steps.elapsed = time.perf_counter() - start  # type: ignore[attr-defined]
+
+    samples = []
+    for _ in range(repeats + 1):
+        decode_steps()
+        samples.append(decode_steps.elapsed)  # type: ignore[attr-defined]
+    t_decode = statistics.median(samples[1:]) / DECODE_STEPS
+    return b * PROMPT_LEN / t_prefill, b / t_decode
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(ROOT / "config/models/opt-125m"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    config = OPTConfig.from_file(args.model)
+    per_seq = -(-(PROMPT_LEN + DECODE_STEPS + 1) // BLOCK_SIZE)
+    ex = InProcessExecutor(config, max(BATCH_SIZES) * per_seq, 0, BLOCK_SIZE, seed=args.seed)
+    hf = _hf_twin(ex, config, args.seed)
+    rows = {}
+    print(f"{config.name}, prompt {PROMPT_LEN} tokens, {torch.get_num_threads()} torch threads")
+    print(f"{'batch':>5} | {'prefill tok/s ours':>18} {'hf':>10} {'ratio':>6} | "
+          f"{'decode tok/s ours':>17} {'hf':>10} {'ratio':>6}")
+    for b in BATCH_SIZES:
+        op, od = bench_ours(ex, b, args.repeats)
+        hp, hd = bench_hf(hf, b, args.repeats)
+        rows[str(b)] = {"prefill_tok_s": round(op, 1), "prefill_tok_s_hf": round(hp, 1),
+                        "prefill_ratio": round(op / hp, 3), "decode_tok_s": round(od, 1),
+                        "decode_tok_s_hf": round(hd, 1), "decode_ratio": round(od / hd, 3)}
+        print(f"{b:>5} | {op:>18.1f} {hp:>10.1f} {op / hp:>6.2f} | {od:>17.1f} {hd:>10.1f} {od / hd:>6.2f}")
+    ex.close()
+    print(json.dumps({"model": config.name, "prompt_len": PROMPT_LEN, "batches": rows}))
+
+
+if __name__ == "__main__":
+    main()
