@@ -16,8 +16,6 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-# Positions past a sequence's context get this score, so softmax gives them exactly zero weight.
-MASKED_SCORE = float("-inf")
 ACCUM_DTYPE = torch.float32
 
 BlockIds = Sequence[int] | torch.Tensor
@@ -102,21 +100,22 @@ def paged_attention(
     positions = blocks_needed * block_size
 
     compute_dtype = ACCUM_DTYPE if query.dtype != torch.float64 else torch.float64
-    # [B, blocks, block_size, H, D] -> [B, H, positions, D]
-    keys = key_cache[tables].reshape(num_seqs, positions, num_heads, head_dim)
-    values = value_cache[tables].reshape(num_seqs, positions, num_heads, head_dim)
-    keys = keys.to(compute_dtype).permute(0, 2, 1, 3)
-    values = values.to(compute_dtype).permute(0, 2, 1, 3)
-
-    q = query.to(compute_dtype).unsqueeze(2)  # [B, H, 1, D]
-    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [B, H, 1, positions]
+    # The gather copies: [B, blocks, block_size, H, D] -> [B, positions, H, D], contiguous.
+    keys = key_cache[tables].reshape(num_seqs, positions, num_heads, head_dim).to(compute_dtype)
+    values = value_cache[tables].reshape(num_seqs, positions, num_heads, head_dim).to(compute_dtype)
     position_ids = torch.arange(positions, device=query.device)
     past_context = position_ids[None, :] >= context_lens[:, None]  # [B, positions]
-    scores = scores.masked_fill(past_context[:, None, None, :], MASKED_SCORE)
-    probs = torch.softmax(scores, dim=-1)
-    # Slots past a context may hold anything (NaN from never-written memory): 0 * NaN is NaN.
-    values = values.masked_fill(past_context[:, None, :, None], 0.0)
-    out = torch.matmul(probs, values).squeeze(2)  # [B, H, D]
+    # Slots past a context may hold anything (a recycled block's stale inf/NaN): 0 * NaN is NaN
+    # even under a mask, so zero them — only the tail past the shortest context can hold such slots.
+    shortest = int(context_lens.min()) if context_lens.numel() else 0
+    tail = past_context[:, shortest:, None, None]
+    keys[:, shortest:].masked_fill_(tail, 0.0)
+    values[:, shortest:].masked_fill_(tail, 0.0)
+    out = F.scaled_dot_product_attention(
+        query.to(compute_dtype).unsqueeze(2),  # [B, H, 1, D]
+        keys.transpose(1, 2), values.transpose(1, 2),  # [B, H, positions, D] views
+        attn_mask=~past_context[:, None, None, :], scale=scale,
+    ).squeeze(2)
     return out.to(query.dtype)
 
 
