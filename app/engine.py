@@ -1,0 +1,205 @@
+"""The engine loop: schedule → execute → update, streaming ``TokenDelta``s per job (asyncio).
+
+Owns the glue between one ``Scheduler`` and one executor: per-job delta queues, the in-flight
+plans (up to ``executor.max_inflight``: 1 in process, P for a P-stage pipeline), and failure
+handling (a failing plan fails only its own jobs, with ``finish_reason="error"``; the loop keeps
+serving). The executor is an interface so the same loop drives the in-process executor now and
+the Ray pipeline later. Imports no torch and no ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+from actors.messages import BatchPlan, SamplingParams, StepOutput
+from app.scheduler.config import EngineConfig
+from app.scheduler.job import JobRequest, TokenDelta
+from app.scheduler.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class Executor(Protocol):
+    """Runs plans. ``max_inflight`` plans may be outstanding at once."""
+
+    max_inflight: int
+
+    async def execute(self, plan: BatchPlan) -> StepOutput: ...
+
+    async def shutdown(self) -> None: ...
+
+
+class SyncExecutor(Protocol):
+    def execute(self, plan: BatchPlan) -> StepOutput: ...
+
+
+class ThreadedExecutor:
+    """Adapts a synchronous ``execute(plan)`` (e.g. ``InProcessExecutor``) to the ``Executor``
+    interface: one worker thread, so the event loop keeps streaming while a step runs."""
+
+    max_inflight = 1
+
+    def __init__(self, sync_executor: SyncExecutor) -> None:
+        self.sync = sync_executor
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+
+    async def execute(self, plan: BatchPlan) -> StepOutput:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self.sync.execute, plan)
+
+    async def shutdown(self) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._pool.shutdown, True)
+        close = getattr(self.sync, "close", None)
+        if callable(close):
+            close()
+
+
+class RequestStream:
+    """Async iterator of one job's ``TokenDelta``s; ends after the finishing delta."""
+
+    def __init__(self, job_id: str, queue: asyncio.Queue[TokenDelta]) -> None:
+        self.job_id = job_id
+        self._queue = queue
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> TokenDelta:
+        if self._done:
+            raise StopAsyncIteration
+        delta = await self._queue.get()
+        self._done = delta.finished
+        return delta
+
+
+class Engine:
+    def __init__(self, scheduler: Scheduler, executor: Executor,
+                 clock: Callable[[], float] = time.monotonic,
+                 config: EngineConfig | None = None) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.clock = clock
+        self.config = config or EngineConfig()
+        self._queues: dict[str, asyncio.Queue[TokenDelta]] = {}
+        self._ids = itertools.count()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._inflight: dict[asyncio.Task[StepOutput], BatchPlan] = {}
+        self.plans_failed = 0
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.scheduler.eos_token_id
+
+    @property
+    def running(self) -> bool:
+        """The loop task exists and has not ended (health checks)."""
+        return self._task is not None and not self._task.done()
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="engine-loop")
+
+    async def stop(self) -> None:
+        """Stop the loop, wait for in-flight plans, end every open stream with ``abort``."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._inflight:
+            # Settle what is in flight so the scheduler's blocks and jobs stay consistent.
+            await asyncio.gather(*self._inflight, return_exceptions=True)
+            for step_task, plan in list(self._inflight.items()):
+                self._finish(step_task, plan)
+            self._inflight.clear()
+        for job_id in list(self._queues):
+            self.abort(job_id)
+        await self.executor.shutdown()
+
+    def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams,
+                    job_id: str | None = None, arrival: float | None = None) -> RequestStream:
+        """Queue a request; returns its delta stream. Raises at once (``ValueError``,
+        ``AdmissionQueueFull``) if the scheduler refuses it."""
+        job_id = job_id if job_id is not None else f"job-{next(self._ids)}"
+        now = self.clock()
+        req = JobRequest(job_id, tuple(prompt_ids), sampling, now if arrival is None else arrival)
+        self.scheduler.add(req, now)
+        queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
+        self._queues[job_id] = queue
+        self._wake.set()
+        return RequestStream(job_id, queue)
+
+    def abort(self, job_id: str) -> None:
+        """Cancel a job (e.g. its client went away): frees its blocks, ends its stream."""
+        queue = self._queues.pop(job_id, None)
+        self.scheduler.abort(job_id, self.clock())
+        if queue is not None:
+            queue.put_nowait(TokenDelta(job_id, None, True, "abort"))
+        self._wake.set()
+
+    # ---- the loop ------------------------------------------------------------------------
+    async def _run(self) -> None:
+        try:
+            await self._loop()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # A scheduler bug must not leave callers waiting forever.
+            log.exception("engine loop crashed; failing every open request")
+            for job_id, queue in list(self._queues.items()):
+                queue.put_nowait(TokenDelta(job_id, None, True, "error"))
+            self._queues.clear()
+            raise
+
+    async def _loop(self) -> None:
+        while True:
+            self._submit()
+            waiters: set[asyncio.Future[object]] = set(self._inflight)  # type: ignore[arg-type]
+            wake = asyncio.ensure_future(self._wake.wait())
+            waiters.add(wake)  # type: ignore[arg-type]
+            timeout = None if self._inflight or not self.scheduler.has_work() \
+                else self.config.idle_poll_s
+            try:
+                done, _ = await asyncio.wait(waiters, timeout=timeout,
+                                             return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                wake.cancel()
+            self._wake.clear()
+            for task in [t for t in self._inflight if t in done]:
+                self._finish(task, self._inflight.pop(task))
+
+    def _submit(self) -> None:
+        while len(self._inflight) < self.executor.max_inflight:
+            plan = self.scheduler.schedule(self.clock())
+            if plan is None:
+                return
+            task = asyncio.ensure_future(self.executor.execute(plan))
+            self._inflight[task] = plan
+
+    def _finish(self, task: asyncio.Task[StepOutput], plan: BatchPlan) -> None:
+        now = self.clock()
+        try:
+            output = task.result()
+        except (Exception, asyncio.CancelledError):   # the step's failure, not the loop's
+            log.exception("step %d failed; failing its %d jobs", plan.step_id, len(plan.entries))
+            self.plans_failed += 1
+            deltas = self.scheduler.fail(plan, now)
+        else:
+            deltas = self.scheduler.update(plan, output, now)
+        for delta in deltas:
+            queue = self._queues.get(delta.job_id)
+            if queue is None:
+                continue
+            queue.put_nowait(delta)
+            if delta.finished:
+                del self._queues[delta.job_id]

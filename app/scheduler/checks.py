@@ -1,0 +1,88 @@
+"""Read-only views of a ``Scheduler``: metrics (``scheduler_stats``) and the integrity check
+(``check_scheduler``) that tests run after every step. O(jobs + blocks): not for the hot path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from app.kv.manager import Residency, Tier
+from app.scheduler.job import JobState
+
+if TYPE_CHECKING:
+    from app.scheduler.state import SchedulerState
+
+
+def scheduler_stats(s: SchedulerState) -> dict[str, Any]:
+    kv = s.kv
+    return {
+        "policy": s.policy.name,
+        "swap_mode": s.kv_config.swap_mode,
+        "jobs": len(s._jobs),
+        "running": sum(len(r.job_ids) for r in s._inflight.values()),
+        "admission_queue": s._num_unadmitted,
+        "inflight_plans": len(s._inflight),
+        "level_counts": list(s.queues.counts),
+        "device_blocks": {"total": kv.device.capacity, "free": kv.num_free_device,
+                          "releasing": kv.device_releasing},
+        "host_blocks": {"total": kv.host.capacity, "free": kv.num_free_host},
+        "swapped_out_blocks": kv.swapped_out_blocks,
+        "swapped_in_blocks": kv.swapped_in_blocks,
+        **dict(s.totals),
+    }
+
+
+def check_scheduler(s: SchedulerState) -> None:
+    """Every active job counted once in its level and placed where its state says; no job in
+    two in-flight plans; running jobs resident; KV tables match each job's positions."""
+    kv = s.kv
+    in_plan: dict[str, int] = {}
+    for step, rec in s._inflight.items():
+        for job_id in rec.job_ids:
+            assert job_id not in in_plan, (
+                f"job {job_id} is in in-flight plans {in_plan[job_id]} and {step}")
+            in_plan[job_id] = step
+    counts = [0] * s.queues.num_levels
+    expected: dict[str, int] = {}
+    unadmitted = 0
+    for job_id, job in s._jobs.items():
+        assert job.job_id == job_id, f"job {job.job_id} filed under {job_id}"
+        if job.state is JobState.ABORTED:
+            assert job_id in in_plan, f"aborted job {job_id} kept but in no in-flight plan"
+            assert kv.tier(job_id) is Tier.NONE, f"aborted job {job_id} still owns KV"
+            continue
+        assert job.active, f"job {job_id} is {job.state.value} but still held"
+        counts[job.level - 1] += 1
+        unadmitted += not job.admitted
+        lv = s.queues.level(job.level)
+        where = kv.residency(job_id)
+        placed = {name for name in ("ready", "pending", "evictable", "onhost")
+                  if job_id in getattr(lv, name)}
+        if job.state is JobState.WAITING:
+            assert where is Residency.NONE, f"waiting job {job_id} has KV ({where.value})"
+            want: set[str] = {"pending"}
+        elif job.state is JobState.RUNNABLE:
+            assert where is not Residency.NONE, f"runnable job {job_id} has no KV"
+            expected[job_id] = job.kv_len
+            want = {Residency.RESIDENT: {"ready", "evictable"}, Residency.HOST:
+                    {"pending", "onhost"}}.get(where, set())
+        else:
+            assert job_id in in_plan, f"running job {job_id} is in no in-flight plan"
+            assert kv.tier(job_id) is Tier.DEVICE, f"running job {job_id} is not on the device"
+            expected[job_id] = job.next_context_len
+            want = set()
+        assert placed == want, (
+            f"job {job_id} ({job.state.value}, KV {where.value}) is in {sorted(placed)}, "
+            f"expected {sorted(want)}")
+        starving = job.state is not JobState.RUNNING and job.level > 1 and s.policy.starvation
+        assert (job_id in s.queues.starving) == starving, (
+            f"job {job_id}: starvation tracking is {job_id in s.queues.starving}, "
+            f"expected {starving}")
+    assert counts == s.queues.counts, f"level counts {s.queues.counts}, jobs say {counts}"
+    assert unadmitted == s._num_unadmitted, (
+        f"admission queue says {s._num_unadmitted}, jobs say {unadmitted}")
+    for lv in s.queues.levels:
+        for name in ("ready", "pending", "evictable", "onhost"):
+            for job_id in getattr(lv, name):
+                assert job_id in s._jobs, f"{name} holds unknown job {job_id}"
+    kv.check_invariants(expected)

@@ -1,0 +1,110 @@
+"""Configuration of the control plane: scheduler, KV-cache manager and engine loop.
+
+Every tunable of the scheduling policies, the KV-cache manager and the engine loop lives here,
+with the paper's default where the paper gives one (FastServe §4.1–4.2). Models are strict
+(``extra="forbid"``) so a misspelt key fails loudly instead of silently keeping a default.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PolicyName = Literal["skip_join_mlfq", "naive_mlfq", "fixed_priority", "fcfs", "srpt_oracle"]
+SwapMode = Literal["proactive", "reactive", "recompute"]
+
+POLICIES: tuple[PolicyName, ...] = (
+    "skip_join_mlfq", "naive_mlfq", "fixed_priority", "fcfs", "srpt_oracle",
+)
+SWAP_MODES: tuple[SwapMode, ...] = ("proactive", "reactive", "recompute")
+
+
+def alpha_from_slo(per_token_slo_s: float, decode_time_s: float = 0.0) -> float:
+    """Starvation threshold α derived from a per-token latency SLO.
+
+    A job that is never picked on priority is promoted to level 1 once it has waited α and then
+    runs at the next iteration, so the gap between two of its tokens is at most α plus one
+    decode iteration. Choosing ``α = per_token_slo − decode_time`` keeps that worst-case gap
+    within the SLO (the paper tunes α "based on the user-specified SLO", default 300 ms).
+    """
+    if per_token_slo_s <= 0:
+        raise ValueError(f"per_token_slo_s must be > 0, got {per_token_slo_s}")
+    if decode_time_s < 0:
+        raise ValueError(f"decode_time_s must be >= 0, got {decode_time_s}")
+    alpha = per_token_slo_s - decode_time_s
+    if alpha <= 0:
+        raise ValueError(
+            f"per-token SLO {per_token_slo_s} s leaves no waiting time after one decode "
+            f"iteration of {decode_time_s} s; α would be {alpha}"
+        )
+    return alpha
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SchedulerConfig(_Strict):
+    """Scheduling policy (paper §4.1, Algorithm 1)."""
+
+    policy: PolicyName = "skip_join_mlfq"
+    #: B: jobs per iteration (paper: the largest batch that fits; same for every policy).
+    max_batch_size: int = Field(default=16, ge=1)
+    #: Token budget of one iteration: a first iteration costs its prompt, a decode costs 1.
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    #: α: a job not served for longer than this is promoted to level 1 (paper default 300 ms).
+    starvation_alpha_s: float = Field(default=0.3, gt=0)
+    #: η: levels a job moves down when it exhausts its quantum (paper: the next queue).
+    demotion_eta: int = Field(default=1, ge=1)
+    #: q(i+1) = growth · q(i) (paper: 2, after classic MLFQ).
+    quantum_growth: float = Field(default=2.0, gt=1)
+    #: Number of MLFQ levels; None = enough that q_n ≥ the largest profiled t_init.
+    num_levels: int | None = Field(default=None, ge=1)
+    #: Jobs not yet admitted (no KV anywhere) beyond which ``add`` raises AdmissionQueueFull.
+    admission_queue_limit: int = Field(default=100_000, ge=1)
+    #: Accounting records of finished jobs kept until drained (oldest dropped first).
+    finished_stats_limit: int = Field(default=10_000, ge=0)
+
+
+class KVCacheConfig(_Strict):
+    """Paged KV cache in two tiers and how it is swapped (paper §4.2)."""
+
+    block_size: int = Field(default=16, ge=1)
+    num_device_blocks: int = Field(ge=1)
+    num_host_blocks: int = Field(default=0, ge=0)
+    #: proactive = ENST-driven prefetch/offload overlapped with compute (the paper);
+    #: reactive = swap in only when scheduled, evict only when needed; recompute = drop + redo.
+    swap_mode: SwapMode = "proactive"
+    #: Burst slots: device blocks kept free for new arrivals (paper §4.2 "reserved slots").
+    reserved_blocks: int = Field(default=0, ge=0)
+    #: Also size the reserve from recent arrivals ("tuned on historical arrival patterns").
+    adaptive_reserve: bool = False
+    #: How far back arrivals are counted for the adaptive reserve.
+    adaptive_window_s: float = Field(default=1.0, gt=0)
+    #: Expected prompt blocks per arrival; None = use the recent arrivals' own prompt blocks.
+    adaptive_blocks_per_arrival: float | None = Field(default=None, gt=0)
+    #: Cap on the adaptive part, as a fraction of the device pool.
+    adaptive_max_fraction: float = Field(default=0.25, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> KVCacheConfig:
+        if self.reserved_blocks >= self.num_device_blocks:
+            raise ValueError(
+                f"reserved_blocks={self.reserved_blocks} must be smaller than "
+                f"num_device_blocks={self.num_device_blocks}"
+            )
+        if self.swap_mode != "recompute" and self.num_host_blocks == 0:
+            raise ValueError(
+                f"swap_mode={self.swap_mode!r} swaps to host memory but num_host_blocks=0; "
+                "give the host pool blocks or use swap_mode='recompute'"
+            )
+        return self
+
+
+class EngineConfig(_Strict):
+    """The asyncio engine loop."""
+
+    #: When the scheduler has nothing to run and nothing is in flight, re-check this often
+    #: (time alone can change the decision, e.g. a starvation promotion).
+    idle_poll_s: float = Field(default=0.05, gt=0)

@@ -1,0 +1,164 @@
+"""Scheduling policies: how a job is ranked, where it enters, whether it is demoted or promoted.
+
+A policy is a small set of rules over a ``Job``; the mechanism (queues, batches, swaps) is the
+``Scheduler``'s and is shared, so every policy is compared on the same machinery (paper §5).
+
+* ``skip_join_mlfq`` — the paper's scheduler (§4.1, Algorithm 1): levels with quanta
+  q1 = t_dec, q(i+1) = growth·q(i); a job joins the highest level whose quantum covers its
+  first iteration; demoted η levels when it exhausts its quantum; promoted to level 1 after α.
+* ``naive_mlfq`` — classic MLFQ: every job joins level 1.
+* ``fixed_priority`` — by input length (shorter first), no demotion, no promotion.
+* ``fcfs`` — vLLM-style run to completion: arrival order, admission stops at the first job that
+  does not fit, never preempts for priority; when decode growth does not fit it preempts the most
+  recently admitted job.
+* ``srpt_oracle`` — shortest remaining processing time, knowing the output length
+  (``max_tokens``, meaningful with ``ignore_eos``); experiments only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from app.scheduler.config import PolicyName, SchedulerConfig
+from app.scheduler.job import Job
+from app.scheduler.prioset import Key
+from app.scheduler.profile import Profile
+
+
+class Policy:
+    name: PolicyName
+    demotes = False               # MLFQ demotion when the quantum is exhausted
+    starvation = False            # promotion to level 1 after α without service
+    uses_enst = False             # swap order across levels by ENST (else: policy order)
+    strict_admission = False      # stop admitting at the first job that does not fit
+    evicts_for_admission = True   # may swap out / drop idle jobs to admit waiting ones
+    evicts_during_batch = False   # preempts the latest admitted job when growth does not fit
+
+    def __init__(self, config: SchedulerConfig, profile: Profile) -> None:
+        self.config = config
+        self.profile = profile
+
+    def num_levels(self) -> int:
+        return 1
+
+    def quanta(self) -> list[float]:
+        """Quantum of every level (ENST input); single-level policies have no quantum."""
+        return [0.0] * self.num_levels()
+
+    def entry_level(self, job: Job) -> int:
+        return 1
+
+    def order_key(self, job: Job) -> Key:
+        """Batch order within a level (smaller first; ties in insertion order)."""
+        raise NotImplementedError
+
+    def victim_key(self, job: Job) -> Key:
+        """Swap-out order within a level (smaller first): the lowest priority first."""
+        return -self.order_key(job)
+
+    def prefetch_key(self, job: Job) -> Key:
+        """Swap-in order within a level (smaller first)."""
+        return self.order_key(job)
+
+
+class SkipJoinMLFQ(Policy):
+    name: PolicyName = "skip_join_mlfq"
+    demotes = True
+    starvation = True
+    uses_enst = True
+
+    def __init__(self, config: SchedulerConfig, profile: Profile) -> None:
+        super().__init__(config, profile)
+        n = config.num_levels or profile.num_levels(config.quantum_growth)
+        self._quanta = [profile.q1 * config.quantum_growth**i for i in range(n)]
+
+    def num_levels(self) -> int:
+        return len(self._quanta)
+
+    def quanta(self) -> list[float]:
+        return list(self._quanta)
+
+    def quantum(self, level: int) -> float:
+        return self._quanta[level - 1]
+
+    def entry_level(self, job: Job) -> int:
+        """Skip-join: min i with q_i ≥ t_init(prompt_len), the lowest level if none is."""
+        t_init = self.profile.t_init(job.prompt_len)
+        for i, q in enumerate(self._quanta, start=1):
+            if q >= t_init:
+                return i
+        return len(self._quanta)
+
+    def order_key(self, job: Job) -> Key:
+        return job.level_seq
+
+    def victim_key(self, job: Job) -> Key:
+        # Within a level ENST = min(α − starve, wait(level)) is largest for the job served most
+        # recently, and smallest for the one served longest ago.
+        return -job.last_served
+
+    def prefetch_key(self, job: Job) -> Key:
+        return job.last_served
+
+
+class NaiveMLFQ(SkipJoinMLFQ):
+    name: PolicyName = "naive_mlfq"
+
+    def entry_level(self, job: Job) -> int:
+        return 1
+
+
+#: Arrival order fits in the low bits of a fixed-priority key (2**40 jobs is never reached).
+_SEQ_BITS = 40
+
+
+class FixedPriority(Policy):
+    name: PolicyName = "fixed_priority"
+
+    def order_key(self, job: Job) -> Key:
+        # (prompt length, arrival) packed in one integer: shorter first, then earlier.
+        return (job.prompt_len << _SEQ_BITS) | job.seq
+
+
+class FCFS(Policy):
+    name: PolicyName = "fcfs"
+    strict_admission = True
+    evicts_for_admission = False
+    evicts_during_batch = True
+
+    def order_key(self, job: Job) -> Key:
+        return job.seq
+
+    def victim_key(self, job: Job) -> Key:
+        return -job.admit_seq
+
+
+class SRPTOracle(Policy):
+    name: PolicyName = "srpt_oracle"
+
+    def remaining_s(self, job: Job) -> float:
+        """Remaining processing time if the job generates exactly ``max_tokens`` tokens."""
+        decode = self.profile.t_dec(1)
+        if not job.generated:
+            return self.profile.t_init(job.prompt_len) + (job.sampling.max_tokens - 1) * decode
+        return job.remaining_tokens * decode
+
+    def order_key(self, job: Job) -> Key:
+        return self.remaining_s(job)
+
+
+_REGISTRY: dict[PolicyName, Callable[[SchedulerConfig, Profile], Policy]] = {
+    "skip_join_mlfq": SkipJoinMLFQ,
+    "naive_mlfq": NaiveMLFQ,
+    "fixed_priority": FixedPriority,
+    "fcfs": FCFS,
+    "srpt_oracle": SRPTOracle,
+}
+
+
+def make_policy(name: PolicyName, config: SchedulerConfig, profile: Profile) -> Policy:
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose one of {sorted(_REGISTRY)}") from None
+    return factory(config, profile)

@@ -1,0 +1,70 @@
+"""``PrioritySet``: a set of job ids ordered by a numeric key, with cheap add, discard, pop-min.
+
+A binary heap with lazy deletion: ``discard`` only forgets the id, and stale heap entries are
+dropped when they surface or when the heap has grown to more than twice its live size. This is
+what keeps a scheduling decision from scanning every queued job (issue 3, "Cost").
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+from itertools import count
+
+#: A sort key. A plain number on purpose: heap operations compare keys, and comparing numbers
+#: is several times cheaper than comparing tuples (ties fall back to insertion order).
+Key = float
+
+#: Below this many stale entries a compaction is not worth its O(n) rebuild.
+_COMPACT_MIN_STALE = 64
+
+
+class PrioritySet:
+    def __init__(self) -> None:
+        self._heap: list[tuple[Key, int, str]] = []
+        self._live: dict[str, int] = {}
+        self._tokens = count()
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __bool__(self) -> bool:
+        return bool(self._live)
+
+    def __contains__(self, job_id: object) -> bool:
+        return job_id in self._live
+
+    def __iter__(self) -> Iterator[str]:
+        """Live ids in no particular order (for checks, not for scheduling)."""
+        return iter(self._live)
+
+    def add(self, job_id: str, key: Key) -> None:
+        """Insert ``job_id`` (or move it to ``key`` if present)."""
+        token = next(self._tokens)
+        live = self._live
+        live[job_id] = token
+        heap = self._heap
+        heapq.heappush(heap, (key, token, job_id))
+        # Only adds grow the heap, so checking here bounds it to ~2x the live entries.
+        if len(heap) > 2 * len(live) + _COMPACT_MIN_STALE:
+            self._heap = [e for e in heap if live.get(e[2]) == e[1]]
+            heapq.heapify(self._heap)
+
+    def discard(self, job_id: str) -> None:
+        self._live.pop(job_id, None)
+
+    def peek(self) -> tuple[Key, str] | None:
+        heap, live = self._heap, self._live
+        while heap:
+            key, token, job_id = heap[0]
+            if live.get(job_id) == token:
+                return key, job_id
+            heapq.heappop(heap)
+        return None
+
+    def pop(self) -> tuple[Key, str] | None:
+        top = self.peek()
+        if top is not None:
+            heapq.heappop(self._heap)
+            del self._live[top[1]]
+        return top

@@ -1,0 +1,132 @@
+"""A deterministic stand-in for the data plane, and a discrete-event driver around a Scheduler.
+
+``CostModelExecutor`` answers a ``BatchPlan`` like an executor would — one token per entry, from
+a per-job script — and reports an iteration time from the profile's cost model instead of
+running a model. ``drive`` replays arrivals through a ``Scheduler`` on a virtual clock with up to
+P plans in flight (a P-stage pipeline). Used by the rule and property tests, the scheduler
+benchmark and the simulator; the end-to-end test uses the real executor instead.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from actors.messages import BatchPlan, StepOutput
+from app.scheduler.job import JobRequest, TokenDelta
+from app.scheduler.profile import Profile
+from app.scheduler.scheduler import Scheduler
+
+#: (job id, index of the token in the job's output) -> token id
+TokenScript = Callable[[str, int], int]
+
+
+def constant_tokens(token_id: int) -> TokenScript:
+    return lambda job_id, index: token_id
+
+
+class CostModelExecutor:
+    """Iteration time = t_init(prefill tokens) + t_dec(decodes) (+ swap copies that a forward
+    must wait for); background swaps overlap and only stretch the step if they are longer."""
+
+    max_inflight = 1
+
+    def __init__(self, profile: Profile, tokens: TokenScript, swap_s_per_block: float | None = None
+                 ) -> None:
+        self.profile = profile
+        self.tokens = tokens
+        self.swap_s = profile.swap_seconds_per_block if swap_s_per_block is None \
+            else swap_s_per_block
+        self.plans = 0
+
+    def cost(self, plan: BatchPlan) -> tuple[float, float]:
+        """(total, swap_wait) seconds for ``plan``."""
+        prefill = sum(len(e.token_ids) for e in plan.entries if e.is_prefill)
+        decodes = sum(1 for e in plan.entries if not e.is_prefill)
+        compute = (self.profile.t_init(prefill) if prefill else 0.0) + \
+            (self.profile.t_dec(decodes) if decodes else 0.0)
+        running = {e.job_id for e in plan.entries}
+        blocking = sum(len(c.src_blocks) for c in plan.swap_in if c.job_id in running)
+        swapped = sum(len(c.src_blocks) for c in (*plan.swap_in, *plan.swap_out))
+        wait = blocking * self.swap_s
+        return max(compute + wait, swapped * self.swap_s), wait
+
+    def execute(self, plan: BatchPlan) -> StepOutput:
+        total, wait = self.cost(plan)
+        self.plans += 1
+        tokens = {e.job_id: self.tokens(e.job_id, e.step_index) for e in plan.entries}
+        return StepOutput(plan.step_id, tokens, {"total": total, "swap_wait": wait})
+
+
+@dataclass
+class SimResult:
+    finish_times: dict[str, float] = field(default_factory=dict)
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    reasons: dict[str, str | None] = field(default_factory=dict)
+    plans: int = 0
+    end_time: float = 0.0
+
+
+class Stalled(RuntimeError):
+    """Work remains but nothing can run and nothing is in flight (a deadlock)."""
+
+
+Observer = Callable[[Scheduler, BatchPlan | None, float], None]
+
+
+def drive(scheduler: Scheduler, executor: CostModelExecutor,
+          arrivals: Iterable[tuple[float, JobRequest]], *, pipeline_depth: int = 1,
+          max_plans: int | None = None, observe: Observer | None = None) -> SimResult:
+    """Run until every job finished. Plans take their reported time; with a depth-P pipeline a
+    new plan may start every total/P seconds while up to P are in flight; outputs return in
+    order. ``observe(scheduler, plan, now)`` runs after every schedule (plan) and update (None).
+    Raises ``Stalled`` on a deadlock and ``RuntimeError`` past ``max_plans`` (a livelock)."""
+    pending = deque(sorted(arrivals, key=lambda a: a[0]))
+    inflight: deque[tuple[float, BatchPlan, StepOutput]] = deque()
+    result = SimResult()
+    now = 0.0
+    stage_free = 0.0
+
+    def collect(deltas: list[TokenDelta]) -> None:
+        for d in deltas:
+            if d.token_id is not None:
+                result.tokens.setdefault(d.job_id, []).append(d.token_id)
+            if d.finished:
+                result.finish_times[d.job_id] = now
+                result.reasons[d.job_id] = d.finish_reason
+
+    while True:
+        while pending and pending[0][0] <= now:
+            scheduler.add(pending.popleft()[1], now)
+        if len(inflight) < pipeline_depth and now >= stage_free:
+            plan = scheduler.schedule(now)
+            if plan is not None:
+                out = executor.execute(plan)
+                total = out.timings["total"]
+                inflight.append((now + total, plan, out))
+                stage_free = now + total / pipeline_depth
+                result.plans += 1
+                if max_plans is not None and result.plans > max_plans:
+                    raise RuntimeError(f"no completion after {max_plans} plans (livelock?)")
+                if observe is not None:
+                    observe(scheduler, plan, now)
+                continue
+        events = [inflight[0][0]] if inflight else []
+        if pending:
+            events.append(pending[0][0])
+        if inflight and len(inflight) < pipeline_depth and stage_free > now:
+            events.append(stage_free)
+        if not events:
+            if scheduler.has_work():
+                raise Stalled(f"t={now}: work remains but nothing is scheduled: "
+                              f"{scheduler.stats()}")
+            break
+        now = max(now, min(events))
+        while inflight and inflight[0][0] <= now:
+            _, plan, out = inflight.popleft()
+            collect(scheduler.update(plan, out, now))
+            if observe is not None:
+                observe(scheduler, None, now)
+    result.end_time = now
+    return result

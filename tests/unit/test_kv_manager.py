@@ -1,0 +1,275 @@
+"""The KV-cache manager: block tables, two tiers, deferred frees, swap planning by ENST, the
+reserve, recompute, admission when both tiers are full, and the integrity check itself."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from actors.messages import BatchEntry, StepOutput, SwapCommand
+from app.kv.enst import EnstTable
+from app.kv.manager import KVCacheManager, Residency, Tier
+from app.kv.swap_planner import plan_swaps
+from app.scheduler.config import KVCacheConfig, SchedulerConfig, SwapMode
+from app.scheduler.queues import LevelQueues
+from app.scheduler.scheduler import Scheduler
+from tests.unit.test_scheduler import PROFILE, TOKEN, ids, make, req, step
+
+
+def manager(device: int = 8, host: int = 8, block: int = 4) -> KVCacheManager:
+    return KVCacheManager(KVCacheConfig(block_size=block, num_device_blocks=device,
+                                        num_host_blocks=host))
+
+
+# ---- block tables -------------------------------------------------------------------------
+def test_first_iteration_allocates_exactly_the_positions_it_writes() -> None:
+    kv = manager()
+    assert [kv.blocks_for(n) for n in (1, 4, 5, 8, 9)] == [1, 1, 2, 2, 3]
+    assert kv.allocate("a", 5, step=0) == (0, 1)       # positions 0..4: two blocks of 4
+    assert kv.allocate("b", 4, step=0) == (2,)
+    assert kv.num_free_device == 5
+    assert kv.residency("a") is Residency.RESIDENT and kv.busy_step("a") == 0
+    kv.check_invariants({"a": 5, "b": 4})
+    with pytest.raises(ValueError, match="already used by in-flight step 0"):
+        kv.allocate("a", 6, step=1)
+
+
+def test_decode_growth_adds_a_block_only_when_crossing_a_boundary() -> None:
+    kv = manager()
+    kv.allocate("a", 5, step=0)
+    kv.complete(0)
+    tables = []
+    for step_id, context in enumerate((6, 7, 8, 9), start=1):
+        tables.append(kv.allocate("a", context, step=step_id))
+        kv.complete(step_id)
+    assert tables == [(0, 1), (0, 1), (0, 1), (0, 1, 2)]
+    assert kv.device_blocks_needed("a", 13) == 1 and kv.device_blocks_needed("a", 12) == 0
+
+
+def test_blocks_of_an_in_flight_step_are_freed_only_when_it_completes() -> None:
+    kv = manager()
+    kv.allocate("a", 8, step=3)
+    kv.free("a")                                   # aborted while its step runs
+    assert kv.num_free_device == 6 and kv.device_releasing == 2
+    kv.check_invariants({})                        # the two blocks are "in flight"
+    assert kv.complete(3) == []
+    assert kv.num_free_device == 8 and kv.device_releasing == 0
+    kv.check_invariants({})
+
+
+def test_swap_out_and_in_settle_when_their_step_completes() -> None:
+    kv = manager(device=4, host=4)
+    kv.allocate("a", 6, step=0)
+    kv.complete(0)
+    out = kv.swap_out("a", step=1)
+    assert out == SwapCommand("out", "a", (0, 1), (0, 1))
+    assert kv.residency("a") is Residency.TRANSIT and kv.tier("a") is Tier.HOST
+    assert kv.num_free_device == 2 and kv.num_free_host == 2   # source held until completion
+    kv.check_invariants({"a": 6})
+    assert kv.complete(1) == ["a"]
+    assert kv.residency("a") is Residency.HOST and kv.num_free_device == 4
+    back = kv.swap_in("a", step=2)
+    assert back.direction == "in" and back.src_blocks == (0, 1) and len(back.dst_blocks) == 2
+    assert kv.num_free_host == 2                   # host copy held until completion
+    kv.complete(2)
+    assert kv.residency("a") is Residency.RESIDENT and kv.num_free_host == 4
+    kv.check_invariants({"a": 6})
+
+
+def test_abort_during_a_swap_keeps_both_sides_until_it_completes() -> None:
+    kv = manager(device=4, host=4)
+    kv.allocate("a", 8, step=0)
+    kv.complete(0)
+    kv.swap_out("a", step=1)
+    kv.free("a")
+    assert kv.num_free_device == 2 and kv.num_free_host == 2
+    kv.check_invariants({})
+    kv.complete(1)
+    assert kv.num_free_device == 4 and kv.num_free_host == 4
+
+
+def test_drop_frees_at_once_but_never_blocks_in_flight() -> None:
+    kv = manager()
+    kv.allocate("a", 8, step=0)
+    with pytest.raises(ValueError, match="in-flight"):
+        kv.drop("a")
+    kv.complete(0)
+    assert kv.drop("a") == 2 and kv.num_free_device == 8 and kv.tier("a") is Tier.NONE
+
+
+# ---- the integrity check ------------------------------------------------------------------
+@pytest.mark.parametrize(("corrupt", "message"), [
+    (lambda kv: kv.device._free.append(kv._jobs["a"].blocks[0]), "is both"),
+    (lambda kv: kv.device._free.remove(7), "neither free, owned nor in flight"),
+    (lambda kv: kv.device._free.append(99), "outside"),
+    (lambda kv: setattr(kv._jobs["a"], "num_tokens", 9), "2 blocks for 9 positions"),
+    (lambda kv: kv.host._free.pop(), "host blocks"),
+    (lambda kv: setattr(kv, "device_releasing", 1), "device_releasing=1"),
+])
+def test_invariant_checker_catches_a_corrupted_state(
+        corrupt: Callable[[KVCacheManager], object], message: str) -> None:
+    kv = manager()
+    kv.allocate("a", 8, step=0)
+    kv.check_invariants({"a": 8})
+    corrupt(kv)
+    with pytest.raises(AssertionError, match=message):
+        kv.check_invariants({"a": 8})
+
+
+def test_invariant_checker_compares_tables_with_the_jobs_context() -> None:
+    kv = manager()
+    kv.allocate("a", 8, step=0)
+    with pytest.raises(AssertionError, match="table covers 8 positions, the job has 7"):
+        kv.check_invariants({"a": 7})
+    with pytest.raises(AssertionError, match="holds KV but is not active"):
+        kv.check_invariants({})
+
+
+def test_scheduler_check_catches_a_job_misfiled_in_its_queue() -> None:
+    s = make()
+    s.add(req("a", 8), 0.0)
+    step(s, 0.0, 0.5)
+    s.queues.level(1).pending.add("a", 0)     # resident and runnable: must be in "ready"
+    with pytest.raises(AssertionError, match="expected \\['evictable', 'ready'\\]"):
+        s.check_invariants()
+
+
+# ---- swap planning by ENST ----------------------------------------------------------------
+def _four_jobs(mode: SwapMode = "proactive", reserved: int = 9) -> Scheduler:
+    """p, q, r, s4 in levels 1..4 (1, 2, 4 and 8 blocks of 8 tokens), all run their first
+    iteration in step 0 (15 of 16 device blocks); at t = 0.5 each needs one more block."""
+    s = Scheduler(SchedulerConfig(max_batch_size=4, starvation_alpha_s=100.0),
+                  KVCacheConfig(block_size=8, num_device_blocks=16, num_host_blocks=32,
+                                reserved_blocks=reserved, swap_mode=mode),
+                  PROFILE, eos_token_id=2)
+    for name, prompt in (("p", 8), ("q", 16), ("r", 32), ("s4", 64)):
+        s.add(req(name, prompt, max_tokens=8), 0.0)
+    plan, _ = step(s, 0.0, 0.5)
+    assert ids(plan) == ["p", "q", "r", "s4"] and s.kv.num_free_device == 1
+    return s
+
+
+def test_swap_out_takes_the_largest_enst_first_until_the_reserve_is_free() -> None:
+    s = _four_jobs()
+    plan = s.schedule(0.5)
+    assert plan is not None
+    s.check_invariants()
+    # p takes the last free block; q (the highest job whose growth did not fit) is protected.
+    # Level counts 1,1,1,1, B = 4, α far away: ENST(r) = (q1+q2 + q2)/4 = 1.25,
+    # ENST(s4) = ((q1+q2+q3) + (q2+q3) + q3)/4 = 4.25. Keep free: reserve 9 + growth of q, r, s4
+    # (3) = 12 -> s4 (8 blocks), then r (4 blocks).
+    assert ids(plan) == ["p"]
+    assert [c.job_id for c in plan.swap_out] == ["s4", "r"]
+    assert s.jobs()["s4"].predictions == [(0.5, 4.25)]
+    assert s.jobs()["r"].predictions == [(0.5, 1.25)]
+    assert s.kv.num_free_device + s.kv.device_releasing == 12
+    s.update(plan, StepOutput(plan.step_id, {"p": TOKEN}, {"total": 0.5}), 1.0)
+    s.check_invariants()
+    assert s.kv.num_free_device == 12 >= s.reserve_blocks(1.0)
+
+
+def test_swap_in_and_out_order_merges_levels_by_enst() -> None:
+    # Host jobs a (level 2, last served 0), b (level 2, 3.0), c (level 4, 0.2); α = 5, B = 2,
+    # counts 2, 2, 0, 1 -> waits 0, 1, 5, 13. At now = 4.5:
+    # ENST(a) = min(5 - 4.5, 1) = 0.5, ENST(b) = min(5 - 1.5, 1) = 1, ENST(c) = min(0.7, 13) = 0.7
+    # c, deep in level 4 but about to be promoted, comes back before b from level 2.
+    queues = LevelQueues(4)
+    queues.counts[:] = [2, 2, 0, 1]
+    served = {"a": 0.0, "b": 3.0, "c": 0.2}
+    level = {"a": 2, "b": 2, "c": 4}
+    for job_id in served:
+        queues.level(level[job_id]).onhost.add(job_id, served[job_id])
+        queues.level(level[job_id]).evictable.add(job_id, -served[job_id])
+    table = EnstTable(queues.counts, [1.0, 2.0, 4.0, 8.0], 2, 5.0, 4.5)
+    assert [table(level[j], served[j]) for j in "abc"] == pytest.approx([0.5, 1.0, 0.7])
+    with queues.ordered("onhost", lambda lv, j: table(lv, served[j])) as order:
+        assert list(order) == ["a", "c", "b"]
+    with queues.ordered("evictable", lambda lv, j: -table(lv, served[j])) as order:
+        assert list(order) == ["b", "c", "a"]
+    assert len(queues.level(2).onhost) == 2       # the walk leaves the sets as they were
+
+
+def test_planner_prefetches_while_the_reserve_stays_free() -> None:
+    kv = manager(device=10, host=10, block=1)
+    for job_id, n in (("x", 3), ("y", 3), ("z", 3)):
+        kv.allocate(job_id, n, step=0)
+    kv.complete(0)
+    for job_id in ("x", "y", "z"):
+        kv.swap_out(job_id, step=1)
+    kv.complete(1)
+    decision = plan_swaps(kv, keep_free=3, wanted={}, prefetch=["y", "x", "z"], victims=[],
+                          can_evict=lambda j: True, drop=False)
+    assert decision.swap_in == ["y", "x"]          # 10 - 3 - 3 = 4 >= 3; a third would leave 1
+
+
+def test_adaptive_reserve_follows_recent_arrivals() -> None:
+    s = Scheduler(SchedulerConfig(), KVCacheConfig(
+        block_size=8, num_device_blocks=40, num_host_blocks=40, reserved_blocks=2,
+        adaptive_reserve=True, adaptive_window_s=1.0, adaptive_max_fraction=0.25), PROFILE, 2)
+    for name, prompt in (("a", 8), ("b", 16), ("c", 24)):    # 1 + 2 + 3 prompt blocks
+        s.add(req(name, prompt), 0.0)
+    assert s.reserve_blocks(0.5) == 2 + 6
+    s.add(req("d", 64), 0.6)                                  # 8 more: capped at 40/4 = 10
+    assert s.reserve_blocks(0.7) == 2 + 10
+    assert s.reserve_blocks(1.5) == 2 + 8                     # a, b, c left the window
+    assert s.reserve_blocks(3.0) == 2
+
+
+# ---- recompute ----------------------------------------------------------------------------
+def test_recompute_drops_the_largest_enst_job_and_replays_prompt_plus_output() -> None:
+    s = _four_jobs(mode="recompute", reserved=0)
+    plan = s.schedule(0.5)
+    assert plan is not None and ids(plan) == ["p"] and not plan.swap_out
+    s4 = s.jobs()["s4"]
+    assert s4.stats.recomputes == 1 and s.kv.tier("s4") is Tier.NONE
+    assert s.kv.num_free_device == 8                # dropped blocks are free at once
+    s.update(plan, StepOutput(plan.step_id, {"p": TOKEN}, {"total": 0.5}), 1.0)
+    s.check_invariants()
+    replays: list[BatchEntry] = []
+    now = 1.0
+    while s.has_work() and not replays:
+        plan, _ = step(s, now, 0.5)
+        replays = [e for e in plan.entries if e.job_id == "s4"]
+        now += 0.5
+    (entry,) = replays
+    assert entry.is_prefill and entry.start_pos == 0
+    assert entry.token_ids == tuple(range(3, 67)) + (TOKEN,)   # prompt + its one token
+    assert entry.step_index == 1
+
+
+# ---- admission when both tiers are full ---------------------------------------------------
+def test_new_jobs_wait_while_both_tiers_are_full_and_nothing_is_killed() -> None:
+    # Device and host hold 2 blocks each (4 tokens a block); every job needs 1 block, 2 at its
+    # last token. First iterations cost 1.5 s (> q1: the job is demoted), decodes 1 s, so each
+    # new job preempts the ones before it until both tiers are full.
+    s = make(batch=1, device=2, host=2, block=4)
+    for name in "ABCDE":
+        s.add(req(name, 3, max_tokens=3), 0.0)
+    admitted: set[str] = set()
+    reasons = {}
+    now = 0.0
+    k = 0
+    while s.has_work():
+        if k == 4:
+            s.add(req("N", 3, max_tokens=2), now)
+        full = s.kv.num_free_device == 0 and s.kv.num_free_host == 0
+        plan = s.schedule(now)
+        assert plan is not None
+        s.check_invariants()
+        new = {e.job_id for e in plan.entries} - admitted
+        if full:
+            assert not new, f"step {k}: admitted {new} while both tiers were full"
+        admitted |= new
+        total = 1.5 if any(e.is_prefill for e in plan.entries) else 1.0
+        out = StepOutput(plan.step_id, {e.job_id: TOKEN for e in plan.entries},
+                         {"total": total})
+        for d in s.update(plan, out, now + total):
+            if d.finished:
+                reasons[d.job_id] = (d.finish_reason, k)
+        s.check_invariants()
+        now += total
+        k += 1
+    assert {j: r for j, (r, _) in reasons.items()} == dict.fromkeys("ABCDEN", "length")
+    assert reasons["A"][1] == 8 and "N" in admitted
+    assert s.totals["swaps_out"] > 0 and s.totals["errors"] == 0

@@ -1,0 +1,150 @@
+"""Properties of scheduler + KV manager under random load (hypothesis), for every policy and
+every swap mode, with one and with two plans in flight:
+
+* block integrity holds after every schedule and every update (``check_invariants``);
+* every job finishes with all its tokens (no deadlock: the driver raises ``Stalled`` if work
+  remains with nothing runnable; no livelock: a bound on the number of plans);
+* a job that has waited past α is promoted at the next decision (MLFQ policies);
+* no job runs while its KV is not resident (a reactive swap-in in the same plan excepted);
+* no job is in two in-flight plans; no job that never had KV is admitted while both tiers are
+  full (swap modes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from actors.messages import BatchPlan, SamplingParams
+from app.kv.manager import Residency
+from app.scheduler.config import (
+    POLICIES,
+    SWAP_MODES,
+    KVCacheConfig,
+    PolicyName,
+    SchedulerConfig,
+    SwapMode,
+)
+from app.scheduler.job import JobRequest, JobState
+from app.scheduler.profile import Profile
+from app.scheduler.scheduler import Scheduler
+from app.scheduler.simulate import CostModelExecutor, drive
+
+PROFILE = Profile.from_dict({
+    "t_init": {"prompt_lens": [1, 16, 64], "seconds": [0.01, 0.03, 0.1]},
+    "t_dec": {"batch_sizes": [1, 16], "seconds": [0.01, 0.02]},
+    "swap": {"bytes_per_block": 1, "seconds_per_block": 0.001},
+})
+EOS = 2
+
+
+@dataclass(frozen=True)
+class Setup:
+    block: int
+    device: int
+    host: int
+    batch: int
+    depth: int          # plans in flight (pipeline stages)
+    alpha: float
+    budget: int         # max_num_batched_tokens
+    reserved: int
+
+
+Workload = tuple[Setup, list[tuple[float, JobRequest]]]
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> Workload:
+    block = draw(st.sampled_from([1, 2, 4]))
+    device = draw(st.integers(3, 16))
+    setup = Setup(block=block, device=device, host=draw(st.integers(1, 16)),
+                  batch=draw(st.integers(1, 4)), depth=draw(st.sampled_from([1, 2])),
+                  alpha=draw(st.sampled_from([0.02, 0.05, 0.3])),
+                  budget=draw(st.sampled_from([8, 64])),
+                  reserved=draw(st.integers(0, min(2, device - 1))))
+    jobs = []
+    for i in range(draw(st.integers(1, 12))):
+        prompt = draw(st.integers(1, 10))
+        # Jobs must fit the device pool on their own at their longest (else add() refuses).
+        most = device * block - prompt + 1
+        if most < 1:
+            continue
+        out = draw(st.integers(1, min(8, most)))
+        token = draw(st.integers(3, 99))
+        jobs.append((draw(st.floats(0.0, 0.2)),
+                     JobRequest(f"j{i}", (token,) * prompt,
+                                SamplingParams(max_tokens=out, temperature=0.0,
+                                               ignore_eos=True))))
+    return setup, jobs
+
+
+def script(job_id: str, index: int) -> int:
+    """Tokens depend on the job and the position only, like greedy decoding does."""
+    return 3 + (sum(map(ord, job_id)) * 31 + index * 7) % 90
+
+
+@pytest.mark.parametrize("mode", SWAP_MODES)
+@pytest.mark.parametrize("policy", POLICIES)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=workloads())
+def test_random_load_keeps_every_invariant(policy: PolicyName, mode: SwapMode,
+                                           case: Workload) -> None:
+    setup, jobs = case
+    s = Scheduler(
+        SchedulerConfig(policy=policy, max_batch_size=setup.batch,
+                        starvation_alpha_s=setup.alpha, max_num_batched_tokens=setup.budget),
+        KVCacheConfig(block_size=setup.block, num_device_blocks=setup.device,
+                      num_host_blocks=setup.host, swap_mode=mode,
+                      reserved_blocks=setup.reserved),
+        PROFILE, eos_token_id=EOS)
+    alpha = s.config.starvation_alpha_s
+    ever_admitted: set[str] = set()
+    inflight: dict[int, BatchPlan] = {}
+    full_before: list[bool] = [False]   # both tiers full when the next decision starts
+
+    def observe(sched: Scheduler, plan: BatchPlan | None, now: float) -> None:
+        sched.check_invariants()
+        if plan is not None:
+            check_plan(sched, plan, now)
+        else:              # an update: the oldest plan in flight came back
+            inflight.pop(min(inflight))
+        # Nothing else frees or takes blocks before the next decision (arrivals do not).
+        full_before[0] = sched.kv.num_free_device == 0 and sched.kv.num_free_host == 0
+
+    def check_plan(sched: Scheduler, plan: BatchPlan, now: float) -> None:
+        swapped_in = {c.job_id for c in plan.swap_in}
+        for e in plan.entries:
+            where = sched.kv.residency(e.job_id)
+            assert where is Residency.RESIDENT or (
+                where is Residency.TRANSIT and e.job_id in swapped_in and mode == "reactive"
+            ), f"{e.job_id} runs with its KV {where.value}"
+            assert all(e.job_id not in {x.job_id for x in p.entries}
+                       for p in inflight.values()), f"{e.job_id} in two in-flight plans"
+        new = {e.job_id for e in plan.entries} - ever_admitted
+        if mode != "recompute" and full_before[0]:
+            assert not new, f"admitted {new} while both tiers were full"
+        ever_admitted.update(e.job_id for e in plan.entries)
+        inflight[plan.step_id] = plan
+        if sched.policy.starvation:
+            for job in sched.jobs().values():
+                if job.state in (JobState.WAITING, JobState.RUNNABLE) and job.level > 1:
+                    assert now - job.last_served <= alpha, (
+                        f"{job.job_id} waited {now - job.last_served} > α={alpha} "
+                        f"and is still in level {job.level}")
+
+    total_tokens = sum(r.sampling.max_tokens for _, r in jobs)
+    # Every plan either runs a job or moves memory for one; a generous bound on plans per
+    # token catches a livelock (plans that only swap, forever).
+    result = drive(s, CostModelExecutor(PROFILE, script), jobs,
+                   pipeline_depth=setup.depth,
+                   max_plans=20 * total_tokens + 20, observe=observe)
+    assert set(result.finish_times) == {r.job_id for _, r in jobs}
+    for _, r in jobs:
+        assert result.tokens[r.job_id] == [script(r.job_id, i)
+                                           for i in range(r.sampling.max_tokens)]
+        assert result.reasons[r.job_id] == "length"
+    assert not s.has_work()
+    assert s.kv.num_free_device == setup.device and s.kv.num_free_host == setup.host
