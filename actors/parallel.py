@@ -1,0 +1,88 @@
+"""How a model is cut for serving: layer ranges per pipeline stage, and one stage's TP group.
+
+``layer_ranges`` splits the decoder layers evenly over the pipeline stages (the first stages take
+one more layer when the split is uneven). ``TensorParallelGroup`` wraps the ``torch.distributed``
+process group that the tensor-parallel ranks of one stage share — gloo on CPU, NCCL on GPU — and
+hands the model the all-reduce its row-parallel layers need. Each stage worker is its own process,
+so a stage's group is that process's default group.
+
+torch is imported lazily: the pipeline's driver side imports this module for ``layer_ranges`` and
+must not pay for torch.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+
+
+def layer_ranges(num_layers: int, pipeline_parallel_size: int) -> list[tuple[int, int]]:
+    """``[layer_start, layer_end)`` of every stage, in order, covering all ``num_layers`` layers."""
+    if pipeline_parallel_size < 1:
+        raise ValueError(f"pipeline_parallel_size must be >= 1, got {pipeline_parallel_size}")
+    if num_layers < pipeline_parallel_size:
+        raise ValueError(f"cannot split {num_layers} layers over pipeline_parallel_size="
+                         f"{pipeline_parallel_size} stages (each stage needs at least one layer)")
+    base, extra = divmod(num_layers, pipeline_parallel_size)
+    ranges, start = [], 0
+    for stage in range(pipeline_parallel_size):
+        end = start + base + (1 if stage < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def free_port() -> int:
+    """A TCP port free on this node right now (the TP group's rendezvous port)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+class TensorParallelGroup:
+    """One stage's tensor-parallel process group, seen from one rank."""
+
+    def __init__(self, device: str) -> None:
+        if device not in BACKENDS:
+            raise ValueError(f"device must be one of {sorted(BACKENDS)}, got {device!r}")
+        self.backend = BACKENDS[device]
+        self.world_size = 1
+        self.rank = 0
+
+    @property
+    def initialized(self) -> bool:
+        import torch.distributed as dist
+
+        return self.world_size == 1 or dist.is_initialized()
+
+    def init(self, master_addr: str, port: int, world_size: int, rank: int, timeout_s: float) -> None:
+        """Join the group; blocks until all ``world_size`` ranks have called it (or ``timeout_s``)."""
+        import torch.distributed as dist
+
+        if not 0 <= rank < world_size:
+            raise ValueError(f"tp rank {rank} outside world_size {world_size}")
+        self.world_size, self.rank = world_size, rank
+        if world_size == 1:
+            return  # a single rank reduces nothing: no group, no rendezvous
+        # timeout= matters: gloo's default is 30 minutes, so a rank whose peer died would hang.
+        dist.init_process_group(self.backend, init_method=f"tcp://{master_addr}:{port}",
+                                world_size=world_size, rank=rank, timeout=timedelta(seconds=timeout_s))
+
+    def all_reduce(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The callable the model's row-parallel layers use: sum in place over the group."""
+
+        def reduce(x: torch.Tensor) -> torch.Tensor:
+            import torch.distributed as dist
+
+            if self.world_size > 1:
+                dist.all_reduce(x)
+            return x
+
+        return reduce

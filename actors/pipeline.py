@@ -1,0 +1,497 @@
+"""The pipeline executor: P stages × T tensor-parallel ranks of ``StageWorker``s behind one plan API.
+
+``PipelineExecutor`` owns the workers' lifecycle — placement, start-up, the TP groups, the
+transport (``actors.transport``), failure detection and teardown — and satisfies the engine loop's
+executor protocol (``max_inflight``, ``async execute(plan) -> StepOutput``, ``async shutdown()``),
+the same one the in-process executor serves. Up to ``max_inflight = P`` plans are in flight; the
+caller guarantees a job is in at most one of them (paper §4.3).
+
+Placement: one bundle per stage holding its T ranks (a bundle lives on one node, so a stage's TP
+ranks are packed; stages may span nodes). The executor creates that placement group, or uses a
+caller's (a Serve ``Scheduler`` replica reserves its model copy in its own group: bundle 0 is the
+replica, ``bundle_offset`` 1 the first stage). ``pipeline_bundles(spec)`` says what to reserve.
+
+Failure: a worker that dies surfaces as ``PipelineError`` from ``execute`` within seconds (workers
+are pinged while a plan is overdue), never a hang; the executor kills its workers at once, stays
+closed (recovery is the caller's: build a new executor) and finishes the teardown in the
+background (``shutdown`` awaits it). Any other step failure closes it too, because the workers'
+KV stores may no longer agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.actor import ActorHandle
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.messages import BatchPlan, SamplingParams, StepOutput, validate_request
+from actors.model.config import OPTConfig
+from actors.parallel import BACKENDS, layer_ranges
+from actors.transport import TRANSPORTS, Transport, make_transport
+from actors.worker import StageInput, StageWorker, StepRecord, WorkerSpec
+
+log = logging.getLogger(__name__)
+
+#: Compiled-graph channel size set in the workers: above the largest activation message, or
+#: Ray resizes the channel (slower) and ``teardown`` hangs (measured, RAY-NOTES).
+DEFAULT_CHANNEL_BUFFER_BYTES = 64 * 1024 * 1024
+CHANNEL_BUFFER_ENV = "RAY_CGRAPH_buffer_size_bytes"
+
+
+class PipelineError(RuntimeError):
+    """The pipeline cannot run plans: it failed to start, a worker died, or a step failed."""
+
+
+@dataclass
+class PipelineSpec:
+    """What to run and how to cut it. ``model`` is a config path/folder or an ``OPTConfig``."""
+
+    model: str | Path | OPTConfig
+    num_device_blocks: int
+    num_host_blocks: int
+    block_size: int = 16
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    load_format: str = "dummy"
+    model_path: str | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    transport: str = "compiled"
+    #: Plans kept in flight; None = one per stage (paper §4.3).
+    max_inflight: int | None = None
+    #: A placement group to place the workers in (bundles ``bundle_offset ..`` one per stage);
+    #: None = the executor creates and removes its own.
+    placement_group: PlacementGroup | None = None
+    bundle_offset: int = 0
+    #: CPUs each worker reserves (logical; a bundle must reserve something on a CPU-only node).
+    worker_cpus: float = 1.0
+    #: torch intra-op threads per worker; None keeps torch's default (all cores per worker).
+    torch_threads: int | None = None
+    channel_buffer_bytes: int = DEFAULT_CHANNEL_BUFFER_BYTES
+    placement_timeout_s: float = 60.0
+    startup_timeout_s: float = 300.0
+    #: TP rendezvous timeout, also gloo/NCCL's collective timeout (a rank whose peer died).
+    tp_timeout_s: float = 120.0
+    #: While a plan is overdue by this much, the workers are pinged to tell slow from dead.
+    liveness_interval_s: float = 1.0
+    ping_timeout_s: float = 5.0
+    #: A live worker that answers no ping for this long (wedged) fails the pipeline too. Dead
+    #: workers fail it at once; a slow answer on a starved machine must not.
+    unresponsive_s: float = 60.0
+    #: After a transport error, how long to keep probing for the worker death behind it.
+    diagnose_s: float = 5.0
+    teardown_timeout_s: float = 15.0
+
+    def load_config(self) -> OPTConfig:
+        return self.model if isinstance(self.model, OPTConfig) else OPTConfig.from_file(self.model)
+
+    def check(self, config: OPTConfig) -> None:
+        """Raise ``ValueError`` naming the first bad value."""
+        t, p = self.tensor_parallel_size, self.pipeline_parallel_size
+        if t < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {t}")
+        layer_ranges(config.num_hidden_layers, p)
+        for what, n in (("num_attention_heads", config.num_attention_heads), ("ffn_dim", config.ffn_dim)):
+            if n % t:
+                raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={t}")
+        if self.device not in BACKENDS:
+            raise ValueError(f"device must be one of {sorted(BACKENDS)}, got {self.device!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {list(TRANSPORTS)}, got {self.transport!r}")
+        if self.device == "cpu" and self.worker_cpus <= 0:
+            raise ValueError(f"worker_cpus must be > 0 on CPU (a bundle cannot be empty), got {self.worker_cpus}")
+        if self.max_inflight is not None and self.max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
+        if self.bundle_offset < 0:
+            raise ValueError(f"bundle_offset must be >= 0, got {self.bundle_offset}")
+
+
+def pipeline_bundles(spec: PipelineSpec) -> list[dict[str, float]]:
+    """One placement-group bundle per stage, holding that stage's TP ranks."""
+    t = spec.tensor_parallel_size
+    bundle: dict[str, float] = {}
+    if spec.worker_cpus > 0:
+        bundle["CPU"] = spec.worker_cpus * t
+    if spec.device == "cuda":
+        bundle["GPU"] = float(t)
+    return [dict(bundle) for _ in range(spec.pipeline_parallel_size)]
+
+
+def worker_specs(spec: PipelineSpec, config: OPTConfig) -> list[list[WorkerSpec]]:
+    """``[stage][tp_rank]`` → the worker's spec."""
+    p, t = spec.pipeline_parallel_size, spec.tensor_parallel_size
+    return [[WorkerSpec(config, s, p, lo, hi, r, t, spec.dtype, spec.device, spec.load_format,
+                        spec.model_path, spec.seed, spec.block_size, spec.num_device_blocks,
+                        spec.num_host_blocks, spec.torch_threads) for r in range(t)]
+            for s, (lo, hi) in enumerate(layer_ranges(config.num_hidden_layers, p))]
+
+
+class _Liveness:
+    """Pings workers to tell a dead one (reported at once) from a slow one (reported only after
+    ``unresponsive_s`` without any answer: a starved machine answers late, not never)."""
+
+    def __init__(self, workers: dict[str, ActorHandle], ping_timeout_s: float, unresponsive_s: float) -> None:
+        self.workers = workers
+        self.ping_timeout_s = ping_timeout_s
+        self.unresponsive_s = unresponsive_s
+        self._silent_since: dict[str, float] = {}
+
+    async def failed_worker(self) -> str | None:
+        probes = [asyncio.ensure_future(self._probe(n, w)) for n, w in self.workers.items()]
+        try:
+            for done in asyncio.as_completed(probes):
+                dead = await done
+                if dead is not None:
+                    return dead
+        finally:
+            for p in probes:
+                p.cancel()
+        now = time.monotonic()
+        silent = [n for n, since in self._silent_since.items() if now - since > self.unresponsive_s]
+        return f"{silent[0]} answered no ping for {self.unresponsive_s}s" if silent else None
+
+    async def _probe(self, name: str, worker: ActorHandle) -> str | None:
+        try:
+            await asyncio.wait_for(_as_future(worker.ping.remote()), self.ping_timeout_s)
+        except TimeoutError:
+            self._silent_since.setdefault(name, time.monotonic())
+            return None
+        except RayActorError as exc:
+            return f"{name} died ({type(exc).__name__})"
+        self._silent_since.pop(name, None)
+        return None
+
+
+class PipelineExecutor:
+    """Runs ``BatchPlan``s on P × T Ray stage workers; ``execute`` is async, P plans deep."""
+
+    def __init__(self, spec: PipelineSpec) -> None:
+        self.spec = spec
+        self.config = spec.load_config()
+        spec.check(self.config)
+        self._specs = worker_specs(spec, self.config)
+        self._grid: list[list[ActorHandle]] = []
+        self._pg: PlacementGroup | None = None
+        self._owns_pg = False
+        self._transport: Transport | None = None
+        self._slots = asyncio.Semaphore(self.max_inflight)
+        self._closed = asyncio.Event()
+        self._closed_reason: str | None = None
+        self._teardown: asyncio.Future[None] | None = None
+        self._liveness: _Liveness | None = None
+
+    @property
+    def max_inflight(self) -> int:
+        return self.spec.max_inflight or self.spec.pipeline_parallel_size
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    @property
+    def num_device_blocks(self) -> int:
+        return self.spec.num_device_blocks
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.spec.num_host_blocks
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    @property
+    def workers(self) -> list[list[ActorHandle]]:
+        """``[stage][tp_rank]`` handles (for tests and diagnostics)."""
+        return [list(stage) for stage in self._grid]
+
+    def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        validate_request(prompt_ids, sampling, self.config.vocab_size, self.config.max_position_embeddings)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Place and start the workers, join their TP groups, compile the transport."""
+        if self._grid or self.closed:
+            raise PipelineError("start() may be called once per executor")
+        try:
+            pg = await self._placement_group()
+            self._grid = self._create_workers(pg)
+            self._liveness = _Liveness(dict(zip(self._worker_names(), self._all_workers(), strict=True)),
+                                       self.spec.ping_timeout_s, self.spec.unresponsive_s)
+            await self._await_ready()
+            await self._init_tp_groups()
+            self._transport = make_transport(self.spec.transport, self._grid, self.max_inflight,
+                                             self.spec.device)
+            await self._transport.start()
+        except BaseException as exc:
+            error = self._fail(f"start-up failed: {exc}")
+            await asyncio.shield(self._teardown_started())
+            if isinstance(exc, PipelineError | asyncio.CancelledError):
+                raise
+            raise error from exc
+
+    async def shutdown(self) -> None:
+        """Tear the graph and the workers down (bounded in time); idempotent, also after a failure."""
+        self._mark_closed("shut down")
+        await asyncio.shield(self._teardown_started())
+
+    async def _placement_group(self) -> PlacementGroup:
+        bundles = pipeline_bundles(self.spec)
+        pg = self.spec.placement_group
+        if pg is not None:
+            self._check_given_group(pg, bundles)
+        else:
+            pg = placement_group(bundles, strategy="PACK", name="")
+            self._owns_pg = True
+        self._pg = pg
+        try:
+            await asyncio.wait_for(_as_future(pg.ready()), self.spec.placement_timeout_s)
+        except TimeoutError:
+            raise PipelineError(self._resources_message(bundles)) from None
+        return pg
+
+    def _check_given_group(self, pg: PlacementGroup, bundles: list[dict[str, float]]) -> None:
+        offset, have = self.spec.bundle_offset, pg.bundle_specs
+        if len(have) < offset + len(bundles):
+            raise PipelineError(
+                f"placement group has {len(have)} bundles; the pipeline needs {len(bundles)} stage "
+                f"bundles from bundle_offset {offset}, i.e. {offset + len(bundles)} bundles")
+        for s, need in enumerate(bundles):
+            got = have[offset + s]
+            short = {k: v for k, v in need.items() if got.get(k, 0.0) < v}
+            if short:
+                raise PipelineError(f"placement group bundle {offset + s} (stage {s}) holds {got}; "
+                                    f"stage {s} needs {need} for its {self.spec.tensor_parallel_size} TP ranks")
+
+    def _resources_message(self, bundles: list[dict[str, float]]) -> str:
+        return (f"the cluster cannot place the pipeline (tensor_parallel_size="
+                f"{self.spec.tensor_parallel_size} × pipeline_parallel_size={self.spec.pipeline_parallel_size}, "
+                f"device {self.spec.device}) within {self.spec.placement_timeout_s}s: it needs "
+                f"{len(bundles)} bundles of {bundles[0]} (each stage's TP ranks on one node); the cluster "
+                f"has {ray.cluster_resources()} in total, {ray.available_resources()} available")
+
+    def _create_workers(self, pg: PlacementGroup) -> list[list[ActorHandle]]:
+        env = {"env_vars": {CHANNEL_BUFFER_ENV: str(self.spec.channel_buffer_bytes)}}
+        gpus = 1 if self.spec.device == "cuda" else 0
+        grid = []
+        for s, stage in enumerate(self._specs):
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=self.spec.bundle_offset + s)
+            grid.append([StageWorker.options(  # type: ignore[attr-defined]
+                num_cpus=self.spec.worker_cpus, num_gpus=gpus, scheduling_strategy=strategy,
+                runtime_env=env, max_restarts=0).remote(ws) for ws in stage])
+        return grid
+
+    async def _await_ready(self) -> None:
+        names = [ws.name for stage in self._specs for ws in stage]
+        pings: list[ray.ObjectRef] = [w.ping.remote() for w in self._all_workers()]
+        try:
+            await asyncio.wait_for(asyncio.gather(*pings), self.spec.startup_timeout_s)
+        except TimeoutError:
+            raise PipelineError(f"stage workers did not start within {self.spec.startup_timeout_s}s") from None
+        except RayActorError as exc:
+            failed = next((n for n, p in zip(names, pings, strict=True) if _failed(p)), "a worker")
+            raise PipelineError(f"{failed} failed to start: {exc}") from exc
+
+    async def _init_tp_groups(self) -> None:
+        if self.spec.tensor_parallel_size == 1:
+            return
+        joins: list[ray.ObjectRef] = []
+        for stage in self._grid:
+            addr, port = await stage[0].tp_address.remote()
+            joins += [w.init_tp_group.remote(addr, port, len(stage), r, self.spec.tp_timeout_s)
+                      for r, w in enumerate(stage)]
+        try:
+            await asyncio.wait_for(asyncio.gather(*joins), self.spec.tp_timeout_s)
+        except TimeoutError:
+            raise PipelineError(f"tensor-parallel groups ({self.spec.tensor_parallel_size} ranks per stage) "
+                                f"did not form within tp_timeout_s={self.spec.tp_timeout_s}s") from None
+
+    def _all_workers(self) -> list[ActorHandle]:
+        return [w for stage in self._grid for w in stage]
+
+    def _worker_names(self) -> list[str]:
+        return [ws.name for stage in self._specs for ws in stage] if self._grid else []
+
+    # ---- running plans -----------------------------------------------------------------------
+
+    async def execute(self, plan: BatchPlan) -> StepOutput:
+        """Run ``plan`` through every stage; returns once its swaps are settled everywhere."""
+        async with self._slots:
+            self._check_open()
+            assert self._transport is not None
+            submitted = time.perf_counter()
+            try:
+                # Submitting is watched too: a graph whose worker died may refuse or stall the write.
+                outputs = await self._watch(self._submit(self._transport, plan), plan)
+            except (PipelineError, asyncio.CancelledError):
+                raise
+            except Exception as exc:
+                raise await self._step_failed(plan, exc) from exc
+        out = outputs[0]
+        if not isinstance(out, StepOutput):
+            raise await self._step_failed(plan, TypeError(f"last stage returned {type(out).__name__}"))
+        out.timings["pipeline_latency"] = time.perf_counter() - submitted
+        return out
+
+    @staticmethod
+    async def _submit(transport: Transport, plan: BatchPlan) -> list[Any]:
+        pending = await transport.submit(StageInput(plan, None))
+        return await pending
+
+    def _check_open(self) -> None:
+        if self._closed_reason is not None:
+            raise PipelineError(f"pipeline is closed ({self._closed_reason})")
+        if self._transport is None:
+            raise PipelineError("pipeline not started: call start() first")
+
+    async def _watch(self, pending: Coroutine[Any, Any, list[Any]], plan: BatchPlan) -> list[Any]:
+        """Await a plan's outputs; while they are overdue, ping the workers to catch a death."""
+        task = asyncio.ensure_future(pending)
+        closed = asyncio.ensure_future(self._closed.wait())
+        try:
+            while True:
+                await asyncio.wait({task, closed}, timeout=self.spec.liveness_interval_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if task.done():
+                    return task.result()
+                if closed.done():
+                    raise PipelineError(f"plan {plan.step_id} aborted: pipeline closed ({self._closed_reason})")
+                failed = await self._find_failed_worker()
+                if failed is not None:
+                    raise self._fail(f"{failed} while plan {plan.step_id} was in flight")
+        finally:
+            for t in (task, closed):
+                if not t.done():
+                    t.cancel()
+
+    async def _step_failed(self, plan: BatchPlan, exc: BaseException) -> PipelineError:
+        """Name the cause of a failed step: a dead worker if there is one, else the step's error."""
+        if self._closed_reason is not None:  # another plan's failure closed the pipeline first
+            return PipelineError(f"plan {plan.step_id} aborted: pipeline closed ({self._closed_reason})")
+        failed = await self._find_failed_worker()
+        deadline = time.monotonic() + self.spec.diagnose_s
+        # A graph whose worker was killed may error before Ray reports the actor dead: re-probe briefly.
+        while failed is None and _looks_like_channel_failure(exc) and time.monotonic() < deadline:
+            await asyncio.sleep(self.spec.liveness_interval_s)
+            failed = await self._find_failed_worker()
+        reason = (f"{failed} while plan {plan.step_id} was in flight" if failed is not None
+                  else f"plan {plan.step_id} failed: {_describe(exc)}")
+        return self._fail(reason)
+
+    async def _find_failed_worker(self) -> str | None:
+        """A dead worker's description (as soon as one is known), else a long-silent one's, else None."""
+        assert self._liveness is not None
+        return await self._liveness.failed_worker()
+
+    # ---- diagnostics -------------------------------------------------------------------------
+
+    async def stats(self) -> list[dict[str, Any]]:
+        """Per worker: stage, tp_rank, steps, swapped_out_blocks, swapped_in_blocks."""
+        self._check_open()
+        return list(await asyncio.gather(*[w.stats.remote() for w in self._all_workers()]))
+
+    async def timeline(self) -> dict[tuple[int, int], list[StepRecord]]:
+        """``(stage, tp_rank)`` → when that worker ran each recent plan (``time.time()``)."""
+        self._check_open()
+        records: list[list[Any]] = await asyncio.gather(*[w.timeline.remote() for w in self._all_workers()])
+        keys = [(ws.stage_index, ws.tp_rank) for stage in self._specs for ws in stage]
+        return {k: [StepRecord(*r) for r in recs] for k, recs in zip(keys, records, strict=True)}
+
+    # ---- teardown ----------------------------------------------------------------------------
+
+    def _mark_closed(self, reason: str) -> None:
+        if self._closed_reason is None:
+            self._closed_reason = reason
+        self._closed.set()
+
+    def _fail(self, reason: str) -> PipelineError:
+        """Close on a failure: kill the workers now (survivors may be stuck in a collective with a
+        dead peer), finish the teardown in the background, and return the error to raise."""
+        if self._closed_reason is None:
+            log.error("pipeline closing: %s", reason)
+        self._mark_closed(reason)
+        self._kill_workers()
+        self._teardown_started()
+        return PipelineError(reason)
+
+    def _teardown_started(self) -> asyncio.Future[None]:
+        if self._teardown is None:
+            self._teardown = asyncio.ensure_future(self._tear_down())
+        return self._teardown
+
+    async def _tear_down(self) -> None:
+        await self._close_transport(kill_actors=True)
+        self._kill_workers()
+        await self._await_workers_gone()
+        if self._owns_pg and self._pg is not None:
+            remove_placement_group(self._pg)
+        self._pg = None
+
+    async def _close_transport(self, kill_actors: bool) -> None:
+        transport, self._transport = self._transport, None
+        if transport is None:
+            return
+        try:
+            await asyncio.wait_for(transport.close(kill_actors), self.spec.teardown_timeout_s)
+        except TimeoutError:
+            log.warning("transport teardown exceeded %ss; killing the workers", self.spec.teardown_timeout_s)
+        except Exception:
+            log.exception("transport teardown failed; killing the workers")
+
+    def _kill_workers(self) -> None:
+        for w in self._all_workers():
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception as exc:  # already gone, or Ray itself is shutting down
+                log.debug("ray.kill(%s): %s", w, exc)
+
+    async def _await_workers_gone(self) -> None:
+        """Until every killed worker is reported dead (bounded): shutdown leaves no actors behind."""
+        deadline = time.monotonic() + self.spec.teardown_timeout_s
+        for w in self._all_workers():
+            while time.monotonic() < deadline:
+                try:
+                    await asyncio.wait_for(_as_future(w.ping.remote()), self.spec.ping_timeout_s)
+                except (RayActorError, GetTimeoutError, TimeoutError):
+                    break
+                await asyncio.sleep(self.spec.liveness_interval_s / 10)
+
+
+def _looks_like_channel_failure(exc: BaseException) -> bool:
+    """Not a worker's own exception: the graph's channels failed (a worker died under them)."""
+    return not isinstance(exc, RayTaskError)
+
+
+def _describe(exc: BaseException) -> str:
+    """One line: a worker's own exception rather than Ray's wrapper and its remote traceback."""
+    cause = exc.cause if isinstance(exc, RayTaskError) else None
+    shown = cause if isinstance(cause, BaseException) else exc
+    first = (str(shown).strip().splitlines() or [""])[-1 if shown is exc else 0]
+    return f"{type(shown).__name__}: {first}"
+
+
+def _as_future(ref: ray.ObjectRef) -> asyncio.Future[Any]:
+    return asyncio.wrap_future(ref.future())
+
+
+def _failed(ref: ray.ObjectRef) -> bool:
+    ready, _ = ray.wait([ref], timeout=0)
+    if not ready:
+        return False
+    try:
+        ray.get(ref, timeout=0)
+    except Exception:
+        return True
+    return False
