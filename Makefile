@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 serve: install
-	$(BIN)/python -m app.offline --config config/demo.yaml
+	$(BIN)/serve run --address local config/demo.yaml
 
 test: install
 	$(BIN)/python -m pytest -q tests

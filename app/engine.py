@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 class Executor(Protocol):
     """Runs plans. ``max_inflight`` plans may be outstanding at once."""
 
-    max_inflight: int
+    @property
+    def max_inflight(self) -> int: ...
 
     async def execute(self, plan: BatchPlan) -> StepOutput: ...
 

@@ -15,6 +15,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ def hardware_name(device: str) -> str:
     return "cpu"
 
 
-def _median_seconds(run: Callable[[], None], repeats: int) -> float:
+def _median_seconds(run: Callable[[], object], repeats: int) -> float:
     run()  # warm-up: allocator, kernel caches
     samples = []
     for _ in range(repeats):
@@ -59,7 +60,8 @@ def measure_t_init(ex: InProcessExecutor, prompt_lens: Sequence[int], repeats: i
     for s in prompt_lens:
         entry = BatchEntry("p", tuple(2 + (i % 1000) for i in range(s)), 0,
                            tuple(range(_blocks(s, bs))), True, GREEDY)
-        out.append(_median_seconds(lambda e=entry: ex.execute(BatchPlan(0, (e,))), repeats))
+        plan = BatchPlan(0, (entry,))
+        out.append(_median_seconds(partial(ex.execute, plan), repeats))
     return out
 
 
@@ -73,7 +75,7 @@ def measure_t_dec(ex: InProcessExecutor, batch_sizes: Sequence[int], repeats: in
                        False, GREEDY, 1)
             for j in range(b)
         )
-        out.append(_median_seconds(lambda e=entries: ex.execute(BatchPlan(0, e)), repeats))
+        out.append(_median_seconds(partial(ex.execute, BatchPlan(0, entries)), repeats))
     return out
 
 

@@ -1,0 +1,325 @@
+"""The Serve application's configuration: ``AppArgs``, the ``args`` of every ``config/*.yaml``.
+
+Owns the top-level schema that Serve validates a YAML's ``args`` with (``app.main:build_app``),
+composed of the control plane's own models (``SchedulerConfig``, ``KVCacheConfig``,
+``EngineConfig`` from ``app.scheduler.config``, imported, never duplicated) plus the model, the
+parallel layout, the profile, the HTTP server and the two deployments. Every model is strict
+(``extra="forbid"``) so a misspelt key fails naming itself, and cross-field checks reject
+impossible sizes (TP·PP ≠ GPUs requested, a block size that does not divide the context, pools
+or token budgets too small for one max-length request) before anything is deployed.
+
+Relative paths are resolved against the project root (not the working directory): Serve
+replicas and the application builder run in Ray worker processes with their own cwd.
+
+Pass ``context={"require_profile": False}`` to ``AppArgs.model_validate`` to skip the existence
+check of the profile file. Only the schema test does that, for the GPU configs whose profiles
+come from the simulator; a running server always requires its profile.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from actors.model.config import OPTConfig
+from app.scheduler.config import EngineConfig, KVCacheConfig, SchedulerConfig
+from app.scheduler.profile import Profile
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+#: Environment variable that supplies (or overrides) the API key.
+API_KEY_ENV = "FASTSERVE_API_KEY"
+#: Validation-context key that lets the schema test skip the profile file check.
+REQUIRE_PROFILE_CONTEXT = "require_profile"
+
+Device = Literal["cpu", "cuda"]
+DType = Literal["float32", "float16", "bfloat16"]
+LoadFormat = Literal["dummy", "auto"]
+PGStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+
+
+class ProfileMismatchWarning(UserWarning):
+    """The profile was measured on another layout (TP, PP or block size) than the config's."""
+
+
+def resolve_path(path: str | Path) -> Path:
+    """An absolute path as is; a relative one under the project root."""
+    p = Path(path)
+    return p if p.is_absolute() else PROJECT_ROOT / p
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelArgs(_Strict):
+    """Which model a replica serves and how its weights are made."""
+
+    #: The id clients put in ``model`` and that ``/v1/models`` lists.
+    name: str = Field(min_length=1)
+    #: A Hugging Face ``config.json`` (or the directory holding it).
+    config_path: str
+    tokenizer_path: str = "config/tokenizers/opt"
+    load_format: LoadFormat = "dummy"
+    #: Checkpoint directory or hub id; required by ``load_format: auto``.
+    model_path: str | None = None
+    dtype: DType = "float32"
+    device: Device = "cpu"
+    seed: int = Field(default=0, ge=0)
+    #: Cap on prompt + generated tokens; None = the model's ``max_position_embeddings``.
+    max_model_len: int | None = Field(default=None, ge=1)
+
+    @field_validator("config_path", "tokenizer_path")
+    @classmethod
+    def _exists(cls, value: str) -> str:
+        if not resolve_path(value).exists():
+            raise ValueError(f"path {value!r} does not exist (resolved to {resolve_path(value)})")
+        return value
+
+    @model_validator(mode="after")
+    def _weights(self) -> ModelArgs:
+        if self.load_format == "auto" and not self.model_path:
+            raise ValueError("load_format 'auto' needs model_path (a checkpoint directory or hub id)")
+        return self
+
+    def opt_config(self) -> OPTConfig:
+        return OPTConfig.from_file(resolve_path(self.config_path))
+
+    def context_len(self) -> int:
+        """The longest prompt + output a request may have."""
+        limit = self.opt_config().max_position_embeddings
+        return limit if self.max_model_len is None else self.max_model_len
+
+
+class ParallelArgs(_Strict):
+    """How one model copy is split: TP ranks per stage × PP stages, and the GPUs that takes."""
+
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    pipeline_parallel_size: int = Field(default=1, ge=1)
+    #: Run stage-worker actors (the Ray pipeline) even for TP·PP = 1.
+    use_ray_pipeline: bool = False
+    #: GPUs one model copy requests; must be TP·PP on cuda and 0 on cpu.
+    num_gpus: int = Field(default=0, ge=0)
+    #: Plans the pipeline keeps in flight; None = one per stage (paper §4.3).
+    max_inflight: int | None = Field(default=None, ge=1)
+    #: How plans travel between stage workers: a Ray compiled graph, or plain actor calls.
+    transport: Literal["compiled", "actor"] = "compiled"
+    #: Logical CPUs each stage worker (one TP rank) reserves; a stage's bundle holds TP of them.
+    worker_cpus: float = Field(default=0.01, gt=0)
+    #: torch intra-op threads per stage worker; None keeps torch's default.
+    torch_threads: int | None = Field(default=None, ge=1)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def uses_pipeline(self) -> bool:
+        return self.use_ray_pipeline or self.world_size > 1
+
+
+class ProfileArgs(_Strict):
+    """The job profiler's output the scheduler interpolates (``python -m app.profile``)."""
+
+    path: str
+
+    @field_validator("path")
+    @classmethod
+    def _exists(cls, value: str, info: ValidationInfo) -> str:
+        required = (info.context or {}).get(REQUIRE_PROFILE_CONTEXT, True)
+        if required and not resolve_path(value).is_file():
+            raise ValueError(
+                f"profile file {value!r} not found (resolved to {resolve_path(value)}); "
+                "write it with `python -m app.profile`"
+            )
+        return value
+
+
+class ServerArgs(_Strict):
+    """HTTP behaviour of the ingress."""
+
+    #: Bearer token clients must send; None = open (env FASTSERVE_API_KEY, if set, wins).
+    api_key: str | None = None
+    #: ``Retry-After`` seconds sent with a 429 when the admission queue is full.
+    retry_after_s: int = Field(default=1, ge=0)
+    #: How often each scheduler replica publishes its metrics snapshot.
+    metrics_push_interval_s: float = Field(default=0.5, gt=0)
+    #: Snapshots older than this are dropped from /metrics (a replica that went away).
+    metrics_stale_after_s: float = Field(default=30.0, gt=0)
+
+    def resolved_api_key(self) -> str | None:
+        return os.environ.get(API_KEY_ENV) or self.api_key
+
+
+class IngressDeploymentArgs(_Strict):
+    """The ``Ingress`` deployment: CPU-only, stateless, autoscaled."""
+
+    num_replicas: int | None = Field(default=None, ge=1)
+    #: Serve's ``autoscaling_config`` (keys of ``ray.serve.config.AutoscalingConfig``).
+    autoscaling_config: dict[str, Any] | None = None
+    max_ongoing_requests: int = Field(default=256, ge=1)
+    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0})
+
+    @field_validator("autoscaling_config")
+    @classmethod
+    def _autoscaling(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        from ray.serve.config import AutoscalingConfig
+
+        # Serve's model ignores unknown keys; a misspelt one must not be silently dropped.
+        unknown = sorted(set(value) - set(AutoscalingConfig.model_fields))
+        if unknown:
+            raise ValueError(f"unknown autoscaling_config key(s) {unknown}")
+        AutoscalingConfig(**value)
+        return value
+
+    @model_validator(mode="after")
+    def _replicas(self) -> IngressDeploymentArgs:
+        if self.num_replicas is not None and self.autoscaling_config is not None:
+            raise ValueError("set num_replicas or autoscaling_config, not both")
+        target = (self.autoscaling_config or {}).get("target_ongoing_requests")
+        if target is not None and self.max_ongoing_requests < target:
+            raise ValueError(
+                f"max_ongoing_requests={self.max_ongoing_requests} is below the autoscaling "
+                f"target_ongoing_requests={target}: replicas could never reach the target"
+            )
+        return self
+
+
+class SchedulerDeploymentArgs(_Strict):
+    """The ``Scheduler`` deployment: one replica = one model copy with its own executor."""
+
+    num_replicas: int = Field(default=1, ge=1)
+    #: Streams one replica accepts; beyond it Serve queues at the handle, outside admission control.
+    max_ongoing_requests: int = Field(default=1024, ge=1)
+    #: Resources of the replica's own bundle (the scheduler process); GPUs are added for an
+    #: in-process model on cuda. Tiny CPU fractions keep a 2-core box schedulable.
+    replica_bundle: dict[str, float] = Field(default_factory=lambda: {"CPU": 0.01})
+    placement_group_strategy: PGStrategy = "PACK"
+    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0})
+
+    @model_validator(mode="after")
+    def _fits_bundle(self) -> SchedulerDeploymentArgs:
+        cpus = float(self.ray_actor_options.get("num_cpus", 1))
+        if cpus > self.replica_bundle.get("CPU", 0.0):
+            raise ValueError(
+                f"ray_actor_options.num_cpus={cpus} does not fit replica_bundle {self.replica_bundle}: "
+                "Serve places the replica in its first bundle"
+            )
+        if not any(v > 0 for v in self.replica_bundle.values()):
+            raise ValueError(f"replica_bundle {self.replica_bundle} must reserve some resource")
+        return self
+
+
+class AppArgs(_Strict):
+    """Everything ``build_app`` needs; the ``args`` of a Serve YAML."""
+
+    model: ModelArgs
+    parallel: ParallelArgs = Field(default_factory=ParallelArgs)
+    profile: ProfileArgs
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    kv_cache: KVCacheConfig
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    server: ServerArgs = Field(default_factory=ServerArgs)
+    ingress: IngressDeploymentArgs = Field(default_factory=IngressDeploymentArgs)
+    scheduler_deployment: SchedulerDeploymentArgs = Field(default_factory=SchedulerDeploymentArgs)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AppArgs:
+        self._check_parallel()
+        self._check_sizes()
+        self._check_profile()
+        return self
+
+    def _check_profile(self) -> None:
+        """The profile should describe this layout: its timings drive skip-join and the quanta."""
+        path = resolve_path(self.profile.path)
+        if not path.is_file():   # only possible when the caller waived the file check
+            return
+        prof = Profile.load(path)
+        want = {"tp": self.parallel.tensor_parallel_size, "pp": self.parallel.pipeline_parallel_size,
+                "block_size": self.kv_cache.block_size}
+        for key, value in want.items():
+            if getattr(prof, key) != value:
+                # Not fatal: a CPU pipeline demo has no profile of its own; the quanta are off.
+                warnings.warn(f"profile {self.profile.path} was measured with {key}={getattr(prof, key)}, "
+                              f"but this config has {key}={value}: skip-join levels and quanta will be "
+                              "inaccurate", ProfileMismatchWarning, stacklevel=2)
+
+    def _check_parallel(self) -> None:
+        par, model = self.parallel, self.model
+        if model.device == "cuda" and par.num_gpus != par.world_size:
+            raise ValueError(
+                f"parallel.num_gpus={par.num_gpus} but tensor_parallel_size={par.tensor_parallel_size} "
+                f"× pipeline_parallel_size={par.pipeline_parallel_size} = {par.world_size}: "
+                "each TP rank of each stage takes exactly one GPU"
+            )
+        if model.device == "cpu" and par.num_gpus:
+            raise ValueError(f"parallel.num_gpus={par.num_gpus} but model.device is 'cpu'")
+        cfg = model.opt_config()
+        tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
+        for name, value in (("num_attention_heads", cfg.num_attention_heads), ("ffn_dim", cfg.ffn_dim)):
+            if value % tp:
+                raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name}={value}")
+        if pp > cfg.num_hidden_layers:
+            raise ValueError(
+                f"pipeline_parallel_size={pp} exceeds the model's {cfg.num_hidden_layers} layers"
+            )
+
+    def _check_sizes(self) -> None:
+        ctx = self.model.context_len()
+        positions = self.model.opt_config().max_position_embeddings
+        if ctx > positions:
+            raise ValueError(f"model.max_model_len={ctx} exceeds the model's {positions} positions")
+        kv = self.kv_cache
+        if ctx % kv.block_size:
+            raise ValueError(
+                f"kv_cache.block_size={kv.block_size} does not divide the context length {ctx}"
+            )
+        need = math.ceil(ctx / kv.block_size)
+        usable = kv.num_device_blocks - kv.reserved_blocks
+        if usable < need:
+            raise ValueError(
+                f"kv_cache.num_device_blocks={kv.num_device_blocks} (minus reserved_blocks="
+                f"{kv.reserved_blocks}) is too small for one max-length request: {ctx} tokens "
+                f"need {need} blocks of {kv.block_size}"
+            )
+        if kv.swap_mode != "recompute" and kv.num_host_blocks < need:
+            raise ValueError(
+                f"kv_cache.num_host_blocks={kv.num_host_blocks} is too small to swap out one "
+                f"max-length request ({need} blocks)"
+            )
+        if self.scheduler.max_num_batched_tokens < ctx:
+            raise ValueError(
+                f"scheduler.max_num_batched_tokens={self.scheduler.max_num_batched_tokens} is below the "
+                f"context length {ctx}: a max-length prompt could never run its first iteration"
+            )
+
+    # ---- derived deployment settings ------------------------------------------------------
+
+    def placement_group_bundles(self) -> list[dict[str, float]]:
+        """One bundle for the scheduler replica, then one per pipeline stage with its TP GPUs."""
+        dep, par = self.scheduler_deployment, self.parallel
+        replica = dict(dep.replica_bundle)
+        if not par.uses_pipeline:
+            if par.num_gpus:
+                replica["GPU"] = replica.get("GPU", 0.0) + par.num_gpus
+            return [replica]
+        # Must match what actors.pipeline places in each stage bundle: TP workers of
+        # worker_cpus CPUs and (on cuda) one GPU each.
+        stage: dict[str, float] = {"CPU": par.worker_cpus * par.tensor_parallel_size}
+        if self.model.device == "cuda":
+            stage["GPU"] = float(par.tensor_parallel_size)
+        return [replica] + [dict(stage) for _ in range(par.pipeline_parallel_size)]
+
+    def scheduler_actor_options(self) -> dict[str, Any]:
+        """The replica's actor options; an in-process model on cuda needs its GPU visible."""
+        options = dict(self.scheduler_deployment.ray_actor_options)
+        if not self.parallel.uses_pipeline and self.parallel.num_gpus:
+            options["num_gpus"] = self.parallel.num_gpus
+        return options

@@ -1,0 +1,355 @@
+"""The ``Ingress`` deployment: the OpenAI-compatible HTTP API (FastAPI on Starlette).
+
+Owns the request path in front of the schedulers: authentication, parsing and validation
+(``app.protocol``), tokenization and chat templating (``app.tokenizer``), the call to a
+``Scheduler`` replica through a streaming ``DeploymentHandle``, detokenization with stop strings,
+SSE streaming, and turning every failure into an OpenAI error body with the right status.
+
+``OpenAIServer`` holds the logic and talks to a ``Backend`` (the Serve handles in production, a
+fake in unit tests); ``make_api`` builds the FastAPI app over it; ``Ingress`` is the Serve
+deployment class (its app is built per replica by ``__serve_build_asgi_app__``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from actors.messages import SamplingParams, validate_request
+from app.config import AppArgs, resolve_path
+from app.metrics import CONTENT_TYPE
+from app.protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    StopStringMatcher,
+    bad_request,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    error_body,
+    models_response,
+    now_s,
+    parse_request,
+    usage,
+)
+from app.serving import GenerateRequest, StreamItem
+from app.tokenizer import IncrementalDecoder, Tokenizer, apply_chat_template
+
+log = logging.getLogger(__name__)
+
+SSE_DONE = b"data: [DONE]\n\n"
+#: Finish reasons that mean the server, not the model, ended the job.
+SERVER_ENDED = {"abort": (503, "the server stopped the request (shutting down?)"),
+                "error": (500, "generation failed inside the engine")}
+
+
+class Stream(Protocol):
+    """A scheduler stream: async iterator of ``StreamItem``s that can be cancelled."""
+
+    def __aiter__(self) -> AsyncIterator[StreamItem]: ...
+
+    def __anext__(self) -> Awaitable[StreamItem]: ...
+
+    def cancel(self) -> None: ...
+
+
+class Backend(Protocol):
+    def generate(self, req: GenerateRequest) -> Stream: ...
+
+    async def metrics_text(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class ServerContext:
+    """What the HTTP layer knows about the served model."""
+
+    model_name: str
+    tokenizer: Tokenizer
+    vocab_size: int
+    context_len: int
+    api_key: str | None = None
+    retry_after_s: int = 1
+    created: int = field(default_factory=now_s)
+
+    @classmethod
+    def from_args(cls, args: AppArgs) -> ServerContext:
+        tokenizer = Tokenizer.from_dir(resolve_path(args.model.tokenizer_path))
+        return cls(args.model.name, tokenizer, args.model.opt_config().vocab_size,
+                   args.model.context_len(), args.server.resolved_api_key(), args.server.retry_after_s)
+
+
+@dataclass
+class Event:
+    """One step of a generation as the HTTP layer sees it."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    job_stats: dict[str, Any] = field(default_factory=dict)
+    completion_tokens: int = 0
+
+
+@dataclass
+class Prepared:
+    req: CompletionRequest | ChatCompletionRequest
+    request_id: str
+    prompt_ids: list[int]
+    chat: bool
+
+
+class OpenAIServer:
+    def __init__(self, ctx: ServerContext, backend: Backend) -> None:
+        self.ctx = ctx
+        self.backend = backend
+
+    # ---- request preparation ---------------------------------------------------------------
+
+    def check_auth(self, authorization: str | None) -> None:
+        if self.ctx.api_key is None:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), self.ctx.api_key):
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                           None, "invalid_api_key")
+
+    def prepare_completion(self, raw: bytes) -> tuple[Prepared, SamplingParams]:
+        req: CompletionRequest = parse_request(CompletionRequest, raw)
+        self._check_model(req.model)
+        ids = self.ctx.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        sampling = req.to_sampling(DEFAULT_COMPLETION_MAX_TOKENS)
+        self._validate(ids, sampling, "prompt")
+        return Prepared(req, f"cmpl-{uuid.uuid4().hex}", ids, False), sampling
+
+    def prepare_chat(self, raw: bytes) -> tuple[Prepared, SamplingParams]:
+        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, raw)
+        self._check_model(req.model)
+        try:
+            prompt = apply_chat_template([m.as_template_message() for m in req.messages])
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages") from None
+        ids = self.ctx.tokenizer.encode(prompt)
+        room = self.ctx.context_len - len(ids)
+        if room < 1:
+            raise bad_request(
+                f"messages of {len(ids)} tokens leave no room to generate within the model's "
+                f"context of {self.ctx.context_len} tokens", "messages", "context_length_exceeded")
+        sampling = req.to_sampling(room)
+        self._validate(ids, sampling, "messages")
+        return Prepared(req, f"chatcmpl-{uuid.uuid4().hex}", ids, True), sampling
+
+    def _check_model(self, model: str) -> None:
+        if model != self.ctx.model_name:
+            raise bad_request(f"the model '{model}' does not exist; this server serves "
+                              f"'{self.ctx.model_name}'", "model", "model_not_found")
+
+    def _validate(self, ids: list[int], sampling: SamplingParams, param: str) -> None:
+        try:
+            validate_request(ids, sampling, self.ctx.vocab_size, self.ctx.context_len)
+        except ValueError as exc:
+            msg = str(exc)
+            code = "context_length_exceeded" if "exceeds the model's context" in msg else None
+            raise bad_request(msg, param, code) from None
+
+    # ---- generation ------------------------------------------------------------------------
+
+    async def start(self, prep: Prepared, sampling: SamplingParams) -> Stream:
+        """Hand the job to a scheduler; raise 429/400 if it refuses."""
+        stream = self.backend.generate(
+            GenerateRequest(prep.request_id, tuple(prep.prompt_ids), sampling, prep.req.priority))
+        try:
+            first = await stream.__anext__()
+        except BaseException:
+            stream.cancel()
+            raise
+        if first.kind == "rejected":
+            raise APIError(429, f"server busy: {first.message}; retry later", None,
+                           "admission_queue_full", "rate_limit_error",
+                           {"Retry-After": str(self.ctx.retry_after_s)})
+        if first.kind == "invalid":
+            raise bad_request(first.message, "messages" if prep.chat else "prompt")
+        return stream
+
+    async def events(self, stream: Stream, prep: Prepared) -> AsyncIterator[Event]:
+        """Token items → text deltas (stop strings applied); the last event has the finish."""
+        decoder = IncrementalDecoder(self.ctx.tokenizer, prep.prompt_ids)
+        matcher = StopStringMatcher(prep.req.stop_strings())
+        n, done = 0, False
+        try:
+            async for item in stream:
+                if item.kind == "token" and item.token_id is not None:
+                    n += 1
+                    text = matcher.push(decoder.step(item.token_id))
+                    if matcher.stopped:
+                        done = True
+                        stream.cancel()   # the scheduler aborts the job and frees its blocks
+                        yield Event(text, [item.token_id], "stop", {}, n)
+                        return
+                    yield Event(text, [item.token_id], None, {}, n)
+                elif item.kind == "finished":
+                    done = True
+                    reason = item.finish_reason or "stop"
+                    if reason in SERVER_ENDED:
+                        status, message = SERVER_ENDED[reason]
+                        raise APIError(status, message, None, reason, "internal_error")
+                    tail = matcher.push(decoder.flush())
+                    yield Event(tail + matcher.flush(), [], reason, item.job_stats, n)
+                    return
+            raise APIError(500, "the scheduler stream ended without a finish", None, "internal_error",
+                           "internal_error")
+        finally:
+            if not done:
+                stream.cancel()
+
+    async def complete(self, prep: Prepared, stream: Stream) -> dict[str, Any]:
+        text, ids, last = [], [], Event("", [])
+        async for ev in self.events(stream, prep):
+            text.append(ev.text)
+            ids += ev.token_ids
+            last = ev
+        extra: dict[str, Any] = {"job_stats": last.job_stats}
+        if prep.req.return_token_ids:
+            extra["choice"] = {"token_ids": ids}
+            extra["prompt_token_ids"] = prep.prompt_ids
+        build = chat_response if prep.chat else completion_response
+        return build(prep.request_id, self.ctx.model_name, "".join(text), last.finish_reason,
+                     usage(len(prep.prompt_ids), last.completion_tokens), extra)
+
+    async def sse(self, prep: Prepared, stream: Stream) -> AsyncIterator[bytes]:
+        created, model, rid = now_s(), self.ctx.model_name, prep.request_id
+        want_usage, want_ids = prep.req.include_usage, prep.req.return_token_ids
+        base: dict[str, Any] = {"usage": None} if want_usage else {}
+
+        def chunk(text: str, reason: str | None, ids: list[int], extra: dict[str, Any]) -> bytes:
+            more = {**base, **extra}
+            if want_ids:
+                more["choice"] = {"token_ids": ids}
+            if prep.chat:
+                delta = {"content": text} if text or reason is None else {}
+                body = chat_chunk(rid, model, created, delta, reason, more)
+            else:
+                body = completion_chunk(rid, model, created, text, reason, more)
+            return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+        if prep.chat:
+            first = chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None, dict(base))
+            yield b"data: " + json.dumps(first).encode() + b"\n\n"
+        n = 0
+        try:
+            async for ev in self.events(stream, prep):
+                n = ev.completion_tokens
+                if ev.finish_reason is not None:
+                    yield chunk(ev.text, ev.finish_reason, ev.token_ids, {"job_stats": ev.job_stats})
+                elif ev.text or want_ids:
+                    yield chunk(ev.text, None, ev.token_ids, {})
+        except APIError as exc:   # the 200 is already sent: the error travels as an event
+            yield b"data: " + json.dumps(exc.body()).encode() + b"\n\n"
+            yield SSE_DONE
+            return
+        except Exception as exc:   # e.g. the scheduler replica died mid-stream
+            log.exception("stream %s failed", rid)
+            body = error_body(f"internal error: {type(exc).__name__}", "internal_error", None, "internal_error")
+            yield b"data: " + json.dumps(body).encode() + b"\n\n"
+            yield SSE_DONE
+            return
+        if want_usage:
+            u = {"usage": usage(len(prep.prompt_ids), n)}
+            tail = chat_chunk(rid, model, created, None, None, u) if prep.chat else \
+                completion_chunk(rid, model, created, None, None, u)
+            yield b"data: " + json.dumps(tail).encode() + b"\n\n"
+        yield SSE_DONE
+
+    async def handle(self, raw: bytes, chat: bool) -> Response:
+        prep, sampling = self.prepare_chat(raw) if chat else self.prepare_completion(raw)
+        stream = await self.start(prep, sampling)
+        if prep.req.stream:
+            return StreamingResponse(self.sse(prep, stream), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return JSONResponse(await self.complete(prep, stream))
+
+
+def make_api(server: OpenAIServer) -> FastAPI:
+    """The FastAPI app over ``server`` (used by the Serve deployment and by unit tests)."""
+    api = FastAPI(title="FastServe on Ray", docs_url=None, redoc_url=None)
+
+    @api.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @api.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return JSONResponse(error_body(str(exc.detail), code=code), status_code=exc.status_code)
+
+    @api.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "internal_error"),
+                            status_code=500)
+
+    def guarded(chat: bool) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            server.check_auth(request.headers.get("authorization"))
+            return await server.handle(await request.body(), chat)
+        return endpoint
+
+    api.add_api_route("/v1/completions", guarded(False), methods=["POST"])
+    api.add_api_route("/v1/chat/completions", guarded(True), methods=["POST"])
+
+    @api.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        server.check_auth(request.headers.get("authorization"))
+        return JSONResponse(models_response(server.ctx.model_name, server.ctx.created))
+
+    @api.get("/health")
+    async def health() -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    @api.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await server.backend.metrics_text(), media_type=CONTENT_TYPE)
+
+    return api
+
+
+class ServeBackend:
+    """The production ``Backend``: the Scheduler and Metrics deployments' handles."""
+
+    def __init__(self, scheduler: Any, metrics: Any) -> None:
+        self._generate = scheduler.options(stream=True).generate
+        self._metrics = metrics
+
+    def generate(self, req: GenerateRequest) -> Stream:
+        stream: Stream = self._generate.remote(req)
+        return stream
+
+    async def metrics_text(self) -> str:
+        text: str = await self._metrics.render.remote()
+        return text
+
+
+@serve.ingress()
+class Ingress:
+    """The HTTP entry point; ``app.main`` applies its Serve options (autoscaling, ...)."""
+
+    def __init__(self, scheduler: Any, metrics: Any, args: dict[str, Any]) -> None:
+        started = time.monotonic()
+        ctx = ServerContext.from_args(AppArgs.model_validate(args))
+        self.server = OpenAIServer(ctx, ServeBackend(scheduler, metrics))
+        log.info("ingress ready in %.1f s for model %s", time.monotonic() - started, ctx.model_name)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return make_api(self.server)

@@ -1,0 +1,288 @@
+"""The ``Scheduler`` deployment: one replica = one model copy, its executor and its engine loop.
+
+Owns the replica side of a request: ``SchedulerReplica.generate`` adds the job to the replica's
+``Engine`` and streams ``StreamItem``s back through the ingress's ``DeploymentHandle``; the
+first item says whether the job was accepted (or refused: admission queue full → 429, invalid →
+400), the last carries the finish reason and the scheduler's per-job accounting. A cancelled
+stream (client gone, stop string matched) aborts the job, which frees its KV blocks.
+
+It also owns executor construction (``build_executor``): in process (``ThreadedExecutor`` over
+``InProcessExecutor``) for TP·PP = 1, else the Ray pipeline of stage-worker actors placed in this
+replica's own placement group (bundle 0 is the replica, bundle 1 + s is stage s), and the
+replica's metrics, published to the ``Metrics`` deployment every ``metrics_push_interval_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from actors.messages import SamplingParams
+from app.config import AppArgs, resolve_path
+from app.engine import Engine, Executor, ThreadedExecutor
+from app.metrics import Labels, RequestMetrics, labels
+from app.scheduler.job import JobState, JobStats
+from app.scheduler.profile import Profile
+from app.scheduler.scheduler import AdmissionQueueFull, Scheduler
+
+log = logging.getLogger(__name__)
+
+ItemKind = Literal["accepted", "rejected", "invalid", "token", "finished"]
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """What the ingress sends the scheduler: a tokenized, validated request."""
+
+    job_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    #: Lower = more urgent. Recorded; the shipped policies rank by their own rules.
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class StreamItem:
+    """One item of ``generate``'s stream (plain data: it crosses processes)."""
+
+    kind: ItemKind
+    token_id: int | None = None
+    finish_reason: str | None = None
+    message: str = ""
+    job_stats: dict[str, Any] = field(default_factory=dict)
+
+
+def job_stats_dict(stats: JobStats) -> dict[str, Any]:
+    """The per-job accounting a response carries (``job_stats``), in seconds and counts."""
+    ttft = None if stats.first_token_time is None else stats.first_token_time - stats.arrival
+    e2e = None if stats.finish_time is None else stats.finish_time - stats.arrival
+    return {
+        "queue_s": stats.queueing_s, "exec_s": stats.execution_s,
+        "swap_blocked_s": stats.swap_blocked_s, "ttft_s": ttft, "e2e_s": e2e,
+        "demotions": stats.demotions, "promotions": stats.promotions,
+        "swaps_in": stats.swaps_in, "swaps_out": stats.swaps_out, "recomputes": stats.recomputes,
+        "num_generated": stats.num_generated, "prompt_len": stats.prompt_len,
+    }
+
+
+async def build_executor(args: AppArgs) -> Executor:
+    """The executor of one model copy, started."""
+    if args.parallel.uses_pipeline:
+        return await _pipeline_executor(args)
+    return await asyncio.to_thread(in_process_executor, args)
+
+
+def in_process_executor(args: AppArgs) -> Executor:
+    from actors.executor import InProcessExecutor  # imports torch: only where the model lives
+
+    m, kv = args.model, args.kv_cache
+    sync = InProcessExecutor(resolve_path(m.config_path), kv.num_device_blocks, kv.num_host_blocks,
+                             kv.block_size, m.dtype, m.device, m.seed, m.load_format, m.model_path)
+    return ThreadedExecutor(sync)
+
+
+async def _pipeline_executor(args: AppArgs) -> Executor:
+    """The Ray pipeline in this replica's placement group; stage s takes bundle 1 + s."""
+    import ray
+
+    from actors.pipeline import PipelineExecutor, PipelineSpec
+
+    m, kv, par = args.model, args.kv_cache, args.parallel
+    spec = PipelineSpec(
+        model=resolve_path(m.config_path), num_device_blocks=kv.num_device_blocks,
+        num_host_blocks=kv.num_host_blocks, block_size=kv.block_size, dtype=m.dtype, device=m.device,
+        seed=m.seed, load_format=m.load_format, model_path=m.model_path,
+        tensor_parallel_size=par.tensor_parallel_size, pipeline_parallel_size=par.pipeline_parallel_size,
+        transport=par.transport, max_inflight=par.max_inflight, worker_cpus=par.worker_cpus,
+        torch_threads=par.torch_threads,
+        # None outside a Serve replica: the executor then reserves its own group.
+        placement_group=ray.util.get_current_placement_group(), bundle_offset=1)
+    if spec.placement_group is None:
+        spec.bundle_offset = 0
+    executor = PipelineExecutor(spec)
+    await executor.start()
+    return executor
+
+
+def build_scheduler(args: AppArgs) -> Scheduler:
+    profile = Profile.load(resolve_path(args.profile.path))
+    eos = args.model.opt_config().eos_token_id
+    return Scheduler(args.scheduler, args.kv_cache, profile, eos_token_id=eos)
+
+
+class SchedulerReplica:
+    """The body of the ``Scheduler`` deployment (``app.main`` applies the Serve options)."""
+
+    # Serve awaits an async constructor: the replica is ready only once its model is loaded.
+    async def __init__(self, args: dict[str, Any] | AppArgs, metrics: Any = None) -> None:  # type: ignore[misc]
+        self.args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
+        self.replica_id = _replica_id()
+        self.metrics_handle = metrics
+        self.request_metrics = RequestMetrics()
+        self._stats: dict[str, JobStats] = {}   # finished jobs' accounting, until their stream takes it
+        self._live: set[str] = set()             # jobs with a stream still open
+        executor = await build_executor(self.args)
+        self.engine = Engine(build_scheduler(self.args), executor, config=self.args.engine)
+        await self.engine.start()
+        self._push_task = asyncio.get_running_loop().create_task(self._push_metrics_forever())
+        self._closed = False
+        log.info("scheduler replica %s ready (%s, policy %s, swap %s)", self.replica_id,
+                 self.args.model.name, self.args.scheduler.policy, self.args.kv_cache.swap_mode)
+
+    @classmethod
+    async def create(cls, args: dict[str, Any] | AppArgs, metrics: Any = None) -> SchedulerReplica:
+        """Construct outside Serve (tests, tools): Python cannot await a constructor itself."""
+        replica = cls.__new__(cls)
+        await replica.__init__(args, metrics)   # type: ignore[misc]
+        return replica
+
+    async def close(self) -> None:
+        """Stop publishing and stop the engine (aborting open streams, shutting the executor)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._push_task.cancel()
+        await self.engine.stop()
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.engine.scheduler
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamItem]:
+        """Stream one job. Cancellation (the caller went away) aborts it and frees its blocks."""
+        try:
+            stream = self.engine.add_request(req.prompt_ids, req.sampling, job_id=req.job_id)
+        except AdmissionQueueFull as exc:
+            self.request_metrics.count("requests_rejected_total")
+            yield StreamItem("rejected", message=str(exc))
+            return
+        except ValueError as exc:
+            yield StreamItem("invalid", message=str(exc))
+            return
+        finished = False
+        self._live.add(req.job_id)
+        try:   # from here on, however the caller leaves, the job must not outlive it
+            yield StreamItem("accepted")
+            async for delta in stream:
+                if delta.finished:
+                    finished = True
+                    stats = self._take_stats(req.job_id)
+                    if delta.token_id is not None:
+                        yield StreamItem("token", delta.token_id)
+                    yield StreamItem("finished", finish_reason=delta.finish_reason, job_stats=stats)
+                    return
+                yield StreamItem("token", delta.token_id)
+        finally:
+            if not finished:
+                self.engine.abort(req.job_id)
+            self._live.discard(req.job_id)
+            self._stats.pop(req.job_id, None)
+
+    def _take_stats(self, job_id: str) -> dict[str, Any]:
+        self._collect_finished()
+        stats = self._stats.pop(job_id, None)
+        return {} if stats is None else job_stats_dict(stats)
+
+    def _collect_finished(self) -> None:
+        """Drain the scheduler's finished-job accounting: feed the histograms, keep per job."""
+        for stats in self.scheduler.drain_finished():
+            self._observe(stats)
+            if stats.job_id in self._live:
+                self._stats[stats.job_id] = stats
+
+    def _observe(self, s: JobStats) -> None:
+        m = self.request_metrics
+        m.count("requests_total", finish_reason=s.finish_reason or "unknown")
+        m.count("prompt_tokens_total", s.prompt_len)
+        m.count("generation_tokens_total", s.num_generated)
+        if s.finish_reason in ("stop", "length") and s.finish_time is not None:
+            ttft = None if s.first_token_time is None else s.first_token_time - s.arrival
+            m.observe_request(ttft=ttft, e2e=s.finish_time - s.arrival, num_generated=s.num_generated,
+                              queue=s.queueing_s, swap_blocked=s.swap_blocked_s)
+
+    # ---- inspection ------------------------------------------------------------------------
+
+    async def stats(self) -> dict[str, Any]:
+        """The scheduler's stats (tests and operators; not on the request path)."""
+        return dict(self.scheduler.stats())
+
+    def snapshot(self) -> dict[str, Any]:
+        self._collect_finished()
+        gauges, counters = scheduler_samples(self.scheduler)
+        return self.request_metrics.snapshot(self.replica_id, gauges, counters).to_dict()
+
+    async def _push_metrics_forever(self) -> None:
+        interval = self.args.server.metrics_push_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            if self.metrics_handle is None:
+                self._collect_finished()   # keep the per-job accounting drained
+                continue
+            try:
+                await self.metrics_handle.publish.remote(self.snapshot())
+            except Exception:   # metrics must never take the replica down
+                log.exception("publishing metrics failed")
+
+    async def check_health(self) -> None:
+        """Serve restarts a replica whose check fails: the way a dead pipeline gets rebuilt."""
+        if not self.engine.running:
+            raise RuntimeError("the engine loop is not running")
+        if getattr(self.engine.executor, "closed", False):   # a stage worker died (PipelineExecutor)
+            raise RuntimeError("the executor is closed")
+
+    def __del__(self) -> Coroutine[Any, Any, None] | None:
+        """Serve's graceful shutdown calls this on the replica's event loop and awaits what it
+        returns; Python's garbage collector calls it too, outside a loop, and gets None (an
+        ``async def __del__`` would leave it an un-awaited coroutine)."""
+        if getattr(self, "_closed", True):
+            return None
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return None
+        return self.close()
+
+
+def scheduler_samples(s: Scheduler) -> tuple[dict[tuple[str, Labels], float], dict[tuple[str, Labels], float]]:
+    """Gauges (jobs by level and state, KV usage) and scheduler counters, as labelled samples."""
+    gauges: dict[tuple[str, Labels], float] = {}
+    for level in range(1, s.queues.num_levels + 1):
+        gauges[("jobs_running", labels(level=level))] = 0.0
+        gauges[("jobs_waiting", labels(level=level))] = 0.0
+    for job in s.jobs().values():
+        if job.state is JobState.RUNNING:
+            gauges[("jobs_running", labels(level=job.level))] += 1
+        elif job.active:
+            gauges[("jobs_waiting", labels(level=job.level))] += 1
+    kv = s.kv
+    gauges[("admission_queue_jobs", ())] = float(s.num_waiting())
+    gauges[("kv_device_blocks_total", ())] = float(kv.device.capacity)
+    gauges[("kv_device_blocks_used", ())] = float(kv.device.capacity - kv.num_free_device)
+    gauges[("kv_host_blocks_total", ())] = float(kv.host.capacity)
+    gauges[("kv_host_blocks_used", ())] = float(kv.host.capacity - kv.num_free_host)
+    t = s.totals
+    counters: dict[tuple[str, Labels], float] = {
+        ("swaps_total", labels(direction="out")): float(t["swaps_out"]),
+        ("swaps_total", labels(direction="in")): float(t["swaps_in"]),
+        ("swapped_blocks_total", labels(direction="out")): float(kv.swapped_out_blocks),
+        ("swapped_blocks_total", labels(direction="in")): float(kv.swapped_in_blocks),
+        ("recomputes_total", ()): float(t["recomputes"]),
+        ("promotions_total", ()): float(t["promotions"]),
+        ("demotions_total", ()): float(t["demotions"]),
+        ("scheduler_steps_total", ()): float(t["steps"]),
+    }
+    return gauges, counters
+
+
+def _replica_id() -> str:
+    try:
+        from ray import serve
+
+        return str(serve.get_replica_context().replica_id.unique_id)
+    except Exception:   # not inside a Serve replica (offline runs, tests)
+        return f"local-{uuid.uuid4().hex[:8]}"
+

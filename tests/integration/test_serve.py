@@ -1,0 +1,572 @@
+"""The Serve application end to end: ``serve run config/demo.yaml`` on a local Ray, the official
+``openai`` client, concurrency and preemption, every error case, client disconnects; plus the
+configs (GPU YAMLs, the KubeRay manifest against the operator's CRD schema) and the 429 path
+through a real scheduler in process.
+
+The server fixture starts its own Ray head (``ray start --head --block``, small object store,
+explicit CPUs and ports) and ``serve run`` on a copy of ``config/demo.yaml`` that differs only in
+``http_options.port`` (a free port, so the test never collides with a server already on 8000).
+Teardown stops exactly the processes it started, walking their process trees: ``ray stop`` would
+also kill every other Ray on the machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+import yaml
+
+from actors.messages import SamplingParams
+from app.config import API_KEY_ENV, AppArgs
+from app.serving import GenerateRequest
+from app.tokenizer import Tokenizer
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+MODEL = "opt-125m"
+API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+RAY_CPUS = "8"
+OBJECT_STORE_BYTES = "200000000"
+STARTUP_TIMEOUT_S = 240.0
+REQUEST_TIMEOUT_S = 180.0
+TOK = Tokenizer.default()
+
+
+def demo_yaml() -> dict[str, Any]:
+    raw: dict[str, Any] = yaml.safe_load((ROOT / "config" / "demo.yaml").read_text())
+    return raw
+
+
+# ---- configs (no Ray) ------------------------------------------------------------------------
+
+GPU_CONFIGS = {"opt13b": (1, 1, 1), "opt66b": (4, 4, 1), "opt175b": (16, 8, 2)}
+
+
+@pytest.mark.parametrize("name", sorted(GPU_CONFIGS))
+def test_gpu_configs_validate_and_are_consistent(name: str) -> None:
+    from app.main import build_app
+
+    raw = yaml.safe_load((ROOT / "config" / f"{name}.yaml").read_text())
+    (app,) = raw["applications"]
+    assert app["import_path"] == "app.main:build_app"
+    # Profiles of GPU layouts come from the simulator; the schema test alone may waive the file.
+    args = AppArgs.model_validate(app["args"], context={"require_profile": False})
+    gpus, tp, pp = GPU_CONFIGS[name]
+    par = args.parallel
+    assert (par.num_gpus, par.tensor_parallel_size, par.pipeline_parallel_size) == (gpus, tp, pp)
+    assert par.tensor_parallel_size * par.pipeline_parallel_size == par.num_gpus
+    assert args.model.device == "cuda" and args.model.dtype == "float16"
+    assert (args.kv_cache.block_size, args.scheduler.max_batch_size, args.scheduler.max_num_batched_tokens) == \
+        (16, 16, 2048)
+    assert args.kv_cache.num_host_blocks > 0 and args.kv_cache.swap_mode == "proactive"
+    assert args.ingress.autoscaling_config is not None
+    bundles = args.placement_group_bundles()
+    assert sum(b.get("GPU", 0.0) for b in bundles) == gpus
+    build_app(args)   # the application graph builds (no cluster needed to bind it)
+
+
+def test_kuberay_manifest_matches_the_crd_and_the_serve_config() -> None:
+    import ray
+
+    manifest = yaml.safe_load((ROOT / "config" / "kuberay" / "rayservice-opt175b.yaml").read_text())
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)   # the CRD is 1 MB: use libyaml when present
+    crd = yaml.load((ROOT / "config" / "kuberay" / "crd" / "ray.io_rayservices.yaml").read_text(), Loader=loader)
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == manifest["apiVersion"].split("/")[1]]
+    assert version["served"] and manifest["kind"] == crd["spec"]["names"]["kind"]
+    jsonschema.Draft7Validator(version["schema"]["openAPIV3Schema"]).validate(manifest)
+
+    spec = manifest["spec"]
+    serve_config = yaml.safe_load(spec["serveConfigV2"])
+    assert serve_config == yaml.safe_load((ROOT / "config" / "opt175b.yaml").read_text())
+    (app,) = serve_config["applications"]
+    args = AppArgs.model_validate(app["args"], context={"require_profile": False})
+    cluster = spec["rayClusterConfig"]
+    assert cluster["rayVersion"] == ray.__version__
+    gpu_pods = [(g["minReplicas"], int(_limits(g).get("nvidia.com/gpu", 0))) for g in cluster["workerGroupSpecs"]]
+    need = args.scheduler_deployment.num_replicas * args.parallel.world_size
+    assert sum(n * per_pod for n, per_pod in gpu_pods) >= need == 16
+    # every stage bundle (its TP ranks' GPUs) must fit in one pod
+    largest_bundle = max(b.get("GPU", 0.0) for b in args.placement_group_bundles())
+    assert largest_bundle <= max(per_pod for _, per_pod in gpu_pods)
+
+
+def _limits(group: dict[str, Any]) -> dict[str, Any]:
+    limits: dict[str, Any] = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    return limits
+
+
+# ---- the 429 path through a real scheduler, in process (no Ray) ------------------------------
+
+class LocalStream:
+    """A ``SchedulerReplica.generate`` generator, cancellable as a Serve stream is."""
+
+    def __init__(self, agen: Any) -> None:
+        self._agen = agen
+
+    def __aiter__(self) -> LocalStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        return await self._agen.__anext__()
+
+    def cancel(self) -> None:
+        asyncio.ensure_future(self._agen.aclose())
+
+
+def test_full_admission_queue_answers_429_and_aborts_free_blocks() -> None:
+    from app.ingress import OpenAIServer, ServerContext, make_api
+    from app.metrics import Snapshot, render
+    from app.serving import SchedulerReplica
+
+    raw = demo_yaml()["applications"][0]["args"]
+    # FCFS, one job per batch, one job may wait: the third concurrent request is refused.
+    raw["scheduler"].update(policy="fcfs", max_batch_size=1, admission_queue_limit=1)
+
+    async def run() -> None:
+        replica = await SchedulerReplica.create(raw)
+
+        class Backend:
+            def generate(self, req: Any) -> LocalStream:
+                return LocalStream(replica.generate(req))
+
+            async def metrics_text(self) -> str:
+                return render([Snapshot.from_dict(replica.snapshot())])
+
+        server = OpenAIServer(ServerContext.from_args(replica.args), Backend())
+        body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 500, "ignore_eos": True}).encode()
+        try:
+            held = []
+            for i in range(2):   # one runs, one waits for admission
+                prep, sampling = server.prepare_completion(body)
+                held.append(await server.start(prep, sampling))
+                if i == 0:   # admitted once it has produced a token
+                    assert (await held[0].__anext__()).kind == "token"
+            assert replica.scheduler.num_waiting() == 1
+            transport = httpx.ASGITransport(app=make_api(server))
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                resp = await client.post("/v1/completions", content=body)
+                assert resp.status_code == 429, resp.text
+                assert resp.headers["retry-after"] == "1"
+                err = resp.json()["error"]
+                assert err["code"] == "admission_queue_full" and err["type"] == "rate_limit_error"
+                assert "admission_queue_limit=1" in err["message"]
+                for stream in held:
+                    stream.cancel()
+                deadline = time.monotonic() + 30
+                while replica.scheduler.has_work() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                stats = replica.scheduler.stats()
+                assert stats["jobs"] == 0 and stats["device_blocks"]["free"] == stats["device_blocks"]["total"]
+                replica.scheduler.check_invariants()
+                text = (await client.get("/metrics")).text
+                assert "fastserve_requests_rejected_total 1" in text
+                assert 'fastserve_requests_total{finish_reason="abort"} 2' in text
+        finally:
+            await replica.close()
+
+    asyncio.run(run())
+
+
+# ---- the server: ray start + serve run, torn down by process tree -----------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _proc_table() -> dict[int, tuple[int, str]]:
+    """pid -> (ppid, start time) of every process we can see."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        table[int(entry)] = (int(fields[1]), fields[19])
+    return table
+
+
+def _tree(root: int) -> dict[int, str]:
+    """``root`` and all its descendants: pid -> start time (to never signal a reused pid)."""
+    table = _proc_table()
+    out, frontier = {}, [root]
+    while frontier:
+        pid = frontier.pop()
+        if pid in table and pid not in out:
+            out[pid] = table[pid][1]
+            frontier += [p for p, (ppid, _) in table.items() if ppid == pid]
+    return out
+
+
+def _signal_all(pids: dict[int, str], sig: int) -> None:
+    table = _proc_table()
+    for pid, started in pids.items():
+        if table.get(pid, (0, ""))[1] == started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+
+def _alive(pids: dict[int, str]) -> list[int]:
+    table = _proc_table()
+    alive = []
+    for pid, started in pids.items():
+        if table.get(pid, (0, ""))[1] != started:
+            continue
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z":
+                alive.append(pid)
+        except OSError:
+            pass
+    return alive
+
+
+def stop_tree(proc: subprocess.Popen[bytes], grace_s: float) -> None:
+    """SIGTERM a process and all its descendants, SIGKILL what outlives ``grace_s``."""
+    pids = _tree(proc.pid)
+    _signal_all(pids, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids.update(_tree(proc.pid))   # anything started meanwhile
+    _signal_all(pids, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
+@dataclass
+class Server:
+    base: str
+    log: Path
+
+    def url(self, path: str) -> str:
+        return self.base + path
+
+
+def _wait_for(what: str, check: Callable[[], bool], timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except (httpx.HTTPError, OSError):
+            pass
+        time.sleep(1.0)
+    tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""
+    raise AssertionError(f"{what} not within {timeout:.0f} s; log tail:\n{tail}")
+
+
+@contextlib.contextmanager
+def serve_app(tmp: Path, config: dict[str, Any]) -> Iterator[Server]:
+    """A private Ray head and ``serve run`` of ``config`` (on a free port), stopped afterwards."""
+    gcs, http = free_port(), free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", API_KEY_ENV: API_KEY,
+           "RAY_ADDRESS": f"127.0.0.1:{gcs}", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    config = copy.deepcopy(config)
+    config["http_options"]["port"] = http
+    config_path = tmp / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    ray_log, serve_log = tmp / "ray.log", tmp / "serve.log"
+    head = subprocess.Popen(
+        [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
+         "--num-cpus", RAY_CPUS, "--object-store-memory", OBJECT_STORE_BYTES, "--include-dashboard", "false",
+         "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port())],
+        cwd=ROOT, env=env, stdout=ray_log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    serve_run: subprocess.Popen[bytes] | None = None
+    try:
+        _wait_for("ray start", lambda: "--block" in ray_log.read_text(errors="replace"), 90, ray_log)
+        serve_run = subprocess.Popen([str(BIN / "serve"), "run", str(config_path)], cwd=ROOT, env=env,
+                                     stdout=serve_log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+        srv = Server(f"http://127.0.0.1:{http}", serve_log)
+        _wait_for("/health", lambda: httpx.get(srv.url("/health"), timeout=5).status_code == 200,
+                  STARTUP_TIMEOUT_S, serve_log)
+
+        def scheduler_ready() -> bool:
+            resp = httpx.post(srv.url("/v1/completions"), headers=AUTH, timeout=REQUEST_TIMEOUT_S,
+                              json={"model": MODEL, "prompt": "warm up", "max_tokens": 1})
+            return resp.status_code == 200
+        _wait_for("a first completion", scheduler_ready, STARTUP_TIMEOUT_S, serve_log)
+        yield srv
+    finally:
+        if serve_run is not None:
+            stop_tree(serve_run, grace_s=5)
+        stop_tree(head, grace_s=10)
+        # `ray start` recorded our head as this machine's current cluster; a later plain
+        # `serve run` would try to join it (what `ray stop` cleans up, for our cluster only).
+        current = Path("/tmp/ray/ray_current_cluster")
+        with contextlib.suppress(OSError):
+            if current.read_text().strip() == f"127.0.0.1:{gcs}":
+                current.unlink()
+
+
+def greedy(srv: Server, prompt: str, max_tokens: int) -> list[int]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    resp = httpx.post(srv.url("/v1/completions"), headers=AUTH, json=body, timeout=REQUEST_TIMEOUT_S)
+    assert resp.status_code == 200, resp.text
+    ids: list[int] = resp.json()["choices"][0]["token_ids"]
+    return ids
+
+
+PIPELINE_PROMPTS = ("Hello", "The capital of France is", "Once upon a time")
+
+
+def test_two_model_copies_each_with_a_ray_pipeline(tmp_path: Path) -> None:
+    """Scheduler ``num_replicas: 2`` with PP 2: each copy places its stage workers in its own
+    placement group (bundle 0 = replica, 1..2 = stages) and serves the same tokens as one
+    in-process model. Runs before the demo server starts, so the two never share the box."""
+    from app.serving import SchedulerReplica
+
+    args = demo_yaml()["applications"][0]["args"]
+
+    async def reference() -> list[list[int]]:
+        replica = await SchedulerReplica.create(args)
+        try:
+            out = []
+            for prompt in PIPELINE_PROMPTS:
+                req = GenerateRequest(prompt, tuple(TOK.encode(prompt)),
+                                      SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+                items = [x async for x in replica.generate(req)]
+                out.append([i.token_id for i in items if i.kind == "token" and i.token_id is not None])
+            return out
+        finally:
+            await replica.close()
+
+    expected = asyncio.run(reference())
+    config = demo_yaml()
+    app_args = config["applications"][0]["args"]
+    app_args["parallel"].update(pipeline_parallel_size=2, worker_cpus=0.01)
+    app_args["scheduler_deployment"]["num_replicas"] = 2
+    with serve_app(tmp_path, config) as srv:
+        got = [greedy(srv, p, 6) for p in PIPELINE_PROMPTS for _ in range(2)]
+        assert got == [e for e in expected for _ in range(2)]
+        m = wait_metrics(srv, lambda m: m["fastserve_scheduler_replicas"] == 2)
+        assert m["fastserve_scheduler_replicas"] == 2   # both model copies are up and publishing
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with serve_app(tmp_path_factory.mktemp("serve"), demo_yaml()) as srv:
+        yield srv
+
+
+def scrape(srv: Server) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(srv.url("/metrics"), timeout=30).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def wait_metrics(srv: Server, ok: Callable[[dict[str, float]], bool], timeout: float = 20.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = scrape(srv)
+        if ok(m) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.25)
+
+
+def total(m: dict[str, float], prefix: str) -> float:
+    return sum(v for k, v in m.items() if k == prefix or k.startswith(prefix + "{"))
+
+
+# ---- the must-shows against the running server -----------------------------------------------
+
+def test_openai_client_completions_and_chat(server: Server) -> None:
+    import openai
+
+    before = scrape(server)
+    client = openai.OpenAI(base_url=server.url("/v1"), api_key=API_KEY, max_retries=0, timeout=REQUEST_TIMEOUT_S)
+    assert [m.id for m in client.models.list()] == [MODEL]
+    fixed = {"ignore_eos": True}
+
+    done = client.completions.create(model=MODEL, prompt="Hello, my name is", max_tokens=8, extra_body=fixed)
+    assert done.choices[0].finish_reason == "length" and done.usage is not None
+    assert done.usage.completion_tokens == 8 and done.usage.prompt_tokens == len(TOK.encode("Hello, my name is"))
+    assert isinstance(done.choices[0].text, str)
+
+    text, usage = "", None
+    for chunk in client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, stream=True,
+                                           stream_options={"include_usage": True}, extra_body=fixed):
+        text += "".join(c.text for c in chunk.choices)
+        usage = chunk.usage or usage
+    assert usage is not None and usage.completion_tokens == 8
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi there"}],
+                                          max_tokens=6, extra_body=fixed)
+    assert chat.choices[0].message.role == "assistant" and chat.usage is not None
+    assert chat.usage.completion_tokens == 6
+    assert chat.model_extra is not None and "queue_s" in chat.model_extra["job_stats"]
+
+    pieces, reasons = [], []
+    for delta_chunk in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                      max_tokens=6, stream=True, extra_body=fixed):
+        for d in delta_chunk.choices:
+            pieces.append(d.delta.content or "")
+            reasons.append(d.finish_reason)
+    assert reasons[-1] == "length" and reasons.count("length") == 1
+
+    key = 'fastserve_requests_total{finish_reason="length"}'
+    after = wait_metrics(server, lambda m: m.get(key, 0) >= before.get(key, 0) + 4)
+    assert after[key] >= before.get(key, 0) + 4
+    for name in ("fastserve_time_to_first_token_seconds_count", "fastserve_e2e_request_latency_seconds_count",
+                 "fastserve_request_queue_time_seconds_count", "fastserve_time_per_output_token_seconds_count"):
+        assert after[name] >= before[name] + 4, name
+    assert after["fastserve_generation_tokens_total"] >= before["fastserve_generation_tokens_total"] + 28
+    assert after["fastserve_scheduler_steps_total"] > before["fastserve_scheduler_steps_total"]
+    assert after["fastserve_kv_device_blocks_total"] == 256
+
+
+LONG_TOKENS = 100
+SHORT_LENGTHS = (4, 8, 12, 16, 24)
+
+
+def test_concurrent_streams_complete_in_order_and_shorts_overtake_a_long_one(server: Server) -> None:
+    import openai
+
+    rng = random.Random(7)
+    long_prompt = " ".join(rng.choice(["alpha", "beta", "gamma", "delta"]) for _ in range(120))
+
+    async def run() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        client = openai.AsyncOpenAI(base_url=server.url("/v1"), api_key=API_KEY, max_retries=0,
+                                    timeout=REQUEST_TIMEOUT_S)
+        started = asyncio.Event()
+
+        async def one(prompt: str, max_tokens: int, seed: int, signal_first: bool = False) -> dict[str, Any]:
+            ids: list[int] = []
+            text, usage, stats = "", None, None
+            stream = await client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=max_tokens, seed=seed, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "return_token_ids": True})
+            async for chunk in stream:
+                for c in chunk.choices:
+                    text += c.text
+                    ids += (c.model_extra or {}).get("token_ids", [])
+                    if signal_first:
+                        started.set()
+                usage = chunk.usage or usage
+                stats = (chunk.model_extra or {}).get("job_stats") or stats
+            return {"prompt": prompt, "max_tokens": max_tokens, "seed": seed, "ids": ids, "text": text,
+                    "usage": usage, "stats": stats, "done_at": time.monotonic()}
+
+        long_task = asyncio.create_task(one("Tell me everything.", LONG_TOKENS, 1000, signal_first=True))
+        await asyncio.wait_for(started.wait(), REQUEST_TIMEOUT_S)
+        shorts = [one(long_prompt if i % 3 == 0 else f"Question {i}:", SHORT_LENGTHS[i % len(SHORT_LENGTHS)], i)
+                  for i in range(19)]
+        results = await asyncio.gather(long_task, *shorts)
+        return results[0], list(results[1:])
+
+    long, shorts = asyncio.run(run())
+    for r in [long, *shorts]:
+        assert r["usage"] is not None and r["usage"].completion_tokens == r["max_tokens"] == len(r["ids"])
+        assert TOK.decode(r["ids"]) == r["text"]   # streamed text is exactly the streamed tokens, in order
+        assert r["stats"] is not None
+    assert max(r["done_at"] for r in shorts) < long["done_at"], "a short request finished after the long one"
+    assert long["stats"]["demotions"] >= 1   # the long job was demoted below the newcomers (MLFQ)
+
+    # Order check: the same seeded requests, not streamed and alone, give the same token ids.
+    for r in shorts[:2]:
+        body = {"model": MODEL, "prompt": r["prompt"], "max_tokens": r["max_tokens"], "seed": r["seed"],
+                "ignore_eos": True, "return_token_ids": True}
+        again = httpx.post(server.url("/v1/completions"), headers=AUTH, json=body, timeout=REQUEST_TIMEOUT_S)
+        assert again.json()["choices"][0]["token_ids"] == r["ids"]
+
+
+ERROR_CASES: list[tuple[str, Any, int, dict[str, Any]]] = [
+    ("/v1/completions", b'{"model": "opt-125m", "prompt": ', 400, {"code": "invalid_json"}),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 400, {"code": "model_not_found", "param": "model"}),
+    ("/v1/completions", {"model": MODEL, "prompt": [7] * 2000, "max_tokens": 100}, 400,
+     {"code": "context_length_exceeded", "param": "prompt"}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "w " * 2100}]}, 400,
+     {"code": "context_length_exceeded", "param": "messages"}),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, {"param": "temperature"}),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, {"param": "top_p"}),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, {"param": "max_tokens"}),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, {"param": "n"}),
+    ("/v1/completions", {"model": MODEL, "prompt": [99999]}, 400, {"param": "prompt"}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400,
+     {"param": "messages[0].role"}),
+]
+
+
+@pytest.mark.parametrize("path,body,status,expect", ERROR_CASES)
+def test_error_cases(server: Server, path: str, body: Any, status: int, expect: dict[str, Any]) -> None:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    resp = httpx.post(server.url(path), content=content, timeout=60,
+                      headers={**AUTH, "Content-Type": "application/json"})
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["message"]
+    for key, value in expect.items():
+        assert err[key] == value, (key, err)
+
+
+def test_api_key_is_required(server: Server) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        resp = httpx.post(server.url("/v1/completions"), json=body, headers=headers, timeout=60)
+        assert resp.status_code == 401
+        assert resp.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url("/v1/models"), timeout=30).status_code == 401
+    assert httpx.get(server.url("/health"), timeout=30).status_code == 200   # probes need no key
+
+
+def test_disconnected_stream_aborts_and_frees_its_blocks(server: Server) -> None:
+    idle = wait_metrics(server, lambda m: m["fastserve_kv_device_blocks_used"] == 0)
+    assert idle["fastserve_kv_device_blocks_used"] == 0
+    aborted = 'fastserve_requests_total{finish_reason="abort"}'
+    body = {"model": MODEL, "prompt": "Go on forever", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url("/v1/completions"), json=body, headers=AUTH,
+                      timeout=REQUEST_TIMEOUT_S) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()   # kept open: leaving a for-loop over it would close the response
+        chunks = 0
+        while chunks < 3:
+            chunks += next(lines).startswith("data: ")
+        # the job holds blocks while it streams (metrics are published every 0.5 s)
+        busy = wait_metrics(server, lambda m: m["fastserve_kv_device_blocks_used"] > 0, timeout=10)
+    assert busy["fastserve_kv_device_blocks_used"] > 0
+    # 1,500 tokens take well over 20 s here; freed sooner means the disconnect aborted the job.
+    after = wait_metrics(server, lambda m: m["fastserve_kv_device_blocks_used"] == 0 and
+                         m.get(aborted, 0) > idle.get(aborted, 0))
+    assert after["fastserve_kv_device_blocks_used"] == 0, "the disconnected job's blocks were not freed"
+    assert after.get(aborted, 0) == idle.get(aborted, 0) + 1
+    assert total(after, "fastserve_jobs_running") == 0 and total(after, "fastserve_jobs_waiting") == 0
+
+
+def test_metrics_exposition_is_prometheus_text(server: Server) -> None:
+    resp = httpx.get(server.url("/metrics"), timeout=30)
+    assert resp.headers["content-type"].startswith("text/plain")
+    names = set(re.findall(r"^# TYPE (\S+) ", resp.text, flags=re.M))
+    for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds", "jobs_running", "jobs_waiting", "kv_device_blocks_used",
+                 "kv_host_blocks_used", "swaps_total", "promotions_total", "demotions_total"):
+        assert f"fastserve_{name}" in names
+    assert scrape(server)["fastserve_scheduler_replicas"] == 1

@@ -1,0 +1,180 @@
+"""``AppArgs`` (app.config): the shipped configs validate; bad ones fail naming the key and value."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from app.config import AppArgs, ProfileMismatchWarning
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def demo_args() -> dict[str, Any]:
+    raw = yaml.safe_load((ROOT / "config" / "demo.yaml").read_text())
+    return copy.deepcopy(raw["applications"][0]["args"])
+
+
+def error_of(args: dict[str, Any], **context: Any) -> str:
+    with pytest.raises(ValidationError) as info:
+        AppArgs.model_validate(args, context=context or None)
+    return str(info.value)
+
+
+def test_demo_config_validates_with_the_papers_settings() -> None:
+    args = AppArgs.model_validate(demo_args())
+    assert args.scheduler.max_batch_size == 16
+    assert args.scheduler.max_num_batched_tokens == 2048
+    assert args.kv_cache.block_size == 16
+    assert args.model.device == "cpu" and args.model.load_format == "dummy"
+    assert args.placement_group_bundles() == [{"CPU": 0.01}]
+    assert args.scheduler_actor_options() == {"num_cpus": 0}
+
+
+@pytest.mark.parametrize("section,key", [
+    (None, "modle"), ("model", "nmae"), ("scheduler", "max_batch"), ("kv_cache", "blocksize"),
+    ("ingress", "replicas"), ("server", "apikey"),
+])
+def test_unknown_key_is_named(section: str | None, key: str) -> None:
+    args = demo_args()
+    (args if section is None else args[section])[key] = 1
+    msg = error_of(args)
+    assert key in msg and "Extra inputs are not permitted" in msg
+
+
+def test_bad_policy_value_is_named() -> None:
+    args = demo_args()
+    args["scheduler"]["policy"] = "lifo"
+    msg = error_of(args)
+    assert "scheduler.policy" in msg and "lifo" in msg
+
+
+def test_missing_profile_file_names_the_path() -> None:
+    args = demo_args()
+    args["profile"]["path"] = "config/profiles/nope.json"
+    msg = error_of(args)
+    assert "profile.path" in msg and "profile file 'config/profiles/nope.json' not found" in msg
+
+
+def test_missing_profile_is_waivable_only_through_the_validation_context() -> None:
+    args = demo_args()
+    args["profile"]["path"] = "config/profiles/nope.json"
+    AppArgs.model_validate(args, context={"require_profile": False})
+
+
+def test_missing_model_config_names_the_path() -> None:
+    args = demo_args()
+    args["model"]["config_path"] = "config/models/opt-9000"
+    assert "path 'config/models/opt-9000' does not exist" in error_of(args)
+
+
+def test_tp_times_pp_must_equal_the_gpus_requested() -> None:
+    args = demo_args()
+    args["model"]["device"] = "cuda"
+    args["parallel"].update(tensor_parallel_size=2, pipeline_parallel_size=2, num_gpus=3)
+    msg = error_of(args)
+    assert "parallel.num_gpus=3 but tensor_parallel_size=2 × pipeline_parallel_size=2 = 4" in msg
+
+
+def test_gpus_on_a_cpu_model_are_rejected() -> None:
+    args = demo_args()
+    args["parallel"]["num_gpus"] = 1
+    assert "parallel.num_gpus=1 but model.device is 'cpu'" in error_of(args)
+
+
+def test_tp_must_divide_the_heads() -> None:
+    args = demo_args()
+    args["parallel"]["tensor_parallel_size"] = 5
+    assert "tensor_parallel_size=5 does not divide the model's num_attention_heads=12" in error_of(args)
+
+
+def test_block_size_must_divide_the_context() -> None:
+    args = demo_args()
+    args["kv_cache"]["block_size"] = 24
+    assert "kv_cache.block_size=24 does not divide the context length 2048" in error_of(args)
+
+
+def test_device_pool_must_hold_one_max_length_request() -> None:
+    args = demo_args()
+    args["kv_cache"]["num_device_blocks"] = 100
+    msg = error_of(args)
+    assert "kv_cache.num_device_blocks=100" in msg and "need 128 blocks of 16" in msg
+
+
+def test_host_pool_must_hold_one_max_length_request_when_swapping() -> None:
+    args = demo_args()
+    args["kv_cache"]["num_host_blocks"] = 64
+    assert "kv_cache.num_host_blocks=64 is too small" in error_of(args)
+    args["kv_cache"].update(swap_mode="recompute", num_host_blocks=0)
+    AppArgs.model_validate(args)
+
+
+def test_token_budget_must_fit_a_max_length_prompt() -> None:
+    args = demo_args()
+    args["scheduler"]["max_num_batched_tokens"] = 1024
+    assert "scheduler.max_num_batched_tokens=1024 is below the context length 2048" in error_of(args)
+
+
+def test_max_model_len_shrinks_the_requirements() -> None:
+    args = demo_args()
+    args["model"]["max_model_len"] = 512
+    args["kv_cache"].update(num_device_blocks=32, num_host_blocks=32)
+    args["scheduler"]["max_num_batched_tokens"] = 512
+    assert AppArgs.model_validate(args).model.context_len() == 512
+    args["model"]["max_model_len"] = 4096
+    assert "model.max_model_len=4096 exceeds the model's 2048 positions" in error_of(args)
+
+
+def test_profile_layout_mismatch_warns() -> None:
+    args = demo_args()
+    args["kv_cache"]["block_size"] = 32
+    args["kv_cache"].update(num_device_blocks=128, num_host_blocks=128)
+    with pytest.warns(ProfileMismatchWarning, match="measured with block_size=16, but this config has block_size=32"):
+        AppArgs.model_validate(args)
+
+
+def test_autoscaling_keys_are_checked() -> None:
+    args = demo_args()
+    args["ingress"] = {"autoscaling_config": {"min_replica": 1}}
+    assert "unknown autoscaling_config key(s) ['min_replica']" in error_of(args)
+    args["ingress"] = {"num_replicas": 2, "autoscaling_config": {"min_replicas": 1}}
+    assert "set num_replicas or autoscaling_config, not both" in error_of(args)
+    args["ingress"] = {"autoscaling_config": {"target_ongoing_requests": 512}, "max_ongoing_requests": 64}
+    assert "max_ongoing_requests=64 is below the autoscaling target_ongoing_requests=512" in error_of(args)
+
+
+def test_replica_actor_must_fit_its_bundle() -> None:
+    args = demo_args()
+    args["scheduler_deployment"]["ray_actor_options"] = {"num_cpus": 1}
+    assert "ray_actor_options.num_cpus=1.0 does not fit replica_bundle" in error_of(args)
+
+
+def test_pipeline_bundles_reserve_each_stage_with_its_tp_gpus() -> None:
+    args = demo_args()
+    args["model"]["device"] = "cuda"
+    args["parallel"].update(tensor_parallel_size=2, pipeline_parallel_size=2, num_gpus=4, worker_cpus=1)
+    args["profile"]["path"] = "config/profiles/opt-125m-gpu-tp2-pp2.json"   # not measured: waived
+    parsed = AppArgs.model_validate(args, context={"require_profile": False})
+    assert parsed.placement_group_bundles() == [
+        {"CPU": 0.01}, {"CPU": 2.0, "GPU": 2.0}, {"CPU": 2.0, "GPU": 2.0}]
+    assert "num_gpus" not in parsed.scheduler_actor_options()
+
+
+def test_profile_tp_mismatch_is_reported_when_the_file_is_present() -> None:
+    args = demo_args()
+    args["parallel"].update(tensor_parallel_size=2)
+    with pytest.warns(ProfileMismatchWarning, match="measured with tp=1, but this config has tp=2"):
+        parsed = AppArgs.model_validate(args)
+    assert parsed.parallel.uses_pipeline
+
+
+def test_temperature_below_epsilon_is_greedy() -> None:
+    from app.protocol import CompletionRequest
+
+    req = CompletionRequest(model="m", prompt="x", temperature=1e-30)
+    assert req.to_sampling(16).temperature == 0.0

@@ -1,0 +1,378 @@
+"""The OpenAI wire format (app.protocol) and the HTTP layer (app.ingress) over a fake scheduler.
+
+Exact error messages and bodies, sampling conversion, stop strings, SSE framing and usage; no Ray
+cluster (the scheduler side is a scripted ``Backend``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from app.ingress import OpenAIServer, ServerContext, make_api
+from app.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    StopStringMatcher,
+    parse_request,
+)
+from app.serving import GenerateRequest, StreamItem
+from app.tokenizer import Tokenizer
+
+MODEL = "opt-125m"
+VOCAB = 50272
+CONTEXT = 2048
+TOK = Tokenizer.default()
+STATS = {"queue_s": 0.5, "exec_s": 1.0, "swap_blocked_s": 0.0, "demotions": 2}
+
+
+def parse_error(model: Any, body: Any) -> dict[str, Any]:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    with pytest.raises(APIError) as info:
+        parse_request(model, raw)
+    assert info.value.status == 400
+    return info.value.body()["error"]
+
+
+# ---- parsing and sampling --------------------------------------------------------------------
+
+def test_malformed_json() -> None:
+    err = parse_error(CompletionRequest, b'{"model": ')
+    assert err["code"] == "invalid_json" and err["message"].startswith("malformed JSON body: ")
+    assert err["type"] == "invalid_request_error"
+
+
+def test_body_must_be_an_object() -> None:
+    err = parse_error(CompletionRequest, [1, 2])
+    assert err["message"] == "request body must be a JSON object: Input should be an object"
+
+
+def test_missing_prompt() -> None:
+    err = parse_error(CompletionRequest, {"model": MODEL})
+    assert err == {"message": "missing required field 'prompt'", "type": "invalid_request_error",
+                   "param": "prompt", "code": None}
+
+
+def test_prompt_shape_errors() -> None:
+    err = parse_error(CompletionRequest, {"model": MODEL, "prompt": [1, "a"]})
+    assert err["message"] == "invalid value for 'prompt': must be a string or a list of integer token ids"
+    err = parse_error(CompletionRequest, {"model": MODEL, "prompt": ["a", "b"]})
+    assert err["message"] == ("invalid value for 'prompt': a list of prompts (batched request) is not "
+                              "supported; send one prompt per request")
+    assert parse_request(CompletionRequest, json.dumps({"model": MODEL, "prompt": ["one"]}).encode()).prompt == "one"
+
+
+def test_wrong_types_name_the_field() -> None:
+    err = parse_error(CompletionRequest, {"model": MODEL, "prompt": "x", "temperature": "hot"})
+    assert err["param"] == "temperature"
+    assert err["message"] == ("invalid value for 'temperature': Input should be a valid number, "
+                              "unable to parse string as a number")
+    err = parse_error(ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "bot", "content": "x"}]})
+    assert err["param"] == "messages[0].role"
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("max_tokens", 0, "max_tokens must be >= 1, got 0"),
+    ("temperature", -0.5, "temperature must be >= 0, got -0.5"),
+    ("top_p", 0.0, "top_p must be in (0, 1], got 0.0"),
+    ("top_p", 1.5, "top_p must be in (0, 1], got 1.5"),
+    ("top_k", -3, "top_k must be >= 0 (0 or -1 disables it), got -3"),
+    ("seed", -1, "seed must be >= 0, got -1"),
+    ("n", 2, "n must be 1, got 2: only one choice per request is supported"),
+    ("logprobs", 3, "logprobs are not supported"),
+    ("presence_penalty", 0.5, "presence_penalty is not supported (must be 0)"),
+    ("stop", [""], "stop strings must be non-empty"),
+    ("echo", True, "echo is not supported"),
+])
+def test_bad_sampling_values(field: str, value: Any, message: str) -> None:
+    req = parse_request(CompletionRequest, json.dumps({"model": MODEL, "prompt": "x", field: value}).encode())
+    with pytest.raises(APIError) as info:
+        req.to_sampling(16)
+    param = "stop" if field == "stop" else field
+    assert info.value.body()["error"] == {"message": message, "type": "invalid_request_error",
+                                          "param": param, "code": None}
+
+
+def test_sampling_conversion() -> None:
+    req = parse_request(CompletionRequest, json.dumps({
+        "model": MODEL, "prompt": "x", "max_tokens": 7, "temperature": 0, "top_k": -1, "top_p": 0.9,
+        "seed": 3, "ignore_eos": True, "user": "someone"}).encode())
+    s = req.to_sampling(16)
+    assert (s.max_tokens, s.temperature, s.top_k, s.top_p, s.seed, s.ignore_eos) == (7, 0.0, 0, 0.9, 3, True)
+    assert parse_request(CompletionRequest, b'{"model": "m", "prompt": "x"}').to_sampling(16).max_tokens == 16
+
+
+def test_chat_max_completion_tokens() -> None:
+    req = parse_request(ChatCompletionRequest, json.dumps({
+        "model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        "max_completion_tokens": 5}).encode())
+    assert req.to_sampling(100).max_tokens == 5
+    assert req.messages[0].text() == "hi"
+
+
+def test_stop_string_matcher_holds_back_split_stops() -> None:
+    m = StopStringMatcher(["STOP", "xy"])
+    sent = [m.push(d) for d in ["ab", "cS", "TO", "Pzz"]]
+    assert "".join(sent) + m.flush() == "abc" and m.stopped
+    m = StopStringMatcher(["\n\n"])
+    sent = [m.push(d) for d in ["one\n", "two\n", "\nthree"]]
+    assert "".join(sent) + m.flush() == "one\ntwo"
+    m = StopStringMatcher([])
+    assert m.push("abc") == "abc" and m.flush() == ""
+
+
+# ---- the HTTP layer over a scripted backend --------------------------------------------------
+
+class FakeStream:
+    def __init__(self, items: list[StreamItem]) -> None:
+        self.items = list(items)
+        self.cancelled = False
+
+    def __aiter__(self) -> AsyncIterator[StreamItem]:
+        return self
+
+    async def __anext__(self) -> StreamItem:
+        await asyncio.sleep(0)
+        if self.cancelled or not self.items:
+            raise StopAsyncIteration
+        return self.items.pop(0)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeBackend:
+    """Answers every request with ``tokens`` then ``reason``, or refuses with ``first``."""
+
+    def __init__(self, tokens: list[int], reason: str = "length", first: str = "accepted") -> None:
+        self.tokens, self.reason, self.first = tokens, reason, first
+        self.requests: list[GenerateRequest] = []
+        self.streams: list[FakeStream] = []
+
+    def generate(self, req: GenerateRequest) -> FakeStream:
+        self.requests.append(req)
+        if self.first != "accepted":
+            stream = FakeStream([StreamItem(self.first, message="2 jobs already wait for admission")])  # type: ignore[arg-type]
+        else:
+            items = [StreamItem("accepted"), *(StreamItem("token", t) for t in self.tokens),
+                     StreamItem("finished", finish_reason=self.reason, job_stats=STATS)]
+            stream = FakeStream(items)
+        self.streams.append(stream)
+        return stream
+
+    async def metrics_text(self) -> str:
+        return "fastserve_requests_total 0\n"
+
+
+def client(backend: FakeBackend, api_key: str | None = None) -> httpx.AsyncClient:
+    ctx = ServerContext(MODEL, TOK, VOCAB, CONTEXT, api_key=api_key, retry_after_s=3)
+    app = make_api(OpenAIServer(ctx, backend))
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+def post(backend: FakeBackend, path: str, body: Any, headers: dict[str, str] | None = None,
+         api_key: str | None = None) -> httpx.Response:
+    async def run() -> httpx.Response:
+        async with client(backend, api_key) as c:
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            return await c.post(path, content=content, headers=headers or {})
+    return asyncio.run(run())
+
+
+def sse_events(resp: httpx.Response) -> list[Any]:
+    out: list[Any] = []
+    for block in resp.text.split("\n\n"):
+        if block.startswith("data: "):
+            payload = block[len("data: "):]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+TEXT_IDS = TOK.encode(" Hello world. STOP here", add_bos=False)
+
+
+def test_completion_response_has_text_usage_and_job_stats() -> None:
+    backend = FakeBackend(TEXT_IDS)
+    resp = post(backend, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 50,
+                                             "return_token_ids": True})
+    assert resp.status_code == 200
+    body = resp.json()
+    assert body["object"] == "text_completion"
+    choice = body["choices"][0]
+    assert choice["text"] == " Hello world. STOP here" and choice["finish_reason"] == "length"
+    assert choice["token_ids"] == TEXT_IDS
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": len(TEXT_IDS),
+                             "total_tokens": 2 + len(TEXT_IDS)}
+    assert body["job_stats"] == STATS
+    assert backend.requests[0].prompt_ids == tuple(TOK.encode("Hi"))
+
+
+def test_stop_string_trims_output_and_cancels_the_job() -> None:
+    backend = FakeBackend(TEXT_IDS)
+    resp = post(backend, "/v1/completions", {"model": MODEL, "prompt": "Hi", "stop": ["STOP"]})
+    body = resp.json()
+    assert body["choices"][0]["text"] == " Hello world. " and body["choices"][0]["finish_reason"] == "stop"
+    assert backend.streams[0].cancelled
+
+
+def test_streaming_completion_chunks_usage_and_done() -> None:
+    backend = FakeBackend(TEXT_IDS)
+    resp = post(backend, "/v1/completions", {"model": MODEL, "prompt": "Hi", "stream": True,
+                                             "stream_options": {"include_usage": True}})
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(resp)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == " Hello world. STOP here"
+    finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(finals) == 1 and finals[0]["job_stats"] == STATS
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == len(TEXT_IDS)
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+
+def test_streaming_chat_starts_with_the_role() -> None:
+    backend = FakeBackend(TEXT_IDS, reason="stop")
+    resp = post(backend, "/v1/chat/completions",
+                {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True})
+    chunks = sse_events(resp)[:-1]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[0]["object"] == "chat.completion.chunk"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == " Hello world. STOP here"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert backend.requests[0].prompt_ids == tuple(TOK.encode("User: Hi\nAssistant:"))
+
+
+def test_chat_non_streaming() -> None:
+    backend = FakeBackend(TEXT_IDS, reason="stop")
+    body = post(backend, "/v1/chat/completions",
+                {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": " Hello world. STOP here"}
+    # the default max_tokens is what the context leaves
+    assert backend.requests[0].sampling.max_tokens == CONTEXT - len(TOK.encode("User: Hi\nAssistant:"))
+
+
+def error(resp: httpx.Response, status: int) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def test_http_errors_have_openai_bodies() -> None:
+    b = FakeBackend([5])
+    assert error(post(b, "/v1/completions", b"{nope"), 400)["code"] == "invalid_json"
+    err = error(post(b, "/v1/completions", {"model": "gpt-4", "prompt": "x"}), 400)
+    assert err == {"message": "the model 'gpt-4' does not exist; this server serves 'opt-125m'",
+                   "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+    err = error(post(b, "/v1/completions", {"model": MODEL, "prompt": [7] * 2040, "max_tokens": 9}), 400)
+    assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+    assert err["message"] == ("prompt of 2040 tokens + max_tokens 9 exceeds the model's context of 2048 tokens")
+    err = error(post(b, "/v1/completions", {"model": MODEL, "prompt": [VOCAB]}), 400)
+    assert err["message"] == f"token id {VOCAB} is outside the vocabulary [0, {VOCAB})"
+    err = error(post(b, "/v1/completions", {"model": MODEL, "prompt": []}), 400)
+    assert err["message"] == "prompt is empty: at least one token id is required"
+    err = error(post(b, "/v1/completions", {"model": MODEL, "prompt": "x", "n": 3}), 400)
+    assert err["param"] == "n"
+    err = error(post(b, "/v1/chat/completions", {"model": MODEL, "messages": []}), 400)
+    assert err["param"] == "messages"
+    assert b.requests == []   # nothing invalid ever reached the scheduler
+
+
+def test_chat_prompt_longer_than_the_context() -> None:
+    b = FakeBackend([5])
+    long = " ".join(["word"] * 2100)
+    err = error(post(b, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": long}]}), 400)
+    assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
+
+
+def test_full_admission_queue_is_429_with_retry_after() -> None:
+    resp = post(FakeBackend([], first="rejected"), "/v1/completions", {"model": MODEL, "prompt": "x"})
+    err = error(resp, 429)
+    assert resp.headers["retry-after"] == "3"
+    assert err["type"] == "rate_limit_error" and err["code"] == "admission_queue_full"
+    assert "2 jobs already wait for admission" in err["message"]
+
+
+def test_engine_errors_are_500_not_400() -> None:
+    err = error(post(FakeBackend([5], reason="error"), "/v1/completions", {"model": MODEL, "prompt": "x"}), 500)
+    assert err["type"] == "internal_error"
+
+
+def test_api_key() -> None:
+    b = FakeBackend([5])
+    body = {"model": MODEL, "prompt": "x"}
+    err = error(post(b, "/v1/completions", body, api_key="sekrit"), 401)
+    assert err["code"] == "invalid_api_key"
+    error(post(b, "/v1/completions", body, {"Authorization": "Bearer wrong"}, api_key="sekrit"), 401)
+    ok = post(b, "/v1/completions", body, {"Authorization": "Bearer sekrit"}, api_key="sekrit")
+    assert ok.status_code == 200
+
+
+def test_models_health_metrics_and_unknown_routes() -> None:
+    async def run() -> None:
+        async with client(FakeBackend([5])) as c:
+            models = (await c.get("/v1/models")).json()
+            assert models["data"][0]["id"] == MODEL and models["object"] == "list"
+            assert (await c.get("/health")).status_code == 200
+            metrics = await c.get("/metrics")
+            assert metrics.text.startswith("fastserve_") and "text/plain" in metrics.headers["content-type"]
+            missing = await c.get("/v2/nothing")
+            assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    asyncio.run(run())
+
+
+# ---- /metrics exposition ---------------------------------------------------------------------
+
+def test_metrics_hub_sums_replicas_and_drops_stale_ones() -> None:
+    from app.metrics import MetricsHub, RequestMetrics, labels
+
+    hub = MetricsHub(stale_after_s=30.0)
+    for replica, ttft in (("a", 0.02), ("b", 3.0)):
+        m = RequestMetrics()
+        m.observe_request(ttft=ttft, e2e=ttft + 1.0, num_generated=11, queue=0.1, swap_blocked=0.0)
+        m.count("requests_total", finish_reason="length")
+        gauges = {("kv_device_blocks_used", ()): 5.0, ("jobs_running", labels(level=1)): 2.0}
+        hub.publish(m.snapshot(replica, gauges, {("demotions_total", ()): 4.0}).to_dict())
+    text = hub.render()
+    assert 'fastserve_requests_total{finish_reason="length"} 2' in text
+    assert "fastserve_kv_device_blocks_used 10" in text
+    assert 'fastserve_jobs_running{level="1"} 4' in text
+    assert "fastserve_demotions_total 8" in text
+    assert "fastserve_scheduler_replicas 2" in text
+    assert 'fastserve_time_to_first_token_seconds_bucket{le="0.025"} 1' in text
+    assert 'fastserve_time_to_first_token_seconds_bucket{le="+Inf"} 2' in text
+    assert "fastserve_time_to_first_token_seconds_count 2" in text
+    assert 'fastserve_time_per_output_token_seconds_bucket{le="0.1"} 2' in text   # (e2e - ttft) / 10
+    assert "# TYPE fastserve_e2e_request_latency_seconds histogram" in text
+    assert "# TYPE fastserve_swaps_total counter" in text   # declared even before any swap
+    hub._snapshots["a"].taken_at -= 60.0
+    assert "fastserve_scheduler_replicas 1" in hub.render()
+
+
+def test_a_stream_that_breaks_mid_way_ends_with_an_error_event() -> None:
+    class BrokenStream(FakeStream):
+        async def __anext__(self) -> StreamItem:
+            if len(self.items) == 0:
+                raise RuntimeError("replica died")
+            return await super().__anext__()
+
+    class Broken(FakeBackend):
+        def generate(self, req: GenerateRequest) -> FakeStream:
+            # accepted, one token, then the replica is gone
+            return BrokenStream([StreamItem("accepted"), StreamItem("token", TEXT_IDS[0])])
+
+    resp = post(Broken(TEXT_IDS), "/v1/completions", {"model": MODEL, "prompt": "Hi", "stream": True})
+    events = sse_events(resp)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"] == {"message": "internal error: RuntimeError", "type": "internal_error",
+                                   "param": None, "code": "internal_error"}
+    assert events[0]["choices"][0]["text"] == TOK.decode(TEXT_IDS[:1])
