@@ -276,6 +276,17 @@ def live_actors() -> list[str]:
     return [a["ActorClassName"] for a in ray._private.state.actors().values() if a["State"] != "DEAD"]
 
 
+def wait_dead(actor: ray.actor.ActorHandle, timeout_s: float = 10.0) -> None:
+    """``ray.kill`` returns before the process is gone: wait until the GCS says it is dead."""
+    actor_id = actor._actor_id.hex()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ray._private.state.actors().get(actor_id, {}).get("State") == "DEAD":
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"actor {actor_id} still alive {timeout_s} s after ray.kill")
+
+
 def wait_no_live_actors(timeout_s: float = 10.0) -> list[str]:
     deadline = time.monotonic() + timeout_s
     while (alive := live_actors()) and time.monotonic() < deadline:
@@ -349,16 +360,21 @@ def test_killed_worker_is_a_pipeline_error_not_a_hang(ray_local: None) -> None:
         for _ in range(2):  # a healthy start
             plan = driver.next_plan()
             driver.complete(plan, await ex.execute(plan))
-        pending = [asyncio.ensure_future(ex.execute(driver.next_plan())) for _ in range(2)]
-        ray.kill(ex.workers[1][1])  # its TP peer is left waiting in an all-reduce
-        started = time.monotonic()
-        results = await asyncio.gather(*pending, return_exceptions=True)
-        assert time.monotonic() - started < KILL_DEADLINE_S
-        assert all(isinstance(r, PipelineError) and "stage 1 tp rank 1" in str(r) for r in results), results
-        assert ex.closed
-        with pytest.raises(PipelineError, match="pipeline is closed"):
-            await ex.execute(BatchPlan(driver.step_id, ()))
-        await ex.shutdown()  # idempotent after the failure
+        try:
+            # A dead TP rank under two in-flight plans: its peer is left waiting in an all-reduce.
+            # (Waiting for the death first keeps the test deterministic: ray.kill is asynchronous.)
+            ray.kill(ex.workers[1][1])
+            wait_dead(ex.workers[1][1])
+            pending = [asyncio.ensure_future(ex.execute(driver.next_plan())) for _ in range(2)]
+            started = time.monotonic()
+            results = await asyncio.gather(*pending, return_exceptions=True)
+            assert time.monotonic() - started < KILL_DEADLINE_S
+            assert all(isinstance(r, PipelineError) and "stage 1 tp rank 1" in str(r) for r in results), results
+            assert ex.closed
+            with pytest.raises(PipelineError, match="pipeline is closed"):
+                await ex.execute(BatchPlan(driver.step_id, ()))
+        finally:
+            await ex.shutdown()  # idempotent after the failure
 
     asyncio.run(scenario())
     assert wait_no_live_actors() == []
@@ -371,22 +387,27 @@ def test_worker_killed_between_plans_and_a_failing_step_are_errors(ray_local: No
         driver = new_driver(LARGE_DEVICE_POOL)
         plan = driver.next_plan()
         driver.complete(plan, await ex.execute(plan))
-        ray.kill(ex.workers[0][0])
-        started = time.monotonic()
-        with pytest.raises(PipelineError, match="stage 0 tp rank 0"):
-            await ex.execute(driver.next_plan())
-        assert time.monotonic() - started < KILL_DEADLINE_S
-        await ex.shutdown()
+        try:
+            ray.kill(ex.workers[0][0])
+            wait_dead(ex.workers[0][0])
+            started = time.monotonic()
+            with pytest.raises(PipelineError, match="stage 0 tp rank 0"):
+                await ex.execute(driver.next_plan())
+            assert time.monotonic() - started < KILL_DEADLINE_S
+        finally:
+            await ex.shutdown()
 
     async def bad_plan() -> None:
         ex = PipelineExecutor(pipeline_spec(1, 2, num_device_blocks=LARGE_DEVICE_POOL))
         await ex.start()
         greedy = SamplingParams(temperature=0.0)
         entry = BatchEntry("x", (2, 3, 4, 5, 6), 0, (LARGE_DEVICE_POOL,), True, greedy)
-        with pytest.raises(PipelineError, match="plan 0 failed: ValueError: job x: 1 blocks cannot hold 5 tokens"):
-            await ex.execute(BatchPlan(0, (entry,)))
-        assert ex.closed
-        await ex.shutdown()
+        try:
+            with pytest.raises(PipelineError, match="plan 0 failed: ValueError: job x: 1 blocks cannot hold 5 tokens"):
+                await ex.execute(BatchPlan(0, (entry,)))
+            assert ex.closed
+        finally:
+            await ex.shutdown()
 
     asyncio.run(killed_while_idle())
     asyncio.run(bad_plan())
