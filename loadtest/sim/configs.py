@@ -1,0 +1,72 @@
+"""Scheduler and KV-cache configs for a simulated run, from a profile's serving defaults.
+
+Owns the defaults a simulated run uses when the caller does not say: pool sizes and batch limits
+from the profile's ``serving`` section (paper-scale profiles) or the scheduler's own defaults,
+and ``simulate``, the one-call entry point the experiments and tests use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from app.scheduler.config import KVCacheConfig, PolicyName, SchedulerConfig, SwapMode
+from loadtest.sim.cost import CostModel
+from loadtest.sim.simulator import SimOptions, SimResult, Simulator
+from loadtest.workloads import Request
+
+ROOT = Path(__file__).resolve().parents[2]
+PROFILES_DIR = ROOT / "config" / "profiles"
+
+#: The paper's three evaluation settings, by the short names the experiments use.
+PAPER_PROFILES: dict[str, Path] = {
+    "opt-13b": PROFILES_DIR / "opt-13b-a100-tp1-pp1.json",
+    "opt-66b": PROFILES_DIR / "opt-66b-a100-tp4-pp1.json",
+    "opt-175b": PROFILES_DIR / "opt-175b-a100-tp8-pp2.json",
+}
+OPT_2_7B_PROFILE = PROFILES_DIR / "opt-2.7b-a100-tp1-pp1.json"
+CPU_PROFILE = PROFILES_DIR / "opt-125m-cpu-tp1-pp1.json"
+
+
+@dataclass(frozen=True)
+class SimSetup:
+    """Everything a run varies besides the workload; None = the profile's (or scheduler's) default."""
+
+    policy: PolicyName = "skip_join_mlfq"
+    swap_mode: SwapMode = "proactive"
+    num_device_blocks: int | None = None
+    num_host_blocks: int | None = None
+    max_batch_size: int | None = None
+    max_num_batched_tokens: int | None = None
+    starvation_alpha_s: float | None = None
+    reserved_blocks: int = 0
+
+
+def build_configs(cost: CostModel, setup: SimSetup) -> tuple[SchedulerConfig, KVCacheConfig]:
+    serving = cost.serving
+    sched_kwargs: dict[str, object] = {"policy": setup.policy}
+    for key, value in (("max_batch_size", setup.max_batch_size or serving.max_batch_size),
+                       ("max_num_batched_tokens", setup.max_num_batched_tokens or serving.max_num_batched_tokens),
+                       ("starvation_alpha_s", setup.starvation_alpha_s)):
+        if value is not None:
+            sched_kwargs[key] = value
+    device = setup.num_device_blocks or serving.num_device_blocks
+    if device is None:
+        raise ValueError("the profile has no serving.num_device_blocks; pass num_device_blocks")
+    host = setup.num_host_blocks if setup.num_host_blocks is not None else serving.num_host_blocks
+    if setup.swap_mode == "recompute":
+        host = host or 0
+    elif not host:
+        host = device
+    kv = KVCacheConfig(block_size=cost.profile.block_size, num_device_blocks=device, num_host_blocks=host,
+                       swap_mode=setup.swap_mode, reserved_blocks=setup.reserved_blocks)
+    return SchedulerConfig(**sched_kwargs), kv  # type: ignore[arg-type]
+
+
+def simulate(requests: Sequence[Request], cost: CostModel | str | Path, setup: SimSetup | None = None,
+             options: SimOptions | None = None) -> SimResult:
+    """Replay ``requests`` through a fresh scheduler with ``setup`` and the cost model."""
+    model = cost if isinstance(cost, CostModel) else CostModel.from_json(cost)
+    sched, kv = build_configs(model, setup or SimSetup())
+    return Simulator(model, sched, kv, options).run(requests)
