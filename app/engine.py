@@ -128,12 +128,13 @@ class Engine:
         await self.executor.shutdown()
 
     def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams,
-                    job_id: str | None = None, arrival: float | None = None) -> RequestStream:
+                    job_id: str | None = None, arrival: float | None = None,
+                    priority: int = 0) -> RequestStream:
         """Queue a request; returns its delta stream. Raises at once (``ValueError``,
         ``AdmissionQueueFull``) if the scheduler refuses it."""
         job_id = job_id if job_id is not None else f"job-{next(self._ids)}"
         now = self.clock()
-        req = JobRequest(job_id, tuple(prompt_ids), sampling, now if arrival is None else arrival)
+        req = JobRequest(job_id, tuple(prompt_ids), sampling, now if arrival is None else arrival, priority)
         self.scheduler.add(req, now)
         queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
         self._queues[job_id] = queue

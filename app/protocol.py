@@ -14,8 +14,8 @@ Owns what crosses the HTTP boundary and its exact error messages:
 
 Beyond OpenAI, as vLLM accepts them: ``top_k`` (0 or -1 disables it), ``ignore_eos`` (benchmark
 clients fix output lengths with it), ``return_token_ids`` (the generated ids beside the text), and
-``priority`` (an integer hint, lower = more urgent, passed to the scheduler; the shipped policies
-rank by their own rules and record it only). Responses carry ``job_stats``: the scheduler's
+``priority`` (an integer, lower = more urgent: the MLFQ policies shift the job's entry level by it,
+clamped to the existing levels; single-level policies ignore it). Responses carry ``job_stats``: the scheduler's
 per-job accounting (queueing, execution and swap-blocked seconds, demotions, promotions, swaps).
 """
 

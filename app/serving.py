@@ -155,7 +155,8 @@ class SchedulerReplica:
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamItem]:
         """Stream one job. Cancellation (the caller went away) aborts it and frees its blocks."""
         try:
-            stream = self.engine.add_request(req.prompt_ids, req.sampling, job_id=req.job_id)
+            stream = self.engine.add_request(req.prompt_ids, req.sampling, job_id=req.job_id,
+                                             priority=req.priority)
         except AdmissionQueueFull as exc:
             self.request_metrics.count("requests_rejected_total")
             yield StreamItem("rejected", message=str(exc))

@@ -43,6 +43,9 @@ class JobRequest:
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
     arrival: float | None = None
+    #: Request priority (vLLM's field; lower = more urgent): shifts the MLFQ entry level by this
+    #: many levels, clamped to the existing ones. Single-level policies ignore it.
+    priority: int = 0
 
 
 @dataclass
@@ -81,6 +84,7 @@ class Job:
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
     arrival: float
+    priority: int = 0                # see JobRequest.priority
     seq: int = 0                     # arrival order (tie-breaks, FCFS)
     state: JobState = JobState.WAITING
     generated: list[int] = field(default_factory=list)

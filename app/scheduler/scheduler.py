@@ -46,7 +46,7 @@ class Scheduler(MemoryPlanner):
         req = job_or_request
         job = req if isinstance(req, Job) else Job(
             req.job_id, tuple(req.prompt_ids), req.sampling,
-            now if req.arrival is None else req.arrival)
+            now if req.arrival is None else req.arrival, req.priority)
         if job.job_id in self._jobs:
             raise ValueError(f"job id {job.job_id!r} is already queued")
         if not job.prompt_ids:
@@ -66,11 +66,15 @@ class Scheduler(MemoryPlanner):
         job.state = JobState.WAITING
         self._jobs[job.job_id] = job
         self._num_unadmitted += 1
-        self._set_level(job, self.policy.entry_level(job))
+        self._set_level(job, self._entry_level(job))
         self._place(job)
         self._note_arrival(now, self.kv.blocks_for(job.prompt_len))
         self.totals["added"] += 1
         return job
+
+    def _entry_level(self, job: Job) -> int:
+        """The policy's entry level (skip-join for MLFQ), shifted by the request's priority."""
+        return min(max(1, self.policy.entry_level(job) + job.priority), self.policy.num_levels())
 
     def abort(self, job_id: str, now: float) -> None:
         """Cancel a job. Its blocks are freed now, or when the in-flight step or swap that

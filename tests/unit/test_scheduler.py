@@ -118,6 +118,13 @@ def test_skip_join_level(prompt_len: int, t_init: float, level: int) -> None:
     assert make("naive_mlfq").add(req("j", prompt_len), 0.0).level == 1
 
 
+@pytest.mark.parametrize(("priority", "level"), [(0, 3), (-1, 2), (-5, 1), (1, 4), (9, 4)])
+def test_priority_shifts_the_entry_level_within_the_levels(priority: int, level: int) -> None:
+    request = JobRequest("j", tuple(range(3, 35)), greedy(4), priority=priority)  # t_init 3: level 3
+    assert make().add(request, 0.0).level == level
+    assert make("fcfs").add(request, 0.0).level == 1
+
+
 def test_num_levels_override_extends_the_quanta() -> None:
     s = make(num_levels=6)
     assert s.policy.quanta() == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
