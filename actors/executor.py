@@ -15,7 +15,7 @@ import torch
 from actors.kv_store import KVStore
 from actors.messages import BatchPlan, SamplingParams, StepOutput, validate_request
 from actors.model.config import OPTConfig
-from actors.model.opt import OPTStage, StageShard
+from actors.model.opt import AllReduce, OPTStage, StageShard
 from actors.model.weights import load_stage_weights
 from actors.sampler import Sampler
 from actors.stage import StageRunner
@@ -32,10 +32,9 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def build_stage(config: OPTConfig, shard: StageShard, dtype: str, device: str,
                 load_format: str, model_path: str | None, seed: int,
-                all_reduce: object = None) -> OPTStage:
+                all_reduce: AllReduce | None = None) -> OPTStage:
     """Build one stage on ``device`` and load its weights (dummy or checkpoint)."""
-    kwargs = {} if all_reduce is None else {"all_reduce": all_reduce}
-    stage = OPTStage(config, shard, **kwargs)  # type: ignore[arg-type]
+    stage = OPTStage(config, shard) if all_reduce is None else OPTStage(config, shard, all_reduce)
     load_stage_weights(stage, load_format, model_path, seed)
     return stage.to(device=device, dtype=torch_dtype(dtype)).eval()
 

@@ -78,6 +78,11 @@ def _launch(
         function(grid, block, args)
 
 
+def _cache_strides(cache: torch.Tensor) -> tuple[np.int64, np.int64, np.int64]:
+    """Block, in-block position and head strides of a per-layer cache view, as the kernels take them."""
+    return np.int64(cache.stride(0)), np.int64(cache.stride(1)), np.int64(cache.stride(2))
+
+
 def _innermost_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
@@ -131,12 +136,8 @@ def write_kv(
         np.int64(key.stride(1)),
         np.int64(value.stride(0)),
         np.int64(value.stride(1)),
-        np.int64(key_cache.stride(0)),
-        np.int64(key_cache.stride(1)),
-        np.int64(key_cache.stride(2)),
-        np.int64(value_cache.stride(0)),
-        np.int64(value_cache.stride(1)),
-        np.int64(value_cache.stride(2)),
+        *_cache_strides(key_cache),
+        *_cache_strides(value_cache),
     )
     kernel = _kernel_name("write_kv", key_cache.dtype)
     _launch(WRITE_KV_SOURCE, kernel, device, (num_tokens,), (threads,), args)
@@ -200,12 +201,8 @@ def paged_attention(
         np.int64(tables.stride(0)),
         np.int64(query.stride(0)),
         np.int64(query.stride(1)),
-        np.int64(key_cache.stride(0)),
-        np.int64(key_cache.stride(1)),
-        np.int64(key_cache.stride(2)),
-        np.int64(value_cache.stride(0)),
-        np.int64(value_cache.stride(1)),
-        np.int64(value_cache.stride(2)),
+        *_cache_strides(key_cache),
+        *_cache_strides(value_cache),
     )
     kernel = _kernel_name("paged_attention", query.dtype)
     grid = (num_heads, num_seqs)
