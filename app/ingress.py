@@ -3,7 +3,8 @@
 Owns the request path in front of the schedulers: authentication, parsing and validation
 (``app.protocol``), tokenization and chat templating (``app.tokenizer``), the call to a
 ``Scheduler`` replica through a streaming ``DeploymentHandle``, detokenization with stop strings,
-SSE streaming, and turning every failure into an OpenAI error body with the right status.
+SSE streaming, turning every failure into an OpenAI error body with the right status, and
+recording how each request ended for its client (``request_success{finished_reason}``).
 
 ``OpenAIServer`` holds the logic and talks to a ``Backend`` (the Serve handles in production, a
 fake in unit tests); ``make_api`` builds the FastAPI app over it; ``Ingress`` is the Serve
@@ -28,7 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.messages import SamplingParams, validate_request
 from app.config import AppArgs, resolve_path
-from app.metrics import CONTENT_TYPE
+from app.metrics import IngressMetrics
+from app.metrics_export import CONTENT_TYPE, AgentMetrics
 from app.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     APIError,
@@ -112,9 +114,10 @@ class Prepared:
 
 
 class OpenAIServer:
-    def __init__(self, ctx: ServerContext, backend: Backend) -> None:
+    def __init__(self, ctx: ServerContext, backend: Backend, metrics: IngressMetrics | None = None) -> None:
         self.ctx = ctx
         self.backend = backend
+        self.metrics = metrics
 
     # ---- request preparation ---------------------------------------------------------------
 
@@ -188,31 +191,39 @@ class OpenAIServer:
         decoder = IncrementalDecoder(self.ctx.tokenizer, prep.prompt_ids)
         matcher = StopStringMatcher(prep.req.stop_strings())
         n, done = 0, False
+        outcome = "abort"   # unless it finishes: the client went away, or the stream broke (error)
         try:
             async for item in stream:
                 if item.kind == "token" and item.token_id is not None:
                     n += 1
                     text = matcher.push(decoder.step(item.token_id))
                     if matcher.stopped:
-                        done = True
+                        done, outcome = True, "stop"
                         stream.cancel()   # the scheduler aborts the job and frees its blocks
                         yield Event(text, [item.token_id], "stop", {}, n)
                         return
                     yield Event(text, [item.token_id], None, {}, n)
                 elif item.kind == "finished":
                     done = True
-                    reason = item.finish_reason or "stop"
+                    reason = outcome = item.finish_reason or "stop"
                     if reason in SERVER_ENDED:
                         status, message = SERVER_ENDED[reason]
                         raise APIError(status, message, None, reason, "internal_error")
                     tail = matcher.push(decoder.flush())
                     yield Event(tail + matcher.flush(), [], reason, item.job_stats, n)
                     return
+            outcome = "error"
             raise APIError(500, "the scheduler stream ended without a finish", None, "internal_error",
                            "internal_error")
+        except Exception:
+            if not done:
+                outcome = "error"
+            raise
         finally:
             if not done:
                 stream.cancel()
+            if self.metrics is not None:
+                self.metrics.request_finished(outcome)
 
     async def complete(self, prep: Prepared, stream: Stream) -> dict[str, Any]:
         text, ids, last = [], [], Event("", [])
@@ -326,9 +337,9 @@ def make_api(server: OpenAIServer) -> FastAPI:
 
 
 class ServeBackend:
-    """The production ``Backend``: the Scheduler and Metrics deployments' handles."""
+    """The production ``Backend``: the Scheduler deployment's handle, Ray's metrics agents."""
 
-    def __init__(self, scheduler: Any, metrics: Any) -> None:
+    def __init__(self, scheduler: Any, metrics: AgentMetrics) -> None:
         self._generate = scheduler.options(stream=True).generate
         self._metrics = metrics
 
@@ -337,18 +348,19 @@ class ServeBackend:
         return stream
 
     async def metrics_text(self) -> str:
-        text: str = await self._metrics.render.remote()
-        return text
+        return await self._metrics.text()
 
 
 @serve.ingress()
 class Ingress:
     """The HTTP entry point; ``app.main`` applies its Serve options (autoscaling, ...)."""
 
-    def __init__(self, scheduler: Any, metrics: Any, args: dict[str, Any]) -> None:
+    def __init__(self, scheduler: Any, args: dict[str, Any]) -> None:
         started = time.monotonic()
-        ctx = ServerContext.from_args(AppArgs.model_validate(args))
-        self.server = OpenAIServer(ctx, ServeBackend(scheduler, metrics))
+        app_args = AppArgs.model_validate(args)
+        ctx = ServerContext.from_args(app_args)
+        backend = ServeBackend(scheduler, AgentMetrics(app_args.server.metrics_agent_timeout_s))
+        self.server = OpenAIServer(ctx, backend, IngressMetrics(ctx.model_name))
         log.info("ingress ready in %.1f s for model %s", time.monotonic() - started, ctx.model_name)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
