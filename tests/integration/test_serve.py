@@ -290,7 +290,7 @@ def _wait_for(what: str, check: Callable[[], bool], timeout: float, log: Path) -
 
 
 @contextlib.contextmanager
-def serve_app(tmp: Path, config: dict[str, Any]) -> Iterator[Server]:
+def serve_app(tmp: Path, config: dict[str, Any], health_path: str = "/health") -> Iterator[Server]:
     """A private Ray head and ``serve run`` of ``config`` (on a free port), stopped afterwards."""
     gcs, http = free_port(), free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", API_KEY_ENV: API_KEY, "RAY_ADDRESS": f"127.0.0.1:{gcs}",
@@ -312,7 +312,7 @@ def serve_app(tmp: Path, config: dict[str, Any]) -> Iterator[Server]:
         serve_run = subprocess.Popen([str(BIN / "serve"), "run", str(config_path)], cwd=ROOT, env=env,
                                      stdout=serve_log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
         srv = Server(f"http://127.0.0.1:{http}", serve_log, f"127.0.0.1:{gcs}")
-        _wait_for("/health", lambda: httpx.get(srv.url("/health"), timeout=5).status_code == 200,
+        _wait_for(health_path, lambda: httpx.get(srv.url(health_path), timeout=5).status_code == 200,
                   STARTUP_TIMEOUT_S, serve_log)
 
         def scheduler_ready() -> bool:
