@@ -22,6 +22,6 @@ COPY --chown=ray:users . /home/ray/fastserve
 # profiles) next to app/, so the package must run from this tree, not from site-packages.
 RUN pip install --no-cache-dir -e ".[${EXTRAS}]"
 
-# Ray's token auth is for interactive clusters; inside the cluster network the RayService's
-# Serve endpoint carries our own API key (FASTSERVE_API_KEY) instead.
+# Ray 2.60 turns token auth on by default; the manifests hand pods no token, so it is off and
+# the Serve endpoint is guarded by our own API key (env FASTSERVE_API_KEY, e.g. from a Secret).
 ENV RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false

@@ -147,7 +147,10 @@ class SchedulerReplica:
         self._closed = True
         self._sample_task.cancel()
         await self.engine.stop()
-        self._sample_metrics()   # the aborted jobs' accounting, and gauges that say "empty"
+        try:   # the aborted jobs' accounting, and gauges that say "empty"
+            self._sample_metrics()
+        except Exception:   # metrics must never stop a shutdown
+            log.exception("recording metrics at close failed")
 
     @property
     def scheduler(self) -> Scheduler:

@@ -83,3 +83,47 @@ def test_our_validation_errors_arrive_in_ray_serve_llms_error_format(llm_server:
     err = resp.json()["error"]
     assert err["code"] == 400 and err["type"] == "OpenAIHTTPException" and err["param"] is None
     assert err["message"].startswith("Message: n must be 1, got 2: only one choice per request is supported")
+
+
+def test_full_admission_queue_is_a_429_error_response_without_retry_after() -> None:
+    """In process (no cluster): the engine turns our 429 into Ray's ``ErrorResponse``, which
+    carries the status only — Ray's ingress has no place for our ``Retry-After`` header."""
+    import asyncio
+    import time
+
+    from ray.llm._internal.serve.core.configs.openai_api_models import CompletionRequest, ErrorResponse
+    from ray.serve.llm import LLMConfig
+
+    from app.llm_server import FastServeEngine, FastServeLLMServer
+
+    config: dict[str, Any] = yaml.safe_load((ROOT / "config" / "serve-llm-demo.yaml").read_text())
+    (llm,) = config["applications"][0]["args"]["llm_configs"]
+    # FCFS, one job per batch, one job may wait: the third concurrent request is refused.
+    llm["engine_kwargs"]["scheduler"].update(policy="fcfs", max_batch_size=1, admission_queue_limit=1)
+    engine = FastServeEngine(LLMConfig(**{**llm, "server_cls": FastServeLLMServer}))
+
+    def request() -> Any:
+        return CompletionRequest(model=MODEL, prompt="Hi", max_tokens=500, ignore_eos=True, stream=True)
+
+    async def run() -> None:
+        await engine.start()
+        assert engine.replica is not None
+        running = engine.completions(request())
+        try:
+            assert (await running.__anext__()).startswith("data: ")   # admitted: streaming tokens
+            waiting = asyncio.ensure_future(engine.completions(request()).__anext__())
+            deadline = time.monotonic() + 30
+            while engine.replica.scheduler.num_waiting() < 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert engine.replica.scheduler.num_waiting() == 1
+            refused = [item async for item in engine.completions(request())]
+            assert len(refused) == 1 and isinstance(refused[0], ErrorResponse)
+            err = refused[0].error
+            assert (err.code, err.type) == (429, "rate_limit_error")
+            assert "admission_queue_limit=1" in err.message
+            waiting.cancel()
+        finally:
+            await running.aclose()
+            await engine.shutdown()
+
+    asyncio.run(run())
