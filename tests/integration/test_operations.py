@@ -25,7 +25,7 @@ import httpx
 import pytest
 import yaml
 
-from app.config import API_KEY_ENV
+from app.config import API_KEY_ENV, AppArgs
 from tests.integration import metrics_view
 from tests.integration.test_serve import (
     API_KEY,
@@ -221,7 +221,16 @@ def test_counters_do_not_decrease_when_a_scheduler_replica_is_replaced(cluster: 
 
 
 def test_scheduler_autoscales_to_two_model_copies_and_both_serve(cluster: Cluster) -> None:
+    """Each new replica reserves its whole model copy: its own placement group holding the
+    replica's bundle and its stage worker's (a Ray pipeline of one stage; plain actor calls, as a
+    compiled graph's idle threads would take a core of this 2-core box)."""
+    from ray.util import placement_group_table
+
     config = demo_yaml()
+    args = config["applications"][0]["args"]
+    args["parallel"].update(use_ray_pipeline=True, transport="actor")
+    bundles = AppArgs.model_validate(args).placement_group_bundles()
+    assert len(bundles) == 2
     options = scheduler_options(config)
     del options["num_replicas"]
     options["autoscaling_config"] = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
@@ -245,6 +254,10 @@ def test_scheduler_autoscales_to_two_model_copies_and_both_serve(cluster: Cluste
     asyncio.run(burst())
     replicas = running_replicas("Scheduler")
     assert len(replicas) == 2
+    groups = placement_group_table().values()
+    for r in replicas:   # Serve names a replica's placement group after the replica's actor
+        (group,) = [g for g in groups if g["name"] == r["actor_name"]]
+        assert group["state"] == "CREATED" and list(group["bundles"].values()) == bundles
 
     def both_served(m: metrics_view.Scrape) -> bool:
         return all(m.total("fastserve:generation_tokens_total", replica=r["replica_id"]) >
