@@ -163,8 +163,8 @@ def test_dockerfile_installs_pyproject_extras_on_the_matching_ray_image() -> Non
     (install,) = re.findall(r"^RUN pip install .*$", dockerfile, flags=re.M)
     assert install == 'RUN pip install --no-cache-dir -e ".[${EXTRAS}]"'
     # every extra the build instructions and manifests name exists
-    for named in re.findall(r"--build-arg EXTRAS=(\w+)", dockerfile):
-        assert named in extras, named
+    named = [e for group in re.findall(r"--build-arg EXTRAS=([\w,-]+)", dockerfile) for e in group.split(",")]
+    assert set(named) == {"gpu", "cpu", "serve-llm"} and set(named) <= extras
     ray_pin = next(d for d in project["dependencies"] if d.startswith("ray["))
     assert ray_pin == "ray[serve]>=2.60,<2.61"
     assert re.fullmatch(r"rayproject/ray:2\.60\.0-py311-cu12\d", args["RAY_IMAGE"])
