@@ -33,8 +33,12 @@ class StageRunner:
                     for c in plan.swap_in]
         return handles
 
-    def build_batch(self, plan: BatchPlan) -> ForwardBatch:
-        return ForwardBatch.build(plan.entries, self.kv.block_size, self.device)
+    def build_batch(self, plan: BatchPlan, timings: dict[str, float] | None = None) -> ForwardBatch:
+        start = time.perf_counter()
+        batch = ForwardBatch.build(plan.entries, self.kv.block_size, self.device)
+        if timings is not None:
+            timings["build"] = timings.get("build", 0.0) + time.perf_counter() - start
+        return batch
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None,
