@@ -219,7 +219,7 @@ class SchedulerReplica:
     async def stats(self) -> dict[str, Any]:
         """The scheduler's stats and the engine's step breakdown (tests, operators, the
         breakdown tool; not on the request path)."""
-        return {**self.scheduler.stats(), "steps_breakdown": self.engine.step_stats.summary()}
+        return {**self.scheduler.stats(), "step_totals": self.engine.step_stats.totals()}
 
     def snapshot(self) -> dict[str, Any]:
         self._collect_finished()

@@ -23,54 +23,62 @@ EXECUTOR_PHASES = ("build", "forward", "sample", "swap_wait", "swap_tail", "tota
 
 
 @dataclass
-class _Sums:
-    steps: int = 0
-    entries: int = 0
-    tokens: int = 0
-    phases: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    cycles: int = 0
-
-
-@dataclass
 class StepStats:
-    """Running sums per step kind; ``summary()`` gives means in milliseconds."""
+    """Running sums per step kind: ``totals()`` for a reader that diffs two readings,
+    ``summary()`` for means in milliseconds."""
 
-    _by_kind: dict[str, _Sums] = field(default_factory=lambda: defaultdict(_Sums))
+    _totals: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
 
     def record(self, kind: StepKind, entries: int, tokens: int, schedule_s: float, execute_s: float,
                update_s: float, executor: Mapping[str, float], cycle_s: float | None) -> None:
         """One finished step. ``cycle_s`` is None when the engine was idle before it."""
-        sums = self._by_kind[kind]
-        sums.steps += 1
-        sums.entries += entries
-        sums.tokens += tokens
-        sums.phases["schedule"] += schedule_s
-        sums.phases["execute"] += execute_s
-        sums.phases["update"] += update_s
+        sums = self._totals[kind]
+        sums["steps"] += 1
+        sums["entries"] += entries
+        sums["tokens"] += tokens
+        sums["schedule"] += schedule_s
+        sums["execute"] += execute_s
+        sums["update"] += update_s
         for phase in EXECUTOR_PHASES:
-            sums.phases[phase] += executor.get(phase, 0.0)
+            sums[phase] += executor.get(phase, 0.0)
         if cycle_s is not None:
-            sums.cycles += 1
-            sums.phases["cycle"] += cycle_s
-            sums.phases["cycle_model"] += executor.get("forward", 0.0) + executor.get("sample", 0.0)
+            sums["cycles"] += 1
+            sums["cycle"] += cycle_s
+            sums["cycle_model"] += executor.get("forward", 0.0) + executor.get("sample", 0.0)
+
+    def totals(self) -> dict[str, dict[str, float]]:
+        """Sums per kind (counts, and seconds per phase): plain data, safe to send and diff."""
+        return {kind: dict(sums) for kind, sums in self._totals.items()}
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """Per kind: step count, mean entries and tokens per step, mean ms per phase, and the
-        share of a busy cycle that is not the model (``overhead_share``)."""
-        out: dict[str, dict[str, float]] = {}
-        for kind, s in sorted(self._by_kind.items()):
-            if not s.steps:
-                continue
-            row: dict[str, float] = {"steps": s.steps, "entries": s.entries / s.steps, "tokens": s.tokens / s.steps}
-            for phase, total in s.phases.items():
-                if phase.startswith("cycle"):
-                    continue
-                row[f"{phase}_ms"] = 1e3 * total / s.steps
-            if s.cycles:
-                cycle = s.phases["cycle"] / s.cycles
-                model = s.phases["cycle_model"] / s.cycles
-                row["cycle_ms"] = 1e3 * cycle
-                row["overhead_ms"] = 1e3 * (cycle - model)
-                row["overhead_share"] = (cycle - model) / cycle if cycle > 0 else 0.0
-            out[kind] = row
-        return out
+        return summarize(self.totals())
+
+
+def diff_totals(after: Mapping[str, Mapping[str, float]],
+                before: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, float]]:
+    """The steps between two ``totals()`` readings."""
+    return {kind: {k: v - before.get(kind, {}).get(k, 0.0) for k, v in sums.items()}
+            for kind, sums in after.items()}
+
+
+def summarize(totals: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, float]]:
+    """Per kind: step count, mean entries and tokens per step, mean ms per phase, and the mean
+    busy cycle with its share that is not the model (``overhead_ms``, ``overhead_share``)."""
+    out: dict[str, dict[str, float]] = {}
+    for kind, s in sorted(totals.items()):
+        steps = s.get("steps", 0.0)
+        if steps <= 0:
+            continue
+        row: dict[str, float] = {"steps": steps, "entries": s.get("entries", 0.0) / steps,
+                                 "tokens": s.get("tokens", 0.0) / steps}
+        for phase in ("schedule", "execute", "update", *EXECUTOR_PHASES):
+            row[f"{phase}_ms"] = 1e3 * s.get(phase, 0.0) / steps
+        cycles = s.get("cycles", 0.0)
+        if cycles > 0:
+            cycle = s["cycle"] / cycles
+            model = s["cycle_model"] / cycles
+            row["cycle_ms"] = 1e3 * cycle
+            row["overhead_ms"] = 1e3 * (cycle - model)
+            row["overhead_share"] = (cycle - model) / cycle if cycle > 0 else 0.0
+        out[kind] = row
+    return out

@@ -8,7 +8,7 @@ import pytest
 
 from app.engine import RequestStream
 from app.scheduler.job import TokenDelta
-from app.step_stats import StepStats
+from app.step_stats import StepStats, diff_totals, summarize
 
 
 def test_step_stats_means_per_kind_and_overhead_share() -> None:
@@ -28,6 +28,11 @@ def test_step_stats_means_per_kind_and_overhead_share() -> None:
     assert decode["overhead_ms"] == pytest.approx(10.0)    # 100 − (80 + 10)
     assert decode["overhead_share"] == pytest.approx(0.1)
     assert mixed["tokens"] == 130 and mixed["overhead_ms"] == pytest.approx(20.0)
+    before = stats.totals()
+    stats.record("decode", 8, 8, 0.001, 0.060, 0.001, {"forward": 0.050, "sample": 0.005}, cycle_s=0.060)
+    only_last = summarize(diff_totals(stats.totals(), before))
+    assert only_last["decode"]["steps"] == 1 and only_last["decode"]["entries"] == 8
+    assert only_last["decode"]["overhead_ms"] == pytest.approx(5.0) and "mixed" not in only_last
 
 
 def test_request_stream_ready_takes_what_is_queued_up_to_the_finish() -> None:
