@@ -57,7 +57,8 @@ class StageRunner:
         tokens = self.sampler.sample(logits, [e.sampling for e in plan.entries],
                                      [e.step_index for e in plan.entries])
         timings["sample"] = time.perf_counter() - start
-        return {e.job_id: t for e, t in zip(plan.entries, tokens, strict=True)}
+        # A row that could not be sampled is left out: the scheduler fails that job alone.
+        return {e.job_id: t for e, t in zip(plan.entries, tokens, strict=True) if t is not None}
 
     def finish_swaps(self, handles: list[SwapHandle], timings: dict[str, float]) -> None:
         start = time.perf_counter()
