@@ -32,7 +32,8 @@ import httpx
 from app.step_stats import diff_totals, summarize
 from loadtest import prompts as P
 from loadtest.client import ClientConfig, check_base_url, run_requests
-from loadtest.metrics import RequestRecord, summarize as summarize_run
+from loadtest.metrics import RequestRecord
+from loadtest.metrics import summarize as summarize_run
 from loadtest.race import cpu_model
 
 STATS_PATH = "/debug/engine"
