@@ -36,7 +36,14 @@ def build_stage(config: OPTConfig, shard: StageShard, dtype: str, device: str,
     """Build one stage on ``device`` and load its weights (dummy or checkpoint)."""
     stage = OPTStage(config, shard) if all_reduce is None else OPTStage(config, shard, all_reduce)
     load_stage_weights(stage, load_format, model_path, seed)
-    return stage.to(device=device, dtype=torch_dtype(dtype)).eval()
+    stage = stage.to(device=device, dtype=torch_dtype(dtype)).eval()
+    if stage_device(device).type == "cpu":
+        stage.store_linear_weights_transposed()
+    return stage
+
+
+def stage_device(device: str) -> torch.device:
+    return torch.device(device)
 
 
 class InProcessExecutor:
@@ -55,7 +62,10 @@ class InProcessExecutor:
         seed: int = 0,
         load_format: str = "dummy",
         model_path: str | None = None,
+        torch_threads: int | None = None,
     ) -> None:
+        if torch_threads:
+            torch.set_num_threads(torch_threads)   # per process: this executor owns the model's
         self.config = model if isinstance(model, OPTConfig) else OPTConfig.from_file(model)
         shard = StageShard.whole(self.config)
         stage = build_stage(self.config, shard, dtype, device, load_format, model_path, seed)
@@ -83,7 +93,7 @@ class InProcessExecutor:
         handles = self.runner.begin_swaps(plan)
         tokens: dict[str, int] = {}
         if plan.entries:
-            batch = self.runner.build_batch(plan)
+            batch = self.runner.build_batch(plan, timings)
             hidden = self.runner.forward(batch, None, timings)
             tokens = self.runner.sample(plan, batch, hidden, timings)
         self.runner.finish_swaps(handles, timings)

@@ -8,10 +8,15 @@ or on recomputation; requests without a seed share the worker's generator.
 
 Stopping (EOS, stop ids, ``max_tokens``) is decided by the control plane with
 ``SamplingParams.finish_reason``; the sampler only picks tokens.
+
+One request's data can fail only that request: a row whose sampling raises (or whose logits are
+not finite) gets ``None`` instead of a token, the other rows are sampled as if it were not there,
+and the control plane ends that one job with an error.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -20,6 +25,8 @@ from actors.messages import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio multiplier: spreads (seed, step) over 63 bits
 _SEED_BITS = (1 << 63) - 1
+
+log = logging.getLogger(__name__)
 
 
 def step_seed(seed: int, step_index: int) -> int:
@@ -31,15 +38,29 @@ class Sampler:
         self._shared = torch.Generator().manual_seed(seed)
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-               step_indices: Sequence[int]) -> list[int]:
-        """One token per row of ``logits`` ([batch, vocab], float32)."""
+               step_indices: Sequence[int]) -> list[int | None]:
+        """One token per row of ``logits`` ([batch, vocab], float32); ``None`` for a row that
+        could not be sampled (its job alone fails)."""
         if logits.shape[0] != len(params):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(params)} requests")
-        out = logits.argmax(dim=-1).tolist()
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        greedy = logits.argmax(dim=-1).tolist()
+        out: list[int | None] = []
         for row, (p, step) in enumerate(zip(params, step_indices, strict=True)):
-            if not p.greedy:
-                out[row] = self._sample_row(logits[row], p, step)
-        return [int(t) for t in out]
+            if not finite[row]:
+                out.append(None)
+            elif p.greedy:
+                out.append(int(greedy[row]))
+            else:
+                out.append(self._sample_row_or_none(logits[row], p, step))
+        return out
+
+    def _sample_row_or_none(self, row: torch.Tensor, p: SamplingParams, step: int) -> int | None:
+        try:
+            return self._sample_row(row, p, step)
+        except (RuntimeError, ValueError) as exc:   # torch reports bad distributions this way
+            log.warning("sampling failed for one request (%s): %s", p, exc)
+            return None
 
     def _sample_row(self, row: torch.Tensor, p: SamplingParams, step: int) -> int:
         probs = filtered_probs(row.float().cpu(), p)
@@ -58,6 +79,7 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sorted_probs, order = probs.sort(descending=True)
         before = sorted_probs.cumsum(0) - sorted_probs  # mass strictly above each token
         drop = before >= p.top_p
+        drop[0] = False   # the most likely token survives any top_p, even one that underflows
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
         probs = probs / probs.sum()

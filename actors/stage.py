@@ -33,8 +33,12 @@ class StageRunner:
                     for c in plan.swap_in]
         return handles
 
-    def build_batch(self, plan: BatchPlan) -> ForwardBatch:
-        return ForwardBatch.build(plan.entries, self.kv.block_size, self.device)
+    def build_batch(self, plan: BatchPlan, timings: dict[str, float] | None = None) -> ForwardBatch:
+        start = time.perf_counter()
+        batch = ForwardBatch.build(plan.entries, self.kv.block_size, self.device)
+        if timings is not None:
+            timings["build"] = timings.get("build", 0.0) + time.perf_counter() - start
+        return batch
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None,
@@ -53,7 +57,8 @@ class StageRunner:
         tokens = self.sampler.sample(logits, [e.sampling for e in plan.entries],
                                      [e.step_index for e in plan.entries])
         timings["sample"] = time.perf_counter() - start
-        return {e.job_id: t for e, t in zip(plan.entries, tokens, strict=True)}
+        # A row that could not be sampled is left out: the scheduler fails that job alone.
+        return {e.job_id: t for e, t in zip(plan.entries, tokens, strict=True) if t is not None}
 
     def finish_swaps(self, handles: list[SwapHandle], timings: dict[str, float]) -> None:
         start = time.perf_counter()

@@ -181,7 +181,7 @@ class StageWorker:
                              "but no hidden states came from the previous stage")
         if hidden is not None and hidden.device != self.runner.device:
             hidden = hidden.to(self.runner.device)
-        batch = self.runner.build_batch(plan)
+        batch = self.runner.build_batch(plan, timings)
         return batch, self.runner.forward(batch, hidden, timings)
 
     def _count_swaps(self, plan: BatchPlan) -> None:

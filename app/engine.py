@@ -22,6 +22,7 @@ from actors.messages import BatchPlan, SamplingParams, StepOutput
 from app.scheduler.config import EngineConfig
 from app.scheduler.job import JobRequest, TokenDelta
 from app.scheduler.scheduler import Scheduler
+from app.step_stats import StepKind, StepStats
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,15 @@ class RequestStream:
         self._done = delta.finished
         return delta
 
+    def ready(self) -> list[TokenDelta]:
+        """The deltas already queued, without waiting (up to and including the finishing one)."""
+        out: list[TokenDelta] = []
+        while not self._done and not self._queue.empty():
+            delta = self._queue.get_nowait()
+            self._done = delta.finished
+            out.append(delta)
+        return out
+
 
 class Engine:
     def __init__(self, scheduler: Scheduler, executor: Executor,
@@ -96,6 +106,11 @@ class Engine:
         self._task: asyncio.Task[None] | None = None
         self._inflight: dict[asyncio.Task[StepOutput], BatchPlan] = {}
         self.plans_failed = 0
+        self.step_stats = StepStats()
+        # Per in-flight step: (submit time, schedule seconds, cycle start or None if idle before).
+        self._submitted: dict[asyncio.Task[StepOutput], tuple[float, float, float | None]] = {}
+        self._pass = 0                           # loop passes, to tell back-to-back steps
+        self._last_finish: tuple[int, float] | None = None   # (pass, time) of the last result
 
     @property
     def eos_token_id(self) -> int:
@@ -165,6 +180,7 @@ class Engine:
 
     async def _loop(self) -> None:
         while True:
+            self._pass += 1
             self._submit()
             waiters: set[asyncio.Future[object]] = set(self._inflight)  # type: ignore[arg-type]
             wake = asyncio.ensure_future(self._wake.wait())
@@ -182,14 +198,23 @@ class Engine:
 
     def _submit(self) -> None:
         while len(self._inflight) < self.executor.max_inflight:
+            started = time.perf_counter()
             plan = self.scheduler.schedule(self.clock())
             if plan is None:
                 return
+            submitted = time.perf_counter()
             task = asyncio.ensure_future(self.executor.execute(plan))
             self._inflight[task] = plan
+            # A step submitted in the pass right after a result ran back to back with it.
+            last = self._last_finish
+            busy_since = last[1] if last is not None and last[0] == self._pass - 1 else None
+            self._submitted[task] = (submitted, submitted - started, busy_since)
 
     def _finish(self, task: asyncio.Task[StepOutput], plan: BatchPlan) -> None:
         now = self.clock()
+        finished = time.perf_counter()
+        submitted, schedule_s, busy_since = self._submitted.pop(task, (finished, 0.0, None))
+        output: StepOutput | None = None
         try:
             output = task.result()
         except (Exception, asyncio.CancelledError):   # the step's failure, not the loop's
@@ -198,6 +223,13 @@ class Engine:
             deltas = self.scheduler.fail(plan, now)
         else:
             deltas = self.scheduler.update(plan, output, now)
+        if output is not None and plan.entries:
+            kind: StepKind = "mixed" if any(e.is_prefill for e in plan.entries) else "decode"
+            self.step_stats.record(
+                kind, len(plan.entries), sum(len(e.token_ids) for e in plan.entries), schedule_s,
+                finished - submitted, time.perf_counter() - finished, output.timings,
+                None if busy_since is None else finished - busy_since)
+        self._last_finish = (self._pass, finished)
         for delta in deltas:
             queue = self._queues.get(delta.job_id)
             if queue is None:

@@ -74,6 +74,8 @@ class Backend(Protocol):
 
     async def metrics_text(self) -> str: ...
 
+    async def engine_stats(self) -> dict[str, Any]: ...
+
 
 @dataclass(frozen=True)
 class ServerContext:
@@ -103,6 +105,22 @@ class Event:
     finish_reason: str | None = None
     job_stats: dict[str, Any] = field(default_factory=dict)
     completion_tokens: int = 0
+
+
+@dataclass
+class _DeliveryDelay:
+    """Mean seconds from a scheduler emitting a stream item to the ingress reading it."""
+
+    total: float = 0.0
+    count: int = 0
+
+    def observe(self, emitted_at: float) -> None:
+        if emitted_at > 0:
+            self.total += max(time.time() - emitted_at, 0.0)
+            self.count += 1
+
+    def mean(self) -> float | None:
+        return self.total / self.count if self.count else None
 
 
 @dataclass
@@ -187,31 +205,47 @@ class OpenAIServer:
         return stream
 
     async def events(self, stream: Stream, prep: Prepared) -> AsyncIterator[Event]:
-        """Token items → text deltas (stop strings applied); the last event has the finish."""
+        """Token items → text deltas (stop strings applied); the last event has the finish.
+
+        One event per item: an item carries every token since the previous one, so a lagging
+        reader catches up in one event instead of one per token. The finishing event's
+        ``job_stats`` gains ``delivery_s``: the mean delay from the scheduler emitting an item to
+        this replica reading it.
+        """
         decoder = IncrementalDecoder(self.ctx.tokenizer, prep.prompt_ids)
         matcher = StopStringMatcher(prep.req.stop_strings())
         n, done = 0, False
         outcome = "abort"   # unless it finishes: the client went away, or the stream broke (error)
+        delay = _DeliveryDelay()
         try:
             async for item in stream:
-                if item.kind == "token" and item.token_id is not None:
+                if item.kind not in ("tokens", "finished"):
+                    continue
+                delay.observe(item.emitted_at)
+                text, ids = [], []
+                for token_id in item.token_ids:
                     n += 1
-                    text = matcher.push(decoder.step(item.token_id))
+                    ids.append(token_id)
+                    text.append(matcher.push(decoder.step(token_id)))
                     if matcher.stopped:
                         done, outcome = True, "stop"
                         stream.cancel()   # the scheduler aborts the job and frees its blocks
-                        yield Event(text, [item.token_id], "stop", {}, n)
+                        yield Event("".join(text), ids, "stop", {}, n)
                         return
-                    yield Event(text, [item.token_id], None, {}, n)
-                elif item.kind == "finished":
-                    done = True
-                    reason = outcome = item.finish_reason or "stop"
-                    if reason in SERVER_ENDED:
-                        status, message = SERVER_ENDED[reason]
-                        raise APIError(status, message, None, reason, "internal_error")
-                    tail = matcher.push(decoder.flush())
-                    yield Event(tail + matcher.flush(), [], reason, item.job_stats, n)
-                    return
+                if item.kind == "tokens":
+                    yield Event("".join(text), ids, None, {}, n)
+                    continue
+                done = True
+                reason = outcome = item.finish_reason or "stop"
+                if reason in SERVER_ENDED:
+                    status, message = SERVER_ENDED[reason]
+                    raise APIError(status, message, None, reason, "internal_error")
+                text.append(matcher.push(decoder.flush()))
+                stats = dict(item.job_stats)
+                if stats and (mean_delay := delay.mean()) is not None:
+                    stats["delivery_s"] = mean_delay
+                yield Event("".join(text) + matcher.flush(), ids, reason, stats, n)
+                return
             outcome = "error"
             raise APIError(500, "the scheduler stream ended without a finish", None, "internal_error",
                            "internal_error")
@@ -329,6 +363,12 @@ def make_api(server: OpenAIServer) -> FastAPI:
     async def health() -> PlainTextResponse:
         return PlainTextResponse("ok")
 
+    @api.get("/debug/engine")
+    async def engine_stats(request: Request) -> JSONResponse:
+        """One scheduler replica's counters and step breakdown (``loadtest.breakdown`` reads it)."""
+        server.check_auth(request.headers.get("authorization"))
+        return JSONResponse(await server.backend.engine_stats())
+
     @api.get("/metrics")
     async def metrics() -> Response:
         return Response(await server.backend.metrics_text(), media_type=CONTENT_TYPE)
@@ -341,6 +381,7 @@ class ServeBackend:
 
     def __init__(self, scheduler: Any, metrics: AgentMetrics) -> None:
         self._generate = scheduler.options(stream=True).generate
+        self._stats = scheduler.stats
         self._metrics = metrics
 
     def generate(self, req: GenerateRequest) -> Stream:
@@ -349,6 +390,10 @@ class ServeBackend:
 
     async def metrics_text(self) -> str:
         return await self._metrics.text()
+
+    async def engine_stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = await self._stats.remote()
+        return stats
 
 
 @serve.ingress()

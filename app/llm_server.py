@@ -83,6 +83,9 @@ class LocalBackend:
     async def metrics_text(self) -> str:
         return ""   # metrics go to Ray's agents; Ray Serve LLM has no /metrics route of its own
 
+    async def engine_stats(self) -> dict[str, Any]:
+        return await self.replica.stats()
+
 
 def error_response(exc: APIError) -> ErrorResponse:
     """Ray Serve LLM's error shape: the HTTP status travels in ``error.code``."""

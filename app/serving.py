@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from app.scheduler.scheduler import AdmissionQueueFull, Scheduler
 
 log = logging.getLogger(__name__)
 
-ItemKind = Literal["accepted", "rejected", "invalid", "token", "finished"]
+ItemKind = Literal["accepted", "rejected", "invalid", "tokens", "finished"]
 
 
 @dataclass(frozen=True)
@@ -48,13 +49,19 @@ class GenerateRequest:
 
 @dataclass(frozen=True)
 class StreamItem:
-    """One item of ``generate``'s stream (plain data: it crosses processes)."""
+    """One item of ``generate``'s stream (plain data: it crosses processes).
+
+    ``tokens`` and ``finished`` items carry every token the job produced since the previous
+    item: one per step while the reader keeps up, several when it lags (one message instead of
+    one per token). ``emitted_at`` (wall clock) lets the reader measure the delivery delay.
+    """
 
     kind: ItemKind
-    token_id: int | None = None
+    token_ids: tuple[int, ...] = ()
     finish_reason: str | None = None
     message: str = ""
     job_stats: dict[str, Any] = field(default_factory=dict)
+    emitted_at: float = 0.0
 
 
 def job_stats_dict(stats: JobStats) -> dict[str, Any]:
@@ -82,7 +89,8 @@ def in_process_executor(args: AppArgs) -> Executor:
 
     m, kv = args.model, args.kv_cache
     sync = InProcessExecutor(resolve_path(m.config_path), kv.num_device_blocks, kv.num_host_blocks,
-                             kv.block_size, m.dtype, m.device, m.seed, m.load_format, m.model_path)
+                             kv.block_size, m.dtype, m.device, m.seed, m.load_format, m.model_path,
+                             args.parallel.torch_threads)
     return ThreadedExecutor(sync)
 
 
@@ -173,14 +181,15 @@ class SchedulerReplica:
         try:   # from here on, however the caller leaves, the job must not outlive it
             yield StreamItem("accepted")
             async for delta in stream:
-                if delta.finished:
+                deltas = [delta, *stream.ready()]
+                tokens = tuple(d.token_id for d in deltas if d.token_id is not None)
+                last = deltas[-1]
+                if last.finished:
                     finished = True
-                    stats = self._take_stats(req.job_id)
-                    if delta.token_id is not None:
-                        yield StreamItem("token", delta.token_id)
-                    yield StreamItem("finished", finish_reason=delta.finish_reason, job_stats=stats)
+                    yield StreamItem("finished", tokens, last.finish_reason,
+                                     job_stats=self._take_stats(req.job_id), emitted_at=time.time())
                     return
-                yield StreamItem("token", delta.token_id)
+                yield StreamItem("tokens", tokens, emitted_at=time.time())
         finally:
             if not finished:
                 self.engine.abort(req.job_id)
@@ -202,8 +211,9 @@ class SchedulerReplica:
     # ---- inspection ------------------------------------------------------------------------
 
     async def stats(self) -> dict[str, Any]:
-        """The scheduler's stats (tests and operators; not on the request path)."""
-        return dict(self.scheduler.stats())
+        """The scheduler's stats and the engine's step breakdown (tests, operators, the
+        breakdown tool; not on the request path)."""
+        return {**self.scheduler.stats(), "step_totals": self.engine.step_stats.totals()}
 
     async def replica_info(self) -> dict[str, Any]:
         """This replica's Ray actor id and Serve replica id (tests, operators)."""

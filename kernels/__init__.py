@@ -11,6 +11,10 @@ Which implementation runs:
   its dtype is float16/bfloat16/float32, and ``cupy`` imports and sees a device; otherwise the
   torch reference. ``backend_for(tensor)`` says which. Setting the environment variable
   ``FASTSERVE_KERNEL_BACKEND=torch`` forces the reference everywhere.
+* ``paged_attention`` on CPU float32 tensors uses the C kernel in ``kernels/cpu/`` (built with the
+  system C compiler by ``kernels.cpu_ops``, which reads each page in place instead of gathering
+  pages into a dense tensor) when it builds; otherwise the torch reference.
+  ``paged_attention_backend(query, key_cache)`` says which.
 * ``prefill_attention`` always uses torch's ``scaled_dot_product_attention`` (flash/efficient
   kernels on CUDA), one call per sequence.
 * ``copy_blocks`` always uses torch slice copies (``cudaMemcpyAsync`` underneath), one per run of
@@ -41,16 +45,19 @@ from kernels import reference
 
 __all__ = [
     "BACKEND_ENV_VAR",
+    "CPU_BACKEND",
     "CUDA_BACKEND",
     "TORCH_BACKEND",
     "backend_for",
     "copy_blocks",
     "paged_attention",
+    "paged_attention_backend",
     "prefill_attention",
     "write_kv",
 ]
 
 CUDA_BACKEND = "cuda"
+CPU_BACKEND = "cpu"
 TORCH_BACKEND = "torch"
 BACKEND_ENV_VAR = "FASTSERVE_KERNEL_BACKEND"
 # Kernel-name suffix of each dtype the .cu sources are instantiated for.
@@ -81,11 +88,26 @@ def _cupy_usable() -> bool:
 
 def backend_for(tensor: torch.Tensor) -> str:
     """``"cuda"`` or ``"torch"``: which implementation a kernel call on ``tensor`` would use."""
-    if os.environ.get(BACKEND_ENV_VAR, "").strip().lower() == TORCH_BACKEND:
+    if _forced_reference():
         return TORCH_BACKEND
     if tensor.is_cuda and tensor.dtype in CUDA_KERNEL_SUFFIX and _cupy_usable():
         return CUDA_BACKEND
     return TORCH_BACKEND
+
+
+def _forced_reference() -> bool:
+    return os.environ.get(BACKEND_ENV_VAR, "").strip().lower() == TORCH_BACKEND
+
+
+def paged_attention_backend(query: torch.Tensor, key_cache: torch.Tensor) -> str:
+    """``"cuda"``, ``"cpu"`` (the C kernel) or ``"torch"``: which decode attention would run."""
+    if _forced_reference():
+        return TORCH_BACKEND
+    if query.is_cuda:
+        return backend_for(query)
+    from kernels import cpu_ops
+
+    return CPU_BACKEND if cpu_ops.supports(query, key_cache) else TORCH_BACKEND
 
 
 def _cupy_ops() -> ModuleType:
@@ -143,7 +165,12 @@ def paged_attention(
     ``0..context_lens[b]-1``; position p lives in block ``block_tables[b, p // block_size]`` at
     offset ``p % block_size``. Returns ``[B, num_heads, head_dim]`` in the input dtype.
     """
-    impl = _cupy_ops() if backend_for(query) == CUDA_BACKEND else reference
+    backend = paged_attention_backend(query, key_cache)
+    if backend == CPU_BACKEND:
+        from kernels import cpu_ops
+
+        return cpu_ops.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
+    impl = _cupy_ops() if backend == CUDA_BACKEND else reference
     return impl.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
 
 

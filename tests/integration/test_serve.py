@@ -129,6 +129,9 @@ def test_full_admission_queue_answers_429_and_aborts_free_blocks() -> None:
             async def metrics_text(self) -> str:
                 return ""
 
+            async def engine_stats(self) -> dict[str, Any]:
+                return await replica.stats()
+
         server = OpenAIServer(ServerContext.from_args(replica.args), Backend())
         body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 500, "ignore_eos": True}).encode()
         try:
@@ -137,7 +140,7 @@ def test_full_admission_queue_answers_429_and_aborts_free_blocks() -> None:
                 prep, sampling = server.prepare_completion(body)
                 held.append(await server.start(prep, sampling))
                 if i == 0:   # admitted once it has produced a token
-                    assert (await held[0].__anext__()).kind == "token"
+                    assert (await held[0].__anext__()).kind == "tokens"
             assert replica.scheduler.num_waiting() == 1
             transport = httpx.ASGITransport(app=make_api(server))
             async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
@@ -330,7 +333,7 @@ def test_two_model_copies_each_with_a_ray_pipeline(tmp_path: Path) -> None:
                 req = GenerateRequest(prompt, tuple(TOK.encode(prompt)),
                                       SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
                 items = [x async for x in replica.generate(req)]
-                out.append([i.token_id for i in items if i.kind == "token" and i.token_id is not None])
+                out.append([t for i in items for t in i.token_ids])
             return out
         finally:
             await replica.close()

@@ -258,6 +258,70 @@ def test_paged_attention_matches_naive(dtype: torch.dtype, block_size: int) -> N
     assert out.shape == query.shape
     expected = naive_paged(query, key_cache, value_cache, tables, lens, scale)
     assert_close(out, expected, dtype)
+    # The dispatcher may pick the C kernel for float32: hold the torch reference to the spec too.
+    assert_close(reference.paged_attention(query, key_cache, value_cache, tables, lens, scale), expected, dtype)
+
+
+HAVE_CC = shutil.which("cc") is not None or shutil.which("gcc") is not None
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler on this machine")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("block_size", "head_dim"), [(1, 24), (3, 64), (16, 24), (16, 80)])
+def test_cpu_kernel_paged_attention_matches_naive(block_size: int, head_dim: int, threads: int) -> None:
+    # head_dim 24 and 80 exercise the dot product's tail past its 16 vector lanes.
+    from kernels import cpu_ops
+
+    assert cpu_ops.available(), "the C compiler is there, so the CPU kernels must build"
+    context_lens = [1, block_size, 2 * block_size + 1, 5 * block_size - 1, 17]
+    query, cache, tables, lens = make_paged_case(context_lens, block_size, 3, head_dim, torch.float32, seed=7)
+    key_cache, value_cache = layer_views(cache)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_ops.paged_attention(query, key_cache, value_cache, tables, lens, head_dim**-0.5)
+    finally:
+        torch.set_num_threads(previous)
+    expected = naive_paged(query, key_cache, value_cache, tables, lens, head_dim**-0.5)
+    assert_close(out, expected, torch.float32)
+    reference_out = reference.paged_attention(query, key_cache, value_cache, tables, lens, head_dim**-0.5)
+    torch.testing.assert_close(out, reference_out, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler on this machine")
+def test_cpu_kernel_rejects_tables_outside_the_pool() -> None:
+    from kernels import cpu_ops
+
+    query, cache, tables, lens = make_paged_case([5, 9], 4, 2, 8, torch.float32, seed=3)
+    key_cache, value_cache = layer_views(cache)
+    tables[1, 1] = key_cache.shape[0]   # one past the last block, inside the context
+    with pytest.raises(IndexError, match="outside the cache"):
+        cpu_ops.paged_attention(query, key_cache, value_cache, tables, lens, 0.3)
+    with pytest.raises(ValueError, match="do not match"):
+        cpu_ops.paged_attention(query[:, :1], key_cache, value_cache, tables, lens, 0.3)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler on this machine")
+def test_paged_attention_dispatch_by_device_dtype_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    query, cache, _, _ = make_paged_case([5], 4, 2, 8, torch.float32, seed=3)
+    key_cache, _ = layer_views(cache)
+    assert kernels.paged_attention_backend(query, key_cache) == kernels.CPU_BACKEND
+    half = query.to(torch.bfloat16)
+    assert kernels.paged_attention_backend(half, key_cache.to(torch.bfloat16)) == kernels.TORCH_BACKEND
+    monkeypatch.setenv(kernels.BACKEND_ENV_VAR, "torch")
+    assert kernels.paged_attention_backend(query, key_cache) == kernels.TORCH_BACKEND
+
+
+def test_cpu_kernel_build_is_cached_and_fails_clearly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels import cpu_ops
+
+    monkeypatch.setenv(cpu_ops.CACHE_ENV_VAR, str(tmp_path))
+    with pytest.raises(cpu_ops.KernelBuildError, match="failed|No such file"):
+        cpu_ops.build(cpu_ops.PAGED_ATTENTION_SOURCE, compiler="/bin/false")
+    assert list(tmp_path.iterdir()) == []   # nothing half-written is left behind
+    if HAVE_CC:
+        first = cpu_ops.build(cpu_ops.PAGED_ATTENTION_SOURCE)
+        assert first.parent == tmp_path and cpu_ops.build(cpu_ops.PAGED_ATTENTION_SOURCE) == first
 
 
 def test_paged_attention_ignores_positions_past_context() -> None:

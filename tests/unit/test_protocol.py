@@ -150,8 +150,9 @@ class FakeStream:
 class FakeBackend:
     """Answers every request with ``tokens`` then ``reason``, or refuses with ``first``."""
 
-    def __init__(self, tokens: list[int], reason: str = "length", first: str = "accepted") -> None:
-        self.tokens, self.reason, self.first = tokens, reason, first
+    def __init__(self, tokens: list[int], reason: str = "length", first: str = "accepted",
+                 per_item: int = 1) -> None:
+        self.tokens, self.reason, self.first, self.per_item = tokens, reason, first, per_item
         self.requests: list[GenerateRequest] = []
         self.streams: list[FakeStream] = []
 
@@ -160,7 +161,9 @@ class FakeBackend:
         if self.first != "accepted":
             stream = FakeStream([StreamItem(self.first, message="2 jobs already wait for admission")])  # type: ignore[arg-type]
         else:
-            items = [StreamItem("accepted"), *(StreamItem("token", t) for t in self.tokens),
+            k = self.per_item
+            items = [StreamItem("accepted"),
+                     *(StreamItem("tokens", tuple(self.tokens[i:i + k])) for i in range(0, len(self.tokens), k)),
                      StreamItem("finished", finish_reason=self.reason, job_stats=STATS)]
             stream = FakeStream(items)
         self.streams.append(stream)
@@ -168,6 +171,9 @@ class FakeBackend:
 
     async def metrics_text(self) -> str:
         return "fastserve:num_requests_running 0.0\n"
+
+    async def engine_stats(self) -> dict[str, Any]:
+        return {"steps": 0}
 
 
 def client(backend: FakeBackend, api_key: str | None = None) -> httpx.AsyncClient:
@@ -235,6 +241,23 @@ def test_streaming_completion_chunks_usage_and_done() -> None:
     assert len(finals) == 1 and finals[0]["job_stats"] == STATS
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == len(TEXT_IDS)
     assert all(c["usage"] is None for c in chunks[:-1])
+
+
+def test_coalesced_items_stream_one_chunk_each_with_the_same_text() -> None:
+    # A lagging reader gets several tokens per item: one SSE chunk per item, same text and count.
+    backend = FakeBackend(TEXT_IDS, per_item=3)
+    resp = post(backend, "/v1/completions", {"model": MODEL, "prompt": "Hi", "stream": True,
+                                             "stream_options": {"include_usage": True}})
+    chunks = sse_events(resp)[:-1]
+    token_chunks = [c for c in chunks if c["choices"] and not c["choices"][0]["finish_reason"]]
+    assert len(token_chunks) == -(-len(TEXT_IDS) // 3)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == " Hello world. STOP here"
+    assert chunks[-1]["usage"]["completion_tokens"] == len(TEXT_IDS)
+    # A stop string inside a coalesced item still trims there and cancels the job.
+    backend = FakeBackend(TEXT_IDS, per_item=len(TEXT_IDS))
+    body = post(backend, "/v1/completions", {"model": MODEL, "prompt": "Hi", "stop": ["STOP"]}).json()
+    assert body["choices"][0]["text"] == " Hello world. " and body["choices"][0]["finish_reason"] == "stop"
+    assert backend.streams[0].cancelled
 
 
 def test_streaming_chat_starts_with_the_role() -> None:
@@ -340,7 +363,7 @@ def test_a_stream_that_breaks_mid_way_ends_with_an_error_event() -> None:
     class Broken(FakeBackend):
         def generate(self, req: GenerateRequest) -> FakeStream:
             # accepted, one token, then the replica is gone
-            return BrokenStream([StreamItem("accepted"), StreamItem("token", TEXT_IDS[0])])
+            return BrokenStream([StreamItem("accepted"), StreamItem("tokens", (TEXT_IDS[0],))])
 
     resp = post(Broken(TEXT_IDS), "/v1/completions", {"model": MODEL, "prompt": "Hi", "stream": True})
     events = sse_events(resp)

@@ -65,3 +65,15 @@ def test_finish_reasons() -> None:
     assert p.finish_reason(5, 2, eos_token_id=2) is None
     assert p.finish_reason(5, 3, eos_token_id=2) == "length"
     assert SamplingParams(ignore_eos=True).finish_reason(2, 1, eos_token_id=2) is None
+
+
+def test_a_row_with_non_finite_logits_gets_none_and_the_others_are_unchanged() -> None:
+    logits = LOGITS.clone()
+    logits[0, 1] = float("nan")
+    p = SamplingParams(temperature=0.0)
+    assert Sampler().sample(logits, [p, p], [0, 0]) == [None, 0]
+
+
+def test_top_p_that_underflows_float32_keeps_the_most_likely_token() -> None:
+    p = SamplingParams(temperature=1.0, top_p=1e-300, seed=3)
+    assert [Sampler().sample(LOGITS, [p, p], [s, s]) for s in range(5)] == [[1, 0]] * 5

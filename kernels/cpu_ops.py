@@ -1,0 +1,159 @@
+"""The CPU kernels in ``kernels/cpu/``: built with the system C compiler, called through ctypes.
+
+Owns building the C sources into a shared library (once per source, compiler flags and machine;
+cached on disk, written atomically so concurrent processes never load a half-written file),
+loading it, and checking/normalising the torch tensors handed to it. Signatures match
+``kernels.reference``; ``kernels/__init__.py`` decides when these are used.
+
+Why C and not a torch extension: the reference decode attention copies every sequence's pages
+into a dense tensor per layer (a memory-bound gather as large as the KV it reads) before SDPA
+reads it again; the C kernel reads each page once where it lies. A plain C file compiles in well
+under a second with no torch headers, and ``ctypes`` releases the GIL during the call.
+
+When no compiler is found, or the build fails, ``available()`` is False and the dispatcher keeps
+the torch reference (logged once). ``FASTSERVE_CPU_KERNEL_CACHE`` moves the cache folder;
+``FASTSERVE_CC`` names the compiler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
+PAGED_ATTENTION_SOURCE = SOURCE_DIR / "paged_attention.c"
+CACHE_ENV_VAR = "FASTSERVE_CPU_KERNEL_CACHE"
+COMPILER_ENV_VAR = "FASTSERVE_CC"
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "fastserve" / "cpu-kernels"
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+BUILD_TIMEOUT_S = 120.0
+SUPPORTED_DTYPES = frozenset({torch.float32})
+
+_log = logging.getLogger(__name__)
+
+
+class KernelBuildError(RuntimeError):
+    """The C compiler is missing or failed on a source."""
+
+
+def _compiler() -> str | None:
+    return os.environ.get(COMPILER_ENV_VAR) or shutil.which("cc") or shutil.which("gcc")
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV_VAR) or DEFAULT_CACHE_DIR)
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: a library built on one CPU must not load on another."""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()} {flags}"
+
+
+def build(source: Path, compiler: str | None = None) -> Path:
+    """Compile ``source`` into the cache (or reuse a previous build); the library's path."""
+    cc = compiler or _compiler()
+    if cc is None:
+        raise KernelBuildError("no C compiler found (install gcc, or set FASTSERVE_CC)")
+    key = hashlib.sha256("\0".join((source.read_text(), cc, *CFLAGS, _cpu_signature())).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"{source.stem}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *CFLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True,
+                              timeout=BUILD_TIMEOUT_S, check=False)
+        if done.returncode != 0:
+            raise KernelBuildError(f"{cc} failed on {source.name}:\n{done.stderr.strip()}")
+        os.replace(tmp, target)   # atomic: another process sees the old state or the whole file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL(str(build(PAGED_ATTENTION_SOURCE)))
+    except (KernelBuildError, OSError, subprocess.TimeoutExpired) as exc:
+        _log.warning("CPU kernels unavailable, using the torch reference: %s", exc)
+        return None
+    fn = lib.paged_attention_f32
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i32, i32, i32, i32, ctypes.c_float, ptr, i32]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    """Whether the C kernels built and loaded on this machine (probed once per process)."""
+    return _library() is not None
+
+
+def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether ``paged_attention`` here can take these tensors (CPU, float32, head_dim contiguous)."""
+    return (query.device.type == "cpu" and key_cache.device.type == "cpu"
+            and query.dtype in SUPPORTED_DTYPES and key_cache.dtype == query.dtype
+            and key_cache.stride(-1) == 1 and available())
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Same contract as ``kernels.reference.paged_attention``; CPU float32 only."""
+    lib = _library()
+    if lib is None:
+        raise KernelBuildError("CPU kernels are not available on this machine")
+    if key_cache.stride() != value_cache.stride() or key_cache.shape != value_cache.shape:
+        raise ValueError(f"key/value caches differ: {tuple(key_cache.shape)} {key_cache.stride()} vs "
+                         f"{tuple(value_cache.shape)} {value_cache.stride()}")
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, cache_heads, cache_dim = key_cache.shape
+    if (cache_heads, cache_dim) != (num_heads, head_dim):
+        raise ValueError(f"query heads/dim {(num_heads, head_dim)} do not match the cache's {(cache_heads, cache_dim)}")
+    q = query.contiguous()
+    tables = block_tables.to(dtype=torch.int32).contiguous()
+    lens = context_lens.to(dtype=torch.int32).contiguous()
+    if lens.numel() != num_seqs or tables.shape[0] != num_seqs:
+        raise ValueError(f"{num_seqs} queries but {tables.shape[0]} block tables and {lens.numel()} context lengths")
+    if num_seqs and int(lens.max()) > tables.shape[1] * block_size:
+        raise ValueError(f"a context of {int(lens.max())} tokens needs more than the table's "
+                         f"{tables.shape[1]} blocks of {block_size}")
+    out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    used = tables[:, : -(-int(lens.max()) // block_size)]
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= key_cache.shape[0]):
+        # The C kernel trusts its tables: an id out of range would read outside the pool.
+        raise IndexError(f"block ids {int(used.min())}..{int(used.max())} outside the cache's "
+                         f"{key_cache.shape[0]} blocks")
+    block_stride, token_stride, head_stride, _ = key_cache.stride()
+    status = lib.paged_attention_f32(
+        q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_stride, token_stride, head_stride,
+        tables.data_ptr(), tables.stride(0), lens.data_ptr(), num_seqs, num_heads, head_dim, block_size,
+        float(scale), out.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        raise MemoryError("paged_attention_f32: scratch allocation failed")
+    return out

@@ -1,0 +1,159 @@
+"""Race two OpenAI-compatible servers on one workload: ``python -m loadtest.race --ours URL --peer URL``.
+
+The same requests (real ShareGPT or Alpaca prompt texts, output lengths scaled, Poisson arrivals,
+one seed) are sent by our load client to each server in turn, rate by rate (ours then the peer at
+each rate, so slow drift of the machine hits both alike). For each server and rate it reports the
+paper's per-token latency (mean, P95), TTFT, TPOT and output tokens/s; then each server's
+throughput at the SLO (the largest rate whose mean per-token latency stays under it) and the
+ratios ours ÷ peer. The SLO is given (``--slo``) or set to ``--slo-factor`` × the peer's mean
+per-token latency at the lowest rate, as the issue's race defines it.
+
+Run both servers on this machine, one at a time busy (the other idles), on loopback only. Prints a
+table and, last, one JSON object with every figure and the CPU model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from loadtest import prompts as P
+from loadtest.client import ClientConfig, check_base_url, run_requests, save_jsonl
+from loadtest.metrics import RequestRecord, RunSummary, summarize, throughput_at_slo
+
+SYSTEMS = ("ours", "peer")
+DEFAULT_RATES = (0.25, 1.0, 2.0, 4.0)
+DEFAULT_SLO_FACTOR = 10.0
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run_point(base_url: str, model: str | None, requests: Sequence[Any], max_total_s: float,
+              records_out: Path | None, transport: httpx.AsyncBaseTransport | None = None) -> RunSummary:
+    config = ClientConfig(base_url=base_url, model=model, prompt_mode="text", max_total_s=max_total_s,
+                          progress=False)
+    records = asyncio.run(run_requests(requests, config, transport))
+    if records_out is not None:
+        save_jsonl(records, records_out)
+    return summarize([RequestRecord.from_dict(r) for r in records])
+
+
+def point_row(s: RunSummary) -> dict[str, Any]:
+    return {"completed": s.num_completed, "failed": s.num_failed,
+            "per_token_mean_s": s.per_token.mean, "per_token_p95_s": s.per_token.p95,
+            "ttft_mean_s": s.ttft.mean, "tpot_mean_s": s.tpot.mean,
+            "output_tok_s": s.output_token_throughput, "request_throughput": s.request_throughput}
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or math.isnan(a) or math.isnan(b) or b == 0:
+        return None
+    return a / b
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def race(args: argparse.Namespace,
+         transports: dict[str, httpx.AsyncBaseTransport] | None = None) -> dict[str, Any]:
+    """Run the race; ``transports`` replaces the network per system (tests)."""
+    for url in (args.ours, args.peer):
+        check_base_url(url)   # refuse a non-loopback server before sending anything
+    rates = sorted(args.rates)
+    samples = P.load_prompts(args.dataset)
+    urls = {"ours": args.ours, "peer": args.peer}
+    models = {"ours": args.ours_model, "peer": args.peer_model}
+    points: dict[str, dict[float, dict[str, Any]]] = {name: {} for name in SYSTEMS}
+    for rate in rates:
+        requests = P.text_requests(samples, args.num_prompts, rate, args.seed, args.output_scale)
+        for name in SYSTEMS:
+            out = None if args.out is None else args.out / f"{name}-rate{rate:g}.jsonl"
+            summary = run_point(urls[name], models[name], requests, args.max_total_s, out,
+                                (transports or {}).get(name))
+            points[name][rate] = point_row(summary)
+            row = points[name][rate]
+            print(f"  {name:4} rate {rate:g}: per-token {_fmt(row['per_token_mean_s'])} s, "
+                  f"TTFT {_fmt(row['ttft_mean_s'])} s, TPOT {_fmt(1e3 * row['tpot_mean_s'], 1)} ms, "
+                  f"{_fmt(row['output_tok_s'], 1)} tok/s, {row['failed']} failed", flush=True)
+    slo = args.slo if args.slo is not None else args.slo_factor * points["peer"][rates[0]]["per_token_mean_s"]
+    at_slo = {name: throughput_at_slo(rates, [points[name][r]["per_token_mean_s"] for r in rates], slo)
+              for name in SYSTEMS}
+    ratios = {str(r): {
+        "per_token_mean": ratio(points["ours"][r]["per_token_mean_s"], points["peer"][r]["per_token_mean_s"]),
+        "per_token_p95": ratio(points["ours"][r]["per_token_p95_s"], points["peer"][r]["per_token_p95_s"]),
+        "ttft_mean": ratio(points["ours"][r]["ttft_mean_s"], points["peer"][r]["ttft_mean_s"]),
+        "tpot_mean": ratio(points["ours"][r]["tpot_mean_s"], points["peer"][r]["tpot_mean_s"]),
+        "output_tok_s": ratio(points["ours"][r]["output_tok_s"], points["peer"][r]["output_tok_s"]),
+    } for r in rates}
+    return {"cpu": cpu_model(), "dataset": args.dataset, "num_prompts": args.num_prompts,
+            "output_scale": args.output_scale, "seed": args.seed, "rates": rates, "slo_s": slo,
+            "points": {name: {str(r): row for r, row in pts.items()} for name, pts in points.items()},
+            "throughput_at_slo": {name: t.to_dict() for name, t in at_slo.items()},
+            "throughput_at_slo_ratio": ratio(at_slo["ours"].rate, at_slo["peer"].rate),
+            "ratios_ours_over_peer": ratios}
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"\n{result['dataset']}, {result['num_prompts']} prompts per rate, outputs × {result['output_scale']}, "
+          f"seed {result['seed']}, CPU: {result['cpu']}")
+    print(f"{'system':6} {'rate':>5} | {'per-token mean':>14} {'p95':>7} | {'TTFT':>7} | {'TPOT ms':>8} | "
+          f"{'tok/s':>7} | failed")
+    for name in SYSTEMS:
+        for rate in result["rates"]:
+            row = result["points"][name][str(rate)]
+            print(f"{name:6} {rate:>5g} | {_fmt(row['per_token_mean_s']):>14} {_fmt(row['per_token_p95_s']):>7} | "
+                  f"{_fmt(row['ttft_mean_s']):>7} | {_fmt(1e3 * row['tpot_mean_s'], 1):>8} | "
+                  f"{_fmt(row['output_tok_s'], 1):>7} | {row['failed']}")
+    print("\nratios ours ÷ peer (lower is better for latencies, higher for tok/s):")
+    for rate, r in result["ratios_ours_over_peer"].items():
+        print(f"  rate {rate}: per-token {_fmt(r['per_token_mean'], 2)} (p95 {_fmt(r['per_token_p95'], 2)}), "
+              f"TTFT {_fmt(r['ttft_mean'], 2)}, TPOT {_fmt(r['tpot_mean'], 2)}, tok/s {_fmt(r['output_tok_s'], 2)}")
+    t = result["throughput_at_slo"]
+    print(f"throughput at SLO {result['slo_s']:.3f} s/token: ours {t['ours']['rate']:.3f} ({t['ours']['status']}), "
+          f"peer {t['peer']['rate']:.3f} ({t['peer']['status']}), ratio {_fmt(result['throughput_at_slo_ratio'], 2)}")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--ours", required=True, help="our server's base URL (loopback)")
+    parser.add_argument("--peer", required=True, help="the peer's base URL (loopback)")
+    parser.add_argument("--ours-model", default=None, help="model name; default: the first /v1/models lists")
+    parser.add_argument("--peer-model", default=None)
+    parser.add_argument("--dataset", choices=P.DATASETS, default="sharegpt")
+    parser.add_argument("--output-scale", type=float, default=0.25, help="scale reference output lengths")
+    parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=list(DEFAULT_RATES),
+                        help="comma-separated Poisson arrival rates (req/s)")
+    parser.add_argument("--num-prompts", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slo", type=float, default=None, help="per-token latency SLO in s (default: factor × peer)")
+    parser.add_argument("--slo-factor", type=float, default=DEFAULT_SLO_FACTOR)
+    parser.add_argument("--max-total-s", type=float, default=600.0, help="bound on each run")
+    parser.add_argument("--out", type=Path, default=None, help="folder for per-run request records")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    result = race(parse_args(argv))
+    print_table(result)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

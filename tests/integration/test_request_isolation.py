@@ -1,0 +1,76 @@
+"""One request's bad data fails only that request: the other jobs of the same steps finish with
+exactly the tokens they get without it (real engine, scheduler and in-process executor)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from actors.executor import InProcessExecutor
+from actors.messages import SamplingParams
+from actors.model.config import OPTConfig
+from actors.sampler import Sampler
+from app.engine import Engine, ThreadedExecutor
+from app.scheduler.config import KVCacheConfig, SchedulerConfig
+from app.scheduler.profile import Profile
+from app.scheduler.scheduler import Scheduler
+
+TINY = OPTConfig(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 ffn_dim=128, max_position_embeddings=256, name="tiny")
+BLOCK_SIZE, DEVICE_BLOCKS, HOST_BLOCKS = 4, 64, 16
+PROFILE = Profile.from_dict({"t_init": {"prompt_lens": [1, 64], "seconds": [0.002, 0.01]},
+                             "t_dec": {"batch_sizes": [1, 16], "seconds": [0.002, 0.004]}})
+GOOD = {"a": ([2, 11, 57, 100, 7], 12), "b": ([2, 300, 4], 15), "c": ([2, *range(20, 30)], 9)}
+#: A seed the test sampler refuses: stands for any failure inside one row's sampling.
+POISON_SEED = 666
+
+
+class FailingSampler(Sampler):
+    def _sample_row(self, row: torch.Tensor, p: SamplingParams, step: int) -> int:
+        if p.seed == POISON_SEED:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return super()._sample_row(row, p, step)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+async def run(extra: dict[str, tuple[list[int], SamplingParams]]) -> tuple[dict[str, list[int]], dict[str, str]]:
+    scheduler = Scheduler(SchedulerConfig(), KVCacheConfig(block_size=BLOCK_SIZE, num_device_blocks=DEVICE_BLOCKS,
+                                                           num_host_blocks=HOST_BLOCKS),
+                          PROFILE, eos_token_id=TINY.eos_token_id)
+    executor = InProcessExecutor(TINY, DEVICE_BLOCKS, HOST_BLOCKS, BLOCK_SIZE, seed=0)
+    executor.runner.sampler = FailingSampler(0)
+    engine = Engine(scheduler, ThreadedExecutor(executor))
+    await engine.start()
+    try:
+        jobs = {k: (p, greedy(n)) for k, (p, n) in GOOD.items()} | extra
+        streams = {k: engine.add_request(p, s, job_id=k) for k, (p, s) in jobs.items()}
+        tokens, reasons = {}, {}
+        for k, stream in streams.items():
+            deltas = [d async for d in stream]
+            tokens[k] = [d.token_id for d in deltas if d.token_id is not None]
+            reasons[k] = str(deltas[-1].finish_reason)
+    finally:
+        await engine.stop()
+    scheduler.check_invariants()
+    assert scheduler.kv.num_free_device == DEVICE_BLOCKS and scheduler.kv.num_free_host == HOST_BLOCKS
+    return tokens, reasons
+
+
+def test_a_failing_row_fails_only_its_job_and_top_p_underflow_keeps_the_top_token() -> None:
+    alone, reasons = asyncio.run(run({}))
+    assert reasons == {"a": "length", "b": "length", "c": "length"}
+    prompt = [2, 7, 8, 9]
+    tokens, reasons = asyncio.run(run({
+        # top_p below float32's smallest value: the most likely token still survives → greedy.
+        "tiny_top_p": (prompt, SamplingParams(max_tokens=6, temperature=1.0, top_p=1e-300, seed=1,
+                                              ignore_eos=True)),
+        "poison": (prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=POISON_SEED, ignore_eos=True)),
+        "greedy_twin": (prompt, greedy(6)),
+    }))
+    assert {k: tokens[k] for k in GOOD} == alone
+    assert reasons["poison"] == "error" and tokens["poison"] == []
+    assert reasons["tiny_top_p"] == "length" and tokens["tiny_top_p"] == tokens["greedy_twin"]

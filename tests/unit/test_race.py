@@ -1,0 +1,75 @@
+"""The race tool and its real-prompt workloads, against scripted OpenAI-compatible servers."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from loadtest import prompts as P
+from loadtest import race
+
+
+def test_prompt_datasets_load_with_bos_inclusive_lengths() -> None:
+    sharegpt = P.load_sharegpt_prompts()
+    assert len(sharegpt) == 3000
+    first = json.loads(P.SHAREGPT_PROMPTS.read_text(encoding="utf-8").split("\n")[0])
+    assert sharegpt[0] == P.PromptSample(first["prompt"], first["prompt_tokens"] + 1, first["output_tokens"] + 1)
+    alpaca = P.load_alpaca_prompts()
+    assert 0 < len(alpaca) <= 5000 and all(s.prompt_len + s.output_len <= 2048 for s in alpaca)
+    with pytest.raises(ValueError, match="dataset must be one of"):
+        P.load_prompts("wiki")  # type: ignore[arg-type]
+
+
+def test_text_requests_are_seeded_and_scaled() -> None:
+    samples = P.load_sharegpt_prompts()
+    a = P.text_requests(samples, 20, rate=2.0, seed=3, output_scale=0.25)
+    assert a == P.text_requests(samples, 20, rate=2.0, seed=3, output_scale=0.25)
+    full = P.text_requests(samples, 20, rate=2.0, seed=3, output_scale=1.0)
+    assert [r.prompt_text for r in a] == [r.prompt_text for r in full]
+    assert [r.output_len for r in a] == [max(1, round(r.output_len * 0.25)) for r in full]
+    assert all(x.arrival_s <= y.arrival_s for x, y in zip(a, a[1:], strict=False))
+    with pytest.raises(ValueError, match="num_prompts"):
+        P.text_requests(samples, 0, 1.0, 0)
+
+
+def scripted_server(model: str) -> httpx.MockTransport:
+    """Streams exactly ``max_tokens`` one-token chunks, then usage and [DONE]."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": model}]})
+        body = json.loads(request.content)
+        assert body["model"] == model and isinstance(body["prompt"], str) and body["ignore_eos"]
+        n = body["max_tokens"]
+        events = [{"choices": [{"text": "x", "finish_reason": None}]} for _ in range(n)]
+        events.append({"choices": [], "usage": {"completion_tokens": n}})
+        text = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+
+    return httpx.MockTransport(handle)
+
+
+def test_race_reports_both_systems_ratios_and_throughput_at_slo(capsys: pytest.CaptureFixture[str]) -> None:
+    args = race.parse_args(["--ours", "http://127.0.0.1:1", "--peer", "http://127.0.0.1:2", "--rates", "50,100",
+                            "--num-prompts", "4", "--output-scale", "0.05", "--slo", "10"])
+    result = race.race(args, {"ours": scripted_server("ours-model"), "peer": scripted_server("peer-model")})
+    assert result["rates"] == [50.0, 100.0] and result["slo_s"] == 10
+    for name in race.SYSTEMS:
+        for rate in ("50.0", "100.0"):
+            point = result["points"][name][rate]
+            assert point["completed"] == 4 and point["failed"] == 0
+        # Every point is far under a 10 s/token SLO: the highest rate is a lower bound.
+        assert result["throughput_at_slo"][name] == {"rate": 100.0, "status": "lower_bound", "bracket": None}
+    assert result["throughput_at_slo_ratio"] == 1.0
+    assert set(result["ratios_ours_over_peer"]) == {"50.0", "100.0"}
+    race.print_table(result)
+    assert "throughput at SLO 10.000 s/token" in capsys.readouterr().out
+
+
+def test_race_refuses_a_remote_peer() -> None:
+    args = race.parse_args(["--ours", "http://127.0.0.1:1", "--peer", "http://10.0.0.5:8000", "--rates", "1",
+                            "--num-prompts", "1"])
+    with pytest.raises(ValueError, match="not a loopback host"):
+        race.race(args, {"ours": scripted_server("m")})

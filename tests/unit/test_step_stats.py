@@ -1,0 +1,52 @@
+"""The engine's step breakdown and the coalescing read of a job's delta stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from app.engine import RequestStream
+from app.scheduler.job import TokenDelta
+from app.step_stats import StepStats, diff_totals, summarize
+
+
+def test_step_stats_means_per_kind_and_overhead_share() -> None:
+    stats = StepStats()
+    timings = {"build": 0.001, "forward": 0.080, "sample": 0.010, "total": 0.095}
+    # Two back-to-back decode steps of 100 ms cycles, and one decode step after an idle spell.
+    stats.record("decode", 16, 16, 0.002, 0.096, 0.001, timings, cycle_s=0.100)
+    stats.record("decode", 16, 16, 0.002, 0.096, 0.001, timings, cycle_s=0.100)
+    stats.record("decode", 4, 4, 0.001, 0.050, 0.001, {"forward": 0.040, "sample": 0.005}, cycle_s=None)
+    stats.record("mixed", 2, 130, 0.003, 0.300, 0.002, {"forward": 0.290}, cycle_s=0.310)
+    summary = stats.summary()
+    decode, mixed = summary["decode"], summary["mixed"]
+    assert decode["steps"] == 3 and decode["entries"] == 12 and decode["tokens"] == 12
+    assert decode["forward_ms"] == pytest.approx((80 + 80 + 40) / 3)
+    assert decode["schedule_ms"] == pytest.approx(5 / 3)
+    assert decode["cycle_ms"] == pytest.approx(100.0)      # idle-preceded steps have no cycle
+    assert decode["overhead_ms"] == pytest.approx(10.0)    # 100 − (80 + 10)
+    assert decode["overhead_share"] == pytest.approx(0.1)
+    assert mixed["tokens"] == 130 and mixed["overhead_ms"] == pytest.approx(20.0)
+    before = stats.totals()
+    stats.record("decode", 8, 8, 0.001, 0.060, 0.001, {"forward": 0.050, "sample": 0.005}, cycle_s=0.060)
+    only_last = summarize(diff_totals(stats.totals(), before))
+    assert only_last["decode"]["steps"] == 1 and only_last["decode"]["entries"] == 8
+    assert only_last["decode"]["overhead_ms"] == pytest.approx(5.0) and "mixed" not in only_last
+
+
+def test_request_stream_ready_takes_what_is_queued_up_to_the_finish() -> None:
+    async def run() -> None:
+        queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
+        stream = RequestStream("j", queue)
+        for token, finished in ((5, False), (6, False), (7, True)):
+            queue.put_nowait(TokenDelta("j", token, finished, "length" if finished else None))
+        queue.put_nowait(TokenDelta("j", None, True, "abort"))   # never read: the job finished
+        first = await stream.__anext__()
+        rest = stream.ready()
+        assert [first.token_id, *(d.token_id for d in rest)] == [5, 6, 7]
+        assert rest[-1].finished and stream.ready() == []
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+
+    asyncio.run(run())
