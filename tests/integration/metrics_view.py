@@ -48,3 +48,16 @@ def wait_metrics(base_url: str, ok: Callable[[Scrape], bool], timeout: float = 3
         if ok(m) or time.monotonic() > deadline:
             return m
         time.sleep(0.25)
+
+
+def quiet_metrics(base_url: str, name: str, settle_s: float, timeout: float) -> Scrape:
+    """A scrape once nothing moves: two scrapes ``settle_s`` apart (a few of Ray's report
+    intervals) agree on ``name``, so every earlier request has reached the export."""
+    deadline = time.monotonic() + timeout
+    last = scrape(base_url)
+    while True:
+        time.sleep(settle_s)
+        now = scrape(base_url)
+        if now.total(name) == last.total(name) or time.monotonic() > deadline:
+            return now
+        last = now

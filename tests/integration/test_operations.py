@@ -158,18 +158,8 @@ def scheduler_actor_ids() -> set[str]:
 
 
 def quiet_metrics(cluster: Cluster) -> metrics_view.Scrape:
-    """A scrape once no request is in flight and every earlier one has reached the export: two
-    scrapes three report intervals apart show the same tokens."""
-    tokens = "fastserve:generation_tokens_total"
-    settle_s = 3 * int(METRICS_REPORT_MS) / 1000
-    deadline = time.monotonic() + REQUEST_TIMEOUT_S
-    last = metrics_view.scrape(cluster.base)
-    while True:
-        time.sleep(settle_s)
-        now = metrics_view.scrape(cluster.base)
-        if now.total(tokens) == last.total(tokens) or time.monotonic() > deadline:
-            return now
-        last = now
+    return metrics_view.quiet_metrics(cluster.base, "fastserve:generation_tokens_total",
+                                      3 * int(METRICS_REPORT_MS) / 1000, REQUEST_TIMEOUT_S)
 
 
 # ---- the tests, in order: each starts from the deployment the previous one left ----------------
