@@ -274,7 +274,7 @@ class AppArgs(_Strict):
 
         The placement group is derived from the model's layout; the rest are plain defaults that
         ``deployments: [{name: Scheduler, ...}]`` overrides without restarting replicas (except
-        ``ray_actor_options`` and the placement group, which Serve applies by replacing them).
+        ``ray_actor_options`` and the placement group: Serve applies those by starting new replicas).
         """
         actor_options: dict[str, Any] = dict(SCHEDULER_DEFAULTS["ray_actor_options"])
         if not self.parallel.uses_pipeline and self.parallel.num_gpus:
