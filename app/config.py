@@ -160,6 +160,19 @@ class ServerArgs(_Strict):
     api_key: str | None = None
     #: ``Retry-After`` seconds sent with a 429 when the admission queue is full.
     retry_after_s: int = Field(default=1, ge=0)
+    #: Refuse to start without an API key (set it for every config that binds a non-loopback host).
+    require_api_key: bool = False
+    #: Largest request body accepted; larger ones get a 413 before being read whole.
+    max_request_bytes: int = Field(default=1 << 20, ge=1024)
+    #: OpenAI ``stop``: how many strings a request may send, and how long each may be.
+    max_stop_strings: int = Field(default=16, ge=1)
+    max_stop_string_chars: int = Field(default=256, ge=1)
+    #: A request still generating after this long ends with a timeout error (and its job is
+    #: aborted), whatever the client asked for.
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    #: Honour the request ``priority`` field (it moves a job's MLFQ entry level, so any caller
+    #: could jump the queue); off by default.
+    allow_priority: bool = False
     #: How often each scheduler replica records its state gauges and mirrored counters (Ray
     #: then exports them every ``RAY_metrics_report_interval_ms``).
     metrics_sample_interval_s: float = Field(default=0.5, gt=0)
@@ -167,7 +180,11 @@ class ServerArgs(_Strict):
     metrics_agent_timeout_s: float = Field(default=5.0, gt=0)
 
     def resolved_api_key(self) -> str | None:
-        return os.environ.get(API_KEY_ENV) or self.api_key
+        key = os.environ.get(API_KEY_ENV) or self.api_key
+        if key is None and self.require_api_key:
+            raise ValueError(f"server.require_api_key is set but no API key is configured: set "
+                             f"server.api_key or the {API_KEY_ENV} environment variable")
+        return key
 
 
 class AppArgs(_Strict):

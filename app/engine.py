@@ -64,6 +64,10 @@ class ThreadedExecutor:
             close()
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine loop is not running (never started, stopped, or crashed): no new work."""
+
+
 class RequestStream:
     """Async iterator of one job's ``TokenDelta``s; ends after the finishing delta."""
 
@@ -111,6 +115,7 @@ class Engine:
         self._submitted: dict[asyncio.Task[StepOutput], tuple[float, float, float | None]] = {}
         self._pass = 0                           # loop passes, to tell back-to-back steps
         self._last_finish: tuple[int, float] | None = None   # (pass, time) of the last result
+        self._last_progress = time.perf_counter()   # a step finished, or the engine went idle
 
     @property
     def eos_token_id(self) -> int:
@@ -120,6 +125,17 @@ class Engine:
     def running(self) -> bool:
         """The loop task exists and has not ended (health checks)."""
         return self._task is not None and not self._task.done()
+
+    def health(self) -> str | None:
+        """None when healthy, else why not: the loop is not running, or work is pending and no
+        step has finished for ``watchdog_s`` (a stuck step)."""
+        if not self.running:
+            return "the engine loop is not running"
+        stalled = time.perf_counter() - self._last_progress
+        if (self._inflight or self.scheduler.has_work()) and stalled > self.config.watchdog_s:
+            return (f"no step finished for {stalled:.0f} s with work pending "
+                    f"(engine.watchdog_s={self.config.watchdog_s:g})")
+        return None
 
     async def start(self) -> None:
         if self._task is None:
@@ -146,7 +162,11 @@ class Engine:
                     job_id: str | None = None, arrival: float | None = None,
                     priority: int = 0) -> RequestStream:
         """Queue a request; returns its delta stream. Raises at once (``ValueError``,
-        ``AdmissionQueueFull``) if the scheduler refuses it."""
+        ``AdmissionQueueFull``, ``EngineUnavailable``) if it cannot be served."""
+        if not self.running:
+            raise EngineUnavailable("the engine loop is not running; the replica is being replaced")
+        if not (self._inflight or self.scheduler.has_work()):
+            self._last_progress = time.perf_counter()   # the watchdog counts from the first work
         job_id = job_id if job_id is not None else f"job-{next(self._ids)}"
         now = self.clock()
         req = JobRequest(job_id, tuple(prompt_ids), sampling, now if arrival is None else arrival, priority)
@@ -230,6 +250,7 @@ class Engine:
                 finished - submitted, time.perf_counter() - finished, output.timings,
                 None if busy_since is None else finished - busy_since)
         self._last_finish = (self._pass, finished)
+        self._last_progress = finished
         for delta in deltas:
             queue = self._queues.get(delta.job_id)
             if queue is None:

@@ -13,6 +13,7 @@ deployment class (its app is built per replica by ``__serve_build_asgi_app__``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
@@ -28,7 +29,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.messages import SamplingParams, validate_request
-from app.config import AppArgs, resolve_path
+from app.config import AppArgs, ServerArgs, resolve_path
 from app.metrics import IngressMetrics
 from app.metrics_export import CONTENT_TYPE, AgentMetrics
 from app.protocol import (
@@ -54,6 +55,8 @@ from app.tokenizer import IncrementalDecoder, Tokenizer, apply_chat_template
 log = logging.getLogger(__name__)
 
 SSE_DONE = b"data: [DONE]\n\n"
+#: How long ``/health`` waits for a scheduler replica to answer.
+HEALTH_TIMEOUT_S = 5.0
 #: Finish reasons that mean the server, not the model, ended the job.
 SERVER_ENDED = {"abort": (503, "the server stopped the request (shutting down?)"),
                 "error": (500, "generation failed inside the engine")}
@@ -76,6 +79,8 @@ class Backend(Protocol):
 
     async def engine_stats(self) -> dict[str, Any]: ...
 
+    async def health(self) -> dict[str, Any]: ...
+
 
 @dataclass(frozen=True)
 class ServerContext:
@@ -87,13 +92,28 @@ class ServerContext:
     context_len: int
     api_key: str | None = None
     retry_after_s: int = 1
+    limits: RequestLimits = field(default_factory=lambda: RequestLimits())
     created: int = field(default_factory=now_s)
 
     @classmethod
     def from_args(cls, args: AppArgs) -> ServerContext:
         tokenizer = Tokenizer.from_dir(resolve_path(args.model.tokenizer_path))
+        srv = args.server
+        limits = RequestLimits(srv.max_request_bytes, srv.max_stop_strings, srv.max_stop_string_chars,
+                               srv.request_timeout_s, srv.allow_priority)
         return cls(args.model.name, tokenizer, args.model.opt_config().vocab_size,
-                   args.model.context_len(), args.server.resolved_api_key(), args.server.retry_after_s)
+                   args.model.context_len(), srv.resolved_api_key(), srv.retry_after_s, limits)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one client may ask of the server (``server.*`` in the config, same defaults)."""
+
+    max_request_bytes: int = ServerArgs.model_fields["max_request_bytes"].default
+    max_stop_strings: int = ServerArgs.model_fields["max_stop_strings"].default
+    max_stop_string_chars: int = ServerArgs.model_fields["max_stop_string_chars"].default
+    request_timeout_s: float = ServerArgs.model_fields["request_timeout_s"].default
+    allow_priority: bool = ServerArgs.model_fields["allow_priority"].default
 
 
 @dataclass
@@ -149,7 +169,7 @@ class OpenAIServer:
 
     def prepare_completion(self, raw: bytes) -> tuple[Prepared, SamplingParams]:
         req: CompletionRequest = parse_request(CompletionRequest, raw)
-        self._check_model(req.model)
+        self._check_request(req)
         ids = self.ctx.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
         sampling = req.to_sampling(DEFAULT_COMPLETION_MAX_TOKENS)
         self._validate(ids, sampling, "prompt")
@@ -157,7 +177,7 @@ class OpenAIServer:
 
     def prepare_chat(self, raw: bytes) -> tuple[Prepared, SamplingParams]:
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, raw)
-        self._check_model(req.model)
+        self._check_request(req)
         try:
             prompt = apply_chat_template([m.as_template_message() for m in req.messages])
         except ValueError as exc:
@@ -171,6 +191,13 @@ class OpenAIServer:
         sampling = req.to_sampling(room)
         self._validate(ids, sampling, "messages")
         return Prepared(req, f"chatcmpl-{uuid.uuid4().hex}", ids, True), sampling
+
+    def _check_request(self, req: CompletionRequest | ChatCompletionRequest) -> None:
+        self._check_model(req.model)
+        limits = self.ctx.limits
+        req.check_limits(limits.max_stop_strings, limits.max_stop_string_chars)
+        if not limits.allow_priority:
+            req.priority = 0   # any caller could jump the queue (server.allow_priority is off)
 
     def _check_model(self, model: str) -> None:
         if model != self.ctx.model_name:
@@ -202,6 +229,10 @@ class OpenAIServer:
                            {"Retry-After": str(self.ctx.retry_after_s)})
         if first.kind == "invalid":
             raise bad_request(first.message, "messages" if prep.chat else "prompt")
+        if first.kind == "unavailable":
+            raise APIError(503, f"the model is unavailable: {first.message}; retry later", None,
+                           "engine_unavailable", "service_unavailable",
+                           {"Retry-After": str(self.ctx.retry_after_s)})
         return stream
 
     async def events(self, stream: Stream, prep: Prepared) -> AsyncIterator[Event]:
@@ -294,12 +325,17 @@ class OpenAIServer:
             yield b"data: " + json.dumps(first).encode() + b"\n\n"
         n = 0
         try:
-            async for ev in self.events(stream, prep):
-                n = ev.completion_tokens
-                if ev.finish_reason is not None:
-                    yield chunk(ev.text, ev.finish_reason, ev.token_ids, {"job_stats": ev.job_stats})
-                elif ev.text or want_ids:
-                    yield chunk(ev.text, None, ev.token_ids, {})
+            async with asyncio.timeout(self.ctx.limits.request_timeout_s):
+                async for ev in self.events(stream, prep):
+                    n = ev.completion_tokens
+                    if ev.finish_reason is not None:
+                        yield chunk(ev.text, ev.finish_reason, ev.token_ids, {"job_stats": ev.job_stats})
+                    elif ev.text or want_ids:
+                        yield chunk(ev.text, None, ev.token_ids, {})
+        except TimeoutError:   # ``events`` cancelled the stream on its way out: the job is aborted
+            yield b"data: " + json.dumps(_timed_out(self.ctx.limits.request_timeout_s).body()).encode() + b"\n\n"
+            yield SSE_DONE
+            return
         except APIError as exc:   # the 200 is already sent: the error travels as an event
             yield b"data: " + json.dumps(exc.body()).encode() + b"\n\n"
             yield SSE_DONE
@@ -317,13 +353,68 @@ class OpenAIServer:
             yield b"data: " + json.dumps(tail).encode() + b"\n\n"
         yield SSE_DONE
 
-    async def handle(self, raw: bytes, chat: bool) -> Response:
-        prep, sampling = self.prepare_chat(raw) if chat else self.prepare_completion(raw)
+    async def handle(self, raw: bytes, chat: bool,
+                     disconnected: Callable[[], Awaitable[Any]] | None = None) -> Response:
+        """Serve one request. Tokenization runs off the event loop (a large prompt must not stall
+        every other stream of this replica). Generation is bounded by ``request_timeout_s``, and a
+        non-streaming request whose client goes away (``disconnected()`` completes) is aborted:
+        both are ours to enforce, whatever headers the client sent the proxy."""
+        prepare = self.prepare_chat if chat else self.prepare_completion
+        prep, sampling = await asyncio.to_thread(prepare, raw)
         stream = await self.start(prep, sampling)
         if prep.req.stream:
             return StreamingResponse(self.sse(prep, stream), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return JSONResponse(await self.complete(prep, stream))
+        return JSONResponse(await self._complete_unless_gone(prep, stream, disconnected))
+
+    async def _complete_unless_gone(self, prep: Prepared, stream: Stream,
+                                    disconnected: Callable[[], Awaitable[Any]] | None) -> dict[str, Any]:
+        work = asyncio.ensure_future(self.complete(prep, stream))
+        gone = asyncio.ensure_future(disconnected()) if disconnected is not None else None
+        try:
+            done, _ = await asyncio.wait({work} | ({gone} if gone else set()),
+                                         timeout=self.ctx.limits.request_timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if work in done:
+                return work.result()
+            if gone is not None and gone in done:
+                raise APIError(499, "the client closed the connection", None, "client_closed_request")
+            raise _timed_out(self.ctx.limits.request_timeout_s)
+        finally:
+            for task in (work, gone):
+                if task is not None and not task.done():
+                    task.cancel()   # cancelling ``complete`` cancels the stream: the job is aborted
+
+
+def _timed_out(seconds: float) -> APIError:
+    return APIError(504, f"the request did not finish within {seconds:g} s (server.request_timeout_s)",
+                    None, "request_timeout", "timeout_error")
+
+
+async def wait_for_disconnect(receive: Callable[[], Awaitable[Any]]) -> None:
+    """Returns once the ASGI connection reports ``http.disconnect`` (after the body was read)."""
+    while True:
+        message = await receive()
+        if message.get("type") == "http.disconnect":
+            return
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with a 413 as soon as it is known to exceed ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise _too_large(len(body), limit)
+    return bytes(body)
+
+
+def _too_large(size: int, limit: int) -> APIError:
+    return APIError(413, f"request body of {size}+ bytes exceeds the limit of {limit} bytes "
+                    "(server.max_request_bytes)", None, "request_too_large")
 
 
 def make_api(server: OpenAIServer) -> FastAPI:
@@ -348,7 +439,8 @@ def make_api(server: OpenAIServer) -> FastAPI:
     def guarded(chat: bool) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
             server.check_auth(request.headers.get("authorization"))
-            return await server.handle(await request.body(), chat)
+            raw = await read_body(request, server.ctx.limits.max_request_bytes)
+            return await server.handle(raw, chat, lambda: wait_for_disconnect(request.receive))
         return endpoint
 
     api.add_api_route("/v1/completions", guarded(False), methods=["POST"])
@@ -360,8 +452,17 @@ def make_api(server: OpenAIServer) -> FastAPI:
         return JSONResponse(models_response(server.ctx.model_name, server.ctx.created))
 
     @api.get("/health")
-    async def health() -> PlainTextResponse:
-        return PlainTextResponse("ok")
+    async def health() -> Response:
+        """200 while a scheduler replica answers healthy; 503 naming the problem otherwise (load
+        balancers and KubeRay probes need no API key for it)."""
+        try:
+            state = await asyncio.wait_for(server.backend.health(), HEALTH_TIMEOUT_S)
+        except Exception as exc:   # no replica answered: unhealthy, whatever the cause
+            state = {"healthy": False, "problem": f"no scheduler replica answered: {type(exc).__name__}"}
+        if state.get("healthy"):
+            return PlainTextResponse("ok")
+        return JSONResponse(error_body(f"unhealthy: {state.get('problem')}", "service_unavailable", None,
+                                       "unhealthy"), status_code=503)
 
     @api.get("/debug/engine")
     async def engine_stats(request: Request) -> JSONResponse:
@@ -382,6 +483,7 @@ class ServeBackend:
     def __init__(self, scheduler: Any, metrics: AgentMetrics) -> None:
         self._generate = scheduler.options(stream=True).generate
         self._stats = scheduler.stats
+        self._health = scheduler.health
         self._metrics = metrics
 
     def generate(self, req: GenerateRequest) -> Stream:
@@ -394,6 +496,10 @@ class ServeBackend:
     async def engine_stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = await self._stats.remote()
         return stats
+
+    async def health(self) -> dict[str, Any]:
+        state: dict[str, Any] = await self._health.remote()
+        return state
 
 
 @serve.ingress()

@@ -86,6 +86,9 @@ class LocalBackend:
     async def engine_stats(self) -> dict[str, Any]:
         return await self.replica.stats()
 
+    async def health(self) -> dict[str, Any]:
+        return await self.replica.health()
+
 
 def error_response(exc: APIError) -> ErrorResponse:
     """Ray Serve LLM's error shape: the HTTP status travels in ``error.code``."""

@@ -103,6 +103,17 @@ class _GenerationRequest(BaseModel):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def check_limits(self, max_stop_strings: int, max_stop_chars: int) -> None:
+        """The server's limits on what a client may send (``server.max_stop_*``)."""
+        stops = self.stop_strings()
+        if len(stops) > max_stop_strings:
+            raise bad_request(f"stop has {len(stops)} strings; at most {max_stop_strings} are allowed "
+                              "(server.max_stop_strings)", "stop")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > max_stop_chars:
+            raise bad_request(f"a stop string of {longest} characters is longer than the "
+                              f"{max_stop_chars} allowed (server.max_stop_string_chars)", "stop")
+
     def check_unsupported(self) -> None:
         if self.n is not None and self.n != 1:
             raise bad_request(f"n must be 1, got {self.n}: only one choice per request is supported", "n")
@@ -160,6 +171,17 @@ class CompletionRequest(_GenerationRequest):
             raise ValueError("a list of token-id prompts (batched request) is not supported")
         return value
 
+    def check_limits(self, max_stop_strings: int, max_stop_chars: int) -> None:
+        """The server's limits on what a client may send (``server.max_stop_*``)."""
+        stops = self.stop_strings()
+        if len(stops) > max_stop_strings:
+            raise bad_request(f"stop has {len(stops)} strings; at most {max_stop_strings} are allowed "
+                              "(server.max_stop_strings)", "stop")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > max_stop_chars:
+            raise bad_request(f"a stop string of {longest} characters is longer than the "
+                              f"{max_stop_chars} allowed (server.max_stop_string_chars)", "stop")
+
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.echo:
@@ -195,6 +217,17 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+
+    def check_limits(self, max_stop_strings: int, max_stop_chars: int) -> None:
+        """The server's limits on what a client may send (``server.max_stop_*``)."""
+        stops = self.stop_strings()
+        if len(stops) > max_stop_strings:
+            raise bad_request(f"stop has {len(stops)} strings; at most {max_stop_strings} are allowed "
+                              "(server.max_stop_strings)", "stop")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > max_stop_chars:
+            raise bad_request(f"a stop string of {longest} characters is longer than the "
+                              f"{max_stop_chars} allowed (server.max_stop_string_chars)", "stop")
 
     def check_unsupported(self) -> None:
         super().check_unsupported()

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from actors.messages import SamplingParams
 from app.config import AppArgs, resolve_path
-from app.engine import Engine, Executor, ThreadedExecutor
+from app.engine import Engine, EngineUnavailable, Executor, ThreadedExecutor
 from app.metrics import SchedulerMetrics
 from app.scheduler.job import JobStats
 from app.scheduler.profile import Profile
@@ -33,7 +33,7 @@ from app.scheduler.scheduler import AdmissionQueueFull, Scheduler
 
 log = logging.getLogger(__name__)
 
-ItemKind = Literal["accepted", "rejected", "invalid", "tokens", "finished"]
+ItemKind = Literal["accepted", "rejected", "invalid", "unavailable", "tokens", "finished"]
 
 
 @dataclass(frozen=True)
@@ -176,6 +176,9 @@ class SchedulerReplica:
         except ValueError as exc:
             yield StreamItem("invalid", message=str(exc))
             return
+        except EngineUnavailable as exc:
+            yield StreamItem("unavailable", message=str(exc))
+            return
         finished = False
         self._live.add(req.job_id)
         try:   # from here on, however the caller leaves, the job must not outlive it
@@ -235,11 +238,21 @@ class SchedulerReplica:
                 log.exception("recording metrics failed")
 
     async def check_health(self) -> None:
-        """Serve restarts a replica whose check fails: the way a dead pipeline gets rebuilt."""
-        if not self.engine.running:
-            raise RuntimeError("the engine loop is not running")
+        """Serve restarts a replica whose check fails: the way a dead pipeline or a stuck step
+        gets a fresh replica."""
+        problem = self.health_problem()
+        if problem is not None:
+            raise RuntimeError(problem)
+
+    def health_problem(self) -> str | None:
         if getattr(self.engine.executor, "closed", False):   # a stage worker died (PipelineExecutor)
-            raise RuntimeError("the executor is closed")
+            return "the executor is closed"
+        return self.engine.health()
+
+    async def health(self) -> dict[str, Any]:
+        """For the ingress's ``/health``: ``{"healthy": bool, "problem": str | None}``."""
+        problem = self.health_problem()
+        return {"healthy": problem is None, "problem": problem}
 
     def __del__(self) -> Coroutine[Any, Any, None] | None:
         """Serve's graceful shutdown calls this on the replica's event loop and awaits what it

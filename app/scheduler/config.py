@@ -108,3 +108,6 @@ class EngineConfig(_Strict):
     #: When the scheduler has nothing to run and nothing is in flight, re-check this often
     #: (time alone can change the decision, e.g. a starvation promotion).
     idle_poll_s: float = Field(default=0.05, gt=0)
+    #: Work pending and no step finished for this long: the engine reports itself unhealthy
+    #: (a stuck step; Serve then replaces the replica). Well above the longest step.
+    watchdog_s: float = Field(default=60.0, gt=0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 
 from actors.executor import InProcessExecutor
@@ -74,3 +75,46 @@ def test_a_failing_row_fails_only_its_job_and_top_p_underflow_keeps_the_top_toke
     assert {k: tokens[k] for k in GOOD} == alone
     assert reasons["poison"] == "error" and tokens["poison"] == []
     assert reasons["tiny_top_p"] == "length" and tokens["tiny_top_p"] == tokens["greedy_twin"]
+
+
+class StuckExecutor:
+    """A step that never returns (a hung collective, a deadlocked kernel)."""
+
+    max_inflight = 1
+
+    async def execute(self, plan: object) -> object:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def shutdown(self) -> None:
+        return None
+
+
+def test_a_stuck_step_turns_the_engine_unhealthy_and_a_dead_loop_refuses_work() -> None:
+    from app.engine import EngineUnavailable
+    from app.scheduler.config import EngineConfig
+
+    async def run() -> None:
+        scheduler = Scheduler(SchedulerConfig(), KVCacheConfig(block_size=BLOCK_SIZE, num_device_blocks=DEVICE_BLOCKS,
+                                                               num_host_blocks=HOST_BLOCKS),
+                              PROFILE, eos_token_id=TINY.eos_token_id)
+        engine = Engine(scheduler, StuckExecutor(), config=EngineConfig(watchdog_s=0.3))  # type: ignore[arg-type]
+        await engine.start()
+        assert engine.health() is None                       # idle is healthy, however long
+        await asyncio.sleep(0.4)
+        assert engine.health() is None
+        engine.add_request([2, 5, 6], greedy(4), job_id="stuck")
+        await asyncio.sleep(0.1)
+        assert engine.health() is None                       # within the watchdog time
+        await asyncio.sleep(0.4)
+        problem = engine.health()
+        assert problem is not None and "engine.watchdog_s=0.3" in problem
+        task = engine._task
+        assert task is not None
+        task.cancel()                                        # the loop dies
+        await asyncio.sleep(0)
+        with pytest.raises(EngineUnavailable):
+            engine.add_request([2, 5], greedy(2))
+        assert engine.health() == "the engine loop is not running"
+
+    asyncio.run(run())

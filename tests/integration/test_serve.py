@@ -132,6 +132,9 @@ def test_full_admission_queue_answers_429_and_aborts_free_blocks() -> None:
             async def engine_stats(self) -> dict[str, Any]:
                 return await replica.stats()
 
+            async def health(self) -> dict[str, Any]:
+                return await replica.health()
+
         server = OpenAIServer(ServerContext.from_args(replica.args), Backend())
         body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 500, "ignore_eos": True}).encode()
         try:

@@ -202,3 +202,28 @@ def test_temperature_below_epsilon_is_greedy() -> None:
 
     req = CompletionRequest(model="m", prompt="x", temperature=1e-30)
     assert req.to_sampling(16).temperature == 0.0
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "config").glob("*.yaml")), ids=lambda p: p.name)
+def test_configs_bound_beyond_loopback_require_an_api_key(path: Path) -> None:
+    raw = yaml.safe_load(path.read_text())
+    host = str((raw.get("http_options") or {}).get("host", "127.0.0.1"))
+    for app in raw.get("applications") or []:
+        server = (app.get("args") or {}).get("server") or {}
+        assert _is_loopback(host) or server.get("require_api_key") is True, \
+            f"{path.name} binds {host} without server.require_api_key"
+
+
+def test_require_api_key_refuses_to_start_without_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.config import API_KEY_ENV, ServerArgs
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    with pytest.raises(ValueError, match="require_api_key is set but no API key"):
+        ServerArgs(require_api_key=True).resolved_api_key()
+    assert ServerArgs(require_api_key=True, api_key="k").resolved_api_key() == "k"
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert ServerArgs(require_api_key=True).resolved_api_key() == "from-env"

@@ -19,7 +19,8 @@ KUBERAY = ROOT / "config" / "kuberay"
 MANIFESTS = ("rayservice-opt175b.yaml", "rayservice-demo.yaml")
 #: The Serve config each RayService embeds, and what may differ (a pod must listen beyond localhost).
 EMBEDS = {"rayservice-opt175b.yaml": ("opt175b.yaml", {}),
-          "rayservice-demo.yaml": ("demo.yaml", {"proxy_location": "EveryNode", "host": "0.0.0.0"})}
+          "rayservice-demo.yaml": ("demo.yaml", {"proxy_location": "EveryNode", "host": "0.0.0.0",
+                                                 "require_api_key": True})}
 UNITS = {"": 1, "m": 1e-3, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9}
 
 
@@ -73,8 +74,12 @@ def test_embedded_serve_config_is_the_shipped_one(name: str) -> None:
         expected["proxy_location"] = changes["proxy_location"]
     if "host" in changes:
         expected["http_options"]["host"] = changes["host"]
+    if "require_api_key" in changes:
+        expected["applications"][0]["args"]["server"]["require_api_key"] = changes["require_api_key"]
     assert embedded == expected
+    # Reachable beyond the pod: the ingress must refuse to start without an API key.
     assert embedded["http_options"]["host"] == "0.0.0.0"
+    assert embedded["applications"][0]["args"]["server"]["require_api_key"] is True
     assert service["spec"]["rayClusterConfig"]["rayVersion"] == ray.__version__
     (app,) = embedded["applications"]
     AppArgs.model_validate(app["args"], context={"require_profile": False})
@@ -173,3 +178,13 @@ def test_dockerfile_installs_pyproject_extras_on_the_matching_ray_image() -> Non
         for spec in pod_groups(documents(name)["RayService"]).values():
             image = spec["template"]["spec"]["containers"][0]["image"]
             assert image.startswith(f"fastserve-ray:{project['version']}-"), image
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_every_pod_gets_the_api_key_from_a_secret(name: str) -> None:
+    from app.config import API_KEY_ENV
+
+    for group, spec in pod_groups(documents(name)["RayService"]).items():
+        (container,) = spec["template"]["spec"]["containers"]
+        (env,) = [e for e in container["env"] if e["name"] == API_KEY_ENV]
+        assert env["valueFrom"]["secretKeyRef"] == {"name": "fastserve-api-key", "key": "key"}, group

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.ingress import OpenAIServer, ServerContext, make_api
+from app.ingress import OpenAIServer, RequestLimits, ServerContext, make_api
 from app.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -153,6 +153,7 @@ class FakeBackend:
     def __init__(self, tokens: list[int], reason: str = "length", first: str = "accepted",
                  per_item: int = 1) -> None:
         self.tokens, self.reason, self.first, self.per_item = tokens, reason, first, per_item
+        self.healthy = True
         self.requests: list[GenerateRequest] = []
         self.streams: list[FakeStream] = []
 
@@ -174,6 +175,9 @@ class FakeBackend:
 
     async def engine_stats(self) -> dict[str, Any]:
         return {"steps": 0}
+
+    async def health(self) -> dict[str, Any]:
+        return {"healthy": self.healthy, "problem": None if self.healthy else "stuck"}
 
 
 def client(backend: FakeBackend, api_key: str | None = None) -> httpx.AsyncClient:
@@ -371,3 +375,109 @@ def test_a_stream_that_breaks_mid_way_ends_with_an_error_event() -> None:
     assert events[-2]["error"] == {"message": "internal error: RuntimeError", "type": "internal_error",
                                    "param": None, "code": "internal_error"}
     assert events[0]["choices"][0]["text"] == TOK.decode(TEXT_IDS[:1])
+
+
+# ---- limits, timeouts and hang-ups owned by the ingress ---------------------------------------
+
+class HangingBackend(FakeBackend):
+    """Accepts, streams the first token, then never finishes (a slow or stuck job)."""
+
+    def generate(self, req: GenerateRequest) -> FakeStream:
+        self.requests.append(req)
+        stream = HangingStream([StreamItem("accepted"), StreamItem("tokens", (TEXT_IDS[0],))])
+        self.streams.append(stream)
+        return stream
+
+
+class HangingStream(FakeStream):
+    async def __anext__(self) -> StreamItem:
+        if not self.items:
+            await asyncio.Event().wait()   # forever, until cancelled
+        return await super().__anext__()
+
+
+def limited_client(backend: FakeBackend, **limits: Any) -> httpx.AsyncClient:
+    ctx = ServerContext(MODEL, TOK, VOCAB, CONTEXT, limits=RequestLimits(**limits))
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=make_api(OpenAIServer(ctx, backend))),
+                             base_url="http://test")
+
+
+def post_limited(backend: FakeBackend, body: Any, **limits: Any) -> httpx.Response:
+    async def run() -> httpx.Response:
+        async with limited_client(backend, **limits) as c:
+            return await c.post("/v1/completions", content=json.dumps(body).encode())
+    return asyncio.run(run())
+
+
+def test_body_over_the_limit_is_refused_with_413_naming_the_limit() -> None:
+    backend = FakeBackend(TEXT_IDS)
+    resp = post_limited(backend, {"model": MODEL, "prompt": "x" * 5000}, max_request_bytes=4096)
+    assert resp.status_code == 413
+    assert resp.json()["error"]["code"] == "request_too_large"
+    assert "server.max_request_bytes" in resp.json()["error"]["message"] and backend.requests == []
+
+
+def test_stop_string_count_and_length_limits() -> None:
+    backend = FakeBackend(TEXT_IDS)
+    resp = post_limited(backend, {"model": MODEL, "prompt": "x", "stop": ["a", "b", "c"]}, max_stop_strings=2)
+    assert resp.status_code == 400 and "server.max_stop_strings" in resp.json()["error"]["message"]
+    resp = post_limited(backend, {"model": MODEL, "prompt": "x", "stop": "y" * 11}, max_stop_string_chars=10)
+    assert resp.status_code == 400 and "server.max_stop_string_chars" in resp.json()["error"]["message"]
+    assert resp.json()["error"]["param"] == "stop" and backend.requests == []
+
+
+def test_priority_is_ignored_unless_the_config_allows_it() -> None:
+    off, on = FakeBackend(TEXT_IDS), FakeBackend(TEXT_IDS)
+    assert post_limited(off, {"model": MODEL, "prompt": "x", "priority": -5}).status_code == 200
+    assert post_limited(on, {"model": MODEL, "prompt": "x", "priority": -5}, allow_priority=True).status_code == 200
+    assert off.requests[0].priority == 0 and on.requests[0].priority == -5
+
+
+def test_a_request_past_its_timeout_ends_with_504_or_an_error_event_and_is_aborted() -> None:
+    backend = HangingBackend(TEXT_IDS)
+    resp = post_limited(backend, {"model": MODEL, "prompt": "x"}, request_timeout_s=0.3)
+    assert resp.status_code == 504 and resp.json()["error"]["code"] == "request_timeout"
+    resp = post_limited(backend, {"model": MODEL, "prompt": "x", "stream": True}, request_timeout_s=0.3)
+    events = sse_events(resp)
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "request_timeout"
+    assert [s.cancelled for s in backend.streams] == [True, True]
+
+
+def test_a_non_streaming_client_that_hangs_up_aborts_its_job() -> None:
+    backend = HangingBackend(TEXT_IDS)
+    ctx = ServerContext(MODEL, TOK, VOCAB, CONTEXT)
+    server = OpenAIServer(ctx, backend)
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 500}).encode()
+
+    async def run() -> None:
+        with pytest.raises(APIError) as err:
+            await server.handle(body, False, lambda: asyncio.sleep(0.2))   # the client leaves at 0.2 s
+        assert err.value.status == 499
+
+    asyncio.run(run())
+    assert backend.streams[0].cancelled
+
+
+def test_health_reports_the_schedulers_state() -> None:
+    async def get(backend: FakeBackend) -> httpx.Response:
+        async with client(backend) as c:
+            return await c.get("/health")
+
+    backend = FakeBackend(TEXT_IDS)
+    assert asyncio.run(get(backend)).status_code == 200
+    backend.healthy = False
+    resp = asyncio.run(get(backend))
+    assert resp.status_code == 503 and resp.json()["error"]["message"] == "unhealthy: stuck"
+
+    class Gone(FakeBackend):
+        async def health(self) -> dict[str, Any]:
+            raise RuntimeError("no replica")
+
+    resp = asyncio.run(get(Gone(TEXT_IDS)))
+    assert resp.status_code == 503 and "no scheduler replica answered" in resp.json()["error"]["message"]
+
+
+def test_an_unavailable_engine_answers_503_with_retry_after() -> None:
+    resp = post(FakeBackend(TEXT_IDS, first="unavailable"), "/v1/completions", {"model": MODEL, "prompt": "x"})
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "3"
+    assert resp.json()["error"]["code"] == "engine_unavailable"
