@@ -3,7 +3,10 @@
 Owns the top-level schema that Serve validates a YAML's ``args`` with (``app.main:build_app``),
 composed of the control plane's own models (``SchedulerConfig``, ``KVCacheConfig``,
 ``EngineConfig`` from ``app.scheduler.config``, imported, never duplicated) plus the model, the
-parallel layout, the profile, the HTTP server and the two deployments. Every model is strict
+parallel layout, the profile and the HTTP server. Serve's deployment options (replicas,
+autoscaling, ``max_ongoing_requests``, actor options) are not here: they belong in the YAML's
+standard ``deployments:`` section, over the defaults ``INGRESS_DEFAULTS``/``SCHEDULER_DEFAULTS``
+(Serve hashes ``args`` into the code version, so an option here would restart model copies). Every model is strict
 (``extra="forbid"``) so a misspelt key fails naming itself, and cross-field checks reject
 impossible sizes (TP·PP ≠ GPUs requested, a block size that does not divide the context, pools
 or token budgets too small for one max-length request) before anything is deployed.
@@ -39,7 +42,6 @@ REQUIRE_PROFILE_CONTEXT = "require_profile"
 Device = Literal["cpu", "cuda"]
 DType = Literal["float32", "float16", "bfloat16"]
 LoadFormat = Literal["dummy", "auto"]
-PGStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
 
 class ProfileMismatchWarning(UserWarning):
@@ -113,6 +115,17 @@ class ParallelArgs(_Strict):
     #: torch intra-op threads of each process that runs the model (the in-process executor, or
     #: each stage worker); None keeps torch's default (one per core).
     torch_threads: int | None = Field(default=None, ge=1)
+    #: Resources of the Scheduler replica's own bundle (bundle 0 of each model copy's placement
+    #: group); GPUs are added for an in-process model on cuda. It must hold the replica's
+    #: ``ray_actor_options`` (``deployments:`` in the YAML). A sliver keeps a 2-core box schedulable.
+    replica_bundle: dict[str, float] = Field(default_factory=lambda: {"CPU": 0.01})
+
+    @field_validator("replica_bundle")
+    @classmethod
+    def _some_resource(cls, value: dict[str, float]) -> dict[str, float]:
+        if not any(v > 0 for v in value.values()):
+            raise ValueError(f"replica_bundle {value} must reserve some resource")
+        return value
 
     @property
     def world_size(self) -> int:
@@ -160,10 +173,11 @@ class ServerArgs(_Strict):
     #: Honour the request ``priority`` field (it moves a job's MLFQ entry level, so any caller
     #: could jump the queue); off by default.
     allow_priority: bool = False
-    #: How often each scheduler replica publishes its metrics snapshot.
-    metrics_push_interval_s: float = Field(default=0.5, gt=0)
-    #: Snapshots older than this are dropped from /metrics (a replica that went away).
-    metrics_stale_after_s: float = Field(default=30.0, gt=0)
+    #: How often each scheduler replica records its state gauges and mirrored counters (Ray
+    #: then exports them every ``RAY_metrics_report_interval_ms``).
+    metrics_sample_interval_s: float = Field(default=0.5, gt=0)
+    #: How long ``GET /metrics`` waits for each node's Ray metrics agent.
+    metrics_agent_timeout_s: float = Field(default=5.0, gt=0)
 
     def resolved_api_key(self) -> str | None:
         key = os.environ.get(API_KEY_ENV) or self.api_key
@@ -171,67 +185,6 @@ class ServerArgs(_Strict):
             raise ValueError(f"server.require_api_key is set but no API key is configured: set "
                              f"server.api_key or the {API_KEY_ENV} environment variable")
         return key
-
-
-class IngressDeploymentArgs(_Strict):
-    """The ``Ingress`` deployment: CPU-only, stateless, autoscaled."""
-
-    num_replicas: int | None = Field(default=None, ge=1)
-    #: Serve's ``autoscaling_config`` (keys of ``ray.serve.config.AutoscalingConfig``).
-    autoscaling_config: dict[str, Any] | None = None
-    max_ongoing_requests: int = Field(default=256, ge=1)
-    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0})
-
-    @field_validator("autoscaling_config")
-    @classmethod
-    def _autoscaling(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is None:
-            return None
-        from ray.serve.config import AutoscalingConfig
-
-        # Serve's model ignores unknown keys; a misspelt one must not be silently dropped.
-        unknown = sorted(set(value) - set(AutoscalingConfig.model_fields))
-        if unknown:
-            raise ValueError(f"unknown autoscaling_config key(s) {unknown}")
-        AutoscalingConfig(**value)
-        return value
-
-    @model_validator(mode="after")
-    def _replicas(self) -> IngressDeploymentArgs:
-        if self.num_replicas is not None and self.autoscaling_config is not None:
-            raise ValueError("set num_replicas or autoscaling_config, not both")
-        target = (self.autoscaling_config or {}).get("target_ongoing_requests")
-        if target is not None and self.max_ongoing_requests < target:
-            raise ValueError(
-                f"max_ongoing_requests={self.max_ongoing_requests} is below the autoscaling "
-                f"target_ongoing_requests={target}: replicas could never reach the target"
-            )
-        return self
-
-
-class SchedulerDeploymentArgs(_Strict):
-    """The ``Scheduler`` deployment: one replica = one model copy with its own executor."""
-
-    num_replicas: int = Field(default=1, ge=1)
-    #: Streams one replica accepts; beyond it Serve queues at the handle, outside admission control.
-    max_ongoing_requests: int = Field(default=1024, ge=1)
-    #: Resources of the replica's own bundle (the scheduler process); GPUs are added for an
-    #: in-process model on cuda. Tiny CPU fractions keep a 2-core box schedulable.
-    replica_bundle: dict[str, float] = Field(default_factory=lambda: {"CPU": 0.01})
-    placement_group_strategy: PGStrategy = "PACK"
-    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0})
-
-    @model_validator(mode="after")
-    def _fits_bundle(self) -> SchedulerDeploymentArgs:
-        cpus = float(self.ray_actor_options.get("num_cpus", 1))
-        if cpus > self.replica_bundle.get("CPU", 0.0):
-            raise ValueError(
-                f"ray_actor_options.num_cpus={cpus} does not fit replica_bundle {self.replica_bundle}: "
-                "Serve places the replica in its first bundle"
-            )
-        if not any(v > 0 for v in self.replica_bundle.values()):
-            raise ValueError(f"replica_bundle {self.replica_bundle} must reserve some resource")
-        return self
 
 
 class AppArgs(_Strict):
@@ -244,8 +197,6 @@ class AppArgs(_Strict):
     kv_cache: KVCacheConfig
     engine: EngineConfig = Field(default_factory=EngineConfig)
     server: ServerArgs = Field(default_factory=ServerArgs)
-    ingress: IngressDeploymentArgs = Field(default_factory=IngressDeploymentArgs)
-    scheduler_deployment: SchedulerDeploymentArgs = Field(default_factory=SchedulerDeploymentArgs)
 
     @model_validator(mode="after")
     def _consistent(self) -> AppArgs:
@@ -322,8 +273,8 @@ class AppArgs(_Strict):
 
     def placement_group_bundles(self) -> list[dict[str, float]]:
         """One bundle for the scheduler replica, then one per pipeline stage with its TP GPUs."""
-        dep, par = self.scheduler_deployment, self.parallel
-        replica = dict(dep.replica_bundle)
+        par = self.parallel
+        replica = dict(par.replica_bundle)
         if not par.uses_pipeline:
             if par.num_gpus:
                 replica["GPU"] = replica.get("GPU", 0.0) + par.num_gpus
@@ -335,9 +286,33 @@ class AppArgs(_Strict):
             stage["GPU"] = float(par.tensor_parallel_size)
         return [replica] + [dict(stage) for _ in range(par.pipeline_parallel_size)]
 
-    def scheduler_actor_options(self) -> dict[str, Any]:
-        """The replica's actor options; an in-process model on cuda needs its GPU visible."""
-        options = dict(self.scheduler_deployment.ray_actor_options)
+    def scheduler_deployment_defaults(self) -> dict[str, Any]:
+        """Serve options of the ``Scheduler`` deployment before the YAML's ``deployments:``.
+
+        The placement group is derived from the model's layout; the rest are plain defaults that
+        ``deployments: [{name: Scheduler, ...}]`` overrides without restarting replicas (except
+        ``ray_actor_options`` and the placement group: Serve applies those by starting new replicas).
+        """
+        actor_options: dict[str, Any] = dict(SCHEDULER_DEFAULTS["ray_actor_options"])
         if not self.parallel.uses_pipeline and self.parallel.num_gpus:
-            options["num_gpus"] = self.parallel.num_gpus
-        return options
+            actor_options["num_gpus"] = self.parallel.num_gpus   # the in-process model's GPUs
+        return {**SCHEDULER_DEFAULTS, "ray_actor_options": actor_options,
+                "placement_group_bundles": self.placement_group_bundles()}
+
+
+#: Serve options the builder gives the ``Ingress`` deployment; the YAML's ``deployments:``
+#: section overrides any of them (num_replicas, autoscaling_config, max_ongoing_requests, ...).
+INGRESS_DEFAULTS: dict[str, Any] = {
+    "max_ongoing_requests": 256,
+    # Tokenizing and streaming need little CPU; 0 keeps a 2-core box schedulable.
+    "ray_actor_options": {"num_cpus": 0},
+}
+#: Serve options the builder gives the ``Scheduler`` deployment (one replica = one model copy).
+SCHEDULER_DEFAULTS: dict[str, Any] = {
+    # Streams one replica accepts; beyond it Serve queues at the handle, outside admission control.
+    "max_ongoing_requests": 1024,
+    "ray_actor_options": {"num_cpus": 0},
+    "placement_group_strategy": "PACK",
+    # The model and its engine hold the replica; only requests in flight gate shutdown.
+    "graceful_shutdown_timeout_s": 5,
+}

@@ -3,7 +3,8 @@
 Owns the request path in front of the schedulers: authentication, parsing and validation
 (``app.protocol``), tokenization and chat templating (``app.tokenizer``), the call to a
 ``Scheduler`` replica through a streaming ``DeploymentHandle``, detokenization with stop strings,
-SSE streaming, and turning every failure into an OpenAI error body with the right status.
+SSE streaming, turning every failure into an OpenAI error body with the right status, and
+recording how each request ended for its client (``request_success{finished_reason}``).
 
 ``OpenAIServer`` holds the logic and talks to a ``Backend`` (the Serve handles in production, a
 fake in unit tests); ``make_api`` builds the FastAPI app over it; ``Ingress`` is the Serve
@@ -29,7 +30,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.messages import SamplingParams, validate_request
 from app.config import AppArgs, ServerArgs, resolve_path
-from app.metrics import CONTENT_TYPE
+from app.metrics import IngressMetrics
+from app.metrics_export import CONTENT_TYPE, AgentMetrics
 from app.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     APIError,
@@ -150,9 +152,10 @@ class Prepared:
 
 
 class OpenAIServer:
-    def __init__(self, ctx: ServerContext, backend: Backend) -> None:
+    def __init__(self, ctx: ServerContext, backend: Backend, metrics: IngressMetrics | None = None) -> None:
         self.ctx = ctx
         self.backend = backend
+        self.metrics = metrics
 
     # ---- request preparation ---------------------------------------------------------------
 
@@ -243,6 +246,7 @@ class OpenAIServer:
         decoder = IncrementalDecoder(self.ctx.tokenizer, prep.prompt_ids)
         matcher = StopStringMatcher(prep.req.stop_strings())
         n, done = 0, False
+        outcome = "abort"   # unless it finishes: the client went away, or the stream broke (error)
         delay = _DeliveryDelay()
         try:
             async for item in stream:
@@ -255,7 +259,7 @@ class OpenAIServer:
                     ids.append(token_id)
                     text.append(matcher.push(decoder.step(token_id)))
                     if matcher.stopped:
-                        done = True
+                        done, outcome = True, "stop"
                         stream.cancel()   # the scheduler aborts the job and frees its blocks
                         yield Event("".join(text), ids, "stop", {}, n)
                         return
@@ -263,7 +267,7 @@ class OpenAIServer:
                     yield Event("".join(text), ids, None, {}, n)
                     continue
                 done = True
-                reason = item.finish_reason or "stop"
+                reason = outcome = item.finish_reason or "stop"
                 if reason in SERVER_ENDED:
                     status, message = SERVER_ENDED[reason]
                     raise APIError(status, message, None, reason, "internal_error")
@@ -273,11 +277,18 @@ class OpenAIServer:
                     stats["delivery_s"] = mean_delay
                 yield Event("".join(text) + matcher.flush(), ids, reason, stats, n)
                 return
+            outcome = "error"
             raise APIError(500, "the scheduler stream ended without a finish", None, "internal_error",
                            "internal_error")
+        except Exception:
+            if not done:
+                outcome = "error"
+            raise
         finally:
             if not done:
                 stream.cancel()
+            if self.metrics is not None:
+                self.metrics.request_finished(outcome)
 
     async def complete(self, prep: Prepared, stream: Stream) -> dict[str, Any]:
         text, ids, last = [], [], Event("", [])
@@ -467,9 +478,9 @@ def make_api(server: OpenAIServer) -> FastAPI:
 
 
 class ServeBackend:
-    """The production ``Backend``: the Scheduler and Metrics deployments' handles."""
+    """The production ``Backend``: the Scheduler deployment's handle, Ray's metrics agents."""
 
-    def __init__(self, scheduler: Any, metrics: Any) -> None:
+    def __init__(self, scheduler: Any, metrics: AgentMetrics) -> None:
         self._generate = scheduler.options(stream=True).generate
         self._stats = scheduler.stats
         self._health = scheduler.health
@@ -480,8 +491,7 @@ class ServeBackend:
         return stream
 
     async def metrics_text(self) -> str:
-        text: str = await self._metrics.render.remote()
-        return text
+        return await self._metrics.text()
 
     async def engine_stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = await self._stats.remote()
@@ -496,10 +506,12 @@ class ServeBackend:
 class Ingress:
     """The HTTP entry point; ``app.main`` applies its Serve options (autoscaling, ...)."""
 
-    def __init__(self, scheduler: Any, metrics: Any, args: dict[str, Any]) -> None:
+    def __init__(self, scheduler: Any, args: dict[str, Any]) -> None:
         started = time.monotonic()
-        ctx = ServerContext.from_args(AppArgs.model_validate(args))
-        self.server = OpenAIServer(ctx, ServeBackend(scheduler, metrics))
+        app_args = AppArgs.model_validate(args)
+        ctx = ServerContext.from_args(app_args)
+        backend = ServeBackend(scheduler, AgentMetrics(app_args.server.metrics_agent_timeout_s))
+        self.server = OpenAIServer(ctx, backend, IngressMetrics(ctx.model_name))
         log.info("ingress ready in %.1f s for model %s", time.monotonic() - started, ctx.model_name)
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -1,226 +1,263 @@
-"""Prometheus metrics: per-replica recording, cross-replica aggregation, text rendering.
+"""Prometheus metrics, recorded through Ray's metrics pipeline where the events happen.
 
-Owns the metric names and the exposition format served at ``GET /metrics``:
+Owns the metric families (name, type, labels, buckets, help) and the two recorders that write
+them: ``SchedulerMetrics`` in each ``Scheduler`` replica, ``IngressMetrics`` in each ``Ingress``
+replica. Both record with ``ray.serve.metrics`` (``ray.util.metrics`` plus the ``deployment``,
+``replica`` and ``application`` tags Serve adds inside a replica), so every Ray node's metrics
+agent exports them and KubeRay's PodMonitor scrapes them. Nothing here sums across replicas.
 
-* ``Histogram``: cumulative-bucket histograms (TTFT, time per output token, end-to-end latency,
-  queue time, swap-blocked time) that merge by adding counts, so replicas can be summed;
-* ``Snapshot``: one scheduler replica's metrics at one moment, plain JSON-able data;
-* ``MetricsHub``: the state of the small ``Metrics`` deployment. Every ``Scheduler`` replica
-  publishes its snapshot there periodically; any ``Ingress`` replica renders the sum of the fresh
-  ones, so ``/metrics`` shows the whole application whichever replica answers;
-* ``render``: the Prometheus text format (version 0.0.4).
+Names follow vLLM's (same suffix, unit, buckets, ``model_name`` label) under our own prefix.
+Ray forbids ``:`` in metric names and prefixes ``ray_``, so ``fastserve_<suffix>`` is exported by
+the agents as ``ray_fastserve_<suffix>`` — exactly as vLLM on Ray exports ``ray_vllm_<suffix>``;
+``app.metrics_export`` shows them on the app's own ``/metrics`` as ``fastserve:<suffix>``, the
+way standalone vLLM shows ``vllm:<suffix>``.
 
-No Ray, no torch: the hub and the renderer are plain Python, testable alone.
+Counters mirrored from the scheduler's cumulative totals are advanced by their difference since
+the last recording (``CounterMirror``), so an exported counter never decreases.
 """
 
 from __future__ import annotations
 
-import math
-import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
+from app.kv.manager import Tier
+from app.scheduler.job import JobState, JobStats
+from app.scheduler.scheduler import Scheduler
+
+#: Name prefix of every family as recorded in Ray (Ray exports it as ``ray_`` + this).
 PREFIX = "fastserve_"
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+Kind = Literal["counter", "gauge", "histogram"]
 
-#: Latency buckets (seconds): from a fast decode step on a GPU to a long CPU request.
-LATENCY_BUCKETS: tuple[float, ...] = (
-    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
-    40.0, 80.0, 160.0,
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so its dashboards' quantiles mean the same here.
+TTFT_BUCKETS: tuple[float, ...] = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 )
-HISTOGRAMS: dict[str, str] = {
-    "time_to_first_token_seconds": "Time from arrival at the scheduler to the first token.",
-    "time_per_output_token_seconds": "Mean time between output tokens after the first, per request.",
-    "e2e_request_latency_seconds": "Time from arrival at the scheduler to the last token.",
-    "request_queue_time_seconds": "Time a request waited in the scheduler's queues, not running.",
-    "request_swap_blocked_time_seconds": "Time a request was picked but its KV was on the host.",
-}
-COUNTERS: dict[str, str] = {
-    "requests_total": "Requests finished, by finish reason (stop, length, abort, error).",
-    "prompt_tokens_total": "Prompt tokens of finished requests.",
-    "generation_tokens_total": "Tokens generated.",
-    "swaps_total": "Jobs whose KV was swapped, by direction (out: device->host, in: host->device).",
-    "swapped_blocks_total": "KV blocks swapped, by direction.",
-    "recomputes_total": "Jobs whose KV was dropped and recomputed.",
-    "promotions_total": "Starvation promotions to the highest MLFQ level.",
-    "demotions_total": "MLFQ demotions after a quantum was used up.",
-    "scheduler_steps_total": "Iterations the engine ran.",
-    "requests_rejected_total": "Requests refused because the admission queue was full.",
-}
-GAUGES: dict[str, str] = {
-    "jobs_running": "Jobs in an in-flight iteration, by MLFQ level.",
-    "jobs_waiting": "Active jobs not in an in-flight iteration, by MLFQ level.",
-    "admission_queue_jobs": "Jobs waiting for admission (no KV anywhere yet).",
-    "kv_device_blocks_used": "Device KV blocks owned by jobs or in flight.",
-    "kv_device_blocks_total": "Device KV blocks in the pool.",
-    "kv_host_blocks_used": "Host KV blocks owned by jobs or in flight.",
-    "kv_host_blocks_total": "Host KV blocks in the pool.",
-    "scheduler_replicas": "Scheduler replicas whose metrics are included.",
-}
-
-Labels = tuple[tuple[str, str], ...]
+TOKEN_LATENCY_BUCKETS: tuple[float, ...] = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)
+REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)
+#: ENST prediction error (ours; no vLLM counterpart): from one decode step to a long wait.
+ENST_ERROR_BUCKETS: tuple[float, ...] = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-def labels(**kv: object) -> Labels:
-    return tuple(sorted((k, str(v)) for k, v in kv.items()))
+@dataclass(frozen=True)
+class Family:
+    suffix: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return PREFIX + self.suffix
 
 
-@dataclass
-class Histogram:
-    """A Prometheus histogram: ``counts[i]`` observations ≤ ``buckets[i]`` (not cumulative here)."""
-
-    buckets: tuple[float, ...] = LATENCY_BUCKETS
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-    count: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.counts:
-            self.counts = [0] * (len(self.buckets) + 1)   # last slot: +Inf
-
-    def observe(self, value: float) -> None:
-        if not math.isfinite(value):
-            return
-        i = next((k for k, b in enumerate(self.buckets) if value <= b), len(self.buckets))
-        self.counts[i] += 1
-        self.total += value
-        self.count += 1
-
-    def merge(self, other: Histogram) -> None:
-        if other.buckets != self.buckets:
-            raise ValueError("cannot merge histograms with different buckets")
-        self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
-        self.total += other.total
-        self.count += other.count
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"buckets": list(self.buckets), "counts": list(self.counts), "sum": self.total,
-                "count": self.count}
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> Histogram:
-        return cls(tuple(raw["buckets"]), list(raw["counts"]), float(raw["sum"]), int(raw["count"]))
+def _families(*items: Family) -> dict[str, Family]:
+    return {f.suffix: f for f in items}
 
 
-@dataclass
-class Snapshot:
-    """One replica's metrics: histograms by name, counters and gauges as labelled samples."""
+#: Recorded in each Scheduler replica. vLLM's families first, then the scheduler's own.
+SCHEDULER_FAMILIES = _families(
+    Family("num_requests_running", "gauge", "Number of requests in model execution batches."),
+    Family("num_requests_waiting", "gauge", "Number of requests waiting to be processed."),
+    Family("num_requests_swapped", "gauge", "Number of requests whose KV cache is swapped out to host memory."),
+    Family("kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage."),
+    Family("num_preemptions", "counter", "Cumulative number of preemptions from the engine "
+           "(a running job's KV swapped out or dropped for recompute)."),
+    Family("prompt_tokens", "counter", "Number of prefill tokens processed."),
+    Family("generation_tokens", "counter", "Number of generation tokens processed."),
+    Family("time_to_first_token_seconds", "histogram", "Histogram of time to first token in seconds.",
+           buckets=TTFT_BUCKETS),
+    Family("inter_token_latency_seconds", "histogram", "Histogram of inter-token latency in seconds "
+           "(per request: the mean gap between its output tokens).", buckets=TOKEN_LATENCY_BUCKETS),
+    Family("request_time_per_output_token_seconds", "histogram",
+           "Histogram of time_per_output_token_seconds per request.", buckets=TOKEN_LATENCY_BUCKETS),
+    Family("e2e_request_latency_seconds", "histogram", "Histogram of e2e request latency in seconds.",
+           buckets=REQUEST_LATENCY_BUCKETS),
+    Family("request_queue_time_seconds", "histogram",
+           "Histogram of time spent in WAITING phase for request.", buckets=REQUEST_LATENCY_BUCKETS),
+    # ---- the scheduler's own (FastServe) ----
+    Family("mlfq_jobs", "gauge", "Active jobs per MLFQ level, by state (running: in an in-flight "
+           "iteration; waiting: not).", ("level", "state")),
+    Family("admission_queue_jobs", "gauge", "Jobs waiting for admission (no KV anywhere yet)."),
+    Family("host_kv_cache_usage_perc", "gauge", "Host (swap) KV-cache usage. 1 means 100 percent usage."),
+    Family("swaps", "counter", "Jobs whose KV was swapped, by direction (out: device->host, in: host->device).",
+           ("direction",)),
+    Family("swapped_blocks", "counter", "KV blocks swapped, by direction.", ("direction",)),
+    Family("recomputes", "counter", "Jobs whose KV was dropped and is recomputed."),
+    Family("promotions", "counter", "Starvation promotions to the highest MLFQ level."),
+    Family("demotions", "counter", "MLFQ demotions after a quantum was used up."),
+    Family("scheduler_steps", "counter", "Iterations the engine ran."),
+    Family("requests_rejected", "counter", "Requests refused because the admission queue was full."),
+    Family("request_swap_blocked_time_seconds", "histogram",
+           "Time a request was picked to run but its KV was still on the host.", buckets=REQUEST_LATENCY_BUCKETS),
+    Family("enst_error_seconds", "histogram", "Absolute error of ENST predictions made at swap decisions: "
+           "|predicted - actual| time until the job next ran.", buckets=ENST_ERROR_BUCKETS),
+)
 
-    replica: str
-    taken_at: float
-    histograms: dict[str, Histogram] = field(default_factory=dict)
-    counters: dict[tuple[str, Labels], float] = field(default_factory=dict)
-    gauges: dict[tuple[str, Labels], float] = field(default_factory=dict)
+#: Recorded in each Ingress replica: only it knows how a request ended for the client (a stop
+#: string matched there ends the scheduler's job as an abort, yet the request finished "stop").
+INGRESS_FAMILIES = _families(
+    Family("request_success", "counter", "Count of successfully processed requests.", ("finished_reason",)),
+)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "replica": self.replica, "taken_at": self.taken_at,
-            "histograms": {k: h.to_dict() for k, h in self.histograms.items()},
-            "counters": [[n, list(map(list, lb)), v] for (n, lb), v in self.counters.items()],
-            "gauges": [[n, list(map(list, lb)), v] for (n, lb), v in self.gauges.items()],
-        }
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> Snapshot:
-        def samples(rows: Iterable[Sequence[Any]]) -> dict[tuple[str, Labels], float]:
-            return {(str(n), tuple((str(k), str(v)) for k, v in lb)): float(v) for n, lb, v in rows}
-
-        return cls(str(raw["replica"]), float(raw["taken_at"]),
-                   {k: Histogram.from_dict(h) for k, h in raw["histograms"].items()},
-                   samples(raw["counters"]), samples(raw["gauges"]))
+ALL_FAMILIES: dict[str, Family] = {**SCHEDULER_FAMILIES, **INGRESS_FAMILIES}
 
 
-class RequestMetrics:
-    """What one scheduler replica records per request, kept for its snapshots."""
+class Sink(Protocol):
+    """One metric as recorded (``ray.serve.metrics`` objects satisfy it)."""
+
+    def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None: ...
+
+    def set(self, value: float, tags: dict[str, str] | None = None) -> None: ...
+
+    def observe(self, value: float, tags: dict[str, str] | None = None) -> None: ...
+
+
+SinkFactory = Callable[[Family, str], Any]
+
+
+def ray_sink(family: Family, model_name: str) -> Any:
+    """A ``ray.serve.metrics`` metric for ``family`` with ``model_name`` as a default tag."""
+    from ray.serve import metrics as serve_metrics
+
+    # Ray's stubs say tuple[str]; any tuple of str works (and is what Ray checks for).
+    tag_keys: Any = ("model_name", *family.labels)
+    metric: Any
+    if family.kind == "counter":
+        metric = serve_metrics.Counter(family.name, family.help, tag_keys=tag_keys)
+    elif family.kind == "gauge":
+        metric = serve_metrics.Gauge(family.name, family.help, tag_keys=tag_keys)
+    else:
+        metric = serve_metrics.Histogram(family.name, family.help, boundaries=list(family.buckets),
+                                         tag_keys=tag_keys)
+    metric.set_default_tags({"model_name": model_name})
+    return metric
+
+
+class Recorder:
+    """Metrics of one family set, created once per replica through ``sink_factory``."""
+
+    def __init__(self, families: Mapping[str, Family], model_name: str, sink_factory: SinkFactory = ray_sink) -> None:
+        self.families = dict(families)
+        self.model_name = model_name
+        self._sinks = {suffix: sink_factory(f, model_name) for suffix, f in self.families.items()}
+
+    def inc(self, suffix: str, value: float = 1.0, **tags: str) -> None:
+        if value > 0:   # Ray rejects inc(0); a counter never goes down
+            self._sinks[suffix].inc(value, tags=tags or None)
+
+    def set(self, suffix: str, value: float, **tags: str) -> None:
+        self._sinks[suffix].set(value, tags=tags or None)
+
+    def observe(self, suffix: str, value: float) -> None:
+        self._sinks[suffix].observe(value)
+
+
+class CounterMirror:
+    """Turns cumulative totals (the scheduler's own counters) into non-negative increments."""
 
     def __init__(self) -> None:
-        self.histograms = {name: Histogram() for name in HISTOGRAMS}
-        self.counters: dict[tuple[str, Labels], float] = {}
+        self._last: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
 
-    def count(self, name: str, value: float = 1.0, **label: object) -> None:
-        key = (name, labels(**label))
-        self.counters[key] = self.counters.get(key, 0.0) + value
+    def advance(self, recorder: Recorder, suffix: str, total: float, **tags: str) -> None:
+        key = (suffix, tuple(sorted(tags.items())))
+        previous = self._last.get(key, 0.0)
+        if total > previous:
+            recorder.inc(suffix, total - previous, **tags)
+            self._last[key] = total
 
-    def observe(self, name: str, value: float) -> None:
-        self.histograms[name].observe(value)
 
-    def observe_request(self, *, ttft: float | None, e2e: float, num_generated: int,
-                        queue: float, swap_blocked: float) -> None:
-        if ttft is not None:
-            self.observe("time_to_first_token_seconds", ttft)
-            if num_generated > 1:
-                self.observe("time_per_output_token_seconds", (e2e - ttft) / (num_generated - 1))
+class IngressMetrics(Recorder):
+    def __init__(self, model_name: str, sink_factory: SinkFactory = ray_sink) -> None:
+        super().__init__(INGRESS_FAMILIES, model_name, sink_factory)
+
+    def request_finished(self, finished_reason: str) -> None:
+        self.inc("request_success", finished_reason=finished_reason)
+
+
+class SchedulerMetrics(Recorder):
+    """What one Scheduler replica records: per finished job, and its state every sampling tick."""
+
+    def __init__(self, model_name: str, sink_factory: SinkFactory = ray_sink) -> None:
+        super().__init__(SCHEDULER_FAMILIES, model_name, sink_factory)
+        self._mirror = CounterMirror()
+
+    def job_finished(self, s: JobStats) -> None:
+        """One finished (or aborted) job's accounting: tokens and, when it completed, latencies."""
+        self.inc("prompt_tokens", s.prompt_len)
+        self.inc("generation_tokens", s.num_generated)
+        for predicted, actual in s.enst_pairs:
+            self.observe("enst_error_seconds", abs(predicted - actual))
+        if s.finish_reason not in ("stop", "length") or s.finish_time is None:
+            return
+        e2e = s.finish_time - s.arrival
         self.observe("e2e_request_latency_seconds", e2e)
-        self.observe("request_queue_time_seconds", queue)
-        self.observe("request_swap_blocked_time_seconds", swap_blocked)
+        self.observe("request_queue_time_seconds", s.queueing_s)
+        self.observe("request_swap_blocked_time_seconds", s.swap_blocked_s)
+        if s.first_token_time is None:
+            return
+        ttft = s.first_token_time - s.arrival
+        self.observe("time_to_first_token_seconds", ttft)
+        if s.num_generated > 1:
+            per_token = (e2e - ttft) / (s.num_generated - 1)
+            self.observe("request_time_per_output_token_seconds", per_token)
+            self.observe("inter_token_latency_seconds", per_token)
 
-    def snapshot(self, replica: str, gauges: dict[tuple[str, Labels], float],
-                 counters: dict[tuple[str, Labels], float]) -> Snapshot:
-        merged = dict(self.counters)
-        for key, value in counters.items():
-            merged[key] = merged.get(key, 0.0) + value
-        hist = {k: Histogram.from_dict(h.to_dict()) for k, h in self.histograms.items()}
-        return Snapshot(replica, time.time(), hist, merged, dict(gauges))
+    def rejected(self) -> None:
+        self.inc("requests_rejected")
 
-
-class MetricsHub:
-    """Latest snapshot per scheduler replica; renders their sum. State of the Metrics deployment."""
-
-    def __init__(self, stale_after_s: float) -> None:
-        self.stale_after_s = stale_after_s
-        self._snapshots: dict[str, Snapshot] = {}
-
-    def publish(self, raw: dict[str, Any]) -> None:
-        snap = Snapshot.from_dict(raw)
-        self._snapshots[snap.replica] = snap
-
-    def fresh(self, now: float | None = None) -> list[Snapshot]:
-        now = time.time() if now is None else now
-        self._snapshots = {k: s for k, s in self._snapshots.items()
-                           if now - s.taken_at <= self.stale_after_s}
-        return list(self._snapshots.values())
-
-    def render(self) -> str:
-        return render(self.fresh())
+    def sample(self, scheduler: Scheduler) -> None:
+        """Gauges from the scheduler's state now; its cumulative totals onto the counters."""
+        for suffix, value in scheduler_gauges(scheduler).items():
+            self.set(suffix, value)
+        for (level, state), n in mlfq_jobs(scheduler).items():
+            self.set("mlfq_jobs", n, level=str(level), state=state)
+        t, kv, m = scheduler.totals, scheduler.kv, self._mirror
+        m.advance(self, "num_preemptions", t["swaps_out"] + t["recomputes"])
+        for direction in ("out", "in"):
+            m.advance(self, "swaps", t[f"swaps_{direction}"], direction=direction)
+        m.advance(self, "swapped_blocks", kv.swapped_out_blocks, direction="out")
+        m.advance(self, "swapped_blocks", kv.swapped_in_blocks, direction="in")
+        for suffix, key in (("recomputes", "recomputes"), ("promotions", "promotions"),
+                            ("demotions", "demotions"), ("scheduler_steps", "steps")):
+            m.advance(self, suffix, t[key])
 
 
-def _fmt(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value)) if not float(value).is_integer() else str(int(value))
+def scheduler_gauges(s: Scheduler) -> dict[str, float]:
+    """vLLM's scheduler-state gauges (and ours) from the scheduler's own state."""
+    running = waiting = swapped = 0
+    for job in s.jobs().values():
+        if job.state is JobState.RUNNING:
+            running += 1
+        elif job.active:
+            waiting += 1
+        if job.active and s.kv.tier(job.job_id) is Tier.HOST:
+            swapped += 1
+    kv = s.kv
+    return {
+        "num_requests_running": float(running),
+        "num_requests_waiting": float(waiting),
+        "num_requests_swapped": float(swapped),
+        "kv_cache_usage_perc": (kv.device.capacity - kv.num_free_device) / kv.device.capacity,
+        "host_kv_cache_usage_perc": (kv.host.capacity - kv.num_free_host) / kv.host.capacity
+        if kv.host.capacity else 0.0,
+        "admission_queue_jobs": float(s.num_waiting()),
+    }
 
 
-def _sample(name: str, lb: Labels, value: float) -> str:
-    if not lb:
-        return f"{PREFIX}{name} {_fmt(value)}"
-    inner = ",".join(f'{k}="{v}"' for k, v in lb)
-    return f"{PREFIX}{name}{{{inner}}} {_fmt(value)}"
-
-
-def render(snapshots: Sequence[Snapshot]) -> str:
-    """Prometheus text of the sum over ``snapshots`` (every declared metric, even when zero)."""
-    hists = {name: Histogram() for name in HISTOGRAMS}
-    counters: dict[tuple[str, Labels], float] = {}
-    gauges: dict[tuple[str, Labels], float] = {("scheduler_replicas", ()): float(len(snapshots))}
-    for snap in snapshots:
-        for name, h in snap.histograms.items():
-            if name in hists:
-                hists[name].merge(h)
-        for bucket, target in ((snap.counters, counters), (snap.gauges, gauges)):
-            for key, value in bucket.items():
-                target[key] = target.get(key, 0.0) + value
-    lines: list[str] = []
-    for name, help_ in HISTOGRAMS.items():
-        lines += [f"# HELP {PREFIX}{name} {help_}", f"# TYPE {PREFIX}{name} histogram"]
-        h, cumulative = hists[name], 0
-        for bound, n in zip((*h.buckets, math.inf), h.counts, strict=True):
-            cumulative += n
-            lines.append(_sample(f"{name}_bucket", (("le", _fmt(bound)),), cumulative))
-        lines += [_sample(f"{name}_sum", (), h.total), _sample(f"{name}_count", (), h.count)]
-    for kind, declared, values in (("counter", COUNTERS, counters), ("gauge", GAUGES, gauges)):
-        for name, help_ in declared.items():
-            lines += [f"# HELP {PREFIX}{name} {help_}", f"# TYPE {PREFIX}{name} {kind}"]
-            rows = sorted((lb, v) for (n, lb), v in values.items() if n == name)
-            lines += [_sample(name, lb, v) for lb, v in rows] or [_sample(name, (), 0.0)]
-    return "\n".join(lines) + "\n"
+def mlfq_jobs(s: Scheduler) -> dict[tuple[int, str], float]:
+    """Active jobs per (MLFQ level, running|waiting); every level present, zeros included."""
+    out = {(level, state): 0.0 for level in range(1, s.queues.num_levels + 1) for state in ("running", "waiting")}
+    for job in s.jobs().values():
+        if job.active:
+            out[(job.level, "running" if job.state is JobState.RUNNING else "waiting")] += 1
+    return out

@@ -9,7 +9,8 @@ stream (client gone, stop string matched) aborts the job, which frees its KV blo
 It also owns executor construction (``build_executor``): in process (``ThreadedExecutor`` over
 ``InProcessExecutor``) for TP·PP = 1, else the Ray pipeline of stage-worker actors placed in this
 replica's own placement group (bundle 0 is the replica, bundle 1 + s is stage s), and the
-replica's metrics, published to the ``Metrics`` deployment every ``metrics_push_interval_s``.
+replica's metrics (``app.metrics.SchedulerMetrics``): per job when it finishes, and the
+scheduler's state every ``metrics_sample_interval_s``, recorded into Ray's metrics pipeline.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from typing import Any, Literal
 from actors.messages import SamplingParams
 from app.config import AppArgs, resolve_path
 from app.engine import Engine, EngineUnavailable, Executor, ThreadedExecutor
-from app.metrics import Labels, RequestMetrics, labels
-from app.scheduler.job import JobState, JobStats
+from app.metrics import SchedulerMetrics
+from app.scheduler.job import JobStats
 from app.scheduler.profile import Profile
 from app.scheduler.scheduler import AdmissionQueueFull, Scheduler
 
@@ -126,35 +127,38 @@ class SchedulerReplica:
     """The body of the ``Scheduler`` deployment (``app.main`` applies the Serve options)."""
 
     # Serve awaits an async constructor: the replica is ready only once its model is loaded.
-    async def __init__(self, args: dict[str, Any] | AppArgs, metrics: Any = None) -> None:  # type: ignore[misc]
+    async def __init__(self, args: dict[str, Any] | AppArgs) -> None:  # type: ignore[misc]
         self.args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
         self.replica_id = _replica_id()
-        self.metrics_handle = metrics
-        self.request_metrics = RequestMetrics()
+        self.metrics = SchedulerMetrics(self.args.model.name)
         self._stats: dict[str, JobStats] = {}   # finished jobs' accounting, until their stream takes it
         self._live: set[str] = set()             # jobs with a stream still open
         executor = await build_executor(self.args)
         self.engine = Engine(build_scheduler(self.args), executor, config=self.args.engine)
         await self.engine.start()
-        self._push_task = asyncio.get_running_loop().create_task(self._push_metrics_forever())
+        self._sample_task = asyncio.get_running_loop().create_task(self._sample_metrics_forever())
         self._closed = False
         log.info("scheduler replica %s ready (%s, policy %s, swap %s)", self.replica_id,
                  self.args.model.name, self.args.scheduler.policy, self.args.kv_cache.swap_mode)
 
     @classmethod
-    async def create(cls, args: dict[str, Any] | AppArgs, metrics: Any = None) -> SchedulerReplica:
+    async def create(cls, args: dict[str, Any] | AppArgs) -> SchedulerReplica:
         """Construct outside Serve (tests, tools): Python cannot await a constructor itself."""
         replica = cls.__new__(cls)
-        await replica.__init__(args, metrics)   # type: ignore[misc]
+        await replica.__init__(args)   # type: ignore[misc]
         return replica
 
     async def close(self) -> None:
-        """Stop publishing and stop the engine (aborting open streams, shutting the executor)."""
+        """Stop sampling and stop the engine (aborting open streams, shutting the executor)."""
         if self._closed:
             return
         self._closed = True
-        self._push_task.cancel()
+        self._sample_task.cancel()
         await self.engine.stop()
+        try:   # the aborted jobs' accounting, and gauges that say "empty"
+            self._sample_metrics()
+        except Exception:   # metrics must never stop a shutdown
+            log.exception("recording metrics at close failed")
 
     @property
     def scheduler(self) -> Scheduler:
@@ -166,7 +170,7 @@ class SchedulerReplica:
             stream = self.engine.add_request(req.prompt_ids, req.sampling, job_id=req.job_id,
                                              priority=req.priority)
         except AdmissionQueueFull as exc:
-            self.request_metrics.count("requests_rejected_total")
+            self.metrics.rejected()
             yield StreamItem("rejected", message=str(exc))
             return
         except ValueError as exc:
@@ -201,21 +205,11 @@ class SchedulerReplica:
         return {} if stats is None else job_stats_dict(stats)
 
     def _collect_finished(self) -> None:
-        """Drain the scheduler's finished-job accounting: feed the histograms, keep per job."""
+        """Drain the scheduler's finished-job accounting: record it, keep it per open stream."""
         for stats in self.scheduler.drain_finished():
-            self._observe(stats)
+            self.metrics.job_finished(stats)
             if stats.job_id in self._live:
                 self._stats[stats.job_id] = stats
-
-    def _observe(self, s: JobStats) -> None:
-        m = self.request_metrics
-        m.count("requests_total", finish_reason=s.finish_reason or "unknown")
-        m.count("prompt_tokens_total", s.prompt_len)
-        m.count("generation_tokens_total", s.num_generated)
-        if s.finish_reason in ("stop", "length") and s.finish_time is not None:
-            ttft = None if s.first_token_time is None else s.first_token_time - s.arrival
-            m.observe_request(ttft=ttft, e2e=s.finish_time - s.arrival, num_generated=s.num_generated,
-                              queue=s.queueing_s, swap_blocked=s.swap_blocked_s)
 
     # ---- inspection ------------------------------------------------------------------------
 
@@ -224,22 +218,24 @@ class SchedulerReplica:
         breakdown tool; not on the request path)."""
         return {**self.scheduler.stats(), "step_totals": self.engine.step_stats.totals()}
 
-    def snapshot(self) -> dict[str, Any]:
-        self._collect_finished()
-        gauges, counters = scheduler_samples(self.scheduler)
-        return self.request_metrics.snapshot(self.replica_id, gauges, counters).to_dict()
+    async def replica_info(self) -> dict[str, Any]:
+        """This replica's Ray actor id and Serve replica id (tests, operators)."""
+        import ray
 
-    async def _push_metrics_forever(self) -> None:
-        interval = self.args.server.metrics_push_interval_s
+        return {"actor_id": ray.get_runtime_context().get_actor_id(), "replica_id": self.replica_id}
+
+    def _sample_metrics(self) -> None:
+        self._collect_finished()
+        self.metrics.sample(self.scheduler)
+
+    async def _sample_metrics_forever(self) -> None:
+        interval = self.args.server.metrics_sample_interval_s
         while True:
             await asyncio.sleep(interval)
-            if self.metrics_handle is None:
-                self._collect_finished()   # keep the per-job accounting drained
-                continue
             try:
-                await self.metrics_handle.publish.remote(self.snapshot())
+                self._sample_metrics()
             except Exception:   # metrics must never take the replica down
-                log.exception("publishing metrics failed")
+                log.exception("recording metrics failed")
 
     async def check_health(self) -> None:
         """Serve restarts a replica whose check fails: the way a dead pipeline or a stuck step
@@ -269,37 +265,6 @@ class SchedulerReplica:
         except RuntimeError:
             return None
         return self.close()
-
-
-def scheduler_samples(s: Scheduler) -> tuple[dict[tuple[str, Labels], float], dict[tuple[str, Labels], float]]:
-    """Gauges (jobs by level and state, KV usage) and scheduler counters, as labelled samples."""
-    gauges: dict[tuple[str, Labels], float] = {}
-    for level in range(1, s.queues.num_levels + 1):
-        gauges[("jobs_running", labels(level=level))] = 0.0
-        gauges[("jobs_waiting", labels(level=level))] = 0.0
-    for job in s.jobs().values():
-        if job.state is JobState.RUNNING:
-            gauges[("jobs_running", labels(level=job.level))] += 1
-        elif job.active:
-            gauges[("jobs_waiting", labels(level=job.level))] += 1
-    kv = s.kv
-    gauges[("admission_queue_jobs", ())] = float(s.num_waiting())
-    gauges[("kv_device_blocks_total", ())] = float(kv.device.capacity)
-    gauges[("kv_device_blocks_used", ())] = float(kv.device.capacity - kv.num_free_device)
-    gauges[("kv_host_blocks_total", ())] = float(kv.host.capacity)
-    gauges[("kv_host_blocks_used", ())] = float(kv.host.capacity - kv.num_free_host)
-    t = s.totals
-    counters: dict[tuple[str, Labels], float] = {
-        ("swaps_total", labels(direction="out")): float(t["swaps_out"]),
-        ("swaps_total", labels(direction="in")): float(t["swaps_in"]),
-        ("swapped_blocks_total", labels(direction="out")): float(kv.swapped_out_blocks),
-        ("swapped_blocks_total", labels(direction="in")): float(kv.swapped_in_blocks),
-        ("recomputes_total", ()): float(t["recomputes"]),
-        ("promotions_total", ()): float(t["promotions"]),
-        ("demotions_total", ()): float(t["demotions"]),
-        ("scheduler_steps_total", ()): float(t["steps"]),
-    }
-    return gauges, counters
 
 
 def _replica_id() -> str:

