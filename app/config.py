@@ -170,6 +170,9 @@ class ServerArgs(_Strict):
     #: A request still generating after this long ends with a timeout error (and its job is
     #: aborted), whatever the client asked for.
     request_timeout_s: float = Field(default=600.0, gt=0)
+    #: Longest a request waits for its job's first output (admission and first iteration); past
+    #: it the job is dropped and the client gets a 429 with Retry-After.
+    admission_timeout_s: float = Field(default=60.0, gt=0)
     #: Honour the request ``priority`` field (it moves a job's MLFQ entry level, so any caller
     #: could jump the queue); off by default.
     allow_priority: bool = False
@@ -303,7 +306,12 @@ class AppArgs(_Strict):
 #: Serve options the builder gives the ``Ingress`` deployment; the YAML's ``deployments:``
 #: section overrides any of them (num_replicas, autoscaling_config, max_ongoing_requests, ...).
 INGRESS_DEFAULTS: dict[str, Any] = {
-    "max_ongoing_requests": 256,
+    # Above every scheduler's admission limit (waiting + running), so overload is answered by
+    # the scheduler with a 429 + Retry-After rather than queued at Serve's proxy.
+    "max_ongoing_requests": 1024,
+    # Serve's own last-resort bound on requests queued for an ingress replica (it answers 503
+    # past it); with the defaults above it is not reached before admission control answers 429.
+    "max_queued_requests": 1024,
     # Tokenizing and streaming need little CPU; 0 keeps a 2-core box schedulable.
     "ray_actor_options": {"num_cpus": 0},
 }

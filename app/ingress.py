@@ -100,7 +100,7 @@ class ServerContext:
         tokenizer = Tokenizer.from_dir(resolve_path(args.model.tokenizer_path))
         srv = args.server
         limits = RequestLimits(srv.max_request_bytes, srv.max_stop_strings, srv.max_stop_string_chars,
-                               srv.request_timeout_s, srv.allow_priority)
+                               srv.request_timeout_s, srv.admission_timeout_s, srv.allow_priority)
         return cls(args.model.name, tokenizer, args.model.opt_config().vocab_size,
                    args.model.context_len(), srv.resolved_api_key(), srv.retry_after_s, limits)
 
@@ -113,6 +113,7 @@ class RequestLimits:
     max_stop_strings: int = ServerArgs.model_fields["max_stop_strings"].default
     max_stop_string_chars: int = ServerArgs.model_fields["max_stop_string_chars"].default
     request_timeout_s: float = ServerArgs.model_fields["request_timeout_s"].default
+    admission_timeout_s: float = ServerArgs.model_fields["admission_timeout_s"].default
     allow_priority: bool = ServerArgs.model_fields["allow_priority"].default
 
 
@@ -125,6 +126,26 @@ class Event:
     finish_reason: str | None = None
     job_stats: dict[str, Any] = field(default_factory=dict)
     completion_tokens: int = 0
+
+
+class _Replayed:
+    """A stream whose first item was already read: yields it again, then the rest."""
+
+    def __init__(self, first: StreamItem, rest: Stream) -> None:
+        self._first: StreamItem | None = first
+        self._rest = rest
+
+    def __aiter__(self) -> _Replayed:
+        return self
+
+    async def __anext__(self) -> StreamItem:
+        if self._first is not None:
+            item, self._first = self._first, None
+            return item
+        return await self._rest.__anext__()
+
+    def cancel(self) -> None:
+        self._rest.cancel()
 
 
 @dataclass
@@ -233,7 +254,25 @@ class OpenAIServer:
             raise APIError(503, f"the model is unavailable: {first.message}; retry later", None,
                            "engine_unavailable", "service_unavailable",
                            {"Retry-After": str(self.ctx.retry_after_s)})
-        return stream
+        return await self._first_output(stream)
+
+    async def _first_output(self, stream: Stream) -> Stream:
+        """Wait (at most ``admission_timeout_s``) for the job's first output before answering, so
+        a job stuck behind a backlog is refused with a 429 instead of holding its client."""
+        wait = self.ctx.limits.admission_timeout_s
+        try:
+            first = await asyncio.wait_for(stream.__anext__(), wait)
+        except TimeoutError:
+            stream.cancel()   # the scheduler aborts the queued job
+            raise APIError(429, f"server busy: no capacity for this request within {wait:g} s "
+                           "(server.admission_timeout_s); retry later", None, "admission_timeout",
+                           "rate_limit_error", {"Retry-After": str(self.ctx.retry_after_s)}) from None
+        except StopAsyncIteration:
+            return stream   # ended without output: reading it on reports the broken stream
+        except BaseException:
+            stream.cancel()
+            raise
+        return _Replayed(first, stream)
 
     async def events(self, stream: Stream, prep: Prepared) -> AsyncIterator[Event]:
         """Token items → text deltas (stop strings applied); the last event has the finish.

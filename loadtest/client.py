@@ -105,6 +105,7 @@ class _Observed:
     error: str | None = None
     finish_reason: str | None = None
     server: dict[str, Any] | None = None
+    retry_after: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         server = self.server or {}
@@ -117,7 +118,7 @@ class _Observed:
         return {"request_id": self.request.request_id, "scheduled_arrival": self.request.arrival_s,
                 "prompt_len": self.request.prompt_len, "expected_output_len": self.request.output_len,
                 **record.to_dict(), "http_status": self.http_status, "finish_reason": self.finish_reason,
-                "error": self.error, "server": self.server}
+                "error": self.error, "server": self.server, "retry_after": self.retry_after}
 
 
 def _maybe_float(value: Any) -> float | None:
@@ -153,6 +154,7 @@ async def _stream_one(client: httpx.AsyncClient, obs: _Observed, body: dict[str,
         obs.http_status = resp.status_code
         if resp.status_code != httpx.codes.OK:
             obs.status, obs.error, obs.end = STATUS_HTTP_ERROR, (await resp.aread()).decode(errors="replace"), clock()
+            obs.retry_after = resp.headers.get("retry-after")
             return
         usage_tokens = None
         async for line in resp.aiter_lines():

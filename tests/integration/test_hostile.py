@@ -49,7 +49,8 @@ def bad_request(rng: random.Random) -> tuple[str, bytes, bool]:
                           b'{"prompt": "a", "max_tokens": Infinity, "model": "opt-125m"}'])
         return rng.choice(["/v1/completions", "/v1/chat/completions"]), raw, False
     if kind < 0.3:
-        body: dict[str, Any] = {"model": MODEL, "messages": rng.choice(ODD_MESSAGES + [[{"role": "user", "content": "hi"}]])}
+        messages = rng.choice([*ODD_MESSAGES, [{"role": "user", "content": "hi"}]])
+        body: dict[str, Any] = {"model": MODEL, "messages": messages}
         for name in rng.sample(CHAT_FIELDS, rng.randint(1, 3)):
             body[name] = rng.choice(ODD_VALUES + ODD_MESSAGES if name == "messages" else ODD_VALUES)
         body.setdefault("max_tokens", rng.randint(1, 4))
@@ -94,7 +95,8 @@ def wait_idle(srv: Server, timeout: float) -> tuple[dict[str, Any], float]:
 def test_fuzzed_requests_never_get_a_5xx_and_never_disturb_good_ones(server: Server) -> None:
     expected = {}
     for prompt in GOOD_PROMPTS:
-        resp = httpx.post(server.url("/v1/completions"), json=good_body(prompt), headers=AUTH, timeout=REQUEST_TIMEOUT_S)
+        resp = httpx.post(server.url("/v1/completions"), json=good_body(prompt), headers=AUTH,
+                          timeout=REQUEST_TIMEOUT_S)
         assert resp.status_code == 200, resp.text
         expected[prompt] = resp.json()["choices"][0]["text"]
     rng = random.Random(0)

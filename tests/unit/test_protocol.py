@@ -481,3 +481,19 @@ def test_an_unavailable_engine_answers_503_with_retry_after() -> None:
     resp = post(FakeBackend(TEXT_IDS, first="unavailable"), "/v1/completions", {"model": MODEL, "prompt": "x"})
     assert resp.status_code == 503 and resp.headers["retry-after"] == "3"
     assert resp.json()["error"]["code"] == "engine_unavailable"
+
+
+def test_a_job_without_output_within_the_admission_timeout_gets_429_and_is_dropped() -> None:
+    class Queued(FakeBackend):
+        def generate(self, req: GenerateRequest) -> FakeStream:
+            stream = HangingStream([StreamItem("accepted")])   # admitted to the queue, never run
+            self.streams.append(stream)
+            return stream
+
+    for stream in (False, True):
+        backend = Queued(TEXT_IDS)
+        resp = post_limited(backend, {"model": MODEL, "prompt": "x", "stream": stream}, admission_timeout_s=0.2)
+        assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
+        assert resp.json()["error"]["code"] == "admission_timeout"
+        assert "server.admission_timeout_s" in resp.json()["error"]["message"]
+        assert backend.streams[0].cancelled
