@@ -271,9 +271,10 @@ class SchedulerReplica:
 def process_rss_bytes() -> int | None:
     """This process's resident memory (Linux), for operators watching a replica grow."""
     try:
-        for line in open("/proc/self/status", encoding="ascii"):
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
