@@ -92,11 +92,13 @@ class InProcessExecutor:
         timings: dict[str, float] = {}
         handles = self.runner.begin_swaps(plan)
         tokens: dict[str, int] = {}
-        if plan.entries:
-            batch = self.runner.build_batch(plan, timings)
-            hidden = self.runner.forward(batch, None, timings)
-            tokens = self.runner.sample(plan, batch, hidden, timings)
-        self.runner.finish_swaps(handles, timings)
+        try:
+            if plan.entries:
+                batch = self.runner.build_batch(plan, timings)
+                hidden = self.runner.forward(batch, None, timings)
+                tokens = self.runner.sample(plan, batch, hidden, timings)
+        finally:   # a failed plan's copies still settle before its blocks can be reused
+            self.runner.finish_swaps(handles, timings)
         self.steps += 1
         timings["total"] = time.perf_counter() - start
         return StepOutput(plan.step_id, tokens, timings)

@@ -14,8 +14,10 @@ replica, ``bundle_offset`` 1 the first stage). ``pipeline_bundles(spec)`` says w
 Failure: a worker that dies surfaces as ``PipelineError`` from ``execute`` within seconds (workers
 are pinged while a plan is overdue), never a hang; the executor kills its workers at once, stays
 closed (recovery is the caller's: build a new executor) and finishes the teardown in the
-background (``shutdown`` awaits it). Any other step failure closes it too, because the workers'
-KV stores may no longer agree.
+background (``shutdown`` awaits it). A plan that fails on live workers (its own data: a worker
+raised) is ``PlanFailed``: only that plan's jobs fail and the pipeline stays open. Its swaps
+settle on every worker before the step returns; the control plane discards the KV of every job
+that plan touched, so stores that applied different parts of it never matter.
 """
 
 from __future__ import annotations
@@ -49,7 +51,11 @@ CHANNEL_BUFFER_ENV = "RAY_CGRAPH_buffer_size_bytes"
 
 
 class PipelineError(RuntimeError):
-    """The pipeline cannot run plans: it failed to start, a worker died, or a step failed."""
+    """The pipeline cannot run plans: it failed to start, or a worker died."""
+
+
+class PlanFailed(RuntimeError):
+    """One plan failed on live workers (a worker raised); the pipeline keeps running plans."""
 
 
 @dataclass
@@ -335,7 +341,7 @@ class PipelineExecutor:
             try:
                 # Submitting is watched too: a graph whose worker died may refuse or stall the write.
                 outputs = await self._watch(self._submit(self._transport, plan), plan)
-            except (PipelineError, asyncio.CancelledError):
+            except (PipelineError, PlanFailed, asyncio.CancelledError):
                 raise
             except Exception as exc:
                 raise await self._step_failed(plan, exc) from exc
@@ -376,8 +382,9 @@ class PipelineExecutor:
                 if not t.done():
                     t.cancel()
 
-    async def _step_failed(self, plan: BatchPlan, exc: BaseException) -> PipelineError:
-        """Name the cause of a failed step: a dead worker if there is one, else the step's error."""
+    async def _step_failed(self, plan: BatchPlan, exc: BaseException) -> PipelineError | PlanFailed:
+        """Name the cause of a failed step: a dead worker (the pipeline closes), else the plan's own
+        error on live workers (it stays open)."""
         if self._closed_reason is not None:  # another plan's failure closed the pipeline first
             return PipelineError(f"plan {plan.step_id} aborted: pipeline closed ({self._closed_reason})")
         failed = await self._find_failed_worker()
@@ -386,6 +393,9 @@ class PipelineExecutor:
         while failed is None and _looks_like_channel_failure(exc) and time.monotonic() < deadline:
             await asyncio.sleep(self.spec.liveness_interval_s)
             failed = await self._find_failed_worker()
+        if failed is None and not _looks_like_channel_failure(exc):
+            log.warning("plan %d failed on live workers: %s", plan.step_id, _describe(exc))
+            return PlanFailed(f"plan {plan.step_id} failed: {_describe(exc)}")
         reason = (f"{failed} while plan {plan.step_id} was in flight" if failed is not None
                   else f"plan {plan.step_id} failed: {_describe(exc)}")
         return self._fail(reason)

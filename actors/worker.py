@@ -160,11 +160,13 @@ class StageWorker:
         handles = self.runner.begin_swaps(plan)
         tokens: dict[str, int] = {}
         out: torch.Tensor | None = None
-        if plan.entries:
-            batch, out = self._forward(plan, hidden, timings)
-            if self.spec.samples:
-                tokens = self.runner.sample(plan, batch, out, timings)
-        self.runner.finish_swaps(handles, timings)
+        try:
+            if plan.entries:
+                batch, out = self._forward(plan, hidden, timings)
+                if self.spec.samples:
+                    tokens = self.runner.sample(plan, batch, out, timings)
+        finally:   # a failed plan's copies still settle before its blocks can be reused
+            self.runner.finish_swaps(handles, timings)
         end = time.time()
         timings["total"] = end - start
         self._steps += 1
