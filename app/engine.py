@@ -21,7 +21,7 @@ from typing import Protocol
 from actors.messages import BatchPlan, SamplingParams, StepOutput
 from app.scheduler.config import EngineConfig
 from app.scheduler.job import JobRequest, TokenDelta
-from app.scheduler.scheduler import Scheduler
+from app.scheduler.scheduler import AdmissionQueueFull, Scheduler
 from app.step_stats import StepKind, StepStats
 
 log = logging.getLogger(__name__)
@@ -165,6 +165,9 @@ class Engine:
         ``AdmissionQueueFull``, ``EngineUnavailable``) if it cannot be served."""
         if not self.running:
             raise EngineUnavailable("the engine loop is not running; the replica is being replaced")
+        if len(self._queues) >= self.config.max_jobs:
+            raise AdmissionQueueFull(f"{len(self._queues)} jobs already in this engine "
+                                     f"(engine.max_jobs={self.config.max_jobs})")
         if not (self._inflight or self.scheduler.has_work()):
             self._last_progress = time.perf_counter()   # the watchdog counts from the first work
         job_id = job_id if job_id is not None else f"job-{next(self._ids)}"

@@ -108,6 +108,10 @@ class EngineConfig(_Strict):
     #: When the scheduler has nothing to run and nothing is in flight, re-check this often
     #: (time alone can change the decision, e.g. a starvation promotion).
     idle_poll_s: float = Field(default=0.05, gt=0)
+    #: Jobs one engine holds at once (running, waiting, swapped, queued for admission); a request
+    #: beyond it gets a 429. Bounds how far overload can stretch every job's latency, whatever
+    #: the policy (skip-join MLFQ starts new jobs at once, so admission alone does not bound it).
+    max_jobs: int = Field(default=100_000, ge=1)
     #: Work pending and no step finished for this long: the engine reports itself unhealthy
     #: (a stuck step; Serve then replaces the replica). Well above the longest step.
     watchdog_s: float = Field(default=60.0, gt=0)

@@ -118,3 +118,26 @@ def test_a_stuck_step_turns_the_engine_unhealthy_and_a_dead_loop_refuses_work() 
         assert engine.health() == "the engine loop is not running"
 
     asyncio.run(run())
+
+
+def test_an_engine_holds_at_most_max_jobs() -> None:
+    from app.scheduler.config import EngineConfig
+    from app.scheduler.scheduler import AdmissionQueueFull
+
+    async def run() -> None:
+        scheduler = Scheduler(SchedulerConfig(), KVCacheConfig(block_size=BLOCK_SIZE, num_device_blocks=DEVICE_BLOCKS,
+                                                               num_host_blocks=HOST_BLOCKS),
+                              PROFILE, eos_token_id=TINY.eos_token_id)
+        engine = Engine(scheduler, StuckExecutor(), config=EngineConfig(max_jobs=2))  # type: ignore[arg-type]
+        await engine.start()
+        engine.add_request([2, 5], greedy(4), job_id="a")
+        engine.add_request([2, 6], greedy(4), job_id="b")
+        with pytest.raises(AdmissionQueueFull, match="engine.max_jobs=2"):
+            engine.add_request([2, 7], greedy(4), job_id="c")
+        engine.abort("a")   # a slot frees when a job ends
+        engine.add_request([2, 7], greedy(4), job_id="c")
+        task = engine._task
+        assert task is not None
+        task.cancel()
+
+    asyncio.run(run())
