@@ -7,7 +7,6 @@ plan names every block and swap, so the executor never decides anything.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
@@ -88,20 +87,9 @@ class InProcessExecutor:
                          self.config.max_position_embeddings)
 
     def execute(self, plan: BatchPlan) -> StepOutput:
-        start = time.perf_counter()
-        timings: dict[str, float] = {}
-        handles = self.runner.begin_swaps(plan)
-        tokens: dict[str, int] = {}
-        try:
-            if plan.entries:
-                batch = self.runner.build_batch(plan, timings)
-                hidden = self.runner.forward(batch, None, timings)
-                tokens = self.runner.sample(plan, batch, hidden, timings)
-        finally:   # a failed plan's copies still settle before its blocks can be reused
-            self.runner.finish_swaps(handles, timings)
+        result = self.runner.run(plan, None, sample=True)
         self.steps += 1
-        timings["total"] = time.perf_counter() - start
-        return StepOutput(plan.step_id, tokens, timings)
+        return StepOutput(plan.step_id, result.tokens, result.timings)
 
     def close(self) -> None:
         self.kv.close()

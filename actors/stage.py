@@ -9,6 +9,7 @@ is what lets the control plane treat a plan's output as "its swaps are settled".
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -19,12 +20,42 @@ from actors.model.opt import OPTStage
 from actors.sampler import Sampler
 
 
+@dataclass
+class StepResult:
+    """What one worker's step produced: the sampled tokens (last stage), the hidden states for
+    the next stage (None if the plan had no entries), and seconds by phase."""
+
+    tokens: dict[str, int]
+    hidden: torch.Tensor | None
+    timings: dict[str, float]
+
+
 class StageRunner:
     def __init__(self, model: OPTStage, kv: KVStore, sampler: Sampler | None = None) -> None:
         self.model = model
         self.kv = kv
         self.sampler = sampler if sampler is not None else Sampler()
         self.device = kv.device
+
+    def run(self, plan: BatchPlan, hidden: torch.Tensor | None, sample: bool) -> StepResult:
+        """The whole step of one worker: issue the plan's swaps, run this stage's layers over
+        ``hidden`` (None on the first stage), sample when ``sample``, settle the swaps — even when
+        the forward fails, so no copy lands in a block the control plane reuses."""
+        start = time.perf_counter()
+        timings: dict[str, float] = {}
+        handles = self.begin_swaps(plan)
+        tokens: dict[str, int] = {}
+        out: torch.Tensor | None = None
+        try:
+            if plan.entries:
+                batch = self.build_batch(plan, timings)
+                out = self.forward(batch, hidden, timings)
+                if sample:
+                    tokens = self.sample(plan, batch, out, timings)
+        finally:
+            self.finish_swaps(handles, timings)
+        timings["total"] = time.perf_counter() - start
+        return StepResult(tokens, out, timings)
 
     def begin_swaps(self, plan: BatchPlan) -> list[SwapHandle]:
         handles = [self.kv.swap_out([(s, d) for s, d in zip(c.src_blocks, c.dst_blocks, strict=True)])

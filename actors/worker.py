@@ -31,7 +31,6 @@ from actors.parallel import TensorParallelGroup, free_port
 if TYPE_CHECKING:
     import torch
 
-    from actors.model.batch import ForwardBatch
     from actors.stage import StageRunner
 
 #: Concurrency group of the plain calls that must answer while the graph runs a step.
@@ -156,35 +155,19 @@ class StageWorker:
         if not self.tp.initialized:
             raise RuntimeError(f"{self.spec.name}: step before init_tp_group (tp_size {self.spec.tp_size})")
         self._count_swaps(plan)
-        timings: dict[str, float] = {}
-        handles = self.runner.begin_swaps(plan)
-        tokens: dict[str, int] = {}
-        out: torch.Tensor | None = None
-        try:
-            if plan.entries:
-                batch, out = self._forward(plan, hidden, timings)
-                if self.spec.samples:
-                    tokens = self.runner.sample(plan, batch, out, timings)
-        finally:   # a failed plan's copies still settle before its blocks can be reused
-            self.runner.finish_swaps(handles, timings)
-        end = time.time()
-        timings["total"] = end - start
-        self._steps += 1
-        self._timeline.append(StepRecord(plan.step_id, start, end))
-        summed = _add_timings(upstream or {}, timings)
-        if not self.spec.is_last:
-            return StageInput(plan, out, summed)
-        return StepOutput(plan.step_id, tokens, summed) if self.spec.samples else None
-
-    def _forward(self, plan: BatchPlan, hidden: torch.Tensor | None,
-                 timings: dict[str, float]) -> tuple[ForwardBatch, torch.Tensor]:
-        if self.spec.stage_index > 0 and hidden is None:
+        if plan.entries and self.spec.stage_index > 0 and hidden is None:
             raise ValueError(f"{self.spec.name}: plan {plan.step_id} has {len(plan.entries)} entries "
                              "but no hidden states came from the previous stage")
         if hidden is not None and hidden.device != self.runner.device:
             hidden = hidden.to(self.runner.device)
-        batch = self.runner.build_batch(plan, timings)
-        return batch, self.runner.forward(batch, hidden, timings)
+        result = self.runner.run(plan, hidden, sample=self.spec.samples)
+        end = time.time()
+        self._steps += 1
+        self._timeline.append(StepRecord(plan.step_id, start, end))
+        summed = _add_timings(upstream or {}, result.timings)
+        if not self.spec.is_last:
+            return StageInput(plan, result.hidden, summed)
+        return StepOutput(plan.step_id, result.tokens, summed) if self.spec.samples else None
 
     def _count_swaps(self, plan: BatchPlan) -> None:
         self._swapped_out_blocks += sum(len(c.src_blocks) for c in plan.swap_out)
