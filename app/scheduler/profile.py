@@ -96,6 +96,18 @@ class Profile:
         value = _interpolate(self.dec_batch_sizes, self.dec_seconds, float(batch_size))
         return max(value, min(self.dec_seconds))
 
+    def longest_prompt_within(self, seconds: float, upper: int) -> int:
+        """Largest n in [1, upper] with t_init(n) ≤ ``seconds`` (1 when even one token costs
+        more): the prompt prefix a first iteration preempted after ``seconds`` got through."""
+        lo, hi = 1, max(upper, 1)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.t_init(mid) <= seconds:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     @property
     def q1(self) -> float:
         """The highest level's quantum: the (smallest) decode-iteration time (paper §4.1)."""

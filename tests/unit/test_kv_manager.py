@@ -10,7 +10,7 @@ import pytest
 from actors.messages import BatchEntry, StepOutput, SwapCommand
 from app.kv.enst import EnstTable
 from app.kv.manager import KVCacheManager, Residency, Tier
-from app.kv.swap_planner import plan_swaps
+from app.kv.swap_planner import PoolCounts, plan_swaps
 from app.scheduler.config import KVCacheConfig, SchedulerConfig, SwapMode
 from app.scheduler.queues import LevelQueues
 from app.scheduler.scheduler import Scheduler
@@ -198,8 +198,9 @@ def test_planner_prefetches_while_the_reserve_stays_free() -> None:
     for job_id in ("x", "y", "z"):
         kv.swap_out(job_id, step=1)
     kv.complete(1)
-    decision = plan_swaps(kv, keep_free=3, wanted={}, prefetch=["y", "x", "z"], victims=[],
-                          can_evict=lambda j: True, drop=False)
+    pools = PoolCounts(kv.num_free_device, kv.num_free_host)
+    decision = plan_swaps(kv, pools, keep_free=3, wanted={}, prefetch=["y", "x", "z"],
+                          victims=[], can_evict=lambda j: True, drop=False)
     assert decision.swap_in == ["y", "x"]          # 10 - 3 - 3 = 4 >= 3; a third would leave 1
 
 

@@ -31,7 +31,7 @@ from app.scheduler.config import (
 from app.scheduler.job import JobRequest, JobState
 from app.scheduler.profile import Profile
 from app.scheduler.scheduler import Scheduler
-from app.scheduler.simulate import CostModelExecutor, drive
+from loadtest.sim.driver import CostModelExecutor, drive
 
 PROFILE = Profile.from_dict({
     "t_init": {"prompt_lens": [1, 16, 64], "seconds": [0.01, 0.03, 0.1]},

@@ -28,7 +28,7 @@ from app.scheduler.config import (
 from app.scheduler.job import JobRequest, JobState, TokenDelta
 from app.scheduler.profile import Profile
 from app.scheduler.scheduler import AdmissionQueueFull, Scheduler
-from app.scheduler.simulate import CostModelExecutor, constant_tokens, drive
+from loadtest.sim.driver import CostModelExecutor, constant_tokens, drive
 
 ROOT = Path(__file__).resolve().parents[2]
 EOS = 2
@@ -294,9 +294,14 @@ def test_figure7_skip_join_beats_fcfs_and_naive_mlfq() -> None:
     one job per batch; all arrive at t = 0 in the order J1, J2, J3. Quanta 1, 2, 4, 8.
 
     FCFS:        J1 0-6-7, J2 7-8-9, J3 9-12-13                  -> (7+9+13)/3 = 29/3
-    naive MLFQ:  all in Q1. J1 prefill 0-6 (6 > q1: Q2); J2 6-7 (1 = q1: stays), 7-8 done;
-                 J3 8-11 (3 > q1: Q2, behind J1); J1 11-12 done; J3 12-13 done
-                                                                  -> (8+12+13)/3 = 11
+    naive MLFQ (the paper's, Figure 7(b)): all in Q1; a first iteration longer than the quantum
+                 is cut at it (the prompt prefix that costs q runs, its work is lost) and demoted.
+                 J1 cut 0-1 (Q2); J2 1-2 (1 = q1: stays), 2-3 done; J3 cut 3-4 (Q2);
+                 J1 cut 4-6 (Q3); J3 cut 6-8 (Q3); J1 cut 8-12 (Q4); J3 12-15-16 done (3 <= q3);
+                 J1 16-22-23 done                                 -> (23+3+16)/3 = 14
+    naive MLFQ, first iterations run whole (our earlier variant): J1 prefill 0-6 (6 > q1: Q2);
+                 J2 6-7 (1 = q1: stays), 7-8 done; J3 8-11 (3 > q1: Q2, behind J1); J1 11-12
+                 done; J3 12-13 done                              -> (8+12+13)/3 = 11
     skip-join:   J2 joins Q1, J3 Q3, J1 Q4. J2 0-1-2, J3 2-5-6, J1 6-12-13
                                                                   -> (2+6+13)/3 = 7
     SRPT (knows 2, 4, 7 of work) and fixed priority (by input length) pick the same order: 7.
@@ -306,23 +311,26 @@ def test_figure7_skip_join_beats_fcfs_and_naive_mlfq() -> None:
         "t_dec": {"batch_sizes": [1], "seconds": [1.0]},
     })
     arrivals = [(0.0, req("J1", 48, 2)), (0.0, req("J2", 8, 2)), (0.0, req("J3", 24, 2))]
-    expected: dict[PolicyName, dict[str, float]] = {
+    expected: dict[str, dict[str, float]] = {
         "fcfs": {"J1": 7.0, "J2": 9.0, "J3": 13.0},
-        "naive_mlfq": {"J1": 12.0, "J2": 8.0, "J3": 13.0},
+        "naive_mlfq": {"J1": 23.0, "J2": 3.0, "J3": 16.0},
+        "naive_mlfq_whole": {"J1": 12.0, "J2": 8.0, "J3": 13.0},
         "skip_join_mlfq": {"J1": 13.0, "J2": 2.0, "J3": 6.0},
         "srpt_oracle": {"J1": 13.0, "J2": 2.0, "J3": 6.0},
         "fixed_priority": {"J1": 13.0, "J2": 2.0, "J3": 6.0},
     }
     average = {}
-    for policy, finish in expected.items():
-        s = make(policy, batch=1, profile=prof)
+    for name, finish in expected.items():
+        whole = name == "naive_mlfq_whole"
+        policy: PolicyName = "naive_mlfq" if whole else name  # type: ignore[assignment]
+        s = make(policy, batch=1, profile=prof, naive_preempts_first_iteration=not whole)
         result = drive(s, CostModelExecutor(prof, constant_tokens(TOKEN)), arrivals,
                        observe=lambda sc, plan, now: sc.check_invariants())
-        assert result.finish_times == finish, policy
-        average[policy] = sum(result.finish_times.values()) / 3
+        assert result.finish_times == finish, name
+        average[name] = sum(result.finish_times.values()) / 3
     assert average["skip_join_mlfq"] == 7.0
     assert average["fcfs"] == pytest.approx(29 / 3)
-    assert average["naive_mlfq"] == 11.0
+    assert average["naive_mlfq"] == 14.0 and average["naive_mlfq_whole"] == 11.0
     assert average["skip_join_mlfq"] < average["fcfs"] < average["naive_mlfq"]
 
 
