@@ -162,6 +162,15 @@ class Applier:
     def _swap(self, decision: SwapDecision, step: int, table: EnstTable | None,
               out: Applied) -> None:
         s = self.s
+        # Drops first: their blocks are free at once, and a swap-in may be planned into them.
+        for job_id in decision.drop:
+            job = self._predict(job_id, table)
+            self.unplace(job)
+            s.kv.drop(job_id)
+            job.state = JobState.WAITING    # recompute: its next iteration is a prefill
+            job.pinned_until = None
+            self.count(job, "recomputes")
+            self.place(job)
         for job_id in decision.swap_in:
             job = self._predict(job_id, table)
             self.unplace(job)
@@ -175,14 +184,6 @@ class Applier:
             out.swap_out.append(s.kv.swap_out(job_id, step))
             job.pinned_until = None
             self.count(job, "swaps_out")
-            self.place(job)
-        for job_id in decision.drop:
-            job = self._predict(job_id, table)
-            self.unplace(job)
-            s.kv.drop(job_id)
-            job.state = JobState.WAITING    # recompute: its next iteration is a prefill
-            job.pinned_until = None
-            self.count(job, "recomputes")
             self.place(job)
 
     def _predict(self, job_id: str, table: EnstTable | None) -> Job:

@@ -4,7 +4,8 @@ every swap mode, with one and with two plans in flight:
 * block integrity holds after every schedule and every update (``check_invariants``);
 * every job finishes with all its tokens (no deadlock: the driver raises ``Stalled`` if work
   remains with nothing runnable; no livelock: a bound on the number of plans);
-* a job that has waited past α is promoted at the next decision (MLFQ policies);
+* a job that has waited past α (the α in effect: floored at k measured iterations) is
+  promoted at the next decision (MLFQ policies);
 * no job runs while its KV is not resident (a reactive swap-in in the same plan excepted);
 * no job is in two in-flight plans; no job that never had KV is admitted while both tiers are
   full (swap modes).
@@ -100,7 +101,6 @@ def test_random_load_keeps_every_invariant(policy: PolicyName, mode: SwapMode,
                       num_host_blocks=setup.host, swap_mode=mode,
                       reserved_blocks=setup.reserved),
         PROFILE, eos_token_id=EOS)
-    alpha = s.config.starvation_alpha_s
     ever_admitted: set[str] = set()
     inflight: dict[int, BatchPlan] = {}
     full_before: list[bool] = [False]   # both tiers full when the next decision starts
@@ -129,6 +129,7 @@ def test_random_load_keeps_every_invariant(policy: PolicyName, mode: SwapMode,
         ever_admitted.update(e.job_id for e in plan.entries)
         inflight[plan.step_id] = plan
         if sched.policy.starvation:
+            alpha = sched.starvation_alpha()   # α in effect at this decision
             for job in sched.jobs().values():
                 if job.state in (JobState.WAITING, JobState.RUNNABLE) and job.level > 1:
                     assert now - job.last_served <= alpha, (
