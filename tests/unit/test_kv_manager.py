@@ -10,7 +10,9 @@ import pytest
 from actors.messages import BatchEntry, StepOutput, SwapCommand
 from app.kv.enst import EnstTable
 from app.kv.manager import KVCacheManager, Residency, Tier
-from app.kv.swap_planner import PoolCounts, plan_swaps
+from app.kv.swap_planner import PoolCounts, SwapDecision, plan_swaps
+from app.scheduler.apply import Applied
+from app.scheduler.decision import BatchDecision, Decision
 from app.scheduler.config import KVCacheConfig, SchedulerConfig, SwapMode
 from app.scheduler.queues import LevelQueues
 from app.scheduler.scheduler import Scheduler
@@ -202,6 +204,40 @@ def test_planner_prefetches_while_the_reserve_stays_free() -> None:
     decision = plan_swaps(kv, pools, keep_free=3, wanted={}, prefetch=["y", "x", "z"],
                           victims=[], can_evict=lambda j: True, drop=False)
     assert decision.swap_in == ["y", "x"]          # 10 - 3 - 3 = 4 >= 3; a third would leave 1
+
+
+def test_planner_brings_wanted_jobs_first_and_passes_over_what_does_not_fit() -> None:
+    # Device 10 blocks, keep 2 free. On the host: big (6), small (1), w (3), tiny (1).
+    # The next batch wants w: it comes first although ENST ranks it third; then big does not
+    # fit (10 - 3 - 6 < 2) and is passed over, not the end: small and tiny still come in.
+    kv = manager(device=10, host=16, block=1)
+    for job_id, n in (("big", 6), ("small", 1), ("w", 3), ("tiny", 1)):
+        kv.allocate(job_id, n, step=0)
+        kv.complete(0)
+        kv.swap_out(job_id, step=1)
+        kv.complete(1)
+    pools = PoolCounts(kv.num_free_device, kv.num_free_host)
+    decision = plan_swaps(kv, pools, keep_free=2, wanted={"w": 3},
+                          prefetch=["big", "small", "w", "tiny"], victims=[],
+                          can_evict=lambda j: True, drop=False)
+    assert decision.swap_in == ["w", "small", "tiny"]
+    assert not decision.swap_out
+
+
+def test_a_swap_in_pin_expires_after_swap_pin_plans() -> None:
+    # Swapped in by step 2, "a" is no swap-out victim for the next swap_pin_plans (2) decisions,
+    # steps 3 and 4, whether or not it ran; from step 5 it is an ordinary candidate again.
+    s = make(device=16, host=16)
+    assert s.kv_config.swap_pin_plans == 2
+    s.add(req("a", 8), 0.0)
+    step(s, 0.0, 0.5)                                       # step 0: a's first iteration
+    a = s.jobs()["a"]
+    for k, swaps in ((1, SwapDecision(swap_out=["a"])), (2, SwapDecision(swap_in=["a"]))):
+        s.applier.apply(Decision(k, BatchDecision(), swaps), 0.5, Applied())
+        s.applier.settle(s.kv.complete(k))
+        s.check_invariants()
+    assert a.pinned_until == 4
+    assert [s.view.pinned("a", k) for k in (3, 4, 5)] == [True, True, False]
 
 
 def test_adaptive_reserve_follows_recent_arrivals() -> None:

@@ -155,6 +155,64 @@ def test_demotion_by_eta_levels_stops_at_the_lowest() -> None:
     assert job.stats.demotions == 2
 
 
+# ---- service accounting -------------------------------------------------------------------
+def test_each_entry_is_charged_its_own_share_of_the_step() -> None:
+    """One long first iteration (t_init(32) = 3) batched with two decodes (t_dec(2) = 1, so 0.5
+    each): profiled 3 + 0.5 + 0.5 = 4. The step measures 8 s (a machine twice as slow), so the
+    shares scale by 2: the prefill is charged 6, each decode 1 — exactly q1, not more, so the
+    decode jobs stay in level 1; before, each was charged the whole 8 s and demoted."""
+    flat_decode = Profile.from_dict({
+        "t_init": {"prompt_lens": [8, 16, 32, 64], "seconds": [0.5, 1.5, 3.0, 7.0]},
+        "t_dec": {"batch_sizes": [1, 2], "seconds": [1.0, 1.0]},
+    })
+    s = make(batch=3, profile=flat_decode)
+    a = s.add(req("a", 8, max_tokens=9), 0.0)
+    b = s.add(req("b", 8, max_tokens=9), 0.0)
+    step(s, 0.0, 1.0)                 # a and b prefill together: 0.5 s each, level 1 stays
+    assert (a.attained_s, b.attained_s, a.level, b.level) == (0.5, 0.5, 1, 1)
+    a.attained_s = b.attained_s = 0.0  # start the decodes' level service from zero
+    long = s.add(req("long", 32, max_tokens=9), 1.0)      # t_init 3: joins level 3
+    plan, _ = step(s, 1.0, 8.0)
+    assert ids(plan) == ["a", "b", "long"]
+    assert [e.is_prefill for e in plan.entries] == [False, False, True]
+    assert (a.attained_s, b.attained_s) == (1.0, 1.0)
+    assert (a.level, b.level) == (1, 1) and a.stats.demotions == b.stats.demotions == 0
+    assert long.level == 4 and long.stats.demotions == 1   # 6 > q3 = 4: its own prefill
+    assert long.attained_s == 0.0                           # a fresh level
+    assert a.stats.execution_s == 0.5 * 2 + 8.0            # latency: the whole step it sat in
+
+
+def test_swap_time_is_no_ones_service() -> None:
+    # A step of 1.5 s of which 1 s waiting for swaps after the forward: the lone decode is
+    # charged 0.5, reaching q1 = 1 exactly, so it stays in level 1 (charged 1.5 it would not).
+    s = make(batch=1)
+    a = s.add(req("a", 8, max_tokens=9), 0.0)
+    step(s, 0.0, 0.5)
+    plan = s.schedule(0.5)
+    assert plan is not None
+    s.update(plan, StepOutput(plan.step_id, {"a": TOKEN}, {"total": 1.5, "swap_tail": 1.0}), 2.0)
+    assert a.attained_s == 0.5 + 0.5 and a.level == 1
+    assert a.stats.execution_s == 0.5 + 1.5
+
+
+def test_alpha_is_floored_at_k_measured_iterations() -> None:
+    # α = 0.3 configured; steps of 0.9 s (3 α). With k = 10 a job is starving only after 9 s,
+    # i.e. ten ordinary iterations, not at every decision.
+    s = make(batch=1, alpha=0.3, starvation_min_iterations=10.0, step_time_ewma_weight=1.0)
+    assert s.starvation_alpha() == 0.3                   # nothing measured yet
+    s.add(req("a", 8, max_tokens=40), 0.0)
+    b = s.add(req("b", 64, max_tokens=2), 0.0)           # level 4, waits behind a
+    now = 0.0
+    for _ in range(10):
+        plan, _ = step(s, now, 0.9)
+        now += 0.9
+        assert ids(plan) == ["a"] and b.stats.promotions == 0
+    assert s.starvation_alpha() == 9.0
+    assert now == pytest.approx(9.0) and b.level == 4
+    plan, _ = step(s, now + 0.125, 0.9)                  # waited 9.125 > 9: promoted, runs
+    assert ids(plan) == ["b"] and b.stats.promotions == 1
+
+
 # ---- starvation ---------------------------------------------------------------------------
 def test_promotion_to_level_one_after_alpha() -> None:
     s = make(batch=1, alpha=5.0)
