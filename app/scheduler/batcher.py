@@ -10,8 +10,10 @@ decision costs O(B log n), not O(queued jobs). The result is a ``BatchDecision``
 ``Applier.apply`` takes the blocks.
 
 A job promoted for starvation whose KV is on the host is wanted (so swapped in, evicting
-others) only if its level's resident work left the batch room for it: a promotion must not
-push out the jobs that would run anyway.
+others) only into batch slots that resident work left empty: a promotion must not push out the
+jobs that would run anyway, or each promotion drags a swap-out and a swap-in behind it (under
+overload, promotions would then be the schedule). Until then proactive prefetch brings it in
+first (its ENST is the smallest) whenever blocks are free.
 """
 
 from __future__ import annotations
@@ -60,9 +62,9 @@ class _Walk:
         passed_over = 0
         first_waiting: str | None = None
         res = self.res
+        deferred: list[str] = []
         for level in self.view.queues.levels:
             ready, pending = level.ready, level.pending
-            deferred: list[str] = []
             while not self.full():
                 r = ready.peek()
                 p = pending.peek() if take_pending else None
@@ -93,9 +95,9 @@ class _Walk:
                     passed_over += 1
                     if passed_over >= max_jobs or self.view.policy.strict_admission:
                         take_pending = False
-            self._want_promoted(deferred)
             if self.full():
                 break
+        self._want_promoted(deferred)
         for s, key, job_id in popped:
             s.add(job_id, key)
         if res.focus is None:
@@ -147,7 +149,7 @@ class _Walk:
             self.res.focus = job_id
 
     def _want_promoted(self, deferred: list[str]) -> None:
-        """Promoted host jobs are wanted only into the room the level's resident work left."""
+        """Promoted host jobs are wanted only into the slots the batch's resident work left."""
         room = self.view.config.max_batch_size - len(self.picked) - len(self.res.wanted_host)
         for job_id in deferred[:max(room, 0)]:
             job = self.view.jobs[job_id]

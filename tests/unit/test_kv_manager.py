@@ -12,8 +12,8 @@ from app.kv.enst import EnstTable
 from app.kv.manager import KVCacheManager, Residency, Tier
 from app.kv.swap_planner import PoolCounts, SwapDecision, plan_swaps
 from app.scheduler.apply import Applied
-from app.scheduler.decision import BatchDecision, Decision
 from app.scheduler.config import KVCacheConfig, SchedulerConfig, SwapMode
+from app.scheduler.decision import BatchDecision, Decision
 from app.scheduler.queues import LevelQueues
 from app.scheduler.scheduler import Scheduler
 from tests.unit.test_scheduler import PROFILE, TOKEN, ids, make, req, step
