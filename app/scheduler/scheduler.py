@@ -50,39 +50,17 @@ class Scheduler:
         self.applier = Applier(self.state)
         self.batcher = BatchPlanner(self.view)
         self.memory = MemoryPlanner(self.view)
+        # What callers read (the state's own objects, never rebound; only the Applier writes).
+        self.config: SchedulerConfig = self.state.config
+        self.kv_config: KVCacheConfig = self.state.kv_config
+        self.profile: Profile = self.state.profile
+        self.policy: Policy = self.state.policy
+        self.kv: KVCacheManager = self.state.kv
+        self.queues: LevelQueues = self.state.queues
+        self.eos_token_id: int = self.state.eos_token_id
+        self.totals: Counter[str] = self.state.totals
 
     # ---- what callers read ---------------------------------------------------------------
-    @property
-    def config(self) -> SchedulerConfig:
-        return self.state.config
-
-    @property
-    def kv_config(self) -> KVCacheConfig:
-        return self.state.kv_config
-
-    @property
-    def profile(self) -> Profile:
-        return self.state.profile
-
-    @property
-    def policy(self) -> Policy:
-        return self.state.policy
-
-    @property
-    def kv(self) -> KVCacheManager:
-        return self.state.kv
-
-    @property
-    def queues(self) -> LevelQueues:
-        return self.state.queues
-
-    @property
-    def eos_token_id(self) -> int:
-        return self.state.eos_token_id
-
-    @property
-    def totals(self) -> Counter[str]:
-        return self.state.totals
 
     def jobs(self) -> Mapping[str, Job]:
         """Read-only view of the jobs the scheduler holds (for metrics and tests)."""
