@@ -7,7 +7,8 @@ the engine's clock is virtual and each plan advances it by what ``SimPipeline`` 
 takes, so the timing rules (quanta, α, ENST) see the same seconds in both runs and the test
 cannot flake on a loaded machine. Demotions, starvation promotions and swaps all happen; the
 runs must finish the jobs in the same order with the same token counts and per-token latency
-within 15 %.
+within 15 %. Naive MLFQ adds first iterations cut at the quantum (a real partial prefill whose
+KV and token are discarded).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from actors.executor import InProcessExecutor
 from actors.messages import BatchPlan, SamplingParams, StepOutput
 from actors.model.config import OPTConfig
 from app.engine import Engine, ThreadedExecutor
-from app.scheduler.config import KVCacheConfig, SchedulerConfig
+from app.scheduler.config import KVCacheConfig, PolicyName, SchedulerConfig
 from app.scheduler.job import JobStats
 from app.scheduler.profile import Profile
 from app.scheduler.scheduler import Scheduler
@@ -45,8 +46,8 @@ JOBS = (("a", 40, 12), ("b", 6, 18), ("c", 20, 8), ("d", 3, 16), ("e", 12, 6), (
 TOLERANCE = 0.15
 
 
-def _configs() -> tuple[SchedulerConfig, KVCacheConfig]:
-    return (SchedulerConfig(max_batch_size=3, starvation_alpha_s=1.0),
+def _configs(policy: PolicyName) -> tuple[SchedulerConfig, KVCacheConfig]:
+    return (SchedulerConfig(policy=policy, max_batch_size=3, starvation_alpha_s=1.0),
             KVCacheConfig(block_size=BLOCK, num_device_blocks=DEVICE_BLOCKS,
                           num_host_blocks=HOST_BLOCKS))
 
@@ -80,15 +81,15 @@ class PricedExecutor:
             close()
 
 
-def _simulate() -> tuple[list[str], dict[str, JobStats], dict[str, int]]:
-    sched, kv = _configs()
+def _simulate(policy: PolicyName) -> tuple[list[str], dict[str, JobStats], dict[str, int]]:
+    sched, kv = _configs(policy)
     result = Simulator(CostModel(PROFILE), sched, kv).run(
         [W.Request(j, 0.0, p, o) for j, p, o in JOBS])
     return result.completion_order, result.stats, result.totals
 
 
-async def _engine() -> tuple[list[str], dict[str, JobStats], dict[str, int]]:
-    sched_cfg, kv_cfg = _configs()
+async def _engine(policy: PolicyName) -> tuple[list[str], dict[str, JobStats], dict[str, int]]:
+    sched_cfg, kv_cfg = _configs(policy)
     scheduler = Scheduler(sched_cfg, kv_cfg, PROFILE, TINY.eos_token_id)
     clock = VirtualClock()
     real = InProcessExecutor(TINY, num_device_blocks=DEVICE_BLOCKS, num_host_blocks=HOST_BLOCKS,
@@ -127,10 +128,13 @@ def _per_token(stats: dict[str, JobStats]) -> dict[str, float]:
     return out
 
 
-def test_sim_and_engine_agree_when_every_rule_fires() -> None:
-    sim_order, sim_stats, sim_totals = _simulate()
-    real_order, real_stats, real_totals = asyncio.run(_engine())
+@pytest.mark.parametrize("policy", ["skip_join_mlfq", "naive_mlfq"])
+def test_sim_and_engine_agree_when_every_rule_fires(policy: PolicyName) -> None:
+    sim_order, sim_stats, sim_totals = _simulate(policy)
+    real_order, real_stats, real_totals = asyncio.run(_engine(policy))
     for totals in (sim_totals, real_totals):
+        if policy == "naive_mlfq":   # first iterations cut at the quantum: a real partial prefill
+            assert totals.get("wasted_prefills", 0) > 0, totals
         assert totals.get("demotions", 0) > 0, totals
         assert totals.get("promotions", 0) > 0, totals
         assert totals.get("swaps_out", 0) > 0 and totals.get("swaps_in", 0) > 0, totals
