@@ -70,7 +70,7 @@ class Applier:
                 lv.onhost.add(job.job_id, policy.prefetch_key(job))
         else:
             return
-        if policy.starvation and job.level > 1:
+        if policy.may_be_promoted(job):
             s.queues.starving.add(job.job_id, job.last_served)
 
     def unplace(self, job: Job) -> None:

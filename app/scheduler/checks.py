@@ -79,7 +79,7 @@ def check_scheduler(s: SchedulerState) -> None:
         assert placed == want, (
             f"job {job_id} ({job.state.value}, KV {where.value}) is in {sorted(placed)}, "
             f"expected {sorted(want)}")
-        starving = job.state is not JobState.RUNNING and job.level > 1 and s.policy.starvation
+        starving = job.state is not JobState.RUNNING and s.policy.may_be_promoted(job)
         assert (job_id in s.queues.starving) == starving, (
             f"job {job_id}: starvation tracking is {job_id in s.queues.starving}, "
             f"expected {starving}")

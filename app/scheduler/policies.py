@@ -70,6 +70,10 @@ class Policy:
         """Where a job goes once its quantum is spent (single-level policies: where it is)."""
         return job.level
 
+    def may_be_promoted(self, job: Job) -> bool:
+        """Whether an idle job's starve clock is watched (it is promoted once past α)."""
+        return False
+
     def promotion_level(self, job: Job, waited_s: float, alpha_s: float) -> int | None:
         """The level a job not served for ``waited_s`` moves to, or None (no promotion)."""
         return None
@@ -128,6 +132,9 @@ class SkipJoinMLFQ(Policy):
     def level_after_quantum(self, job: Job) -> int:
         return min(job.level + self.config.demotion_eta, len(self._quanta))
 
+    def may_be_promoted(self, job: Job) -> bool:
+        return job.level > 1
+
     def promotion_level(self, job: Job, waited_s: float, alpha_s: float) -> int | None:
         """Starvation prevention: level 1 once not served for longer than α."""
         return 1 if waited_s > alpha_s and job.level > 1 else None
@@ -150,6 +157,14 @@ class NaiveMLFQ(SkipJoinMLFQ):
         if self.profile.t_init(job.prompt_len) <= left:
             return None
         return self.profile.longest_prompt_within(left, job.prompt_len - 1)
+
+    def may_be_promoted(self, job: Job) -> bool:
+        """No boost for a job still working through a first iteration that is being cut: in
+        level 1 it would only be cut again, and a job that keeps being promoted before its
+        descent reaches a quantum long enough would never produce a token."""
+        if self.config.naive_preempts_first_iteration and not job.generated:
+            return False
+        return super().may_be_promoted(job)
 
 
 #: Arrival order fits in the low bits of a fixed-priority key (2**40 jobs is never reached).
