@@ -240,6 +240,33 @@ def test_a_swap_in_pin_expires_after_swap_pin_plans() -> None:
     assert [s.view.pinned("a", k) for k in (3, 4, 5)] == [True, True, False]
 
 
+@pytest.mark.parametrize(("batch", "wanted"), [(2, {}), (3, {"p": 9})])
+def test_a_promoted_job_on_the_host_takes_only_an_empty_batch_slot(
+        batch: int, wanted: dict[str, int]) -> None:
+    # p (level 4) ran once and was swapped out; r1 (level 1) and r2 (level 2) are resident. p is
+    # promoted to level 1, behind r1. With a batch of 2, r1 and r2 fill it — level 1's own work
+    # left a slot, but the batch did not: p is not wanted, so nothing is evicted for it. With a batch of 3 the slot is empty: p is wanted (9 blocks of 8 tokens).
+    # The reserve (7 of 16 blocks) keeps proactive prefetch from bringing p in on its own.
+    s = Scheduler(SchedulerConfig(max_batch_size=batch, starvation_alpha_s=1000.0),
+                  KVCacheConfig(block_size=8, num_device_blocks=16, num_host_blocks=32,
+                                reserved_blocks=7), PROFILE, eos_token_id=2)
+    s.add(req("p", 64, max_tokens=8), 0.0)
+    step(s, 0.0, 7.0)
+    s.applier.apply(Decision(1, BatchDecision(), SwapDecision(swap_out=["p"])), 7.0, Applied())
+    s.applier.settle(s.kv.complete(1))
+    s.state.next_step = 2
+    s.add(req("r1", 8, max_tokens=8), 7.0)
+    s.add(req("r2", 16, max_tokens=8), 7.0)
+    plan, _ = step(s, 7.0, 1.0)
+    assert ids(plan) == ["r1", "r2"] and s.kv.residency("p") is Residency.HOST
+    p = s.jobs()["p"]
+    s.applier.promote(p, 1, 8.0)
+    s.check_invariants()
+    decision = s.batcher.plan(s.state.next_step)
+    assert [r.job_id for r in decision.runs] == ["r1", "r2"]
+    assert decision.wanted_host == wanted
+
+
 def test_adaptive_reserve_follows_recent_arrivals() -> None:
     s = Scheduler(SchedulerConfig(), KVCacheConfig(
         block_size=8, num_device_blocks=40, num_host_blocks=40, reserved_blocks=2,
