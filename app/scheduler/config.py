@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+QuantumBasis = Literal["decode_share", "iteration"]
 PolicyName = Literal["skip_join_mlfq", "naive_mlfq", "fixed_priority", "fcfs", "srpt_oracle"]
 SwapMode = Literal["proactive", "reactive", "recompute"]
 
@@ -69,6 +70,11 @@ class SchedulerConfig(_Strict):
     naive_preempts_first_iteration: bool = True
     #: η: levels a job moves down when it exhausts its quantum (paper: the next queue).
     demotion_eta: int = Field(default=1, ge=1)
+    #: q1, on the scale of the service a job is charged (its own share of each step):
+    #: ``decode_share`` = one decode's share of a full batch, t_dec(B)/B, so a job in level i
+    #: gets ~2^(i-1) tokens of a full batch, as in the paper's §4.1 example; ``iteration`` =
+    #: t_dec(1), a whole decode iteration — with per-job shares that is ~B tokens per level 1.
+    quantum_basis: QuantumBasis = "decode_share"
     #: q(i+1) = growth · q(i) (paper: 2, after classic MLFQ).
     quantum_growth: float = Field(default=2.0, gt=1)
     #: Number of MLFQ levels; None = enough that q_n ≥ the largest profiled t_init.

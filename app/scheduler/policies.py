@@ -92,8 +92,10 @@ class SkipJoinMLFQ(Policy):
 
     def __init__(self, config: SchedulerConfig, profile: Profile) -> None:
         super().__init__(config, profile)
-        n = config.num_levels or profile.num_levels(config.quantum_growth)
-        self._quanta = [profile.q1 * config.quantum_growth**i for i in range(n)]
+        q1 = profile.q1 if config.quantum_basis == "iteration" \
+            else profile.decode_share(config.max_batch_size)
+        n = config.num_levels or profile.num_levels(config.quantum_growth, q1)
+        self._quanta = [q1 * config.quantum_growth**i for i in range(n)]
 
     def num_levels(self) -> int:
         return len(self._quanta)
@@ -149,8 +151,8 @@ class NaiveMLFQ(SkipJoinMLFQ):
     def preempted_prefix(self, job: Job) -> int | None:
         """Classic MLFQ enforces the quantum on the first iteration too: one that would take
         longer than what is left of it is cut at the quantum (the lowest level has no cut)."""
-        if not self.config.naive_preempts_first_iteration or job.generated:
-            return None
+        if not self.config.naive_preempts_first_iteration or job.generated or job.prompt_len < 2:
+            return None   # (a one-token prompt has no prefix to stop at)
         if job.level >= self.num_levels():
             return None
         left = self.quantum(job.level) - job.attained_s

@@ -141,7 +141,8 @@ def test_scheduler_check_catches_a_job_misfiled_in_its_queue() -> None:
 def _four_jobs(mode: SwapMode = "proactive", reserved: int = 9) -> Scheduler:
     """p, q, r, s4 in levels 1..4 (1, 2, 4 and 8 blocks of 8 tokens), all run their first
     iteration in step 0 (15 of 16 device blocks); at t = 0.5 each needs one more block."""
-    s = Scheduler(SchedulerConfig(max_batch_size=4, starvation_alpha_s=100.0),
+    s = Scheduler(SchedulerConfig(max_batch_size=4, starvation_alpha_s=100.0,
+                                  quantum_basis="iteration"),
                   KVCacheConfig(block_size=8, num_device_blocks=16, num_host_blocks=32,
                                 reserved_blocks=reserved, swap_mode=mode),
                   PROFILE, eos_token_id=2)
@@ -247,7 +248,8 @@ def test_a_promoted_job_on_the_host_takes_only_an_empty_batch_slot(
     # promoted to level 1, behind r1. With a batch of 2, r1 and r2 fill it — level 1's own work
     # left a slot, but the batch did not: p is not wanted, so nothing is evicted for it. With a batch of 3 the slot is empty: p is wanted (9 blocks of 8 tokens).
     # The reserve (7 of 16 blocks) keeps proactive prefetch from bringing p in on its own.
-    s = Scheduler(SchedulerConfig(max_batch_size=batch, starvation_alpha_s=1000.0),
+    s = Scheduler(SchedulerConfig(max_batch_size=batch, starvation_alpha_s=1000.0,
+                                  quantum_basis="iteration"),
                   KVCacheConfig(block_size=8, num_device_blocks=16, num_host_blocks=32,
                                 reserved_blocks=7), PROFILE, eos_token_id=2)
     s.add(req("p", 64, max_tokens=8), 0.0)

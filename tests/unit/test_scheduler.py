@@ -21,6 +21,7 @@ from app.kv.enst import enst, level_waits
 from app.scheduler.config import (
     KVCacheConfig,
     PolicyName,
+    QuantumBasis,
     SchedulerConfig,
     SwapMode,
     alpha_from_slo,
@@ -51,9 +52,12 @@ def req(job_id: str, prompt_len: int, max_tokens: int = 4) -> JobRequest:
 
 def make(policy: PolicyName = "skip_join_mlfq", *, batch: int = 16, alpha: float = 1000.0,
          device: int = 256, host: int = 256, block: int = 4, mode: SwapMode = "proactive",
-         profile: Profile = PROFILE, **extra: Any) -> Scheduler:
+         profile: Profile = PROFILE, basis: QuantumBasis = "iteration", **extra: Any) -> Scheduler:
+    """Rule tests take q1 = t_dec(1) (``iteration``) so the quanta are 1, 2, 4, 8 whatever the
+    batch size; ``basis="decode_share"`` (the default config) scales q1 to t_dec(B)/B."""
     return Scheduler(
-        SchedulerConfig(policy=policy, max_batch_size=batch, starvation_alpha_s=alpha, **extra),
+        SchedulerConfig(policy=policy, max_batch_size=batch, starvation_alpha_s=alpha,
+                        quantum_basis=basis, **extra),
         KVCacheConfig(block_size=block, num_device_blocks=device, num_host_blocks=host,
                       swap_mode=mode),
         profile, eos_token_id=EOS)
@@ -123,6 +127,15 @@ def test_priority_shifts_the_entry_level_within_the_levels(priority: int, level:
     request = JobRequest("j", tuple(range(3, 35)), greedy(4), priority=priority)  # t_init 3: level 3
     assert make().add(request, 0.0).level == level
     assert make("fcfs").add(request, 0.0).level == 1
+
+
+def test_decode_share_basis_puts_q1_on_the_scale_of_a_decode_share() -> None:
+    # B = 4: t_dec(4) = 1 + 3/15 = 1.2, so q1 = 0.3 and levels reach t_init(64) = 7 at
+    # 0.3 * 2^5 = 9.6 (6 levels). A prompt of 8 (t_init 0.5) now skips to level 2 (0.6).
+    s = make(batch=4, basis="decode_share")
+    assert s.policy.quanta() == pytest.approx([0.3, 0.6, 1.2, 2.4, 4.8, 9.6])
+    assert s.add(req("j", 8), 0.0).level == 2
+    assert SchedulerConfig().quantum_basis == "decode_share"
 
 
 def test_num_levels_override_extends_the_quanta() -> None:
