@@ -7,7 +7,8 @@ scheduler's ``apply`` runs it). Candidates come in the order the scheduler suppl
 MLFQ: smallest first for swap-in, largest first for swap-out).
 
 * Swap in the jobs the next batch wants (on the host, would have run) first, then prefetch in
-  ENST order, each while the device keeps ``keep_free`` blocks free afterwards. A job that does
+  ENST order, each while the device keeps ``keep_free`` blocks free afterwards (prefetch also
+  ``prefetch_headroom`` more, so what it brings is not pushed out again by the next growth). A job that does
   not fit is passed over, not the end of the walk (a smaller one behind it may fit); the walk
   gives up after ``max_skips`` such jobs so a decision never scans every queued job.
 * Then swap out (or drop, in recompute mode) until the blocks free by the next decision — free
@@ -59,6 +60,7 @@ def plan_swaps(
     drop: bool,
     drop_when_host_full: bool = False,
     max_skips: int = 16,
+    prefetch_headroom: int = 0,
 ) -> SwapDecision:
     """Decide swaps for one plan.
 
@@ -68,29 +70,30 @@ def plan_swaps(
     ``drop``: evict by dropping KV (recompute) instead of swapping out.
     ``drop_when_host_full``: a victim that does not fit the host is dropped rather than
     skipped (only the stall breaker uses it: progress over keeping the KV).
+    ``prefetch_headroom``: blocks prefetch leaves free beyond ``keep_free`` (wanted jobs do not).
     """
     decision = SwapDecision()
     free = pools.free_device
     brought: set[str] = set()
 
-    def bring(job_ids: Iterable[str]) -> None:
+    def bring(job_ids: Iterable[str], keep: int) -> None:
         nonlocal free
         skips = 0
         for job_id in job_ids:
             if job_id in brought:
                 continue
             n = kv.num_blocks(job_id)
-            if free - n < keep_free:
+            if free - n < keep:
                 skips += 1
-                if skips > max_skips or free <= keep_free:
+                if skips > max_skips or free <= keep:
                     return
                 continue
             decision.swap_in.append(job_id)
             brought.add(job_id)
             free -= n
 
-    bring(wanted)
-    bring(prefetch)
+    bring(wanted, keep_free)
+    bring(prefetch, keep_free + prefetch_headroom)
     target = keep_free + sum(n for j, n in wanted.items() if j not in brought)
     free_soon = free + pools.device_releasing
     host_free = pools.free_host

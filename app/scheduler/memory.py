@@ -49,7 +49,9 @@ class MemoryPlanner:
                               prefetch=prefetch if mode == "proactive" else (),
                               victims=victims, can_evict=can_evict,
                               drop=mode == "recompute",
-                              max_skips=view.config.max_batch_size)
+                              max_skips=view.config.max_batch_size,
+                              prefetch_headroom=view.kv_config.prefetch_headroom_iterations
+                              * batch.next_growth)
 
     def plan_unstick(self, batch: BatchDecision, swaps: SwapDecision,
                      table: EnstTable | None) -> SwapDecision:
