@@ -246,7 +246,8 @@ def test_a_promoted_job_on_the_host_takes_only_an_empty_batch_slot(
         batch: int, wanted: dict[str, int]) -> None:
     # p (level 4) ran once and was swapped out; r1 (level 1) and r2 (level 2) are resident. p is
     # promoted to level 1, behind r1. With a batch of 2, r1 and r2 fill it — level 1's own work
-    # left a slot, but the batch did not: p is not wanted, so nothing is evicted for it. With a batch of 3 the slot is empty: p is wanted (9 blocks of 8 tokens).
+    # left a slot, but the batch did not: p is not wanted, so nothing is evicted for it. With a
+    # batch of 3 the slot is empty: p is wanted (9 blocks of 8 tokens).
     # The reserve (7 of 16 blocks) keeps proactive prefetch from bringing p in on its own.
     s = Scheduler(SchedulerConfig(max_batch_size=batch, starvation_alpha_s=1000.0,
                                   quantum_basis="iteration"),
