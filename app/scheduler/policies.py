@@ -4,7 +4,8 @@ A policy is a small set of rules over a ``Job``; the mechanism (queues, batches,
 ``Scheduler``'s and is shared, so every policy is compared on the same machinery (paper §5).
 
 * ``skip_join_mlfq`` — the paper's scheduler (§4.1, Algorithm 1): levels with quanta
-  q1 = t_dec, q(i+1) = growth·q(i); a job joins the highest level whose quantum covers its
+  q1 = a decode's share of a full batch, t_dec(B)/B (or t_dec(1): ``quantum_basis``),
+  q(i+1) = growth·q(i); a job joins the highest level whose quantum covers its
   first iteration; demoted η levels when it exhausts its quantum; promoted to level 1 after α.
 * ``naive_mlfq`` — classic MLFQ: every job joins level 1; a first iteration longer than the
   level's quantum is preempted at the quantum and its work lost (paper Figure 7(b)), unless
