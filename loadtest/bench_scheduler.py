@@ -25,7 +25,7 @@ from app.scheduler.config import POLICIES, KVCacheConfig, PolicyName, SchedulerC
 from app.scheduler.job import JobRequest
 from app.scheduler.profile import Profile
 from app.scheduler.scheduler import Scheduler
-from app.scheduler.simulate import CostModelExecutor, constant_tokens
+from loadtest.sim.driver import CostModelExecutor, constant_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "config" / "profiles" / "opt-125m-cpu-tp1-pp1.json"

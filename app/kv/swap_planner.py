@@ -1,22 +1,32 @@
 """Swap planning: which jobs' KV to bring in, push out or drop at one decision (paper §4.2).
 
-Pure decision logic over the ``KVCacheManager``'s counts: it walks candidates in the order the
-scheduler supplies (by ENST for MLFQ: smallest first for swap-in, largest first for swap-out)
-and returns a ``SwapDecision``; the scheduler applies it (the KV manager emits the commands).
+Pure decision logic over counts the caller passes (the device blocks free once this decision's
+batch has its blocks, the host blocks free, the device blocks in-flight steps release) and the
+``KVCacheManager``'s per-job block counts; it returns a ``SwapDecision`` and changes nothing (the
+scheduler's ``apply`` runs it). Candidates come in the order the scheduler supplies (by ENST for
+MLFQ: smallest first for swap-in, largest first for swap-out).
 
-* Swap in, in order, while the device keeps ``keep_free`` blocks free afterwards (proactive
-  prefetch: the job is resident before it is scheduled).
+* Swap in the jobs the next batch wants (on the host, would have run) first, then prefetch in
+  ENST order, each while the device keeps ``keep_free`` blocks free afterwards (prefetch also
+  ``prefetch_headroom`` more, so what it brings is not pushed out again by the next growth). A job that does
+  not fit is passed over, not the end of the walk (a smaller one behind it may fit); the walk
+  gives up after ``max_skips`` such jobs so a decision never scans every queued job.
 * Then swap out (or drop, in recompute mode) until the blocks free by the next decision — free
-  now, plus those in-flight steps release — reach ``keep_free`` plus what the next batch wants
-  for jobs still on the host. Swapped-out blocks come back only when this plan completes.
+  now, plus those in-flight steps release — reach ``keep_free`` plus what wanted jobs still on
+  the host need. Swapped-out blocks come back only when this plan completes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from app.kv.manager import KVCacheManager
+
+class BlockCounts(Protocol):
+    """What the planner reads of the KV manager."""
+
+    def num_blocks(self, job_id: str) -> int: ...
 
 
 @dataclass
@@ -29,8 +39,18 @@ class SwapDecision:
         return bool(self.swap_in or self.swap_out or self.drop)
 
 
+@dataclass(frozen=True)
+class PoolCounts:
+    """Free blocks as the decision sees them (after its batch's allocations)."""
+
+    free_device: int
+    free_host: int
+    device_releasing: int = 0
+
+
 def plan_swaps(
-    kv: KVCacheManager,
+    kv: BlockCounts,
+    pools: PoolCounts,
     *,
     keep_free: int,
     wanted: Mapping[str, int],
@@ -39,31 +59,48 @@ def plan_swaps(
     can_evict: Callable[[str], bool],
     drop: bool,
     drop_when_host_full: bool = False,
+    max_skips: int = 16,
+    prefetch_headroom: int = 0,
 ) -> SwapDecision:
     """Decide swaps for one plan.
 
     ``keep_free``: device blocks to keep free for the next iteration (reserve + known needs).
-    ``wanted``: jobs on the host the next batch would run, and the device blocks each needs.
+    ``wanted``: jobs on the host the next batch would run, in batch order, and the device blocks
+    each needs; they are brought in before any prefetch.
     ``drop``: evict by dropping KV (recompute) instead of swapping out.
     ``drop_when_host_full``: a victim that does not fit the host is dropped rather than
     skipped (only the stall breaker uses it: progress over keeping the KV).
+    ``prefetch_headroom``: blocks prefetch leaves free beyond ``keep_free`` (wanted jobs do not).
     """
     decision = SwapDecision()
-    free = kv.num_free_device
-    for job_id in prefetch:
-        n = kv.num_blocks(job_id)
-        if free - n < keep_free:
-            break
-        decision.swap_in.append(job_id)
-        free -= n
-    brought = set(decision.swap_in)
+    free = pools.free_device
+    brought: set[str] = set()
+
+    def bring(job_ids: Iterable[str], keep: int) -> None:
+        nonlocal free
+        skips = 0
+        for job_id in job_ids:
+            if job_id in brought:
+                continue
+            n = kv.num_blocks(job_id)
+            if free - n < keep:
+                skips += 1
+                if skips > max_skips or free <= keep:
+                    return
+                continue
+            decision.swap_in.append(job_id)
+            brought.add(job_id)
+            free -= n
+
+    bring(wanted, keep_free)
+    bring(prefetch, keep_free + prefetch_headroom)
     target = keep_free + sum(n for j, n in wanted.items() if j not in brought)
-    free_soon = free + kv.device_releasing
-    host_free = kv.num_free_host
+    free_soon = free + pools.device_releasing
+    host_free = pools.free_host
     for job_id in victims:
         if free_soon >= target:
             break
-        if not can_evict(job_id):
+        if job_id in brought or not can_evict(job_id):
             continue
         n = kv.num_blocks(job_id)
         if drop or (n > host_free and drop_when_host_full):

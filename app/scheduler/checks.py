@@ -1,4 +1,4 @@
-"""Read-only views of a ``Scheduler``: metrics (``scheduler_stats``) and the integrity check
+"""Read-only views of a ``SchedulerState``: metrics (``scheduler_stats``) and the integrity check
 (``check_scheduler``) that tests run after every step. O(jobs + blocks): not for the hot path.
 """
 
@@ -18,10 +18,10 @@ def scheduler_stats(s: SchedulerState) -> dict[str, Any]:
     return {
         "policy": s.policy.name,
         "swap_mode": s.kv_config.swap_mode,
-        "jobs": len(s._jobs),
-        "running": sum(len(r.job_ids) for r in s._inflight.values()),
-        "admission_queue": s._num_unadmitted,
-        "inflight_plans": len(s._inflight),
+        "jobs": len(s.jobs),
+        "running": sum(len(r.job_ids) for r in s.inflight.values()),
+        "admission_queue": s.num_unadmitted,
+        "inflight_plans": len(s.inflight),
         "level_counts": list(s.queues.counts),
         "device_blocks": {"total": kv.device.capacity, "free": kv.num_free_device,
                           "releasing": kv.device_releasing},
@@ -37,7 +37,7 @@ def check_scheduler(s: SchedulerState) -> None:
     two in-flight plans; running jobs resident; KV tables match each job's positions."""
     kv = s.kv
     in_plan: dict[str, int] = {}
-    for step, rec in s._inflight.items():
+    for step, rec in s.inflight.items():
         for job_id in rec.job_ids:
             assert job_id not in in_plan, (
                 f"job {job_id} is in in-flight plans {in_plan[job_id]} and {step}")
@@ -45,7 +45,7 @@ def check_scheduler(s: SchedulerState) -> None:
     counts = [0] * s.queues.num_levels
     expected: dict[str, int] = {}
     unadmitted = 0
-    for job_id, job in s._jobs.items():
+    for job_id, job in s.jobs.items():
         assert job.job_id == job_id, f"job {job.job_id} filed under {job_id}"
         if job.state is JobState.ABORTED:
             assert job_id in in_plan, f"aborted job {job_id} kept but in no in-flight plan"
@@ -70,19 +70,24 @@ def check_scheduler(s: SchedulerState) -> None:
             assert job_id in in_plan, f"running job {job_id} is in no in-flight plan"
             assert kv.tier(job_id) is Tier.DEVICE, f"running job {job_id} is not on the device"
             expected[job_id] = job.next_context_len
+            if job_id in s.inflight[in_plan[job_id]].wasted:   # a prompt prefix, cut short
+                assert not job.generated, f"job {job_id}: a cut first iteration after tokens"
+                expected[job_id] = kv.num_tokens(job_id)
+                assert 0 < expected[job_id] < job.next_context_len, (
+                    f"cut first iteration of {job_id} covers {expected[job_id]} positions")
             want = set()
         assert placed == want, (
             f"job {job_id} ({job.state.value}, KV {where.value}) is in {sorted(placed)}, "
             f"expected {sorted(want)}")
-        starving = job.state is not JobState.RUNNING and job.level > 1 and s.policy.starvation
+        starving = job.state is not JobState.RUNNING and s.policy.may_be_promoted(job)
         assert (job_id in s.queues.starving) == starving, (
             f"job {job_id}: starvation tracking is {job_id in s.queues.starving}, "
             f"expected {starving}")
     assert counts == s.queues.counts, f"level counts {s.queues.counts}, jobs say {counts}"
-    assert unadmitted == s._num_unadmitted, (
-        f"admission queue says {s._num_unadmitted}, jobs say {unadmitted}")
+    assert unadmitted == s.num_unadmitted, (
+        f"admission queue says {s.num_unadmitted}, jobs say {unadmitted}")
     for lv in s.queues.levels:
         for name in ("ready", "pending", "evictable", "onhost"):
             for job_id in getattr(lv, name):
-                assert job_id in s._jobs, f"{name} holds unknown job {job_id}"
+                assert job_id in s.jobs, f"{name} holds unknown job {job_id}"
     kv.check_invariants(expected)

@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+QuantumBasis = Literal["decode_share", "iteration"]
 PolicyName = Literal["skip_join_mlfq", "naive_mlfq", "fixed_priority", "fcfs", "srpt_oracle"]
 SwapMode = Literal["proactive", "reactive", "recompute"]
 
@@ -55,8 +56,25 @@ class SchedulerConfig(_Strict):
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     #: α: a job not served for longer than this is promoted to level 1 (paper default 300 ms).
     starvation_alpha_s: float = Field(default=0.3, gt=0)
+    #: α never falls below this many measured iterations, so a job that waited one or two
+    #: ordinary iterations is never "starving" (else every job outside the batch is promoted at
+    #: each decision and MLFQ becomes FIFO). 10 is the paper's own ratio: α = 300 ms over a
+    #: ~30 ms OPT-13B decode iteration at B = 16, and its SLO of "10x a decode iteration".
+    starvation_min_iterations: float = Field(default=10.0, ge=0)
+    #: Weight of the newest step in the running mean of measured step times (α's floor).
+    step_time_ewma_weight: float = Field(default=0.1, gt=0, le=1)
+    #: naive_mlfq only. True (paper Figure 7(b)): a first iteration longer than the level's
+    #: quantum is preempted at the quantum — a prompt prefix costing the quantum runs, its KV and
+    #: token are discarded, the job is demoted and starts over. False: the variant we had, which
+    #: runs the first iteration to completion and demotes afterwards.
+    naive_preempts_first_iteration: bool = True
     #: η: levels a job moves down when it exhausts its quantum (paper: the next queue).
     demotion_eta: int = Field(default=1, ge=1)
+    #: q1, on the scale of the service a job is charged (its own share of each step):
+    #: ``decode_share`` = one decode's share of a full batch, t_dec(B)/B, so a job in level i
+    #: gets ~2^(i-1) tokens of a full batch, as in the paper's §4.1 example; ``iteration`` =
+    #: t_dec(1), a whole decode iteration — with per-job shares that is ~B tokens per level 1.
+    quantum_basis: QuantumBasis = "decode_share"
     #: q(i+1) = growth · q(i) (paper: 2, after classic MLFQ).
     quantum_growth: float = Field(default=2.0, gt=1)
     #: Number of MLFQ levels; None = enough that q_n ≥ the largest profiled t_init.
@@ -76,6 +94,13 @@ class KVCacheConfig(_Strict):
     #: proactive = ENST-driven prefetch/offload overlapped with compute (the paper);
     #: reactive = swap in only when scheduled, evict only when needed; recompute = drop + redo.
     swap_mode: SwapMode = "proactive"
+    #: A job swapped in for its turn is not swapped out again for this many plans; then its pin
+    #: expires, so a job that stopped being wanted cannot hold device blocks forever.
+    swap_pin_plans: int = Field(default=2, ge=0)
+    #: Prefetch also leaves free the decode growth of this many further iterations, so a job it
+    #: brings in is not evicted again by the very next iteration's growth (prefetch→evict
+    #: ping-pong: 564 of 1,224 swap-outs at 3 req/s in the Figure 15 simulation without it).
+    prefetch_headroom_iterations: int = Field(default=1, ge=0)
     #: Burst slots: device blocks kept free for new arrivals (paper §4.2 "reserved slots").
     reserved_blocks: int = Field(default=0, ge=0)
     #: Also size the reserve from recent arrivals ("tuned on historical arrival patterns").

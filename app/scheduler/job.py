@@ -73,6 +73,7 @@ class JobStats:
     swaps_in: int = 0
     swaps_out: int = 0
     recomputes: int = 0
+    wasted_prefills: int = 0         # naive MLFQ: first iterations cut at the quantum, work lost
     enst_pairs: list[tuple[float, float]] = field(default_factory=list)
 
 
@@ -96,7 +97,8 @@ class Job:
     admit_seq: int = -1              # admission order (FCFS preempts the latest admitted)
     idle_since: float = 0.0          # when it last stopped running (queueing time accounting)
     blocked_since: float | None = None   # first decision it was passed over for not being resident
-    pinned: bool = False             # swapped in and not yet run: not a proactive swap-out victim
+    pinned_until: int | None = None  # swapped in for its turn: no swap-out victim up to this step
+    promoted: bool = False           # promoted for starvation and not run since
     predictions: list[tuple[float, float]] = field(default_factory=list)  # (made at, ENST)
     stats: JobStats = field(init=False)
 

@@ -1,147 +1,103 @@
 """``MemoryPlanner``: the swap side of a decision (paper §4.2, "Proactive KV cache management").
 
-Turns what a batch could not get (and, in proactive mode, the reserve of burst slots) into swap
-decisions via ``app.kv.swap_planner`` — ENST-ordered across levels for MLFQ policies, policy
-order otherwise — and applies them: the KV manager emits the commands, this class moves the
-jobs between candidate sets. Includes the stall breaker that guarantees progress.
+A pure planner. Turns what a batch could not get (and, in proactive mode, the reserve of burst
+slots) into a ``SwapDecision`` via ``app.kv.swap_planner`` — ENST-ordered across levels for MLFQ
+policies, policy order otherwise — against the block counts the batch left. Also plans the stall
+breaker that guarantees progress. ``Applier.apply`` runs what it returns.
 """
 
 from __future__ import annotations
 
-import math
-
 from app.kv.enst import EnstTable
 from app.kv.manager import Residency
-from app.kv.swap_planner import SwapDecision, plan_swaps
-from app.scheduler.batcher import BatchResult
-from app.scheduler.job import Job, JobState
+from app.kv.swap_planner import PoolCounts, SwapDecision, plan_swaps
+from app.scheduler.decision import BatchDecision, Evict
 from app.scheduler.queues import LevelScore
-from app.scheduler.state import SchedulerState
+from app.scheduler.state import SchedulerView
 
 
-class MemoryPlanner(SchedulerState):
-    def _plan_memory(self, batch: BatchResult, now: float, step: int) -> None:
+class MemoryPlanner:
+    def __init__(self, view: SchedulerView) -> None:
+        self.view = view
+
+    def plan(self, batch: BatchDecision, step: int, now: float,
+             table: EnstTable | None) -> SwapDecision:
         """Swaps for this plan: proactive prefetch/offload by ENST around the reserve, or
         on-demand eviction (reactive, recompute) for what this batch could not get."""
-        mode = self.kv_config.swap_mode
-        needs = sum(batch.growth_needs.values())
-        for job_id in batch.wanted_host:
-            if self._jobs[job_id].blocked_since is None:
-                self._jobs[job_id].blocked_since = now
-        if self.policy.evicts_for_admission:
-            needs += sum(batch.waiting_needs.values())
-        keep = needs
+        view = self.view
+        mode = view.kv_config.swap_mode
+        policy = view.policy
+        keep = sum(batch.growth_needs.values())
+        if policy.evicts_for_admission:
+            keep += sum(batch.waiting_needs.values())
         if mode == "proactive":
             keep += batch.next_growth
-            if self.policy.evicts_for_admission:
-                keep += self.reserve_blocks(now)
-        table = self._enst_table(now)
+            if policy.evicts_for_admission:
+                keep += view.reserve_blocks(now)
+        taken = self._taken(batch)
         protected = batch.protected
-        jobs = self._jobs
 
         def can_evict(job_id: str) -> bool:
-            # A job swapped in for its turn stays until it ran (no swap thrash).
-            return job_id not in protected and not jobs[job_id].pinned
+            # A job swapped in for its turn stays until it ran or its pin expired.
+            return (job_id not in protected and job_id not in taken
+                    and not view.pinned(job_id, step))
 
-        with self.queues.ordered("evictable", self._score(table, -1.0)) as victims, \
-                self.queues.ordered("onhost", self._score(table, 1.0)) as prefetch:
-            decision = plan_swaps(self.kv, keep_free=keep, wanted=batch.wanted_host,
-                                  prefetch=prefetch if mode == "proactive" else (),
-                                  victims=victims, can_evict=can_evict,
-                                  drop=mode == "recompute")
-        self._apply(decision, step, table)
-        if not batch.entries and not self._inflight and batch.focus is not None:
-            self._unstick(batch.focus, step, table)
+        with view.queues.ordered("evictable", self._score(table, -1.0)) as victims, \
+                view.queues.ordered("onhost", self._score(table, 1.0)) as prefetch:
+            return plan_swaps(view.kv, self._pools(batch), keep_free=keep,
+                              wanted=batch.wanted_host,
+                              prefetch=prefetch if mode == "proactive" else (),
+                              victims=victims, can_evict=can_evict,
+                              drop=mode == "recompute",
+                              max_skips=view.config.max_batch_size,
+                              prefetch_headroom=view.kv_config.prefetch_headroom_iterations
+                              * batch.next_growth)
 
-    def _unstick(self, focus: str, step: int, table: EnstTable | None) -> None:
+    def plan_unstick(self, batch: BatchDecision, swaps: SwapDecision,
+                     table: EnstTable | None) -> SwapDecision:
         """Nothing can run and nothing is in flight: make room for the top deferred job by
         evicting any other idle job (pins ignored; dropped if the host is full), and bring it
         in if it is on the host. This is the no-deadlock guarantee: the focus job runs within
         two decisions."""
-        job = self._jobs[focus]
-        need = self.kv.device_blocks_needed(focus, job.next_context_len)
-        with self.queues.ordered("evictable", self._score(table, -1.0)) as victims:
-            decision = plan_swaps(self.kv, keep_free=need, wanted={}, prefetch=(),
-                                  victims=victims, can_evict=lambda j: j != focus,
-                                  drop=self.kv_config.swap_mode == "recompute",
+        view = self.view
+        focus = batch.focus
+        if batch.runs or view.num_inflight or focus is None:
+            return SwapDecision()
+        kv = view.kv
+        job = view.jobs[focus]
+        pools = self._pools(batch)
+        moved_in = sum(kv.num_blocks(j) for j in swaps.swap_in)
+        dropped = sum(kv.num_blocks(j) for j in swaps.drop)
+        moved_out = sum(kv.num_blocks(j) for j in swaps.swap_out)
+        pools = PoolCounts(pools.free_device - moved_in + dropped, pools.free_host - moved_out,
+                           pools.device_releasing + moved_out)
+        taken = self._taken(batch) | set(swaps.swap_out) | set(swaps.drop) | set(swaps.swap_in)
+        need = kv.device_blocks_needed(focus, job.next_context_len)
+        with view.queues.ordered("evictable", self._score(table, -1.0)) as victims:
+            decision = plan_swaps(kv, pools, keep_free=need, wanted={}, prefetch=(),
+                                  victims=victims,
+                                  can_evict=lambda j: j != focus and j not in taken,
+                                  drop=view.kv_config.swap_mode == "recompute",
                                   drop_when_host_full=True)
-        if decision:
-            self.totals["stall_breaks"] += 1
-            self._stall_dropped = bool(decision.drop) and job.admitted
-        self._apply(decision, step, table)
-        if (self.kv.residency(focus) is Residency.HOST
-                and self.kv.num_blocks(focus) <= self.kv.num_free_device):
-            self._apply(SwapDecision(swap_in=[focus]), step, table)
+        free_now = pools.free_device + sum(kv.num_blocks(j) for j in decision.drop)
+        if (kv.residency(focus) is Residency.HOST and focus not in swaps.swap_in
+                and kv.num_blocks(focus) <= free_now):
+            decision.swap_in.append(focus)
+        return decision
 
-    def _evict(self, job_id: str, step: int) -> bool:
-        """Evict one idle resident job for ``step`` (FCFS growth preemption): swap it out, or
-        drop it in recompute mode or when the host is full. True when its blocks are free now."""
-        drop = (self.kv_config.swap_mode == "recompute"
-                or self.kv.num_blocks(job_id) > self.kv.num_free_host)
-        decision = SwapDecision(drop=[job_id]) if drop else SwapDecision(swap_out=[job_id])
-        self._apply(decision, step, None)
-        return drop
+    def _pools(self, batch: BatchDecision) -> PoolCounts:
+        kv = self.view.kv
+        releasing = kv.device_releasing + sum(
+            kv.num_blocks(a.job_id) for a in batch.actions if isinstance(a, Evict) and not a.drop)
+        return PoolCounts(batch.free_device, batch.free_host, releasing)
 
-    def _apply(self, decision: SwapDecision, step: int, table: EnstTable | None) -> None:
-        for job_id in decision.swap_in:
-            job = self._predict(job_id, table)
-            self._unplace(job)
-            self._step_in.append(self.kv.swap_in(job_id, step))
-            job.pinned = True
-            self._count_swap(job, "swaps_in")
-            self._place(job)   # in transit: only the starvation clock keeps running
-        for job_id in decision.swap_out:
-            job = self._predict(job_id, table)
-            self._unplace(job)
-            self._step_out.append(self.kv.swap_out(job_id, step))
-            job.pinned = False
-            self._count_swap(job, "swaps_out")
-            self._place(job)
-        for job_id in decision.drop:
-            job = self._predict(job_id, table)
-            self._unplace(job)
-            self.kv.drop(job_id)
-            job.state = JobState.WAITING    # recompute: its next iteration is a prefill
-            job.pinned = False
-            self._count_swap(job, "recomputes")
-            self._dropped = True
-            self._place(job)
-
-    def _predict(self, job_id: str, table: EnstTable | None) -> Job:
-        """Record the ENST predicted at a swap decision (checked when the job next runs)."""
-        job = self._jobs[job_id]
-        if table is not None:
-            job.predictions.append((table.now, table(job.level, job.last_served)))
-        return job
+    @staticmethod
+    def _taken(batch: BatchDecision) -> set[str]:
+        """Jobs the batch already runs or evicts: not candidates for another move."""
+        return {a.job_id for a in batch.actions}
 
     def _score(self, table: EnstTable | None, sign: float) -> LevelScore | None:
         if table is None:
             return None
-        jobs = self._jobs
+        jobs = self.view.jobs
         return lambda level, job_id: sign * table(level, jobs[job_id].last_served)
-
-    def _note_arrival(self, now: float, prompt_blocks: int) -> None:
-        if self.kv_config.adaptive_reserve:
-            self._arrivals.append((now, prompt_blocks))
-            self._arrival_blocks += prompt_blocks
-            self._forget_arrivals(now)
-
-    def _forget_arrivals(self, now: float) -> None:
-        horizon = now - self.kv_config.adaptive_window_s
-        while self._arrivals and self._arrivals[0][0] < horizon:
-            self._arrival_blocks -= self._arrivals.popleft()[1]
-
-    def reserve_blocks(self, now: float) -> int:
-        """Burst slots: the configured count plus, optionally, blocks sized from the arrivals of
-        the last ``adaptive_window_s`` (their prompts, or a configured blocks-per-arrival),
-        capped at ``adaptive_max_fraction`` of the device pool."""
-        cfg = self.kv_config
-        if not cfg.adaptive_reserve:
-            return cfg.reserved_blocks
-        self._forget_arrivals(now)
-        if cfg.adaptive_blocks_per_arrival is None:
-            adaptive = float(self._arrival_blocks)
-        else:
-            adaptive = len(self._arrivals) * cfg.adaptive_blocks_per_arrival
-        cap = math.floor(cfg.adaptive_max_fraction * cfg.num_device_blocks)
-        return cfg.reserved_blocks + min(math.ceil(adaptive), cap)

@@ -4,9 +4,12 @@ A policy is a small set of rules over a ``Job``; the mechanism (queues, batches,
 ``Scheduler``'s and is shared, so every policy is compared on the same machinery (paper §5).
 
 * ``skip_join_mlfq`` — the paper's scheduler (§4.1, Algorithm 1): levels with quanta
-  q1 = t_dec, q(i+1) = growth·q(i); a job joins the highest level whose quantum covers its
+  q1 = a decode's share of a full batch, t_dec(B)/B (or t_dec(1): ``quantum_basis``),
+  q(i+1) = growth·q(i); a job joins the highest level whose quantum covers its
   first iteration; demoted η levels when it exhausts its quantum; promoted to level 1 after α.
-* ``naive_mlfq`` — classic MLFQ: every job joins level 1.
+* ``naive_mlfq`` — classic MLFQ: every job joins level 1; a first iteration longer than the
+  level's quantum is preempted at the quantum and its work lost (paper Figure 7(b)), unless
+  ``naive_preempts_first_iteration`` is off (then it runs to completion and is demoted after).
 * ``fixed_priority`` — by input length (shorter first), no demotion, no promotion.
 * ``fcfs`` — vLLM-style run to completion: arrival order, admission stops at the first job that
   does not fit, never preempts for priority; when decode growth does not fit it preempts the most
@@ -60,6 +63,27 @@ class Policy:
         """Swap-in order within a level (smaller first)."""
         return self.order_key(job)
 
+    def demotion_level(self, job: Job) -> int | None:
+        """The level a job moves to after an iteration, or None to stay (no demotion)."""
+        return None
+
+    def level_after_quantum(self, job: Job) -> int:
+        """Where a job goes once its quantum is spent (single-level policies: where it is)."""
+        return job.level
+
+    def may_be_promoted(self, job: Job) -> bool:
+        """Whether an idle job's starve clock is watched (it is promoted once past α)."""
+        return False
+
+    def promotion_level(self, job: Job, waited_s: float, alpha_s: float) -> int | None:
+        """The level a job not served for ``waited_s`` moves to, or None (no promotion)."""
+        return None
+
+    def preempted_prefix(self, job: Job) -> int | None:
+        """Prompt tokens a first iteration gets through before its quantum preempts it (the
+        work is then lost), or None when it runs whole."""
+        return None
+
 
 class SkipJoinMLFQ(Policy):
     name: PolicyName = "skip_join_mlfq"
@@ -69,8 +93,10 @@ class SkipJoinMLFQ(Policy):
 
     def __init__(self, config: SchedulerConfig, profile: Profile) -> None:
         super().__init__(config, profile)
-        n = config.num_levels or profile.num_levels(config.quantum_growth)
-        self._quanta = [profile.q1 * config.quantum_growth**i for i in range(n)]
+        q1 = profile.q1 if config.quantum_basis == "iteration" \
+            else profile.decode_share(config.max_batch_size)
+        n = config.num_levels or profile.num_levels(config.quantum_growth, q1)
+        self._quanta = [q1 * config.quantum_growth**i for i in range(n)]
 
     def num_levels(self) -> int:
         return len(self._quanta)
@@ -100,12 +126,48 @@ class SkipJoinMLFQ(Policy):
     def prefetch_key(self, job: Job) -> Key:
         return job.last_served
 
+    def demotion_level(self, job: Job) -> int | None:
+        """η levels down once the service attained in the level exceeds its quantum."""
+        if job.attained_s > self.quantum(job.level) and job.level < len(self._quanta):
+            return self.level_after_quantum(job)
+        return None
+
+    def level_after_quantum(self, job: Job) -> int:
+        return min(job.level + self.config.demotion_eta, len(self._quanta))
+
+    def may_be_promoted(self, job: Job) -> bool:
+        return job.level > 1
+
+    def promotion_level(self, job: Job, waited_s: float, alpha_s: float) -> int | None:
+        """Starvation prevention: level 1 once not served for longer than α."""
+        return 1 if waited_s > alpha_s and job.level > 1 else None
+
 
 class NaiveMLFQ(SkipJoinMLFQ):
     name: PolicyName = "naive_mlfq"
 
     def entry_level(self, job: Job) -> int:
         return 1
+
+    def preempted_prefix(self, job: Job) -> int | None:
+        """Classic MLFQ enforces the quantum on the first iteration too: one that would take
+        longer than what is left of it is cut at the quantum (the lowest level has no cut)."""
+        if not self.config.naive_preempts_first_iteration or job.generated or job.prompt_len < 2:
+            return None   # (a one-token prompt has no prefix to stop at)
+        if job.level >= self.num_levels():
+            return None
+        left = self.quantum(job.level) - job.attained_s
+        if self.profile.t_init(job.prompt_len) <= left:
+            return None
+        return self.profile.longest_prompt_within(left, job.prompt_len - 1)
+
+    def may_be_promoted(self, job: Job) -> bool:
+        """No boost for a job still working through a first iteration that is being cut: in
+        level 1 it would only be cut again, and a job that keeps being promoted before its
+        descent reaches a quantum long enough would never produce a token."""
+        if self.config.naive_preempts_first_iteration and not job.generated:
+            return False
+        return super().may_be_promoted(job)
 
 
 #: Arrival order fits in the low bits of a fixed-priority key (2**40 jobs is never reached).

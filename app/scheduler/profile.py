@@ -96,6 +96,18 @@ class Profile:
         value = _interpolate(self.dec_batch_sizes, self.dec_seconds, float(batch_size))
         return max(value, min(self.dec_seconds))
 
+    def longest_prompt_within(self, seconds: float, upper: int) -> int:
+        """Largest n in [1, upper] with t_init(n) ≤ ``seconds`` (1 when even one token costs
+        more): the prompt prefix a first iteration preempted after ``seconds`` got through."""
+        lo, hi = 1, max(upper, 1)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.t_init(mid) <= seconds:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     @property
     def q1(self) -> float:
         """The highest level's quantum: the (smallest) decode-iteration time (paper §4.1)."""
@@ -105,9 +117,15 @@ class Profile:
     def max_t_init(self) -> float:
         return max(self.init_seconds)
 
-    def num_levels(self, growth: float) -> int:
-        """Fewest levels such that q_n = q1·growth^(n-1) ≥ the largest profiled t_init."""
+    def decode_share(self, batch_size: int) -> float:
+        """One decode entry's share of a decode iteration of ``batch_size`` jobs."""
+        return self.t_dec(batch_size) / batch_size
+
+    def num_levels(self, growth: float, q1: float | None = None) -> int:
+        """Fewest levels such that q_n = q1·growth^(n-1) ≥ the largest profiled t_init
+        (``q1`` defaults to the decode-iteration time)."""
+        base = self.q1 if q1 is None else q1
         n = 1
-        while self.q1 * growth ** (n - 1) < self.max_t_init:
+        while base * growth ** (n - 1) < self.max_t_init:
             n += 1
         return n

@@ -1,40 +1,106 @@
 """``Scheduler``: one interface for every policy — add, abort, schedule, update.
 
-Owns the jobs and their state (the only writer of ``Job.state``, level and service), the level
-queues, in-flight plans and the per-decision flow of paper Algorithm 1:
+Composes the scheduler's parts: its state (``SchedulerState``) and read-only view, the pure
+planners (``BatchPlanner``, ``MemoryPlanner``) and the one writer (``Applier``). Each decision
+of paper Algorithm 1 reads as
 
-    schedule(now): promote starved jobs → form a batch (``BatchBuilder``) → plan swaps
-                   (``app.kv.swap_planner``, ENST-ordered) → ``BatchPlan``
-    update(plan, output, now): settle the plan's swaps and frees, append tokens, finish jobs,
-                   charge the step's duration to each entry's quantum, demote.
+    schedule(now): promote starved jobs → plan (batch, swaps, stall breaker) → apply → BatchPlan
+    update(plan, output, now): settle the plan's swaps, append tokens, finish jobs, charge each
+                   entry its own share of the step, demote (policy methods decide the levels).
 
 Pipelining (paper §4.3): ``schedule`` may be called again while earlier plans are in flight; a
 job in an in-flight plan stays in its queue marked RUNNING and is never in two plans; updates may
-arrive after later schedules. Memory is the ``KVCacheManager``'s; this module only asks it.
+arrive after later schedules. Memory is the ``KVCacheManager``'s; planners only read its counts.
 """
 
 from __future__ import annotations
 
-from actors.messages import BatchPlan, FinishReason, StepOutput
-from app.scheduler.batcher import BatchBuilder
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+from actors.messages import BatchPlan, StepOutput
+from app.kv.manager import KVCacheManager
+from app.scheduler.accounting import compute_seconds, service_shares
+from app.scheduler.apply import Applied, Applier, Served
+from app.scheduler.batcher import BatchPlanner
+from app.scheduler.checks import check_scheduler, scheduler_stats
 from app.scheduler.config import KVCacheConfig, SchedulerConfig
-from app.scheduler.job import Job, JobRequest, JobState, TokenDelta
+from app.scheduler.decision import Decision
+from app.scheduler.job import Job, JobRequest, JobState, JobStats, TokenDelta
 from app.scheduler.memory import MemoryPlanner
-from app.scheduler.policies import SkipJoinMLFQ
+from app.scheduler.policies import Policy
 from app.scheduler.profile import Profile
-from app.scheduler.state import InFlight
+from app.scheduler.queues import LevelQueues
+from app.scheduler.state import InFlight, SchedulerState, SchedulerView
+
+#: A plan that only dropped KV is re-planned at once (the drops freed blocks); once is enough.
+_PLAN_PASSES = 2
 
 
 class AdmissionQueueFull(RuntimeError):
     """Too many jobs wait for admission; the HTTP layer answers 429."""
 
 
-class Scheduler(MemoryPlanner):
+class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_config: KVCacheConfig, profile: Profile,
                  eos_token_id: int) -> None:
-        super().__init__(config, kv_config, profile, eos_token_id)
-        self._builder = BatchBuilder(config, kv_config, self.policy, self.queues, self.kv,
-                                     self._jobs, self._evict)
+        self.state = SchedulerState(config, kv_config, profile, eos_token_id)
+        self.view = SchedulerView(self.state)
+        self.applier = Applier(self.state)
+        self.batcher = BatchPlanner(self.view)
+        self.memory = MemoryPlanner(self.view)
+        # What callers read (the state's own objects, never rebound; only the Applier writes).
+        self.config: SchedulerConfig = self.state.config
+        self.kv_config: KVCacheConfig = self.state.kv_config
+        self.profile: Profile = self.state.profile
+        self.policy: Policy = self.state.policy
+        self.kv: KVCacheManager = self.state.kv
+        self.queues: LevelQueues = self.state.queues
+        self.eos_token_id: int = self.state.eos_token_id
+        self.totals: Counter[str] = self.state.totals
+
+    # ---- what callers read ---------------------------------------------------------------
+
+    def jobs(self) -> Mapping[str, Job]:
+        """Read-only view of the jobs the scheduler holds (for metrics and tests)."""
+        return self.view.jobs
+
+    def has_work(self) -> bool:
+        return bool(self.state.jobs) or bool(self.state.inflight)
+
+    def num_waiting(self) -> int:
+        """Jobs in the admission queue (never given KV)."""
+        return self.state.num_unadmitted
+
+    def num_inflight(self) -> int:
+        return len(self.state.inflight)
+
+    def starvation_alpha(self) -> float:
+        """α in effect now (the configured one, floored at k measured iterations)."""
+        return self.view.alpha()
+
+    def enst(self, job_id: str, now: float) -> float | None:
+        """ENST of a queued job at ``now`` (None for policies without levels' quanta)."""
+        table = self.view.enst_table(now)
+        job = self.state.jobs[job_id]
+        return None if table is None else table(job.level, job.last_served)
+
+    def reserve_blocks(self, now: float) -> int:
+        return self.view.reserve_blocks(now)
+
+    def drain_finished(self) -> list[JobStats]:
+        """Accounting of jobs finished or aborted since the last call."""
+        out = list(self.state.finished)
+        self.state.finished.clear()
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        return scheduler_stats(self.state)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if scheduler or KV state is inconsistent (tests: every step)."""
+        check_scheduler(self.state)
 
     # ---- intake --------------------------------------------------------------------------
     def add(self, job_or_request: Job | JobRequest, now: float) -> Job:
@@ -47,207 +113,135 @@ class Scheduler(MemoryPlanner):
         job = req if isinstance(req, Job) else Job(
             req.job_id, tuple(req.prompt_ids), req.sampling,
             now if req.arrival is None else req.arrival, req.priority)
-        if job.job_id in self._jobs:
+        s = self.state
+        if job.job_id in s.jobs:
             raise ValueError(f"job id {job.job_id!r} is already queued")
         if not job.prompt_ids:
             raise ValueError(f"job {job.job_id}: prompt is empty")
         job.sampling.validate()
-        peak = self.kv.blocks_for(job.prompt_len + job.sampling.max_tokens - 1)
-        if peak > self.kv_config.num_device_blocks:
+        peak = s.kv.blocks_for(job.prompt_len + job.sampling.max_tokens - 1)
+        if peak > s.kv_config.num_device_blocks:
             raise ValueError(
                 f"job {job.job_id}: prompt {job.prompt_len} + max_tokens "
                 f"{job.sampling.max_tokens} needs {peak} KV blocks, the device pool has "
-                f"{self.kv_config.num_device_blocks}")
-        if self._num_unadmitted >= self.config.admission_queue_limit:
+                f"{s.kv_config.num_device_blocks}")
+        if s.num_unadmitted >= s.config.admission_queue_limit:
             raise AdmissionQueueFull(
-                f"{self._num_unadmitted} jobs already wait for admission "
-                f"(admission_queue_limit={self.config.admission_queue_limit})")
-        job.seq = next(self._seq)
-        job.state = JobState.WAITING
-        self._jobs[job.job_id] = job
-        self._num_unadmitted += 1
-        self._set_level(job, self._entry_level(job))
-        self._place(job)
-        self._note_arrival(now, self.kv.blocks_for(job.prompt_len))
-        self.totals["added"] += 1
+                f"{s.num_unadmitted} jobs already wait for admission "
+                f"(admission_queue_limit={s.config.admission_queue_limit})")
+        self.applier.add(job, self._entry_level(job), now)
         return job
 
     def _entry_level(self, job: Job) -> int:
         """The policy's entry level (skip-join for MLFQ), shifted by the request's priority."""
-        return min(max(1, self.policy.entry_level(job) + job.priority), self.policy.num_levels())
+        policy = self.policy
+        return min(max(1, policy.entry_level(job) + job.priority), policy.num_levels())
 
     def abort(self, job_id: str, now: float) -> None:
         """Cancel a job. Its blocks are freed now, or when the in-flight step or swap that
         touches them completes."""
-        job = self._jobs.get(job_id)
-        if job is None or not job.active:
-            return
-        running = job.state is JobState.RUNNING
-        if not running:
-            job.stats.queueing_s += now - job.idle_since
-        self._retire(job, JobState.ABORTED, "abort", now)
-        if running:
-            self._jobs[job_id] = job   # forgotten at the update of its plan
-        self.totals["aborted"] += 1
+        job = self.state.jobs.get(job_id)
+        if job is not None and job.active:
+            self.applier.abort(job, now)
 
     # ---- decision ------------------------------------------------------------------------
     def schedule(self, now: float) -> BatchPlan | None:
         """Pick the next iteration's batch and its swaps; None when there is nothing to do."""
-        if self.policy.starvation:
-            self._promote_starved(now)
-        step = self._next_step
-        self._step_out = []
-        self._step_in = []
-        # A drop frees blocks at once, so a decision that only dropped is retried at once
+        s = self.state
+        self._promote_starved(now)
+        step = s.next_step
+        out = Applied()
+        # A drop frees blocks at once, so a decision that only dropped is re-planned at once
         # instead of idling a step. If the stall breaker dropped KV to unblock an admitted job,
-        # the retry keeps new jobs out: admission waits while both tiers are full.
+        # the second plan keeps new jobs out: admission waits while both tiers are full.
         admit_new = True
-        for _ in range(2):
-            self._dropped = self._stall_dropped = False
-            batch = self._builder.build(step, admit_new)
-            for job in batch.selected:   # running from here on: no longer a swap candidate
-                self._start(job, now)
-            for cmd in batch.swap_in:
-                self._count_swap(self._jobs[cmd.job_id], "swaps_in")
-            self._step_in += batch.swap_in
-            self._plan_memory(batch, now, step)
-            if batch.entries or self._step_out or self._step_in or not self._dropped:
+        for _ in range(_PLAN_PASSES):
+            decision = self._plan(step, now, admit_new)
+            focus = decision.batch.focus
+            stall_dropped = bool(decision.unstick.drop) and focus is not None \
+                and s.jobs[focus].admitted
+            self.applier.apply(decision, now, out)
+            if out.entries or out.swap_out or out.swap_in or not decision.dropped:
                 break
-            admit_new = not self._stall_dropped
-        if not batch.entries and not self._step_out and not self._step_in:
+            admit_new = not stall_dropped
+        if not out.entries and not out.swap_out and not out.swap_in:
             return None
-        self._next_step += 1
-        plan = BatchPlan(step, tuple(batch.entries), tuple(self._step_out),
-                         tuple(self._step_in), tuple(self._to_free))
-        self._to_free.clear()
-        self._inflight[step] = InFlight(now, tuple(e.job_id for e in batch.entries),
-                                         frozenset(c.job_id for c in batch.swap_in))
-        self.totals["steps"] += 1
+        s.next_step += 1
+        plan = BatchPlan(step, tuple(out.entries), tuple(out.swap_out), tuple(out.swap_in),
+                         tuple(s.to_free))
+        s.to_free.clear()
+        s.inflight[step] = InFlight(now, tuple(e.job_id for e in out.entries),
+                                    frozenset(out.reactive), frozenset(out.wasted))
+        s.totals["steps"] += 1
         return plan
 
-    def _start(self, job: Job, now: float) -> None:
-        self._unplace(job)
-        if not job.admitted:
-            job.admitted = True
-            job.admit_seq = next(self._admit_seq)
-            self._num_unadmitted -= 1
-        job.state = JobState.RUNNING
-        blocked = 0.0 if job.blocked_since is None else now - job.blocked_since
-        job.stats.swap_blocked_s += blocked
-        job.stats.queueing_s += max(now - job.idle_since - blocked, 0.0)
-        job.blocked_since = None
-        job.pinned = False
-        for made_at, predicted in job.predictions:
-            job.stats.enst_pairs.append((predicted, now - made_at))
-        job.predictions.clear()
+    def _plan(self, step: int, now: float, admit_new: bool) -> Decision:
+        """Batch, then the swaps around it, then the stall breaker: pure, on one snapshot."""
+        batch = self.batcher.plan(step, admit_new)
+        table = self.view.enst_table(now)
+        swaps = self.memory.plan(batch, step, now, table)
+        unstick = self.memory.plan_unstick(batch, swaps, table)
+        return Decision(step, batch, swaps, unstick, table)
 
     def _promote_starved(self, now: float) -> None:
-        """Starvation prevention: a job not served for longer than α goes to level 1."""
-        alpha = self.config.starvation_alpha_s
-        while (top := self.queues.starving.peek()) is not None and now - top[0] > alpha:
-            job = self._jobs[top[1]]
-            self._unplace(job)
-            self._set_level(job, 1)
-            job.last_served = now   # the starve clock restarts with the promotion
-            job.stats.promotions += 1
-            self.totals["promotions"] += 1
-            self._place(job)
+        """Starvation prevention: the policy moves a job not served for longer than α."""
+        alpha = self.view.alpha()
+        queues, jobs, policy = self.queues, self.state.jobs, self.policy
+        while (top := queues.starving.peek()) is not None:
+            job = jobs[top[1]]
+            level = policy.promotion_level(job, now - top[0], alpha)
+            if level is None:
+                return
+            self.applier.promote(job, level, now)
 
     # ---- results -------------------------------------------------------------------------
     def update(self, plan: BatchPlan, output: StepOutput, now: float) -> list[TokenDelta]:
         """Apply one plan's output: tokens, finishes, quanta, demotions, settled swaps."""
-        rec = self._inflight.pop(plan.step_id)
-        settled = self.kv.complete(plan.step_id)
-        duration = output.timings.get("total", now - rec.scheduled_at)
-        swap_wait = output.timings.get("swap_wait", 0.0)
+        s = self.state
+        rec = s.inflight.pop(plan.step_id)
+        settled = s.kv.complete(plan.step_id)
+        timings = output.timings
+        duration = timings.get("total", now - rec.scheduled_at)
+        swap_wait = timings.get("swap_wait", 0.0)
+        if plan.entries:
+            self.applier.note_step_time(duration)
+        shares = service_shares(plan.entries, compute_seconds(timings, duration), s.profile)
         deltas: list[TokenDelta] = []
         for job_id in rec.job_ids:
-            job = self._jobs[job_id]
+            job = s.jobs[job_id]
             if job.state is JobState.ABORTED:
-                self._forget_aborted(job)
+                self.applier.forget_aborted(job)
                 continue
             token = output.tokens.get(job_id)
             if token is None:
                 deltas.append(self._fail_job(job, now))
                 continue
-            deltas.append(self._advance(job, token, duration,
-                                        swap_wait if job_id in rec.reactive else 0.0, now))
-        for job_id in settled:
-            idle = self._jobs.get(job_id)
-            if idle is not None and idle.state is JobState.RUNNABLE:
-                self._place(idle)
+            served = Served(shares[job_id], duration,
+                            swap_wait if job_id in rec.reactive else 0.0)
+            if job_id in rec.wasted:
+                self.applier.waste(job, served, now)
+                continue
+            reason = self.applier.advance(job, token, served, now)
+            deltas.append(TokenDelta(job_id, token, reason is not None, reason))
+        self.applier.settle(settled)
         return deltas
-
-    def _advance(self, job: Job, token: int, duration: float, swap_wait: float,
-                 now: float) -> TokenDelta:
-        job.generated.append(token)
-        stats = job.stats
-        stats.num_generated = len(job.generated)
-        if stats.first_token_time is None:
-            stats.first_token_time = now
-        stats.execution_s += duration - swap_wait
-        stats.swap_blocked_s += swap_wait
-        job.attained_s += duration
-        job.last_served = now
-        job.idle_since = now
-        reason = job.sampling.finish_reason(token, len(job.generated), self.eos_token_id)
-        if reason is not None:
-            self._retire(job, JobState.FINISHED, reason, now)
-            self.totals["finished"] += 1
-            return TokenDelta(job.job_id, token, True, reason)
-        job.state = JobState.RUNNABLE
-        policy = self.policy
-        if (policy.demotes and isinstance(policy, SkipJoinMLFQ)
-                and job.attained_s > policy.quantum(job.level)
-                and job.level < self.queues.num_levels):
-            self._set_level(job, min(job.level + self.config.demotion_eta,
-                                     self.queues.num_levels))
-            stats.demotions += 1
-            self.totals["demotions"] += 1
-        self._place(job)
-        return TokenDelta(job.job_id, token, False, None)
 
     def fail(self, plan: BatchPlan, now: float) -> list[TokenDelta]:
         """The executor failed ``plan``: its jobs finish with ``error``; jobs it was swapping
         lose their KV (unknown contents) and will recompute."""
-        rec = self._inflight.pop(plan.step_id)
-        for job_id in self.kv.fail(plan.step_id):
-            job = self._jobs.get(job_id)
-            if job is not None and job.state is JobState.RUNNABLE:
-                self._unplace(job)
-                job.state = JobState.WAITING
-                self._count_swap(job, "recomputes")
-                self._place(job)
+        s = self.state
+        rec = s.inflight.pop(plan.step_id)
+        self.applier.lose_kv(s.kv.fail(plan.step_id))
         deltas = []
         for job_id in rec.job_ids:
-            job = self._jobs[job_id]
+            job = s.jobs[job_id]
             if job.state is JobState.ABORTED:
-                self._forget_aborted(job)
+                self.applier.forget_aborted(job)
             else:
                 deltas.append(self._fail_job(job, now))
         return deltas
 
     def _fail_job(self, job: Job, now: float) -> TokenDelta:
-        self._retire(job, JobState.FINISHED, "error", now)
-        self.totals["errors"] += 1
+        self.applier.retire(job, JobState.FINISHED, "error", now)
+        self.state.totals["errors"] += 1
         return TokenDelta(job.job_id, None, True, "error")
-
-    def _retire(self, job: Job, state: JobState, reason: FinishReason, now: float) -> None:
-        """Take a job out of the queues for good; free its KV (deferred while in flight)."""
-        self._unplace(job)
-        self.queues.leave(job.level)
-        if not job.admitted:
-            self._num_unadmitted -= 1
-        running = job.state is JobState.RUNNING
-        job.state = state
-        self.kv.free(job.job_id)
-        if not running:   # the data plane forgets a job once no in-flight plan names it
-            self._to_free.append(job.job_id)
-        job.stats.finish_time = now
-        job.stats.finish_reason = reason
-        self._finished.append(job.stats)
-        del self._jobs[job.job_id]
-
-    def _forget_aborted(self, job: Job) -> None:
-        del self._jobs[job.job_id]
-        self._to_free.append(job.job_id)

@@ -1,8 +1,9 @@
-"""``SchedulerState``: the scheduler's state and where each idle job is filed.
+"""``SchedulerState``: everything a scheduler holds, and ``SchedulerView``, its read-only face.
 
-Owns the jobs (the only writer of ``Job.state``, level and service — together with its
-subclasses ``MemoryPlanner`` and ``Scheduler``), the level queues, the in-flight plans, the
-placement of idle jobs in the candidate sets, and the read-only views (stats, ENST, checks).
+``SchedulerState`` owns the data — jobs, level queues, in-flight plans, the KV manager, counters,
+the measured step time — and no logic: ``app.scheduler.apply.Applier`` is its only writer.
+``SchedulerView`` is what the planners (batch, swaps) read: jobs, queue counts and candidate
+walks, KV counts, the current α and ENST. Planners return decisions; they change nothing.
 """
 
 from __future__ import annotations
@@ -12,17 +13,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import count
 from types import MappingProxyType
-from typing import Any
+from typing import Protocol
 
-from actors.messages import SwapCommand
 from app.kv.enst import EnstTable
-from app.kv.manager import KVCacheManager, Residency
-from app.scheduler.checks import check_scheduler, scheduler_stats
+from app.kv.manager import KVCacheManager, Residency, Tier
 from app.scheduler.config import KVCacheConfig, SchedulerConfig
-from app.scheduler.job import Job, JobState, JobStats
+from app.scheduler.job import Job, JobStats
 from app.scheduler.policies import Policy, make_policy
 from app.scheduler.profile import Profile
 from app.scheduler.queues import LevelQueues
+from app.scheduler.reserve import ArrivalReserve
 
 
 @dataclass
@@ -30,10 +30,28 @@ class InFlight:
     scheduled_at: float
     job_ids: tuple[str, ...]
     reactive: frozenset[str]     # jobs swapped in by this very plan (their forward waited)
+    wasted: frozenset[str]       # naive MLFQ: first iterations cut at the quantum (discarded)
+
+
+class KVView(Protocol):
+    """The KV manager's queries (planners never allocate, swap or free)."""
+
+    @property
+    def num_free_device(self) -> int: ...
+    @property
+    def num_free_host(self) -> int: ...
+    @property
+    def device_releasing(self) -> int: ...
+    def blocks_for(self, num_tokens: int) -> int: ...
+    def tier(self, job_id: str) -> Tier: ...
+    def residency(self, job_id: str) -> Residency: ...
+    def num_blocks(self, job_id: str) -> int: ...
+    def busy_step(self, job_id: str) -> int | None: ...
+    def device_blocks_needed(self, job_id: str, num_tokens: int) -> int: ...
 
 
 class SchedulerState:
-    """State shared by the decision (``Scheduler``) and swap (``MemoryPlanner``) halves."""
+    """The scheduler's data; written only by ``Applier``."""
 
     def __init__(self, config: SchedulerConfig, kv_config: KVCacheConfig, profile: Profile,
                  eos_token_id: int) -> None:
@@ -44,97 +62,57 @@ class SchedulerState:
         self.policy: Policy = make_policy(config.policy, config, profile)
         self.kv = KVCacheManager(kv_config)
         self.queues = LevelQueues(self.policy.num_levels())
-        self._quanta = self.policy.quanta()
-        self._jobs: dict[str, Job] = {}
-        self._inflight: dict[int, InFlight] = {}
-        self._next_step = 0
-        self._seq = count()
-        self._level_seq = count()
-        self._admit_seq = count()
-        self._num_unadmitted = 0
-        self._to_free: list[str] = []
-        self._finished: deque[JobStats] = deque(maxlen=config.finished_stats_limit)
-        self._arrivals: deque[tuple[float, int]] = deque()   # (time, prompt blocks)
-        self._arrival_blocks = 0
+        self.quanta = self.policy.quanta()
+        self.jobs: dict[str, Job] = {}
+        self.inflight: dict[int, InFlight] = {}
+        self.next_step = 0
+        self.seq = count()
+        self.level_seq = count()
+        self.admit_seq = count()
+        self.num_unadmitted = 0
+        self.to_free: list[str] = []
+        self.finished: deque[JobStats] = deque(maxlen=config.finished_stats_limit)
+        self.reserve = ArrivalReserve(kv_config)
         self.totals: Counter[str] = Counter()
-        # Per decision: the swap commands the plan being built carries.
-        self._step_out: list[SwapCommand] = []
-        self._step_in: list[SwapCommand] = []
-        self._dropped = False         # this decision dropped KV (blocks free at once)
-        self._stall_dropped = False   # ... to unblock an admitted job (stall breaker)
+        #: Running mean of measured step durations (None until the first step returns).
+        self.step_time_s: float | None = None
 
-    # ---- placement -----------------------------------------------------------------------
-    def _set_level(self, job: Job, level: int) -> None:
-        """Enter ``level`` at its back (FIFO by time of entering), with no service yet."""
-        if job.level_seq:   # 0 until the job first joins a level (level_seq counts from 1)
-            self.queues.leave(job.level)
-        job.level = level
-        job.level_seq = next(self._level_seq) + 1
-        job.attained_s = 0.0
-        self.queues.join(level)
 
-    def _place(self, job: Job) -> None:
-        """Put an idle job in the candidate sets its state and residency call for."""
-        lv = self.queues.level(job.level)
-        policy = self.policy
-        if job.state is JobState.WAITING:
-            lv.pending.add(job.job_id, policy.order_key(job))
-        elif job.state is JobState.RUNNABLE:
-            where = self.kv.residency(job.job_id)
-            if where is Residency.RESIDENT:
-                lv.ready.add(job.job_id, policy.order_key(job))
-                lv.evictable.add(job.job_id, policy.victim_key(job))
-            elif where is Residency.HOST:
-                lv.pending.add(job.job_id, policy.order_key(job))
-                lv.onhost.add(job.job_id, policy.prefetch_key(job))
-        else:
-            return
-        if policy.starvation and job.level > 1:
-            self.queues.starving.add(job.job_id, job.last_served)
+class SchedulerView:
+    """Read-only access for the planners."""
 
-    def _unplace(self, job: Job) -> None:
-        self.queues.discard(job.level, job.job_id)
+    def __init__(self, state: SchedulerState) -> None:
+        self._s = state
+        self.config = state.config
+        self.kv_config = state.kv_config
+        self.policy = state.policy
+        self.profile = state.profile
+        self.queues = state.queues     # planners walk candidate sets; every walk restores them
+        self.kv: KVView = state.kv
+        self.jobs: Mapping[str, Job] = MappingProxyType(state.jobs)
 
-    def _count_swap(self, job: Job, what: str) -> None:
-        setattr(job.stats, what, getattr(job.stats, what) + 1)
-        self.totals[what] += 1
+    @property
+    def num_inflight(self) -> int:
+        return len(self._s.inflight)
 
-    def _enst_table(self, now: float) -> EnstTable | None:
+    def alpha(self) -> float:
+        """α in effect: the configured one, but never under ``starvation_min_iterations``
+        measured iterations (paper: α is tuned to the SLO; the SLO is 10 iterations)."""
+        cfg = self.config
+        measured = self._s.step_time_s
+        floor = 0.0 if measured is None else cfg.starvation_min_iterations * measured
+        return max(cfg.starvation_alpha_s, floor)
+
+    def enst_table(self, now: float) -> EnstTable | None:
         if not self.policy.uses_enst:
             return None
-        return EnstTable(self.queues.counts, self._quanta, self.config.max_batch_size,
-                         self.config.starvation_alpha_s, now)
+        return EnstTable(self.queues.counts, self._s.quanta, self.config.max_batch_size,
+                         self.alpha(), now)
 
-    # ---- inspection ----------------------------------------------------------------------
-    def has_work(self) -> bool:
-        return bool(self._jobs) or bool(self._inflight)
+    def reserve_blocks(self, now: float) -> int:
+        return self._s.reserve.blocks(now)
 
-    def num_waiting(self) -> int:
-        """Jobs in the admission queue (never given KV)."""
-        return self._num_unadmitted
-
-    def num_inflight(self) -> int:
-        return len(self._inflight)
-
-    def jobs(self) -> Mapping[str, Job]:
-        """Read-only view of the jobs the scheduler holds (for metrics and tests)."""
-        return MappingProxyType(self._jobs)
-
-    def enst(self, job_id: str, now: float) -> float | None:
-        """ENST of a queued job at ``now`` (None for policies without levels' quanta)."""
-        table = self._enst_table(now)
-        job = self._jobs[job_id]
-        return None if table is None else table(job.level, job.last_served)
-
-    def drain_finished(self) -> list[JobStats]:
-        """Accounting of jobs finished or aborted since the last call."""
-        out = list(self._finished)
-        self._finished.clear()
-        return out
-
-    def stats(self) -> dict[str, Any]:
-        return scheduler_stats(self)
-
-    def check_invariants(self) -> None:
-        """Raise AssertionError if scheduler or KV state is inconsistent (tests: every step)."""
-        check_scheduler(self)
+    def pinned(self, job_id: str, step: int) -> bool:
+        """Swapped in for its turn and not yet run, with the pin not yet expired."""
+        until = self.jobs[job_id].pinned_until
+        return until is not None and step <= until

@@ -41,11 +41,15 @@ class SimSetup:
     max_num_batched_tokens: int | None = None
     starvation_alpha_s: float | None = None
     reserved_blocks: int = 0
+    #: naive_mlfq: cut a first iteration at its quantum and lose the work (the paper's baseline)
+    #: or run it whole (the variant we had).
+    naive_preempts_first_iteration: bool = True
 
 
 def build_configs(cost: CostModel, setup: SimSetup) -> tuple[SchedulerConfig, KVCacheConfig]:
     serving = cost.serving
-    sched_kwargs: dict[str, object] = {"policy": setup.policy}
+    sched_kwargs: dict[str, object] = {
+        "policy": setup.policy, "naive_preempts_first_iteration": setup.naive_preempts_first_iteration}
     for key, value in (("max_batch_size", setup.max_batch_size or serving.max_batch_size),
                        ("max_num_batched_tokens", setup.max_num_batched_tokens or serving.max_num_batched_tokens),
                        ("starvation_alpha_s", setup.starvation_alpha_s)):

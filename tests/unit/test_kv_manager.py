@@ -10,8 +10,10 @@ import pytest
 from actors.messages import BatchEntry, StepOutput, SwapCommand
 from app.kv.enst import EnstTable
 from app.kv.manager import KVCacheManager, Residency, Tier
-from app.kv.swap_planner import plan_swaps
+from app.kv.swap_planner import PoolCounts, SwapDecision, plan_swaps
+from app.scheduler.apply import Applied
 from app.scheduler.config import KVCacheConfig, SchedulerConfig, SwapMode
+from app.scheduler.decision import BatchDecision, Decision
 from app.scheduler.queues import LevelQueues
 from app.scheduler.scheduler import Scheduler
 from tests.unit.test_scheduler import PROFILE, TOKEN, ids, make, req, step
@@ -139,7 +141,8 @@ def test_scheduler_check_catches_a_job_misfiled_in_its_queue() -> None:
 def _four_jobs(mode: SwapMode = "proactive", reserved: int = 9) -> Scheduler:
     """p, q, r, s4 in levels 1..4 (1, 2, 4 and 8 blocks of 8 tokens), all run their first
     iteration in step 0 (15 of 16 device blocks); at t = 0.5 each needs one more block."""
-    s = Scheduler(SchedulerConfig(max_batch_size=4, starvation_alpha_s=100.0),
+    s = Scheduler(SchedulerConfig(max_batch_size=4, starvation_alpha_s=100.0,
+                                  quantum_basis="iteration"),
                   KVCacheConfig(block_size=8, num_device_blocks=16, num_host_blocks=32,
                                 reserved_blocks=reserved, swap_mode=mode),
                   PROFILE, eos_token_id=2)
@@ -198,9 +201,73 @@ def test_planner_prefetches_while_the_reserve_stays_free() -> None:
     for job_id in ("x", "y", "z"):
         kv.swap_out(job_id, step=1)
     kv.complete(1)
-    decision = plan_swaps(kv, keep_free=3, wanted={}, prefetch=["y", "x", "z"], victims=[],
-                          can_evict=lambda j: True, drop=False)
+    pools = PoolCounts(kv.num_free_device, kv.num_free_host)
+    decision = plan_swaps(kv, pools, keep_free=3, wanted={}, prefetch=["y", "x", "z"],
+                          victims=[], can_evict=lambda j: True, drop=False)
     assert decision.swap_in == ["y", "x"]          # 10 - 3 - 3 = 4 >= 3; a third would leave 1
+
+
+def test_planner_brings_wanted_jobs_first_and_passes_over_what_does_not_fit() -> None:
+    # Device 10 blocks, keep 2 free. On the host: big (6), small (1), w (3), tiny (1).
+    # The next batch wants w: it comes first although ENST ranks it third; then big does not
+    # fit (10 - 3 - 6 < 2) and is passed over, not the end: small and tiny still come in.
+    kv = manager(device=10, host=16, block=1)
+    for job_id, n in (("big", 6), ("small", 1), ("w", 3), ("tiny", 1)):
+        kv.allocate(job_id, n, step=0)
+        kv.complete(0)
+        kv.swap_out(job_id, step=1)
+        kv.complete(1)
+    pools = PoolCounts(kv.num_free_device, kv.num_free_host)
+    decision = plan_swaps(kv, pools, keep_free=2, wanted={"w": 3},
+                          prefetch=["big", "small", "w", "tiny"], victims=[],
+                          can_evict=lambda j: True, drop=False)
+    assert decision.swap_in == ["w", "small", "tiny"]
+    assert not decision.swap_out
+
+
+def test_a_swap_in_pin_expires_after_swap_pin_plans() -> None:
+    # Swapped in by step 2, "a" is no swap-out victim for the next swap_pin_plans (2) decisions,
+    # steps 3 and 4, whether or not it ran; from step 5 it is an ordinary candidate again.
+    s = make(device=16, host=16)
+    assert s.kv_config.swap_pin_plans == 2
+    s.add(req("a", 8), 0.0)
+    step(s, 0.0, 0.5)                                       # step 0: a's first iteration
+    a = s.jobs()["a"]
+    for k, swaps in ((1, SwapDecision(swap_out=["a"])), (2, SwapDecision(swap_in=["a"]))):
+        s.applier.apply(Decision(k, BatchDecision(), swaps), 0.5, Applied())
+        s.applier.settle(s.kv.complete(k))
+        s.check_invariants()
+    assert a.pinned_until == 4
+    assert [s.view.pinned("a", k) for k in (3, 4, 5)] == [True, True, False]
+
+
+@pytest.mark.parametrize(("batch", "wanted"), [(2, {}), (3, {"p": 9})])
+def test_a_promoted_job_on_the_host_takes_only_an_empty_batch_slot(
+        batch: int, wanted: dict[str, int]) -> None:
+    # p (level 4) ran once and was swapped out; r1 (level 1) and r2 (level 2) are resident. p is
+    # promoted to level 1, behind r1. With a batch of 2, r1 and r2 fill it — level 1's own work
+    # left a slot, but the batch did not: p is not wanted, so nothing is evicted for it. With a
+    # batch of 3 the slot is empty: p is wanted (9 blocks of 8 tokens).
+    # The reserve (7 of 16 blocks) keeps proactive prefetch from bringing p in on its own.
+    s = Scheduler(SchedulerConfig(max_batch_size=batch, starvation_alpha_s=1000.0,
+                                  quantum_basis="iteration"),
+                  KVCacheConfig(block_size=8, num_device_blocks=16, num_host_blocks=32,
+                                reserved_blocks=7), PROFILE, eos_token_id=2)
+    s.add(req("p", 64, max_tokens=8), 0.0)
+    step(s, 0.0, 7.0)
+    s.applier.apply(Decision(1, BatchDecision(), SwapDecision(swap_out=["p"])), 7.0, Applied())
+    s.applier.settle(s.kv.complete(1))
+    s.state.next_step = 2
+    s.add(req("r1", 8, max_tokens=8), 7.0)
+    s.add(req("r2", 16, max_tokens=8), 7.0)
+    plan, _ = step(s, 7.0, 1.0)
+    assert ids(plan) == ["r1", "r2"] and s.kv.residency("p") is Residency.HOST
+    p = s.jobs()["p"]
+    s.applier.promote(p, 1, 8.0)
+    s.check_invariants()
+    decision = s.batcher.plan(s.state.next_step)
+    assert [r.job_id for r in decision.runs] == ["r1", "r2"]
+    assert decision.wanted_host == wanted
 
 
 def test_adaptive_reserve_follows_recent_arrivals() -> None:

@@ -21,6 +21,7 @@ from app.kv.enst import enst, level_waits
 from app.scheduler.config import (
     KVCacheConfig,
     PolicyName,
+    QuantumBasis,
     SchedulerConfig,
     SwapMode,
     alpha_from_slo,
@@ -28,7 +29,7 @@ from app.scheduler.config import (
 from app.scheduler.job import JobRequest, JobState, TokenDelta
 from app.scheduler.profile import Profile
 from app.scheduler.scheduler import AdmissionQueueFull, Scheduler
-from app.scheduler.simulate import CostModelExecutor, constant_tokens, drive
+from loadtest.sim.driver import CostModelExecutor, constant_tokens, drive
 
 ROOT = Path(__file__).resolve().parents[2]
 EOS = 2
@@ -51,9 +52,12 @@ def req(job_id: str, prompt_len: int, max_tokens: int = 4) -> JobRequest:
 
 def make(policy: PolicyName = "skip_join_mlfq", *, batch: int = 16, alpha: float = 1000.0,
          device: int = 256, host: int = 256, block: int = 4, mode: SwapMode = "proactive",
-         profile: Profile = PROFILE, **extra: Any) -> Scheduler:
+         profile: Profile = PROFILE, basis: QuantumBasis = "iteration", **extra: Any) -> Scheduler:
+    """Rule tests take q1 = t_dec(1) (``iteration``) so the quanta are 1, 2, 4, 8 whatever the
+    batch size; ``basis="decode_share"`` (the default config) scales q1 to t_dec(B)/B."""
     return Scheduler(
-        SchedulerConfig(policy=policy, max_batch_size=batch, starvation_alpha_s=alpha, **extra),
+        SchedulerConfig(policy=policy, max_batch_size=batch, starvation_alpha_s=alpha,
+                        quantum_basis=basis, **extra),
         KVCacheConfig(block_size=block, num_device_blocks=device, num_host_blocks=host,
                       swap_mode=mode),
         profile, eos_token_id=EOS)
@@ -125,6 +129,15 @@ def test_priority_shifts_the_entry_level_within_the_levels(priority: int, level:
     assert make("fcfs").add(request, 0.0).level == 1
 
 
+def test_decode_share_basis_puts_q1_on_the_scale_of_a_decode_share() -> None:
+    # B = 4: t_dec(4) = 1 + 3/15 = 1.2, so q1 = 0.3 and levels reach t_init(64) = 7 at
+    # 0.3 * 2^5 = 9.6 (6 levels). A prompt of 8 (t_init 0.5) now skips to level 2 (0.6).
+    s = make(batch=4, basis="decode_share")
+    assert s.policy.quanta() == pytest.approx([0.3, 0.6, 1.2, 2.4, 4.8, 9.6])
+    assert s.add(req("j", 8), 0.0).level == 2
+    assert SchedulerConfig().quantum_basis == "decode_share"
+
+
 def test_num_levels_override_extends_the_quanta() -> None:
     s = make(num_levels=6)
     assert s.policy.quanta() == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
@@ -153,6 +166,64 @@ def test_demotion_by_eta_levels_stops_at_the_lowest() -> None:
     step(s, 1.5, 4.5)           # 4.5 > q3 = 4: down 2 more, clamped to level 4
     assert job.level == 4
     assert job.stats.demotions == 2
+
+
+# ---- service accounting -------------------------------------------------------------------
+def test_each_entry_is_charged_its_own_share_of_the_step() -> None:
+    """One long first iteration (t_init(32) = 3) batched with two decodes (t_dec(2) = 1, so 0.5
+    each): profiled 3 + 0.5 + 0.5 = 4. The step measures 8 s (a machine twice as slow), so the
+    shares scale by 2: the prefill is charged 6, each decode 1 — exactly q1, not more, so the
+    decode jobs stay in level 1; before, each was charged the whole 8 s and demoted."""
+    flat_decode = Profile.from_dict({
+        "t_init": {"prompt_lens": [8, 16, 32, 64], "seconds": [0.5, 1.5, 3.0, 7.0]},
+        "t_dec": {"batch_sizes": [1, 2], "seconds": [1.0, 1.0]},
+    })
+    s = make(batch=3, profile=flat_decode)
+    a = s.add(req("a", 8, max_tokens=9), 0.0)
+    b = s.add(req("b", 8, max_tokens=9), 0.0)
+    step(s, 0.0, 1.0)                 # a and b prefill together: 0.5 s each, level 1 stays
+    assert (a.attained_s, b.attained_s, a.level, b.level) == (0.5, 0.5, 1, 1)
+    a.attained_s = b.attained_s = 0.0  # start the decodes' level service from zero
+    long = s.add(req("long", 32, max_tokens=9), 1.0)      # t_init 3: joins level 3
+    plan, _ = step(s, 1.0, 8.0)
+    assert ids(plan) == ["a", "b", "long"]
+    assert [e.is_prefill for e in plan.entries] == [False, False, True]
+    assert (a.attained_s, b.attained_s) == (1.0, 1.0)
+    assert (a.level, b.level) == (1, 1) and a.stats.demotions == b.stats.demotions == 0
+    assert long.level == 4 and long.stats.demotions == 1   # 6 > q3 = 4: its own prefill
+    assert long.attained_s == 0.0                           # a fresh level
+    assert a.stats.execution_s == 0.5 * 2 + 8.0            # latency: the whole step it sat in
+
+
+def test_swap_time_is_no_ones_service() -> None:
+    # A step of 1.5 s of which 1 s waiting for swaps after the forward: the lone decode is
+    # charged 0.5, reaching q1 = 1 exactly, so it stays in level 1 (charged 1.5 it would not).
+    s = make(batch=1)
+    a = s.add(req("a", 8, max_tokens=9), 0.0)
+    step(s, 0.0, 0.5)
+    plan = s.schedule(0.5)
+    assert plan is not None
+    s.update(plan, StepOutput(plan.step_id, {"a": TOKEN}, {"total": 1.5, "swap_tail": 1.0}), 2.0)
+    assert a.attained_s == 0.5 + 0.5 and a.level == 1
+    assert a.stats.execution_s == 0.5 + 1.5
+
+
+def test_alpha_is_floored_at_k_measured_iterations() -> None:
+    # α = 0.3 configured; steps of 0.9 s (3 α). With k = 10 a job is starving only after 9 s,
+    # i.e. ten ordinary iterations, not at every decision.
+    s = make(batch=1, alpha=0.3, starvation_min_iterations=10.0, step_time_ewma_weight=1.0)
+    assert s.starvation_alpha() == 0.3                   # nothing measured yet
+    s.add(req("a", 8, max_tokens=40), 0.0)
+    b = s.add(req("b", 64, max_tokens=2), 0.0)           # level 4, waits behind a
+    now = 0.0
+    for _ in range(10):
+        plan, _ = step(s, now, 0.9)
+        now += 0.9
+        assert ids(plan) == ["a"] and b.stats.promotions == 0
+    assert s.starvation_alpha() == 9.0
+    assert now == pytest.approx(9.0) and b.level == 4
+    plan, _ = step(s, now + 0.125, 0.9)                  # waited 9.125 > 9: promoted, runs
+    assert ids(plan) == ["b"] and b.stats.promotions == 1
 
 
 # ---- starvation ---------------------------------------------------------------------------
@@ -294,9 +365,14 @@ def test_figure7_skip_join_beats_fcfs_and_naive_mlfq() -> None:
     one job per batch; all arrive at t = 0 in the order J1, J2, J3. Quanta 1, 2, 4, 8.
 
     FCFS:        J1 0-6-7, J2 7-8-9, J3 9-12-13                  -> (7+9+13)/3 = 29/3
-    naive MLFQ:  all in Q1. J1 prefill 0-6 (6 > q1: Q2); J2 6-7 (1 = q1: stays), 7-8 done;
-                 J3 8-11 (3 > q1: Q2, behind J1); J1 11-12 done; J3 12-13 done
-                                                                  -> (8+12+13)/3 = 11
+    naive MLFQ (the paper's, Figure 7(b)): all in Q1; a first iteration longer than the quantum
+                 is cut at it (the prompt prefix that costs q runs, its work is lost) and demoted.
+                 J1 cut 0-1 (Q2); J2 1-2 (1 = q1: stays), 2-3 done; J3 cut 3-4 (Q2);
+                 J1 cut 4-6 (Q3); J3 cut 6-8 (Q3); J1 cut 8-12 (Q4); J3 12-15-16 done (3 <= q3);
+                 J1 16-22-23 done                                 -> (23+3+16)/3 = 14
+    naive MLFQ, first iterations run whole (our earlier variant): J1 prefill 0-6 (6 > q1: Q2);
+                 J2 6-7 (1 = q1: stays), 7-8 done; J3 8-11 (3 > q1: Q2, behind J1); J1 11-12
+                 done; J3 12-13 done                              -> (8+12+13)/3 = 11
     skip-join:   J2 joins Q1, J3 Q3, J1 Q4. J2 0-1-2, J3 2-5-6, J1 6-12-13
                                                                   -> (2+6+13)/3 = 7
     SRPT (knows 2, 4, 7 of work) and fixed priority (by input length) pick the same order: 7.
@@ -306,23 +382,26 @@ def test_figure7_skip_join_beats_fcfs_and_naive_mlfq() -> None:
         "t_dec": {"batch_sizes": [1], "seconds": [1.0]},
     })
     arrivals = [(0.0, req("J1", 48, 2)), (0.0, req("J2", 8, 2)), (0.0, req("J3", 24, 2))]
-    expected: dict[PolicyName, dict[str, float]] = {
+    expected: dict[str, dict[str, float]] = {
         "fcfs": {"J1": 7.0, "J2": 9.0, "J3": 13.0},
-        "naive_mlfq": {"J1": 12.0, "J2": 8.0, "J3": 13.0},
+        "naive_mlfq": {"J1": 23.0, "J2": 3.0, "J3": 16.0},
+        "naive_mlfq_whole": {"J1": 12.0, "J2": 8.0, "J3": 13.0},
         "skip_join_mlfq": {"J1": 13.0, "J2": 2.0, "J3": 6.0},
         "srpt_oracle": {"J1": 13.0, "J2": 2.0, "J3": 6.0},
         "fixed_priority": {"J1": 13.0, "J2": 2.0, "J3": 6.0},
     }
     average = {}
-    for policy, finish in expected.items():
-        s = make(policy, batch=1, profile=prof)
+    for name, finish in expected.items():
+        whole = name == "naive_mlfq_whole"
+        policy: PolicyName = "naive_mlfq" if whole else name  # type: ignore[assignment]
+        s = make(policy, batch=1, profile=prof, naive_preempts_first_iteration=not whole)
         result = drive(s, CostModelExecutor(prof, constant_tokens(TOKEN)), arrivals,
                        observe=lambda sc, plan, now: sc.check_invariants())
-        assert result.finish_times == finish, policy
-        average[policy] = sum(result.finish_times.values()) / 3
+        assert result.finish_times == finish, name
+        average[name] = sum(result.finish_times.values()) / 3
     assert average["skip_join_mlfq"] == 7.0
     assert average["fcfs"] == pytest.approx(29 / 3)
-    assert average["naive_mlfq"] == 11.0
+    assert average["naive_mlfq"] == 14.0 and average["naive_mlfq_whole"] == 11.0
     assert average["skip_join_mlfq"] < average["fcfs"] < average["naive_mlfq"]
 
 

@@ -1,10 +1,11 @@
-"""A deterministic stand-in for the data plane, and a discrete-event driver around a Scheduler.
+"""A scripted data plane priced by the simulator's ``CostModel``, and a small event loop for tests.
 
 ``CostModelExecutor`` answers a ``BatchPlan`` like an executor would — one token per entry, from
-a per-job script — and reports an iteration time from the profile's cost model instead of
-running a model. ``drive`` replays arrivals through a ``Scheduler`` on a virtual clock with up to
-P plans in flight (a P-stage pipeline). Used by the rule and property tests, the scheduler
-benchmark and the simulator; the end-to-end test uses the real executor instead.
+a per-job script — and reports the plan's time from ``loadtest.sim.cost.CostModel`` (the one cost
+model: the simulator, the scheduler's tests and its benchmark all price plans with it). ``drive``
+replays arrivals through a ``Scheduler`` on a virtual clock with up to P plans in flight, calling
+an observer after every decision and update (the rule and property tests). For paper-scale
+replays with metrics, use ``loadtest.sim.simulate``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from actors.messages import BatchPlan, StepOutput
 from app.scheduler.job import JobRequest, TokenDelta
 from app.scheduler.profile import Profile
 from app.scheduler.scheduler import Scheduler
+from loadtest.sim.cost import CostModel
 
 #: (job id, index of the token in the job's output) -> token id
 TokenScript = Callable[[str, int], int]
@@ -27,40 +29,34 @@ def constant_tokens(token_id: int) -> TokenScript:
 
 
 class CostModelExecutor:
-    """Iteration time = t_init(prefill tokens) + t_dec(decodes) (+ swap copies that a forward
-    must wait for); background swaps overlap and only stretch the step if they are longer."""
+    """Plan time = the cost model's compute, plus the swap copies its forward must wait for
+    (reactive swap-ins of its own entries); background swaps overlap the forward and only
+    stretch the step when they take longer."""
 
     max_inflight = 1
 
-    def __init__(self, profile: Profile, tokens: TokenScript, swap_s_per_block: float | None = None
-                 ) -> None:
-        self.profile = profile
+    def __init__(self, cost: CostModel | Profile, tokens: TokenScript) -> None:
+        self.cost = cost if isinstance(cost, CostModel) else CostModel(cost)
         self.tokens = tokens
-        self.swap_s = profile.swap_seconds_per_block if swap_s_per_block is None \
-            else swap_s_per_block
         self.plans = 0
 
-    def cost(self, plan: BatchPlan) -> tuple[float, float]:
-        """(total, swap_wait) seconds for ``plan``."""
-        prefill = sum(len(e.token_ids) for e in plan.entries if e.is_prefill)
-        decodes = sum(1 for e in plan.entries if not e.is_prefill)
-        compute = (self.profile.t_init(prefill) if prefill else 0.0) + \
-            (self.profile.t_dec(decodes) if decodes else 0.0)
+    def timings(self, plan: BatchPlan) -> dict[str, float]:
         running = {e.job_id for e in plan.entries}
         blocking = sum(len(c.src_blocks) for c in plan.swap_in if c.job_id in running)
         swapped = sum(len(c.src_blocks) for c in (*plan.swap_in, *plan.swap_out))
-        wait = blocking * self.swap_s
-        return max(compute + wait, swapped * self.swap_s), wait
+        wait = self.cost.swap_seconds(blocking)
+        forward_done = wait + self.cost.compute_seconds(plan)
+        total = max(forward_done, self.cost.swap_seconds(swapped))
+        return {"total": total, "swap_wait": wait, "swap_tail": total - forward_done}
 
     def execute(self, plan: BatchPlan) -> StepOutput:
-        total, wait = self.cost(plan)
         self.plans += 1
         tokens = {e.job_id: self.tokens(e.job_id, e.step_index) for e in plan.entries}
-        return StepOutput(plan.step_id, tokens, {"total": total, "swap_wait": wait})
+        return StepOutput(plan.step_id, tokens, self.timings(plan))
 
 
 @dataclass
-class SimResult:
+class DriveResult:
     finish_times: dict[str, float] = field(default_factory=dict)
     tokens: dict[str, list[int]] = field(default_factory=dict)
     reasons: dict[str, str | None] = field(default_factory=dict)
@@ -77,14 +73,14 @@ Observer = Callable[[Scheduler, BatchPlan | None, float], None]
 
 def drive(scheduler: Scheduler, executor: CostModelExecutor,
           arrivals: Iterable[tuple[float, JobRequest]], *, pipeline_depth: int = 1,
-          max_plans: int | None = None, observe: Observer | None = None) -> SimResult:
+          max_plans: int | None = None, observe: Observer | None = None) -> DriveResult:
     """Run until every job finished. Plans take their reported time; with a depth-P pipeline a
     new plan may start every total/P seconds while up to P are in flight; outputs return in
     order. ``observe(scheduler, plan, now)`` runs after every schedule (plan) and update (None).
     Raises ``Stalled`` on a deadlock and ``RuntimeError`` past ``max_plans`` (a livelock)."""
     pending = deque(sorted(arrivals, key=lambda a: a[0]))
     inflight: deque[tuple[float, BatchPlan, StepOutput]] = deque()
-    result = SimResult()
+    result = DriveResult()
     now = 0.0
     stage_free = 0.0
 

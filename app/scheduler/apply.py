@@ -1,0 +1,286 @@
+"""``Applier``: the only writer of job and KV-manager state.
+
+Runs what the planners decided (``apply``: blocks for the batch's runs, evictions, swaps, the
+stall breaker) and what an executor reported (``advance``, ``waste``, ``retire``, ``settle``),
+keeping every job filed in the candidate sets its state and residency call for. The decisions
+themselves are made elsewhere (``batcher``, ``memory``, the policy's demotion and promotion).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from actors.messages import BatchEntry, FinishReason, SwapCommand
+from app.kv.enst import EnstTable
+from app.kv.manager import Residency
+from app.kv.swap_planner import SwapDecision
+from app.scheduler.decision import Decision, Evict, Run
+from app.scheduler.job import Job, JobState
+from app.scheduler.state import SchedulerState
+
+
+@dataclass(frozen=True)
+class Served:
+    """One job's part of a returned step."""
+
+    share_s: float        # its service (quantum accounting, ``app.scheduler.accounting``)
+    wall_s: float         # the step's duration, which the job spent in it (latency breakdown)
+    swap_wait_s: float    # of which its forward waited for its own reactive swap-in
+
+
+@dataclass
+class Applied:
+    """What one applied decision hands the data plane."""
+
+    entries: list[BatchEntry] = field(default_factory=list)
+    swap_out: list[SwapCommand] = field(default_factory=list)
+    swap_in: list[SwapCommand] = field(default_factory=list)
+    reactive: set[str] = field(default_factory=set)
+    wasted: set[str] = field(default_factory=set)
+
+
+class Applier:
+    def __init__(self, state: SchedulerState) -> None:
+        self.s = state
+
+    # ---- filing --------------------------------------------------------------------------
+    def set_level(self, job: Job, level: int) -> None:
+        """Enter ``level`` at its back (FIFO by time of entering), with no service yet."""
+        if job.level_seq:   # 0 until the job first joins a level (level_seq counts from 1)
+            self.s.queues.leave(job.level)
+        job.level = level
+        job.level_seq = next(self.s.level_seq) + 1
+        job.attained_s = 0.0
+        self.s.queues.join(level)
+
+    def place(self, job: Job) -> None:
+        """Put an idle job in the candidate sets its state and residency call for."""
+        s = self.s
+        lv = s.queues.level(job.level)
+        policy = s.policy
+        if job.state is JobState.WAITING:
+            lv.pending.add(job.job_id, policy.order_key(job))
+        elif job.state is JobState.RUNNABLE:
+            where = s.kv.residency(job.job_id)
+            if where is Residency.RESIDENT:
+                lv.ready.add(job.job_id, policy.order_key(job))
+                lv.evictable.add(job.job_id, policy.victim_key(job))
+            elif where is Residency.HOST:
+                lv.pending.add(job.job_id, policy.order_key(job))
+                lv.onhost.add(job.job_id, policy.prefetch_key(job))
+        else:
+            return
+        if policy.may_be_promoted(job):
+            s.queues.starving.add(job.job_id, job.last_served)
+
+    def unplace(self, job: Job) -> None:
+        self.s.queues.discard(job.level, job.job_id)
+
+    def count(self, job: Job, what: str) -> None:
+        setattr(job.stats, what, getattr(job.stats, what) + 1)
+        self.s.totals[what] += 1
+
+    # ---- intake and promotion ------------------------------------------------------------
+    def add(self, job: Job, level: int, now: float) -> None:
+        s = self.s
+        job.seq = next(s.seq)
+        job.state = JobState.WAITING
+        s.jobs[job.job_id] = job
+        s.num_unadmitted += 1
+        self.set_level(job, level)
+        self.place(job)
+        s.reserve.note_arrival(now, s.kv.blocks_for(job.prompt_len))
+        s.totals["added"] += 1
+
+    def promote(self, job: Job, level: int, now: float) -> None:
+        self.unplace(job)
+        self.set_level(job, level)
+        job.last_served = now   # the starve clock restarts with the promotion
+        job.promoted = True
+        self.count(job, "promotions")
+        self.place(job)
+
+    # ---- a decision ----------------------------------------------------------------------
+    def apply(self, decision: Decision, now: float, out: Applied) -> None:
+        """Run ``decision``: evictions and runs in the order decided, then its swaps, then the
+        stall breaker; commands and entries accumulate in ``out``."""
+        s = self.s
+        step, table = decision.step, decision.table
+        for action in decision.batch.actions:
+            if isinstance(action, Evict):
+                victim = SwapDecision(drop=[action.job_id]) if action.drop \
+                    else SwapDecision(swap_out=[action.job_id])
+                self._swap(victim, step, None, out)
+            else:
+                self._run(action, step, now, out)
+        for job_id in decision.batch.wanted_host:
+            job = s.jobs[job_id]
+            if job.blocked_since is None:
+                job.blocked_since = now
+        self._swap(decision.swaps, step, table, out)
+        if decision.unstick.swap_out or decision.unstick.drop:
+            s.totals["stall_breaks"] += 1
+        self._swap(decision.unstick, step, table, out)
+
+    def _run(self, run: Run, step: int, now: float, out: Applied) -> None:
+        s = self.s
+        job = s.jobs[run.job_id]
+        if run.swap_in_first:
+            out.swap_in.append(s.kv.swap_in(job.job_id, step))
+            out.reactive.add(job.job_id)
+            self.count(job, "swaps_in")
+        table = s.kv.allocate(job.job_id, run.num_tokens, step)
+        if not run.prefill:
+            out.entries.append(BatchEntry(job.job_id, (job.generated[-1],), run.num_tokens - 1,
+                                          table, False, job.sampling, len(job.generated)))
+        else:
+            tokens = (job.prompt_ids + tuple(job.generated))[:run.num_tokens]
+            out.entries.append(BatchEntry(job.job_id, tokens, 0, table, True, job.sampling,
+                                          len(job.generated)))
+        if run.wasted:
+            out.wasted.add(job.job_id)
+        self._start(job, now)
+
+    def _start(self, job: Job, now: float) -> None:
+        s = self.s
+        self.unplace(job)
+        if not job.admitted:
+            job.admitted = True
+            job.admit_seq = next(s.admit_seq)
+            s.num_unadmitted -= 1
+        job.state = JobState.RUNNING
+        blocked = 0.0 if job.blocked_since is None else now - job.blocked_since
+        job.stats.swap_blocked_s += blocked
+        job.stats.queueing_s += max(now - job.idle_since - blocked, 0.0)
+        job.blocked_since = None
+        job.pinned_until = None
+        job.promoted = False
+        for made_at, predicted in job.predictions:
+            job.stats.enst_pairs.append((predicted, now - made_at))
+        job.predictions.clear()
+
+    def _swap(self, decision: SwapDecision, step: int, table: EnstTable | None,
+              out: Applied) -> None:
+        s = self.s
+        # Drops first: their blocks are free at once, and a swap-in may be planned into them.
+        for job_id in decision.drop:
+            job = self._predict(job_id, table)
+            self.unplace(job)
+            s.kv.drop(job_id)
+            job.state = JobState.WAITING    # recompute: its next iteration is a prefill
+            job.pinned_until = None
+            self.count(job, "recomputes")
+            self.place(job)
+        for job_id in decision.swap_in:
+            job = self._predict(job_id, table)
+            self.unplace(job)
+            out.swap_in.append(s.kv.swap_in(job_id, step))
+            job.pinned_until = step + s.kv_config.swap_pin_plans
+            self.count(job, "swaps_in")
+            self.place(job)   # in transit: only the starvation clock keeps running
+        for job_id in decision.swap_out:
+            job = self._predict(job_id, table)
+            self.unplace(job)
+            out.swap_out.append(s.kv.swap_out(job_id, step))
+            job.pinned_until = None
+            self.count(job, "swaps_out")
+            self.place(job)
+
+    def _predict(self, job_id: str, table: EnstTable | None) -> Job:
+        """Record the ENST predicted at a swap decision (checked when the job next runs)."""
+        job = self.s.jobs[job_id]
+        if table is not None:
+            job.predictions.append((table.now, table(job.level, job.last_served)))
+        return job
+
+    # ---- results -------------------------------------------------------------------------
+    def note_step_time(self, seconds: float) -> None:
+        w = self.s.config.step_time_ewma_weight
+        prev = self.s.step_time_s
+        self.s.step_time_s = seconds if prev is None else (1 - w) * prev + w * seconds
+
+    def advance(self, job: Job, token: int, served: Served, now: float) -> FinishReason | None:
+        """A token for ``job``; returns why it finished (it is then retired), or None."""
+        job.generated.append(token)
+        stats = job.stats
+        stats.num_generated = len(job.generated)
+        if stats.first_token_time is None:
+            stats.first_token_time = now
+        self._served(job, served, now)
+        reason = job.sampling.finish_reason(token, len(job.generated), self.s.eos_token_id)
+        if reason is not None:
+            self.retire(job, JobState.FINISHED, reason, now)
+            self.s.totals["finished"] += 1
+            return reason
+        job.state = JobState.RUNNABLE
+        level = self.s.policy.demotion_level(job)
+        if level is not None:
+            self.set_level(job, level)
+            self.count(job, "demotions")
+        self.place(job)
+        return None
+
+    def waste(self, job: Job, served: Served, now: float) -> None:
+        """Naive MLFQ: the first iteration was cut at the quantum; its KV and token are lost,
+        the time is spent, and the job moves down to start over."""
+        self._served(job, served, now)
+        self.s.kv.drop(job.job_id)
+        job.state = JobState.WAITING
+        self.count(job, "wasted_prefills")
+        self.set_level(job, self.s.policy.level_after_quantum(job))
+        self.count(job, "demotions")
+        self.place(job)
+
+    def _served(self, job: Job, served: Served, now: float) -> None:
+        job.stats.execution_s += served.wall_s - served.swap_wait_s
+        job.stats.swap_blocked_s += served.swap_wait_s
+        job.attained_s += served.share_s
+        job.last_served = now
+        job.idle_since = now
+
+    def settle(self, job_ids: list[str]) -> None:
+        """Swaps that completed: re-file the idle jobs they moved (now resident or on host)."""
+        for job_id in job_ids:
+            idle = self.s.jobs.get(job_id)
+            if idle is not None and idle.state is JobState.RUNNABLE:
+                self.place(idle)
+
+    def lose_kv(self, job_ids: list[str]) -> None:
+        """A failed plan was swapping these jobs: their KV is gone, they will recompute."""
+        for job_id in job_ids:
+            job = self.s.jobs.get(job_id)
+            if job is not None and job.state is JobState.RUNNABLE:
+                self.unplace(job)
+                job.state = JobState.WAITING
+                self.count(job, "recomputes")
+                self.place(job)
+
+    def retire(self, job: Job, state: JobState, reason: FinishReason, now: float) -> None:
+        """Take a job out of the queues for good; free its KV (deferred while in flight)."""
+        s = self.s
+        self.unplace(job)
+        s.queues.leave(job.level)
+        if not job.admitted:
+            s.num_unadmitted -= 1
+        running = job.state is JobState.RUNNING
+        job.state = state
+        s.kv.free(job.job_id)
+        if not running:   # the data plane forgets a job once no in-flight plan names it
+            s.to_free.append(job.job_id)
+        job.stats.finish_time = now
+        job.stats.finish_reason = reason
+        s.finished.append(job.stats)
+        del s.jobs[job.job_id]
+
+    def abort(self, job: Job, now: float) -> None:
+        running = job.state is JobState.RUNNING
+        if not running:
+            job.stats.queueing_s += now - job.idle_since
+        self.retire(job, JobState.ABORTED, "abort", now)
+        if running:
+            self.s.jobs[job.job_id] = job   # forgotten at the update of its plan
+        self.s.totals["aborted"] += 1
+
+    def forget_aborted(self, job: Job) -> None:
+        del self.s.jobs[job.job_id]
+        self.s.to_free.append(job.job_id)

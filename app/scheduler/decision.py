@@ -1,0 +1,73 @@
+"""The values planners return and ``Applier.apply`` runs: one ``Decision`` per ``schedule``.
+
+A decision says what the next plan does — which jobs run and how (``Run``), which idle jobs are
+evicted for them, which KV is swapped or dropped — with the block counts it was planned against.
+Nothing here touches jobs or blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from app.kv.enst import EnstTable
+from app.kv.swap_planner import SwapDecision
+
+
+@dataclass(frozen=True)
+class Run:
+    """One entry of the next batch."""
+
+    job_id: str
+    #: Positions the entry covers (its context); for a cut first iteration, the prefix.
+    num_tokens: int
+    prefill: bool
+    #: Reactive mode: the job's KV comes back with this very plan (its forward waits).
+    swap_in_first: bool = False
+    #: Naive MLFQ: a first iteration cut at the quantum; its token and KV are discarded.
+    wasted: bool = False
+
+
+@dataclass(frozen=True)
+class Evict:
+    """FCFS growth preemption: an idle resident job leaves the device for a running one."""
+
+    job_id: str
+    drop: bool          # dropped (blocks free at once) rather than swapped out
+
+
+@dataclass
+class BatchDecision:
+    #: Runs and evictions in the order they were decided (the order ``apply`` takes blocks).
+    actions: list[Run | Evict] = field(default_factory=list)
+    waiting_needs: dict[str, int] = field(default_factory=dict)  # admission not possible
+    growth_needs: dict[str, int] = field(default_factory=dict)   # decode growth not possible
+    wanted_host: dict[str, int] = field(default_factory=dict)    # would run, KV on the host
+    next_growth: int = 0          # blocks the selected jobs need for their next decode
+    focus: str | None = None      # highest-priority job deferred for memory (stall breaker)
+    free_device: int = 0          # device blocks free once the runs have theirs
+    free_host: int = 0            # host blocks free once evictions have theirs
+
+    @property
+    def runs(self) -> list[Run]:
+        return [a for a in self.actions if isinstance(a, Run)]
+
+    @property
+    def protected(self) -> set[str]:
+        """The highest-priority job whose decode growth did not fit: never evicted for the
+        others this step (lower-priority growth-blocked jobs may be, which frees room for it)."""
+        return set(list(self.growth_needs)[:1])
+
+
+@dataclass
+class Decision:
+    step: int
+    batch: BatchDecision
+    swaps: SwapDecision = field(default_factory=SwapDecision)
+    #: Stall breaker: nothing runs or is in flight; room made for ``batch.focus``.
+    unstick: SwapDecision = field(default_factory=SwapDecision)
+    table: EnstTable | None = None
+
+    @property
+    def dropped(self) -> bool:
+        return bool(self.swaps.drop or self.unstick.drop
+                    or any(isinstance(a, Evict) and a.drop for a in self.batch.actions))
