@@ -86,7 +86,9 @@ class _Walk:
                 if self.view.kv.tier(job_id) is Tier.HOST:
                     self._try_host(job, deferred)
                 elif self.admit_new or job.admitted:
-                    fits = self._try_admit(job, admission_open=not res.waiting_needs)
+                    # As vLLM: a batch that preempted a job to let an older one grow admits no
+                    # new job into what the preemption freed.
+                    fits = self._try_admit(job, admission_open=not res.waiting_needs and not self.evicted)
                     if not fits and first_waiting is None:
                         first_waiting = job_id
                 if len(self.picked) == before:

@@ -78,7 +78,9 @@ class MemoryPlanner:
                                   victims=victims,
                                   can_evict=lambda j: j != focus and j not in taken,
                                   drop=view.kv_config.swap_mode == "recompute",
-                                  drop_when_host_full=True)
+                                  # Never kill an admitted job's KV to admit a new one: when both
+                                  # tiers are full, admission waits (DESIGN, paper §3.4).
+                                  drop_when_host_full=job.admitted)
         free_now = pools.free_device + sum(kv.num_blocks(j) for j in decision.drop)
         if (kv.residency(focus) is Residency.HOST and focus not in swaps.swap_in
                 and kv.num_blocks(focus) <= free_now):

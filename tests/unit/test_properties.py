@@ -153,3 +153,21 @@ def test_random_load_keeps_every_invariant(policy: PolicyName, mode: SwapMode,
         assert result.reasons[r.job_id] == "length"
     assert not s.has_work()
     assert s.kv.num_free_device == setup.device and s.kv.num_free_host == setup.host
+
+
+def _job(i: int, prompt: int, out: int) -> JobRequest:
+    return JobRequest(f"j{i}", (3,) * prompt, SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True))
+
+
+#: Found by the property test: FCFS preempted the latest job (dropped: the host was full) to let
+#: an older one grow, and admitted a new job into the freed blocks in the same batch.
+PREEMPT_THEN_ADMIT: Workload = (
+    Setup(block=2, device=13, host=5, batch=2, depth=2, alpha=0.02, budget=8, reserved=0),
+    [(0.1875, _job(0, 9, 2)), (0.0, _job(1, 1, 1)), (0.0625, _job(2, 1, 7)), (0.0, _job(3, 1, 1)),
+     (0.0, _job(4, 1, 1)), (0.109375, _job(5, 6, 6)), (0.0, _job(6, 1, 1)), (0.125, _job(7, 1, 7)),
+     (0.1875, _job(8, 1, 1)), (0.125, _job(9, 8, 4))])
+
+
+@pytest.mark.parametrize("mode", SWAP_MODES)
+def test_fcfs_admits_nothing_into_blocks_a_preemption_freed(mode: SwapMode) -> None:
+    test_random_load_keeps_every_invariant.hypothesis.inner_test("fcfs", mode, PREEMPT_THEN_ADMIT)  # type: ignore[attr-defined]
