@@ -9,6 +9,10 @@ export TOKENIZERS_PARALLELISM ?= false
 # How often Ray's workers report metrics to their node's agent (Ray's default: 10 s), which
 # /metrics and Prometheus read.
 export RAY_metrics_report_interval_ms ?= 2000
+# Ray starts its workers (our Serve replicas among them) at nice 15: the model's replica would
+# yield the CPU to Ray's own daemons and any other process. A serving node runs it at normal
+# priority, as vLLM runs its engine.
+export RAY_worker_niceness ?= 0
 
 .PHONY: install install-serve-llm serve test lint bench profile clean
 

@@ -36,13 +36,8 @@ def build_stage(config: OPTConfig, shard: StageShard, dtype: str, device: str,
     stage = OPTStage(config, shard) if all_reduce is None else OPTStage(config, shard, all_reduce)
     load_stage_weights(stage, load_format, model_path, seed)
     stage = stage.to(device=device, dtype=torch_dtype(dtype)).eval()
-    if stage_device(device).type == "cpu":
-        stage.store_linear_weights_transposed()
+    stage.pack_linear_weights()   # CPU float32 only; a no-op elsewhere
     return stage
-
-
-def stage_device(device: str) -> torch.device:
-    return torch.device(device)
 
 
 class InProcessExecutor:

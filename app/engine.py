@@ -14,7 +14,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
@@ -96,12 +96,22 @@ class RequestStream:
         return out
 
 
+#: Builds a fresh executor (new workers, weights reloaded) when the current one is lost.
+ExecutorFactory = Callable[[], Awaitable[Executor]]
+
+
 class Engine:
     def __init__(self, scheduler: Scheduler, executor: Executor,
                  clock: Callable[[], float] = time.monotonic,
-                 config: EngineConfig | None = None) -> None:
+                 config: EngineConfig | None = None,
+                 rebuild: ExecutorFactory | None = None) -> None:
         self.scheduler = scheduler
         self.executor = executor
+        self._rebuild = rebuild
+        self._lost: list[BatchPlan] = []             # plans of a lost executor, not yet requeued
+        self._recovering_since: float | None = None
+        self.rebuilds = 0
+        self.last_rebuild_s: float | None = None
         self.clock = clock
         self.config = config or EngineConfig()
         self._queues: dict[str, asyncio.Queue[TokenDelta]] = {}
@@ -131,6 +141,8 @@ class Engine:
         step has finished for ``watchdog_s`` (a stuck step)."""
         if not self.running:
             return "the engine loop is not running"
+        if self._recovering_since is not None:   # rebuilding: bounded by rebuild_deadline_s
+            return None
         stalled = time.perf_counter() - self._last_progress
         if (self._inflight or self.scheduler.has_work()) and stalled > self.config.watchdog_s:
             return (f"no step finished for {stalled:.0f} s with work pending "
@@ -146,7 +158,8 @@ class Engine:
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            # A loop that died has logged why and failed its streams already.
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         if self._inflight:
             # Settle what is in flight so the scheduler's blocks and jobs stay consistent.
@@ -204,6 +217,8 @@ class Engine:
     async def _loop(self) -> None:
         while True:
             self._pass += 1
+            if self._lost:
+                await self._recover()
             self._submit()
             waiters: set[asyncio.Future[object]] = set(self._inflight)  # type: ignore[arg-type]
             wake = asyncio.ensure_future(self._wake.wait())
@@ -241,6 +256,12 @@ class Engine:
         try:
             output = task.result()
         except (Exception, asyncio.CancelledError):   # the step's failure, not the loop's
+            if self._rebuild is not None and getattr(self.executor, "closed", False):
+                # The executor itself is gone (a worker died): its jobs resume on a new one.
+                log.warning("step %d lost with its executor; %d jobs will resume", plan.step_id,
+                            len(plan.entries))
+                self._lost.append(plan)
+                return
             log.exception("step %d failed; failing its %d jobs", plan.step_id, len(plan.entries))
             self.plans_failed += 1
             deltas = self.scheduler.fail(plan, now)
@@ -254,6 +275,9 @@ class Engine:
                 None if busy_since is None else finished - busy_since)
         self._last_finish = (self._pass, finished)
         self._last_progress = finished
+        self._deliver(deltas)
+
+    def _deliver(self, deltas: Sequence[TokenDelta]) -> None:
         for delta in deltas:
             queue = self._queues.get(delta.job_id)
             if queue is None:
@@ -261,3 +285,41 @@ class Engine:
             queue.put_nowait(delta)
             if delta.finished:
                 del self._queues[delta.job_id]
+
+    async def _recover(self) -> None:
+        """The executor was lost: settle what was in flight, requeue every job for recompute
+        (each keeps its tokens), build a new executor and resume. Clients see a pause. Past
+        ``rebuild_deadline_s`` every job ends with an error and the loop stops (the replica
+        turns unhealthy and Serve replaces it)."""
+        started = time.perf_counter()
+        self._recovering_since = started
+        if self._inflight:   # the rest of the lost executor's plans fail too
+            await asyncio.gather(*self._inflight, return_exceptions=True)
+            self._lost += self._inflight.values()
+            self._inflight.clear()
+            self._submitted.clear()
+        log.warning("executor lost; rebuilding it, %d jobs resume by recompute", len(self._queues))
+        self.scheduler.lose_all_kv(self._lost)
+        self._lost.clear()
+        with contextlib.suppress(Exception):
+            await self.executor.shutdown()
+        assert self._rebuild is not None
+        deadline = started + self.config.rebuild_deadline_s
+        while True:
+            try:
+                left = max(deadline - time.perf_counter(), 0.0)
+                self.executor = await asyncio.wait_for(self._rebuild(), left)
+                break
+            except Exception as exc:   # a failed or overdue rebuild: retry until the deadline
+                if time.perf_counter() + self.config.rebuild_retry_s >= deadline:
+                    self._deliver(self.scheduler.fail_all(self.clock()))
+                    raise EngineUnavailable(
+                        f"the executor could not be rebuilt within {self.config.rebuild_deadline_s:g} s "
+                        f"(engine.rebuild_deadline_s): {exc!r}") from exc
+                log.warning("rebuilding the executor failed (%r); retrying", exc)
+                await asyncio.sleep(self.config.rebuild_retry_s)
+        self.rebuilds += 1
+        self.last_rebuild_s = time.perf_counter() - started
+        self._recovering_since = None
+        self._last_progress = time.perf_counter()
+        log.warning("executor rebuilt in %.1f s; resuming", self.last_rebuild_s)

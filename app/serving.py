@@ -134,7 +134,9 @@ class SchedulerReplica:
         self._stats: dict[str, JobStats] = {}   # finished jobs' accounting, until their stream takes it
         self._live: set[str] = set()             # jobs with a stream still open
         executor = await build_executor(self.args)
-        self.engine = Engine(build_scheduler(self.args), executor, config=self.args.engine)
+        # A lost pipeline (a stage worker died) is rebuilt in this replica's placement group.
+        rebuild = (lambda: build_executor(self.args)) if self.args.parallel.uses_pipeline else None
+        self.engine = Engine(build_scheduler(self.args), executor, config=self.args.engine, rebuild=rebuild)
         await self.engine.start()
         self._sample_task = asyncio.get_running_loop().create_task(self._sample_metrics_forever())
         self._closed = False

@@ -25,6 +25,7 @@ from torch import nn
 import kernels
 from actors.model.batch import ForwardBatch
 from actors.model.config import POSITION_OFFSET, OPTConfig
+from actors.model.linear import ServingLinear
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -80,11 +81,11 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         local = self.num_heads * self.head_dim
         bias = config.enable_bias
-        self.q_proj = nn.Linear(config.hidden_size, local, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, local, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, local, bias=bias)
+        self.q_proj = ServingLinear(config.hidden_size, local, bias=bias)
+        self.k_proj = ServingLinear(config.hidden_size, local, bias=bias)
+        self.v_proj = ServingLinear(config.hidden_size, local, bias=bias)
         # Row-parallel: the bias is added after the all-reduce, exactly once.
-        self.out_proj = nn.Linear(local, config.hidden_size, bias=bias)
+        self.out_proj = ServingLinear(local, config.hidden_size, bias=bias)
         self.all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, layer_cache: torch.Tensor) -> torch.Tensor:
@@ -106,7 +107,7 @@ class Attention(nn.Module):
                 )
             )
         attn = parts[0] if len(parts) == 1 else torch.cat(parts)
-        out = F.linear(attn.reshape(n, -1), self.out_proj.weight)
+        out = self.out_proj.multiply(attn.reshape(n, -1), with_bias=False)
         out = self.all_reduce(out)
         return out if self.out_proj.bias is None else out + self.out_proj.bias
 
@@ -119,8 +120,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, shard, all_reduce)
         self.self_attn_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine)
         ffn_local = config.ffn_dim // shard.tp_size
-        self.fc1 = nn.Linear(config.hidden_size, ffn_local, bias=config.enable_bias)
-        self.fc2 = nn.Linear(ffn_local, config.hidden_size, bias=config.enable_bias)
+        self.fc1 = ServingLinear(config.hidden_size, ffn_local, bias=config.enable_bias)
+        self.fc2 = ServingLinear(ffn_local, config.hidden_size, bias=config.enable_bias)
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine)
         self.all_reduce = all_reduce
 
@@ -130,7 +131,7 @@ class DecoderLayer(nn.Module):
         if not self.pre_norm:
             x = self.self_attn_layer_norm(x)
         h = self.final_layer_norm(x) if self.pre_norm else x
-        h = F.linear(F.relu(self.fc1(h)), self.fc2.weight)
+        h = self.fc2.multiply(F.relu(self.fc1(h)), with_bias=False)
         h = self.all_reduce(h)
         x = x + (h if self.fc2.bias is None else h + self.fc2.bias)
         if not self.pre_norm:
@@ -167,18 +168,10 @@ class OPTStage(nn.Module):
     def num_local_heads(self) -> int:
         return self.config.num_attention_heads // self.shard.tp_size
 
-    def store_linear_weights_transposed(self) -> None:
-        """Re-lay every decoder linear's weight as the transpose of a contiguous ``[in, out]``
-        tensor (same values, same ``[out, in]`` shape).
-
-        ``F.linear`` multiplies by ``weight.t()``, which is then contiguous: on CPU, MKL's GEMM
-        for the few-row inputs of decode steps runs 1.3-2x faster that way (measured in
-        ``loadtest.bench_engine``), and prefill is no slower. The LM head (the tied embedding
-        table, read by row) keeps its layout.
-        """
-        for module in self.layers.modules():
-            if isinstance(module, nn.Linear):
-                module.weight = nn.Parameter(module.weight.detach().t().contiguous().t(), requires_grad=False)
+    def pack_linear_weights(self) -> int:
+        """Prepack every decoder linear for CPU GEMMs (``ServingLinear.pack``), after the
+        weights are loaded; returns how many were packed (0 off CPU float32)."""
+        return sum(m.pack() for m in self.layers.modules() if isinstance(m, ServingLinear))
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)

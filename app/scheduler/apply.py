@@ -255,6 +255,26 @@ class Applier:
                 self.count(job, "recomputes")
                 self.place(job)
 
+    def lose_all_kv(self, steps: list[int]) -> None:
+        """The data plane was lost (its workers are being rebuilt): the in-flight ``steps`` did
+        nothing and every job's KV is gone. Each job keeps the tokens it has and recomputes
+        (prompt + generated) on the new workers; aborted jobs that waited for a step are let go."""
+        s = self.s
+        for step in steps:
+            s.inflight.pop(step, None)
+            s.kv.fail(step)   # settles the step: nothing it touched stays busy
+        for job in list(s.jobs.values()):
+            if job.state is JobState.ABORTED:
+                self.forget_aborted(job)
+            elif job.state in (JobState.RUNNABLE, JobState.RUNNING):
+                self.unplace(job)
+                s.kv.drop(job.job_id)
+                job.state = JobState.WAITING
+                job.pinned_until = None
+                self.count(job, "recomputes")
+                self.place(job)
+        s.to_free.clear()   # the new workers have nothing to forget
+
     def retire(self, job: Job, state: JobState, reason: FinishReason, now: float) -> None:
         """Take a job out of the queues for good; free its KV (deferred while in flight)."""
         s = self.s

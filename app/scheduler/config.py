@@ -137,6 +137,11 @@ class EngineConfig(_Strict):
     #: beyond it gets a 429. Bounds how far overload can stretch every job's latency, whatever
     #: the policy (skip-join MLFQ starts new jobs at once, so admission alone does not bound it).
     max_jobs: int = Field(default=100_000, ge=1)
+    #: After the executor is lost (a stage worker died), how long rebuilding it may take; its
+    #: jobs wait meanwhile and end with an error past it.
+    rebuild_deadline_s: float = Field(default=120.0, gt=0)
+    #: Pause between two failed rebuild attempts.
+    rebuild_retry_s: float = Field(default=2.0, gt=0)
     #: Work pending and no step finished for this long: the engine reports itself unhealthy
     #: (a stuck step; Serve then replaces the replica). Well above the longest step.
     watchdog_s: float = Field(default=60.0, gt=0)

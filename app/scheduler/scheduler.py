@@ -241,6 +241,28 @@ class Scheduler:
                 deltas.append(self._fail_job(job, now))
         return deltas
 
+    def lose_all_kv(self, plans: list[BatchPlan]) -> None:
+        """Every worker's KV is gone (the pipeline is rebuilt after a worker died): ``plans``
+        (those in flight) did nothing; every job recomputes on the new workers, none fails."""
+        self.applier.lose_all_kv([p.step_id for p in plans])
+
+    def fail_all(self, now: float) -> list[TokenDelta]:
+        """End every job with ``error`` (the data plane could not be rebuilt in time)."""
+        s = self.state
+        for step in list(s.inflight):
+            s.inflight.pop(step)
+            s.kv.fail(step)
+        deltas = []
+        for job in list(s.jobs.values()):
+            if job.state is JobState.ABORTED:
+                self.applier.forget_aborted(job)
+            else:
+                if job.state is JobState.RUNNING:
+                    job.state = JobState.RUNNABLE   # its step is void: retire frees at once
+                deltas.append(self._fail_job(job, now))
+        s.to_free.clear()
+        return deltas
+
     def _fail_job(self, job: Job, now: float) -> TokenDelta:
         self.applier.retire(job, JobState.FINISHED, "error", now)
         self.state.totals["errors"] += 1

@@ -141,3 +141,73 @@ def test_an_engine_holds_at_most_max_jobs() -> None:
         task.cancel()
 
     asyncio.run(run())
+
+
+class DyingExecutor:
+    """Runs ``survive`` plans on a real executor, then dies the way a pipeline does when a stage
+    worker is killed: the step raises and the executor reports itself closed."""
+
+    max_inflight = 1
+
+    def __init__(self, inner: ThreadedExecutor, survive: int) -> None:
+        self.inner, self.survive, self.closed = inner, survive, False
+
+    async def execute(self, plan: object) -> object:
+        if self.survive <= 0:
+            self.closed = True
+            raise RuntimeError("stage 1 tp rank 0 died")
+        self.survive -= 1
+        return await self.inner.execute(plan)  # type: ignore[arg-type]
+
+    async def shutdown(self) -> None:
+        await self.inner.shutdown()
+
+
+def new_executor() -> ThreadedExecutor:
+    return ThreadedExecutor(InProcessExecutor(TINY, DEVICE_BLOCKS, HOST_BLOCKS, BLOCK_SIZE, seed=0))
+
+
+async def run_with(executor: object, rebuild: object, deadline_s: float = 30.0
+                   ) -> tuple[dict[str, list[int]], dict[str, str], Engine]:
+    from app.scheduler.config import EngineConfig
+
+    scheduler = Scheduler(SchedulerConfig(), KVCacheConfig(block_size=BLOCK_SIZE, num_device_blocks=DEVICE_BLOCKS,
+                                                           num_host_blocks=HOST_BLOCKS),
+                          PROFILE, eos_token_id=TINY.eos_token_id)
+    engine = Engine(scheduler, executor, config=EngineConfig(rebuild_deadline_s=deadline_s, rebuild_retry_s=0.1),  # type: ignore[arg-type]
+                    rebuild=rebuild)  # type: ignore[arg-type]
+    await engine.start()
+    try:
+        streams = {k: engine.add_request(p, greedy(n), job_id=k) for k, (p, n) in GOOD.items()}
+        tokens, reasons = {}, {}
+        for k, stream in streams.items():
+            deltas = [d async for d in stream]
+            tokens[k] = [d.token_id for d in deltas if d.token_id is not None]
+            reasons[k] = str(deltas[-1].finish_reason)
+    finally:
+        running = engine.running
+        await engine.stop()   # also collects a dead loop's exception
+    assert running == (engine.rebuilds > 0 or rebuild is None)
+    return tokens, reasons, engine
+
+
+def test_a_lost_executor_is_rebuilt_and_jobs_resume_with_their_exact_tokens() -> None:
+    alone, _ = asyncio.run(run({}))
+
+    async def rebuild() -> ThreadedExecutor:
+        return new_executor()
+
+    tokens, reasons, engine = asyncio.run(run_with(DyingExecutor(new_executor(), survive=4), rebuild))
+    assert reasons == {"a": "length", "b": "length", "c": "length"}
+    assert tokens == alone and engine.rebuilds == 1
+    assert engine.scheduler.totals["recomputes"] == len(GOOD)
+    engine.scheduler.check_invariants()
+
+
+def test_past_the_rebuild_deadline_every_job_ends_with_an_error() -> None:
+    async def never() -> ThreadedExecutor:
+        raise RuntimeError("no GPUs left in the placement group")
+
+    tokens, reasons, engine = asyncio.run(run_with(DyingExecutor(new_executor(), survive=2), never, deadline_s=0.5))
+    assert set(reasons.values()) == {"error"}
+    assert engine.rebuilds == 0 and engine.health() == "the engine loop is not running"

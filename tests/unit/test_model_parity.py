@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 
 from actors.executor import InProcessExecutor
@@ -179,3 +180,18 @@ def test_opt125m_shaped_dummy_model_matches_transformers() -> None:
     with torch.inference_mode():
         logits = ex.model.logits(ex.runner.forward(batch, None, {}))
     torch.testing.assert_close(logits[0], hf_logits(hf, prompt + [nxt])[-1], rtol=1e-4, atol=2e-4)
+
+
+def test_serving_linear_packed_path_equals_f_linear_for_every_row_count() -> None:
+    from actors.model import linear as L
+
+    torch.manual_seed(0)
+    lin = L.ServingLinear(48, 80)
+    x_rows = [1, 2, 7, L.PACKED_MAX_ROWS, L.PACKED_MAX_ROWS + 3]
+    inputs = {n: torch.randn(n, 48) for n in x_rows}
+    expected = {n: F.linear(x, lin.weight, lin.bias) for n, x in inputs.items()}
+    assert lin.pack() == L.onednn_linear_available()
+    for n, x in inputs.items():
+        torch.testing.assert_close(lin(x), expected[n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lin.multiply(x, with_bias=False), F.linear(x, lin.weight), atol=1e-5, rtol=1e-5)
+    assert not L.ServingLinear(4, 4).to(torch.float64).pack()   # float32 CPU only
