@@ -113,7 +113,8 @@ class ParallelArgs(_Strict):
     #: Logical CPUs each stage worker (one TP rank) reserves; a stage's bundle holds TP of them.
     worker_cpus: float = Field(default=0.01, gt=0)
     #: torch intra-op threads of each process that runs the model (the in-process executor, or
-    #: each stage worker); None keeps torch's default (one per core).
+    #: each stage worker). None keeps what Ray set: OMP_NUM_THREADS = the CPUs the actor
+    #: reserved, i.e. 1 for a replica that reserves none (the demo's), whatever the cores.
     torch_threads: int | None = Field(default=None, ge=1)
     #: Resources of the Scheduler replica's own bundle (bundle 0 of each model copy's placement
     #: group); GPUs are added for an in-process model on cuda. It must hold the replica's

@@ -219,7 +219,8 @@ class SchedulerReplica:
         """The scheduler's stats and the engine's step breakdown (tests, operators, the
         breakdown tool; not on the request path)."""
         return {**self.scheduler.stats(), "step_totals": self.engine.step_stats.totals(),
-                "process_rss_bytes": process_rss_bytes()}
+                "process_rss_bytes": process_rss_bytes(), "torch_threads": _torch_threads(),
+                "rebuilds": self.engine.rebuilds}
 
     async def replica_info(self) -> dict[str, Any]:
         """This replica's Ray actor id and Serve replica id (tests, operators)."""
@@ -268,6 +269,14 @@ class SchedulerReplica:
         except RuntimeError:
             return None
         return self.close()
+
+
+def _torch_threads() -> int:
+    """Intra-op threads torch uses in this process (Ray sets OMP_NUM_THREADS=1 in a replica that
+    reserves no CPU; ``parallel.torch_threads`` overrides it)."""
+    import torch   # already loaded by the executor in this process
+
+    return int(torch.get_num_threads())
 
 
 def process_rss_bytes() -> int | None:
