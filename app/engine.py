@@ -162,7 +162,11 @@ class Engine:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         if self._inflight:
-            # Settle what is in flight so the scheduler's blocks and jobs stay consistent.
+            # Settle what is in flight so the scheduler's blocks and jobs stay consistent; a step
+            # that never returns (a stuck executor) is cancelled after stop_timeout_s.
+            _, stuck = await asyncio.wait(self._inflight, timeout=self.config.stop_timeout_s)
+            for step_task in stuck:
+                step_task.cancel()
             await asyncio.gather(*self._inflight, return_exceptions=True)
             for step_task, plan in list(self._inflight.items()):
                 self._finish(step_task, plan)

@@ -140,6 +140,8 @@ class EngineConfig(_Strict):
     #: After the executor is lost (a stage worker died), how long rebuilding it may take; its
     #: jobs wait meanwhile and end with an error past it.
     rebuild_deadline_s: float = Field(default=120.0, gt=0)
+    #: On shutdown, how long steps in flight may take to finish before they are cancelled.
+    stop_timeout_s: float = Field(default=30.0, gt=0)
     #: Pause between two failed rebuild attempts.
     rebuild_retry_s: float = Field(default=2.0, gt=0)
     #: Work pending and no step finished for this long: the engine reports itself unhealthy

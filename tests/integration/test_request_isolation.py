@@ -211,3 +211,40 @@ def test_past_the_rebuild_deadline_every_job_ends_with_an_error() -> None:
     tokens, reasons, engine = asyncio.run(run_with(DyingExecutor(new_executor(), survive=2), never, deadline_s=0.5))
     assert set(reasons.values()) == {"error"}
     assert engine.rebuilds == 0 and engine.health() == "the engine loop is not running"
+
+
+def test_health_on_the_http_port_turns_503_when_a_step_is_stuck() -> None:
+    """The real engine (stuck executor) behind the real ingress app: /health answers 503 once
+    work has waited for a step longer than engine.watchdog_s."""
+    import httpx
+
+    from app.ingress import OpenAIServer, ServerContext, make_api
+    from app.scheduler.config import EngineConfig
+    from app.tokenizer import Tokenizer
+
+    async def run() -> list[int]:
+        scheduler = Scheduler(SchedulerConfig(), KVCacheConfig(block_size=BLOCK_SIZE, num_device_blocks=DEVICE_BLOCKS,
+                                                               num_host_blocks=HOST_BLOCKS),
+                              PROFILE, eos_token_id=TINY.eos_token_id)
+        engine = Engine(scheduler, StuckExecutor(), config=EngineConfig(watchdog_s=0.3, stop_timeout_s=0.2))  # type: ignore[arg-type]
+        await engine.start()
+
+        class EngineBackend:
+            async def health(self) -> dict[str, object]:
+                problem = engine.health()
+                return {"healthy": problem is None, "problem": problem}
+
+        app = make_api(OpenAIServer(ServerContext("tiny", Tokenizer.default(), TINY.vocab_size, 256),
+                                    EngineBackend()))  # type: ignore[arg-type]
+        codes = []
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            codes.append((await client.get("/health")).status_code)
+            engine.add_request([2, 5, 6], greedy(4), job_id="stuck")
+            await asyncio.sleep(0.5)
+            resp = await client.get("/health")
+            codes.append(resp.status_code)
+            assert "engine.watchdog_s=0.3" in resp.json()["error"]["message"]
+        await engine.stop()   # bounded even with a step that never returns
+        return codes
+
+    assert asyncio.run(run()) == [200, 503]
