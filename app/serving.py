@@ -274,7 +274,7 @@ class SchedulerReplica:
 def _torch_threads() -> int:
     """Intra-op threads torch uses in this process (Ray sets OMP_NUM_THREADS=1 in a replica that
     reserves no CPU; ``parallel.torch_threads`` overrides it)."""
-    import torch   # already loaded by the executor in this process
+    import torch  # already loaded by the executor in this process
 
     return int(torch.get_num_threads())
 
