@@ -7,9 +7,10 @@ cover exactly these requests. It reports, per load:
 
 - the engine's decode step (``schedule``, batch ``build``, ``forward``, ``sample`` = LM head and
   sampler, ``update``) and its busy cycle, whose part outside the model is the loop's overhead;
-- per token as the client sees it: TPOT, of which the engine's decode cycle, the delivery delay
-  from the scheduler to the ingress (``job_stats.delivery_s``, measured there) and the rest
-  (ingress → Serve proxy → HTTP → client);
+- per token as the client sees it: TPOT beside the engine's decode cycle (tokens leave at the
+  engine's pace), and the delivery delay from the scheduler to the ingress
+  (``job_stats.delivery_s``, measured there), which overlaps the next step: it adds latency to
+  each token, not time between tokens;
 - TTFT, of which queueing and the first iteration.
 
 ``--model-profile`` adds, in this process (no server needed), the model's own decode step at
@@ -78,8 +79,7 @@ def measure(base_url: str, streams: int, rounds: int, output_tokens: int, seed: 
         "client": {"ttft_s": run.ttft.mean, "tpot_s": tpot, "per_token_s": run.per_token.mean,
                    "output_tok_s": run.output_token_throughput},
         "server": {"queue_s": mean_of("queue_s"), "exec_s": mean_of("exec_s"), "delivery_s": delivery},
-        "per_token_split_s": {"engine_cycle": cycle, "delivery": delivery,
-                              "rest": None if delivery is None else tpot - cycle - delivery},
+        "per_token_split_s": {"engine_cycle": cycle, "delivery_delay": delivery},
         "steps": steps,
     }
 
@@ -116,7 +116,8 @@ def model_profile(batch_sizes: Sequence[int], context: int) -> dict[str, dict[st
                 continue
             ms = evt.cpu_time_total / 1e3
             shapes = evt.input_shapes or []
-            if evt.name in ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul"):
+            if evt.name in ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul",
+                            "mkldnn::_linear_pointwise"):
                 is_head = any(vocab in shape for shape in shapes if isinstance(shape, list))
                 families["lm_head" if is_head else "linear"] += ms
             elif evt.name.startswith("aten::"):
@@ -137,13 +138,13 @@ def _ms(value: float | None) -> str:
 
 def print_tables(result: dict[str, Any]) -> None:
     print(f"CPU: {result['cpu']}; {result['output_tokens']} output tokens per request, ShareGPT prompts")
-    print(f"{'load':>12} | {'TTFT':>6} | {'TPOT':>6} = {'engine':>6} + {'deliver':>7} + {'rest':>6} ms | "
+    print(f"{'load':>14} | {'TTFT':>6} | {'TPOT':>6} {'cycle':>6} {'deliver':>7} ms | "
           f"{'batch':>5} | {'sched':>5} {'build':>5} {'fwd':>6} {'sample':>6} {'update':>6} | {'overhead':>8}")
     for label, m in result["loads"].items():
         d = m["steps"].get("decode", {})
         split = m["per_token_split_s"]
-        print(f"{label:>12} | {_ms(m['client']['ttft_s']):>6} | {_ms(m['client']['tpot_s']):>6} = "
-              f"{_ms(split['engine_cycle']):>6} + {_ms(split['delivery']):>7} + {_ms(split['rest']):>6}    | "
+        print(f"{label:>14} | {_ms(m['client']['ttft_s']):>6} | {_ms(m['client']['tpot_s']):>6} "
+              f"{_ms(split['engine_cycle']):>6} {_ms(split['delivery_delay']):>7}    | "
               f"{d.get('entries', 0):>5.1f} | {d.get('schedule_ms', 0):>5.2f} {d.get('build_ms', 0):>5.2f} "
               f"{d.get('forward_ms', 0):>6.1f} {d.get('sample_ms', 0):>6.1f} {d.get('update_ms', 0):>6.2f} | "
               f"{100 * d.get('overhead_share', 0):>7.1f}%")
