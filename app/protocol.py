@@ -171,17 +171,6 @@ class CompletionRequest(_GenerationRequest):
             raise ValueError("a list of token-id prompts (batched request) is not supported")
         return value
 
-    def check_limits(self, max_stop_strings: int, max_stop_chars: int) -> None:
-        """The server's limits on what a client may send (``server.max_stop_*``)."""
-        stops = self.stop_strings()
-        if len(stops) > max_stop_strings:
-            raise bad_request(f"stop has {len(stops)} strings; at most {max_stop_strings} are allowed "
-                              "(server.max_stop_strings)", "stop")
-        longest = max((len(s) for s in stops), default=0)
-        if longest > max_stop_chars:
-            raise bad_request(f"a stop string of {longest} characters is longer than the "
-                              f"{max_stop_chars} allowed (server.max_stop_string_chars)", "stop")
-
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.echo:
@@ -217,17 +206,6 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-
-    def check_limits(self, max_stop_strings: int, max_stop_chars: int) -> None:
-        """The server's limits on what a client may send (``server.max_stop_*``)."""
-        stops = self.stop_strings()
-        if len(stops) > max_stop_strings:
-            raise bad_request(f"stop has {len(stops)} strings; at most {max_stop_strings} are allowed "
-                              "(server.max_stop_strings)", "stop")
-        longest = max((len(s) for s in stops), default=0)
-        if longest > max_stop_chars:
-            raise bad_request(f"a stop string of {longest} characters is longer than the "
-                              f"{max_stop_chars} allowed (server.max_stop_string_chars)", "stop")
 
     def check_unsupported(self) -> None:
         super().check_unsupported()

@@ -34,14 +34,17 @@ class FailingSampler(Sampler):
         return super()._sample_row(row, p, step)
 
 
+def tiny_scheduler() -> Scheduler:
+    kv = KVCacheConfig(block_size=BLOCK_SIZE, num_device_blocks=DEVICE_BLOCKS, num_host_blocks=HOST_BLOCKS)
+    return Scheduler(SchedulerConfig(), kv, PROFILE, eos_token_id=TINY.eos_token_id)
+
+
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
 async def run(extra: dict[str, tuple[list[int], SamplingParams]]) -> tuple[dict[str, list[int]], dict[str, str]]:
-    scheduler = Scheduler(SchedulerConfig(), KVCacheConfig(block_size=BLOCK_SIZE, num_device_blocks=DEVICE_BLOCKS,
-                                                           num_host_blocks=HOST_BLOCKS),
-                          PROFILE, eos_token_id=TINY.eos_token_id)
+    scheduler = tiny_scheduler()
     executor = InProcessExecutor(TINY, DEVICE_BLOCKS, HOST_BLOCKS, BLOCK_SIZE, seed=0)
     executor.runner.sampler = FailingSampler(0)
     engine = Engine(scheduler, ThreadedExecutor(executor))
@@ -95,9 +98,7 @@ def test_a_stuck_step_turns_the_engine_unhealthy_and_a_dead_loop_refuses_work() 
     from app.scheduler.config import EngineConfig
 
     async def run() -> None:
-        scheduler = Scheduler(SchedulerConfig(), KVCacheConfig(block_size=BLOCK_SIZE, num_device_blocks=DEVICE_BLOCKS,
-                                                               num_host_blocks=HOST_BLOCKS),
-                              PROFILE, eos_token_id=TINY.eos_token_id)
+        scheduler = tiny_scheduler()
         engine = Engine(scheduler, StuckExecutor(), config=EngineConfig(watchdog_s=0.3))  # type: ignore[arg-type]
         await engine.start()
         assert engine.health() is None                       # idle is healthy, however long
@@ -125,9 +126,7 @@ def test_an_engine_holds_at_most_max_jobs() -> None:
     from app.scheduler.scheduler import AdmissionQueueFull
 
     async def run() -> None:
-        scheduler = Scheduler(SchedulerConfig(), KVCacheConfig(block_size=BLOCK_SIZE, num_device_blocks=DEVICE_BLOCKS,
-                                                               num_host_blocks=HOST_BLOCKS),
-                              PROFILE, eos_token_id=TINY.eos_token_id)
+        scheduler = tiny_scheduler()
         engine = Engine(scheduler, StuckExecutor(), config=EngineConfig(max_jobs=2))  # type: ignore[arg-type]
         await engine.start()
         engine.add_request([2, 5], greedy(4), job_id="a")
@@ -171,9 +170,7 @@ async def run_with(executor: object, rebuild: object, deadline_s: float = 30.0
                    ) -> tuple[dict[str, list[int]], dict[str, str], Engine]:
     from app.scheduler.config import EngineConfig
 
-    scheduler = Scheduler(SchedulerConfig(), KVCacheConfig(block_size=BLOCK_SIZE, num_device_blocks=DEVICE_BLOCKS,
-                                                           num_host_blocks=HOST_BLOCKS),
-                          PROFILE, eos_token_id=TINY.eos_token_id)
+    scheduler = tiny_scheduler()
     engine = Engine(scheduler, executor, config=EngineConfig(rebuild_deadline_s=deadline_s, rebuild_retry_s=0.1),  # type: ignore[arg-type]
                     rebuild=rebuild)  # type: ignore[arg-type]
     await engine.start()
@@ -223,9 +220,7 @@ def test_health_on_the_http_port_turns_503_when_a_step_is_stuck() -> None:
     from app.tokenizer import Tokenizer
 
     async def run() -> list[int]:
-        scheduler = Scheduler(SchedulerConfig(), KVCacheConfig(block_size=BLOCK_SIZE, num_device_blocks=DEVICE_BLOCKS,
-                                                               num_host_blocks=HOST_BLOCKS),
-                              PROFILE, eos_token_id=TINY.eos_token_id)
+        scheduler = tiny_scheduler()
         engine = Engine(scheduler, StuckExecutor(), config=EngineConfig(watchdog_s=0.3, stop_timeout_s=0.2))  # type: ignore[arg-type]
         await engine.start()
 
