@@ -135,15 +135,19 @@ def test_full_admission_queue_answers_429_and_aborts_free_blocks() -> None:
             async def health(self) -> dict[str, Any]:
                 return await replica.health()
 
-        server = OpenAIServer(ServerContext.from_args(replica.args), Backend())
+        backend = Backend()
+        server = OpenAIServer(ServerContext.from_args(replica.args), backend)
         body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 500, "ignore_eos": True}).encode()
         try:
             held = []
-            for i in range(2):   # one runs, one waits for admission
+            for i in range(2):   # one runs, one waits for admission (held at the scheduler's stream:
+                # the ingress itself would wait for the queued one's first output)
                 prep, sampling = server.prepare_completion(body)
-                held.append(await server.start(prep, sampling))
+                stream = backend.generate(GenerateRequest(prep.request_id, tuple(prep.prompt_ids), sampling))
+                assert (await stream.__anext__()).kind == "accepted"
                 if i == 0:   # admitted once it has produced a token
-                    assert (await held[0].__anext__()).kind == "tokens"
+                    assert (await stream.__anext__()).kind == "tokens"
+                held.append(stream)
             assert replica.scheduler.num_waiting() == 1
             transport = httpx.ASGITransport(app=make_api(server))
             async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
