@@ -34,6 +34,18 @@ class FailingSampler(Sampler):
         return super()._sample_row(row, p, step)
 
 
+async def collect(engine: Engine, jobs: dict[str, tuple[list[int], SamplingParams]]
+                  ) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Add every job, then read each stream to its end: tokens and finish reason per job."""
+    streams = {k: engine.add_request(p, s, job_id=k) for k, (p, s) in jobs.items()}
+    tokens, reasons = {}, {}
+    for k, stream in streams.items():
+        deltas = [d async for d in stream]
+        tokens[k] = [d.token_id for d in deltas if d.token_id is not None]
+        reasons[k] = str(deltas[-1].finish_reason)
+    return tokens, reasons
+
+
 def tiny_scheduler() -> Scheduler:
     kv = KVCacheConfig(block_size=BLOCK_SIZE, num_device_blocks=DEVICE_BLOCKS, num_host_blocks=HOST_BLOCKS)
     return Scheduler(SchedulerConfig(), kv, PROFILE, eos_token_id=TINY.eos_token_id)
@@ -51,12 +63,7 @@ async def run(extra: dict[str, tuple[list[int], SamplingParams]]) -> tuple[dict[
     await engine.start()
     try:
         jobs = {k: (p, greedy(n)) for k, (p, n) in GOOD.items()} | extra
-        streams = {k: engine.add_request(p, s, job_id=k) for k, (p, s) in jobs.items()}
-        tokens, reasons = {}, {}
-        for k, stream in streams.items():
-            deltas = [d async for d in stream]
-            tokens[k] = [d.token_id for d in deltas if d.token_id is not None]
-            reasons[k] = str(deltas[-1].finish_reason)
+        tokens, reasons = await collect(engine, jobs)
     finally:
         await engine.stop()
     scheduler.check_invariants()
@@ -175,12 +182,7 @@ async def run_with(executor: object, rebuild: object, deadline_s: float = 30.0
                     rebuild=rebuild)  # type: ignore[arg-type]
     await engine.start()
     try:
-        streams = {k: engine.add_request(p, greedy(n), job_id=k) for k, (p, n) in GOOD.items()}
-        tokens, reasons = {}, {}
-        for k, stream in streams.items():
-            deltas = [d async for d in stream]
-            tokens[k] = [d.token_id for d in deltas if d.token_id is not None]
-            reasons[k] = str(deltas[-1].finish_reason)
+        tokens, reasons = await collect(engine, {k: (p, greedy(n)) for k, (p, n) in GOOD.items()})
     finally:
         running = engine.running
         await engine.stop()   # also collects a dead loop's exception
