@@ -29,7 +29,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.messages import SamplingParams, validate_request
-from app.config import AppArgs, ServerArgs, resolve_path
+from app.config import AppArgs, resolve_path
 from app.metrics import IngressMetrics
 from app.metrics_export import CONTENT_TYPE, AgentMetrics
 from app.protocol import (
@@ -49,6 +49,7 @@ from app.protocol import (
     parse_request,
     usage,
 )
+from app.request_limits import RequestLimits, read_body, timed_out, wait_for_disconnect
 from app.serving import GenerateRequest, StreamItem
 from app.tokenizer import IncrementalDecoder, Tokenizer, apply_chat_template
 
@@ -103,18 +104,6 @@ class ServerContext:
                                srv.request_timeout_s, srv.admission_timeout_s, srv.allow_priority)
         return cls(args.model.name, tokenizer, args.model.opt_config().vocab_size,
                    args.model.context_len(), srv.resolved_api_key(), srv.retry_after_s, limits)
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """What one client may ask of the server (``server.*`` in the config, same defaults)."""
-
-    max_request_bytes: int = ServerArgs.model_fields["max_request_bytes"].default
-    max_stop_strings: int = ServerArgs.model_fields["max_stop_strings"].default
-    max_stop_string_chars: int = ServerArgs.model_fields["max_stop_string_chars"].default
-    request_timeout_s: float = ServerArgs.model_fields["request_timeout_s"].default
-    admission_timeout_s: float = ServerArgs.model_fields["admission_timeout_s"].default
-    allow_priority: bool = ServerArgs.model_fields["allow_priority"].default
 
 
 @dataclass
@@ -372,7 +361,7 @@ class OpenAIServer:
                     elif ev.text or want_ids:
                         yield chunk(ev.text, None, ev.token_ids, {})
         except TimeoutError:   # ``events`` cancelled the stream on its way out: the job is aborted
-            yield b"data: " + json.dumps(_timed_out(self.ctx.limits.request_timeout_s).body()).encode() + b"\n\n"
+            yield b"data: " + json.dumps(timed_out(self.ctx.limits.request_timeout_s).body()).encode() + b"\n\n"
             yield SSE_DONE
             return
         except APIError as exc:   # the 200 is already sent: the error travels as an event
@@ -418,42 +407,11 @@ class OpenAIServer:
                 return work.result()
             if gone is not None and gone in done:
                 raise APIError(499, "the client closed the connection", None, "client_closed_request")
-            raise _timed_out(self.ctx.limits.request_timeout_s)
+            raise timed_out(self.ctx.limits.request_timeout_s)
         finally:
             for task in (work, gone):
                 if task is not None and not task.done():
                     task.cancel()   # cancelling ``complete`` cancels the stream: the job is aborted
-
-
-def _timed_out(seconds: float) -> APIError:
-    return APIError(504, f"the request did not finish within {seconds:g} s (server.request_timeout_s)",
-                    None, "request_timeout", "timeout_error")
-
-
-async def wait_for_disconnect(receive: Callable[[], Awaitable[Any]]) -> None:
-    """Returns once the ASGI connection reports ``http.disconnect`` (after the body was read)."""
-    while True:
-        message = await receive()
-        if message.get("type") == "http.disconnect":
-            return
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with a 413 as soon as it is known to exceed ``limit`` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(int(declared), limit)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise _too_large(len(body), limit)
-    return bytes(body)
-
-
-def _too_large(size: int, limit: int) -> APIError:
-    return APIError(413, f"request body of {size}+ bytes exceeds the limit of {limit} bytes "
-                    "(server.max_request_bytes)", None, "request_too_large")
 
 
 def make_api(server: OpenAIServer) -> FastAPI:

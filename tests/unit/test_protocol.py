@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.ingress import OpenAIServer, RequestLimits, ServerContext, make_api
+from app.ingress import OpenAIServer, ServerContext, make_api
 from app.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -22,6 +22,7 @@ from app.protocol import (
     StopStringMatcher,
     parse_request,
 )
+from app.request_limits import RequestLimits
 from app.serving import GenerateRequest, StreamItem
 from app.tokenizer import Tokenizer
 
