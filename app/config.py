@@ -177,6 +177,8 @@ class ServerArgs(_Strict):
     #: Honour the request ``priority`` field (it moves a job's MLFQ entry level, so any caller
     #: could jump the queue); off by default.
     allow_priority: bool = False
+    #: How long ``/health`` waits for a scheduler replica to answer before reporting 503.
+    health_timeout_s: float = Field(default=5.0, gt=0)
     #: How often each scheduler replica records its state gauges and mirrored counters (Ray
     #: then exports them every ``RAY_metrics_report_interval_ms``).
     metrics_sample_interval_s: float = Field(default=0.5, gt=0)

@@ -56,8 +56,6 @@ from app.tokenizer import IncrementalDecoder, Tokenizer, apply_chat_template
 log = logging.getLogger(__name__)
 
 SSE_DONE = b"data: [DONE]\n\n"
-#: How long ``/health`` waits for a scheduler replica to answer.
-HEALTH_TIMEOUT_S = 5.0
 #: Finish reasons that mean the server, not the model, ended the job.
 SERVER_ENDED = {"abort": (503, "the server stopped the request (shutting down?)"),
                 "error": (500, "generation failed inside the engine")}
@@ -101,7 +99,8 @@ class ServerContext:
         tokenizer = Tokenizer.from_dir(resolve_path(args.model.tokenizer_path))
         srv = args.server
         limits = RequestLimits(srv.max_request_bytes, srv.max_stop_strings, srv.max_stop_string_chars,
-                               srv.request_timeout_s, srv.admission_timeout_s, srv.allow_priority)
+                               srv.request_timeout_s, srv.admission_timeout_s, srv.allow_priority,
+                               srv.health_timeout_s)
         return cls(args.model.name, tokenizer, args.model.opt_config().vocab_size,
                    args.model.context_len(), srv.resolved_api_key(), srv.retry_after_s, limits)
 
@@ -453,7 +452,7 @@ def make_api(server: OpenAIServer) -> FastAPI:
         """200 while a scheduler replica answers healthy; 503 naming the problem otherwise (load
         balancers and KubeRay probes need no API key for it)."""
         try:
-            state = await asyncio.wait_for(server.backend.health(), HEALTH_TIMEOUT_S)
+            state = await asyncio.wait_for(server.backend.health(), server.ctx.limits.health_timeout_s)
         except Exception as exc:   # no replica answered: unhealthy, whatever the cause
             state = {"healthy": False, "problem": f"no scheduler replica answered: {type(exc).__name__}"}
         if state.get("healthy"):

@@ -27,6 +27,7 @@ class RequestLimits:
     request_timeout_s: float = ServerArgs.model_fields["request_timeout_s"].default
     admission_timeout_s: float = ServerArgs.model_fields["admission_timeout_s"].default
     allow_priority: bool = ServerArgs.model_fields["allow_priority"].default
+    health_timeout_s: float = ServerArgs.model_fields["health_timeout_s"].default
 
 
 def timed_out(seconds: float) -> APIError:
