@@ -43,8 +43,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def multi_policy_config(policies: Sequence[str], port: int, base: Path = DEMO_YAML) -> dict[str, Any]:
-    """The demo config with one application per policy, route prefix ``/<policy>``."""
+def multi_policy_config(policies: Sequence[str], port: int, base: Path = DEMO_YAML,
+                        args_overrides: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The demo config with one application per policy, route prefix ``/<policy>``;
+    ``args_overrides`` (section → settings) are merged into every application's ``args``."""
     raw = yaml.safe_load(base.read_text(encoding="utf-8"))
     raw.setdefault("http_options", {}).update({"host": LOOPBACK, "port": port})
     template = raw["applications"][0]
@@ -53,6 +55,8 @@ def multi_policy_config(policies: Sequence[str], port: int, base: Path = DEMO_YA
         app = copy.deepcopy(template)
         app["name"] = f"fastserve-{policy}"
         app["route_prefix"] = f"/{policy}"
+        for section, settings in (args_overrides or {}).items():
+            app["args"].setdefault(section, {}).update(settings)
         app["args"]["scheduler"]["policy"] = policy
         apps.append(app)
     raw["applications"] = apps
@@ -62,8 +66,10 @@ def multi_policy_config(policies: Sequence[str], port: int, base: Path = DEMO_YA
 class ServeApps:
     """Context manager: ``serve run`` of one app per policy; ``url(policy)`` is its base URL."""
 
-    def __init__(self, policies: Sequence[str], log_path: Path, ready_timeout_s: float = READY_TIMEOUT_S) -> None:
+    def __init__(self, policies: Sequence[str], log_path: Path, ready_timeout_s: float = READY_TIMEOUT_S,
+                 args_overrides: dict[str, dict[str, Any]] | None = None) -> None:
         self.policies = list(policies)
+        self.args_overrides = args_overrides
         self.log_path = log_path
         self.ready_timeout_s = ready_timeout_s
         self.port = free_port()
@@ -76,7 +82,8 @@ class ServeApps:
     def __enter__(self) -> ServeApps:
         self._tmp = tempfile.TemporaryDirectory(prefix=RAY_TMP_PREFIX, ignore_cleanup_errors=True)
         config = Path(self._tmp.name) / "serve.yaml"
-        config.write_text(yaml.safe_dump(multi_policy_config(self.policies, self.port), sort_keys=False))
+        raw = multi_policy_config(self.policies, self.port, args_overrides=self.args_overrides)
+        config.write_text(yaml.safe_dump(raw, sort_keys=False))
         env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": self._tmp.name,
                "RAY_USAGE_STATS_ENABLED": "0"}
         env.pop("RAY_ADDRESS", None)

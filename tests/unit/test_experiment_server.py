@@ -1,0 +1,25 @@
+"""The real experiments' Serve config: one app per policy, the paper's admit-everything setting."""
+
+from __future__ import annotations
+
+from app.config import AppArgs
+from loadtest.experiments.fig11_real import ADMIT_ALL
+from loadtest.experiments.server import multi_policy_config
+
+
+def test_one_app_per_policy_with_overrides_validated_by_app_args() -> None:
+    raw = multi_policy_config(["fcfs", "skip_join_mlfq"], 8123, args_overrides=ADMIT_ALL)
+    assert raw["http_options"] == {"host": "127.0.0.1", "port": 8123}
+    assert [a["route_prefix"] for a in raw["applications"]] == ["/fcfs", "/skip_join_mlfq"]
+    for app, policy in zip(raw["applications"], ["fcfs", "skip_join_mlfq"], strict=True):
+        args = AppArgs.model_validate(app["args"])
+        assert args.scheduler.policy == policy
+        assert args.engine.max_jobs == 100_000
+        assert args.scheduler.admission_queue_limit == 100_000
+        assert args.kv_cache.num_device_blocks == 256  # the rest stays the demo's
+
+
+def test_without_overrides_the_demo_limits_stay() -> None:
+    app = multi_policy_config(["fcfs"], 8123)["applications"][0]
+    assert app["args"]["engine"]["max_jobs"] == 32
+    assert app["args"]["scheduler"]["admission_queue_limit"] == 64
