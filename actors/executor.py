@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from actors.kv_store import KVStore
-from actors.messages import BatchPlan, SamplingParams, StepOutput, validate_request
+from actors.messages import BatchPlan, StepOutput
 from actors.model.config import OPTConfig
 from actors.model.opt import AllReduce, OPTStage, StageShard
 from actors.model.weights import load_stage_weights
@@ -76,10 +76,6 @@ class InProcessExecutor:
     @property
     def model(self) -> OPTStage:
         return self.runner.model
-
-    def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        validate_request(prompt_ids, sampling, self.config.vocab_size,
-                         self.config.max_position_embeddings)
 
     def execute(self, plan: BatchPlan) -> StepOutput:
         result = self.runner.run(plan, None, sample=True)

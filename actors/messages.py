@@ -145,21 +145,3 @@ class StepOutput:
     tokens: dict[str, int]
     timings: dict[str, float] = field(default_factory=dict)
 
-
-def validate_request(prompt_ids: list[int] | tuple[int, ...], sampling: SamplingParams,
-                     vocab_size: int, max_context: int) -> None:
-    """Reject a request the model cannot serve, with a ``ValueError`` naming the value.
-
-    The prompt plus every token it may generate must fit the model's context window.
-    """
-    if not prompt_ids:
-        raise ValueError("prompt is empty: at least one token id is required")
-    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-    sampling.validate()
-    if len(prompt_ids) + sampling.max_tokens > max_context:
-        raise ValueError(
-            f"prompt of {len(prompt_ids)} tokens + max_tokens {sampling.max_tokens} exceeds the "
-            f"model's context of {max_context} tokens"
-        )

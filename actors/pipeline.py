@@ -36,7 +36,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.messages import BatchPlan, SamplingParams, StepOutput, validate_request
+from actors.messages import BatchPlan, StepOutput
 from actors.model.config import OPTConfig
 from actors.parallel import BACKENDS, layer_ranges
 from actors.transport import TRANSPORTS, Transport, make_transport
@@ -221,9 +221,6 @@ class PipelineExecutor:
     def workers(self) -> list[list[ActorHandle]]:
         """``[stage][tp_rank]`` handles (for tests and diagnostics)."""
         return [list(stage) for stage in self._grid]
-
-    def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        validate_request(prompt_ids, sampling, self.config.vocab_size, self.config.max_position_embeddings)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 

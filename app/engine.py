@@ -19,9 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from actors.messages import BatchPlan, SamplingParams, StepOutput
+from app.errors import AdmissionQueueFull, EngineUnavailable
 from app.scheduler.config import EngineConfig
 from app.scheduler.job import JobRequest, TokenDelta
-from app.scheduler.scheduler import AdmissionQueueFull, Scheduler
+from app.scheduler.scheduler import Scheduler
 from app.step_stats import StepKind, StepStats
 
 log = logging.getLogger(__name__)
@@ -62,10 +63,6 @@ class ThreadedExecutor:
         close = getattr(self.sync, "close", None)
         if callable(close):
             close()
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine loop is not running (never started, stopped, or crashed): no new work."""
 
 
 class RequestStream:
@@ -178,8 +175,8 @@ class Engine:
     def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                     job_id: str | None = None, arrival: float | None = None,
                     priority: int = 0) -> RequestStream:
-        """Queue a request; returns its delta stream. Raises at once (``ValueError``,
-        ``AdmissionQueueFull``, ``EngineUnavailable``) if it cannot be served."""
+        """Queue a request; returns its delta stream. Raises a ``RequestError`` at once
+        (``InvalidRequest``, ``AdmissionQueueFull``, ``EngineUnavailable``) if it cannot be served."""
         if not self.running:
             raise EngineUnavailable("the engine loop is not running; the replica is being replaced")
         if len(self._queues) >= self.config.max_jobs:

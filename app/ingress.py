@@ -28,8 +28,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from actors.messages import SamplingParams, validate_request
+from actors.messages import SamplingParams
 from app.config import AppArgs, resolve_path
+from app.errors import ErrorCode, RequestError, validate_request
 from app.metrics import IngressMetrics
 from app.metrics_export import CONTENT_TYPE, AgentMetrics
 from app.protocol import (
@@ -59,6 +60,9 @@ SSE_DONE = b"data: [DONE]\n\n"
 #: Finish reasons that mean the server, not the model, ended the job.
 SERVER_ENDED = {"abort": (503, "the server stopped the request (shutting down?)"),
                 "error": (500, "generation failed inside the engine")}
+#: How a refusal's message reads to the client, by its code (default: the message as is).
+REFUSAL_MESSAGES = {ErrorCode.ADMISSION_QUEUE_FULL: "server busy: {}; retry later",
+                    ErrorCode.ENGINE_UNAVAILABLE: "the model is unavailable: {}; retry later"}
 
 
 class Stream(Protocol):
@@ -216,10 +220,15 @@ class OpenAIServer:
     def _validate(self, ids: list[int], sampling: SamplingParams, param: str) -> None:
         try:
             validate_request(ids, sampling, self.ctx.vocab_size, self.ctx.context_len)
-        except ValueError as exc:
-            msg = str(exc)
-            code = "context_length_exceeded" if "exceeds the model's context" in msg else None
-            raise bad_request(msg, param, code) from None
+        except RequestError as exc:
+            raise self.refusal(exc.code, str(exc), param) from None
+
+    def refusal(self, code: ErrorCode, message: str, param: str | None) -> APIError:
+        """The HTTP answer to a refused request: status, type and code come from ``code``."""
+        template = REFUSAL_MESSAGES.get(code, "{}")
+        headers = {"Retry-After": str(self.ctx.retry_after_s)} if code.retry else None
+        return APIError(code.status, template.format(message), param if code.status == 400 else None,
+                        code.wire_code, code.error_type, headers)
 
     # ---- generation ------------------------------------------------------------------------
 
@@ -232,16 +241,8 @@ class OpenAIServer:
         except BaseException:
             stream.cancel()
             raise
-        if first.kind == "rejected":
-            raise APIError(429, f"server busy: {first.message}; retry later", None,
-                           "admission_queue_full", "rate_limit_error",
-                           {"Retry-After": str(self.ctx.retry_after_s)})
-        if first.kind == "invalid":
-            raise bad_request(first.message, "messages" if prep.chat else "prompt")
-        if first.kind == "unavailable":
-            raise APIError(503, f"the model is unavailable: {first.message}; retry later", None,
-                           "engine_unavailable", "service_unavailable",
-                           {"Retry-After": str(self.ctx.retry_after_s)})
+        if first.kind == "refused" and first.code is not None:
+            raise self.refusal(first.code, first.message, "messages" if prep.chat else "prompt")
         return await self._first_output(stream)
 
     async def _first_output(self, stream: Stream) -> Stream:

@@ -2,9 +2,10 @@
 
 Owns the replica side of a request: ``SchedulerReplica.generate`` adds the job to the replica's
 ``Engine`` and streams ``StreamItem``s back through the ingress's ``DeploymentHandle``; the
-first item says whether the job was accepted (or refused: admission queue full → 429, invalid →
-400), the last carries the finish reason and the scheduler's per-job accounting. A cancelled
-stream (client gone, stop string matched) aborts the job, which frees its KV blocks.
+first item says whether the job was accepted (or refused, with the ``ErrorCode`` that picks the
+HTTP answer: admission queue full → 429, invalid → 400), the last carries the finish reason
+and the scheduler's per-job accounting. A cancelled stream (client gone, stop string matched)
+aborts the job, which frees its KV blocks.
 
 It also owns executor construction (``build_executor``): in process (``ThreadedExecutor`` over
 ``InProcessExecutor``) for TP·PP = 1, else the Ray pipeline of stage-worker actors placed in this
@@ -25,15 +26,16 @@ from typing import Any, Literal
 
 from actors.messages import SamplingParams
 from app.config import AppArgs, resolve_path
-from app.engine import Engine, EngineUnavailable, Executor, ThreadedExecutor
+from app.engine import Engine, Executor, ThreadedExecutor
+from app.errors import AdmissionQueueFull, ErrorCode, RequestError
 from app.metrics import SchedulerMetrics
 from app.scheduler.job import JobStats
 from app.scheduler.profile import Profile
-from app.scheduler.scheduler import AdmissionQueueFull, Scheduler
+from app.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
-ItemKind = Literal["accepted", "rejected", "invalid", "unavailable", "tokens", "finished"]
+ItemKind = Literal["accepted", "refused", "tokens", "finished"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,8 @@ class StreamItem:
     token_ids: tuple[int, ...] = ()
     finish_reason: str | None = None
     message: str = ""
+    #: Why a ``refused`` job was refused (the HTTP layer answers with its status).
+    code: ErrorCode | None = None
     job_stats: dict[str, Any] = field(default_factory=dict)
     emitted_at: float = 0.0
 
@@ -171,15 +175,10 @@ class SchedulerReplica:
         try:
             stream = self.engine.add_request(req.prompt_ids, req.sampling, job_id=req.job_id,
                                              priority=req.priority)
-        except AdmissionQueueFull as exc:
-            self.metrics.rejected()
-            yield StreamItem("rejected", message=str(exc))
-            return
-        except ValueError as exc:
-            yield StreamItem("invalid", message=str(exc))
-            return
-        except EngineUnavailable as exc:
-            yield StreamItem("unavailable", message=str(exc))
+        except RequestError as exc:
+            if isinstance(exc, AdmissionQueueFull):
+                self.metrics.rejected()
+            yield StreamItem("refused", message=str(exc), code=exc.code)
             return
         finished = False
         self._live.add(req.job_id)

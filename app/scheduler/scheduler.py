@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from actors.messages import BatchPlan, StepOutput
+from app.errors import AdmissionQueueFull, InvalidRequest
 from app.kv.manager import KVCacheManager
 from app.scheduler.accounting import compute_seconds, service_shares
 from app.scheduler.apply import Applied, Applier, Served
@@ -36,10 +37,6 @@ from app.scheduler.state import InFlight, SchedulerState, SchedulerView
 
 #: A plan that only dropped KV is re-planned at once (the drops freed blocks); once is enough.
 _PLAN_PASSES = 2
-
-
-class AdmissionQueueFull(RuntimeError):
-    """Too many jobs wait for admission; the HTTP layer answers 429."""
 
 
 class Scheduler:
@@ -106,8 +103,10 @@ class Scheduler:
     def add(self, job_or_request: Job | JobRequest, now: float) -> Job:
         """Queue a new job (skip-join: its level comes from the profiled t_init).
 
-        Raises ``ValueError`` for a job that can never run and ``AdmissionQueueFull`` when the
-        admission queue is at its configured limit.
+        The request's own validity (prompt, sampling, context) is ``app.errors.validate_request``'s,
+        at the ingress. Here only what the scheduler knows: raises ``InvalidRequest`` for a job its
+        KV pool can never hold (or a duplicate id) and ``AdmissionQueueFull`` when the admission
+        queue is at its configured limit.
         """
         req = job_or_request
         job = req if isinstance(req, Job) else Job(
@@ -115,13 +114,10 @@ class Scheduler:
             now if req.arrival is None else req.arrival, req.priority)
         s = self.state
         if job.job_id in s.jobs:
-            raise ValueError(f"job id {job.job_id!r} is already queued")
-        if not job.prompt_ids:
-            raise ValueError(f"job {job.job_id}: prompt is empty")
-        job.sampling.validate()
+            raise InvalidRequest(f"job id {job.job_id!r} is already queued")
         peak = s.kv.blocks_for(job.prompt_len + job.sampling.max_tokens - 1)
         if peak > s.kv_config.num_device_blocks:
-            raise ValueError(
+            raise InvalidRequest(
                 f"job {job.job_id}: prompt {job.prompt_len} + max_tokens "
                 f"{job.sampling.max_tokens} needs {peak} KV blocks, the device pool has "
                 f"{s.kv_config.num_device_blocks}")

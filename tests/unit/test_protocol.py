@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from app.errors import ErrorCode
 from app.ingress import OpenAIServer, ServerContext, make_api
 from app.protocol import (
     APIError,
@@ -161,7 +162,8 @@ class FakeBackend:
     def generate(self, req: GenerateRequest) -> FakeStream:
         self.requests.append(req)
         if self.first != "accepted":
-            stream = FakeStream([StreamItem(self.first, message="2 jobs already wait for admission")])  # type: ignore[arg-type]
+            code = {"rejected": ErrorCode.ADMISSION_QUEUE_FULL, "unavailable": ErrorCode.ENGINE_UNAVAILABLE}[self.first]
+            stream = FakeStream([StreamItem("refused", message="2 jobs already wait for admission", code=code)])
         else:
             k = self.per_item
             items = [StreamItem("accepted"),
