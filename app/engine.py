@@ -175,7 +175,12 @@ class Engine:
     def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                     job_id: str | None = None, arrival: float | None = None,
                     priority: int = 0) -> RequestStream:
-        """Queue a request; returns its delta stream. Raises a ``RequestError`` at once
+        """``submit`` a ``JobRequest`` built from these (offline runs and tests)."""
+        job_id = job_id if job_id is not None else f"job-{next(self._ids)}"
+        return self.submit(JobRequest(job_id, tuple(prompt_ids), sampling, arrival, priority))
+
+    def submit(self, req: JobRequest) -> RequestStream:
+        """Queue a request; returns its event stream. Raises a ``RequestError`` at once
         (``InvalidRequest``, ``AdmissionQueueFull``, ``EngineUnavailable``) if it cannot be served."""
         if not self.running:
             raise EngineUnavailable("the engine loop is not running; the replica is being replaced")
@@ -184,21 +189,18 @@ class Engine:
                                      f"(engine.max_jobs={self.config.max_jobs})")
         if not (self._inflight or self.scheduler.has_work()):
             self._last_progress = time.perf_counter()   # the watchdog counts from the first work
-        job_id = job_id if job_id is not None else f"job-{next(self._ids)}"
-        now = self.clock()
-        req = JobRequest(job_id, tuple(prompt_ids), sampling, now if arrival is None else arrival, priority)
-        self.scheduler.add(req, now)
+        self.scheduler.add(req, self.clock())
         queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
-        self._queues[job_id] = queue
+        self._queues[req.job_id] = queue
         self._wake.set()
-        return RequestStream(job_id, queue)
+        return RequestStream(req.job_id, queue)
 
     def abort(self, job_id: str) -> None:
         """Cancel a job (e.g. its client went away): frees its blocks, ends its stream."""
         queue = self._queues.pop(job_id, None)
         self.scheduler.abort(job_id, self.clock())
         if queue is not None:
-            queue.put_nowait(TokenDelta(job_id, None, True, "abort"))
+            queue.put_nowait(TokenDelta(job_id, finish_reason="abort"))
         self._wake.set()
 
     # ---- the loop ------------------------------------------------------------------------
@@ -211,7 +213,7 @@ class Engine:
             # A scheduler bug must not leave callers waiting forever.
             log.exception("engine loop crashed; failing every open request")
             for job_id, queue in list(self._queues.items()):
-                queue.put_nowait(TokenDelta(job_id, None, True, "error"))
+                queue.put_nowait(TokenDelta(job_id, finish_reason="error"))
             self._queues.clear()
             raise
 

@@ -54,8 +54,7 @@ async def generate_all(args: AppArgs, prompts: Sequence[str], sampling: Sampling
         ids: list[int] = []
         reason = None
         async for delta in stream:
-            if delta.token_id is not None:
-                ids.append(delta.token_id)
+            ids += delta.token_ids
             reason = delta.finish_reason
         return {"prompt": prompt, "text": tokenizer.decode(ids), "tokens": len(ids),
                 "finish_reason": reason, "seconds": time.monotonic() - started}

@@ -1,11 +1,11 @@
 """The ``Scheduler`` deployment: one replica = one model copy, its executor and its engine loop.
 
-Owns the replica side of a request: ``SchedulerReplica.generate`` adds the job to the replica's
-``Engine`` and streams ``StreamItem``s back through the ingress's ``DeploymentHandle``; the
-first item says whether the job was accepted (or refused, with the ``ErrorCode`` that picks the
-HTTP answer: admission queue full → 429, invalid → 400), the last carries the finish reason
-and the scheduler's per-job accounting. A cancelled stream (client gone, stop string matched)
-aborts the job, which frees its KV blocks.
+Owns the replica side of a request: ``SchedulerReplica.generate`` submits the ingress's
+``JobRequest`` to the replica's ``Engine`` and streams the job's ``TokenDelta``s back through the
+ingress's ``DeploymentHandle``; the first event says whether the job was accepted (or refused,
+with the ``ErrorCode`` that picks the HTTP answer: admission queue full → 429, invalid → 400), the
+last carries the finish reason and the job's stats (``JobStats``). A cancelled stream (client
+gone, stop string matched) aborts the job, which frees its KV blocks.
 
 It also owns executor construction (``build_executor``): in process (``ThreadedExecutor`` over
 ``InProcessExecutor``) for TP·PP = 1, else the Ray pipeline of stage-worker actors placed in this
@@ -21,64 +21,18 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Any
 
-from actors.messages import SamplingParams
 from app.config import AppArgs, resolve_path
 from app.engine import Engine, Executor, ThreadedExecutor
-from app.errors import AdmissionQueueFull, ErrorCode, RequestError
+from app.errors import AdmissionQueueFull, RequestError
 from app.metrics import SchedulerMetrics
-from app.scheduler.job import JobStats
+from app.scheduler.job import JobRequest, TokenDelta
 from app.scheduler.profile import Profile
 from app.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
-
-ItemKind = Literal["accepted", "refused", "tokens", "finished"]
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    """What the ingress sends the scheduler: a tokenized, validated request."""
-
-    job_id: str
-    prompt_ids: tuple[int, ...]
-    sampling: SamplingParams
-    #: Lower = more urgent. Recorded; the shipped policies rank by their own rules.
-    priority: int = 0
-
-
-@dataclass(frozen=True)
-class StreamItem:
-    """One item of ``generate``'s stream (plain data: it crosses processes).
-
-    ``tokens`` and ``finished`` items carry every token the job produced since the previous
-    item: one per step while the reader keeps up, several when it lags (one message instead of
-    one per token). ``emitted_at`` (wall clock) lets the reader measure the delivery delay.
-    """
-
-    kind: ItemKind
-    token_ids: tuple[int, ...] = ()
-    finish_reason: str | None = None
-    message: str = ""
-    #: Why a ``refused`` job was refused (the HTTP layer answers with its status).
-    code: ErrorCode | None = None
-    job_stats: dict[str, Any] = field(default_factory=dict)
-    emitted_at: float = 0.0
-
-
-def job_stats_dict(stats: JobStats) -> dict[str, Any]:
-    """The per-job accounting a response carries (``job_stats``), in seconds and counts."""
-    ttft = None if stats.first_token_time is None else stats.first_token_time - stats.arrival
-    e2e = None if stats.finish_time is None else stats.finish_time - stats.arrival
-    return {
-        "queue_s": stats.queueing_s, "exec_s": stats.execution_s,
-        "swap_blocked_s": stats.swap_blocked_s, "ttft_s": ttft, "e2e_s": e2e,
-        "demotions": stats.demotions, "promotions": stats.promotions,
-        "swaps_in": stats.swaps_in, "swaps_out": stats.swaps_out, "recomputes": stats.recomputes,
-        "num_generated": stats.num_generated, "prompt_len": stats.prompt_len,
-    }
 
 
 async def build_executor(args: AppArgs) -> Executor:
@@ -135,8 +89,6 @@ class SchedulerReplica:
         self.args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
         self.replica_id = _replica_id()
         self.metrics = SchedulerMetrics(self.args.model.name)
-        self._stats: dict[str, JobStats] = {}   # finished jobs' accounting, until their stream takes it
-        self._live: set[str] = set()             # jobs with a stream still open
         executor = await build_executor(self.args)
         # A lost pipeline (a stage worker died) is rebuilt in this replica's placement group.
         rebuild = (lambda: build_executor(self.args)) if self.args.parallel.uses_pipeline else None
@@ -170,47 +122,34 @@ class SchedulerReplica:
     def scheduler(self) -> Scheduler:
         return self.engine.scheduler
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamItem]:
-        """Stream one job. Cancellation (the caller went away) aborts it and frees its blocks."""
+    async def generate(self, req: JobRequest) -> AsyncIterator[TokenDelta]:
+        """Stream one job's events: first an accepted (empty) event or a refusal with its
+        ``ErrorCode``, then its tokens, merged per read, the last with the finish and the job's
+        stats. Cancellation (the caller went away) aborts the job and frees its blocks."""
         try:
-            stream = self.engine.add_request(req.prompt_ids, req.sampling, job_id=req.job_id,
-                                             priority=req.priority)
+            stream = self.engine.submit(req)
         except RequestError as exc:
             if isinstance(exc, AdmissionQueueFull):
                 self.metrics.rejected()
-            yield StreamItem("refused", message=str(exc), code=exc.code)
+            yield TokenDelta(req.job_id, error=exc.code, message=str(exc))
             return
         finished = False
-        self._live.add(req.job_id)
         try:   # from here on, however the caller leaves, the job must not outlive it
-            yield StreamItem("accepted")
+            yield TokenDelta(req.job_id)
             async for delta in stream:
-                deltas = [delta, *stream.ready()]
-                tokens = tuple(d.token_id for d in deltas if d.token_id is not None)
-                last = deltas[-1]
-                if last.finished:
-                    finished = True
-                    yield StreamItem("finished", tokens, last.finish_reason,
-                                     job_stats=self._take_stats(req.job_id), emitted_at=time.time())
+                merged = TokenDelta.merge([delta, *stream.ready()])
+                finished = merged.finished
+                yield replace(merged, emitted_at=time.time())
+                if finished:
                     return
-                yield StreamItem("tokens", tokens, emitted_at=time.time())
         finally:
             if not finished:
                 self.engine.abort(req.job_id)
-            self._live.discard(req.job_id)
-            self._stats.pop(req.job_id, None)
 
-    def _take_stats(self, job_id: str) -> dict[str, Any]:
-        self._collect_finished()
-        stats = self._stats.pop(job_id, None)
-        return {} if stats is None else job_stats_dict(stats)
-
-    def _collect_finished(self) -> None:
-        """Drain the scheduler's finished-job accounting: record it, keep it per open stream."""
+    def _record_finished(self) -> None:
+        """Record the finished jobs' accounting (the scheduler keeps it until drained here)."""
         for stats in self.scheduler.drain_finished():
             self.metrics.job_finished(stats)
-            if stats.job_id in self._live:
-                self._stats[stats.job_id] = stats
 
     # ---- inspection ------------------------------------------------------------------------
 
@@ -228,7 +167,7 @@ class SchedulerReplica:
         return {"actor_id": ray.get_runtime_context().get_actor_id(), "replica_id": self.replica_id}
 
     def _sample_metrics(self) -> None:
-        self._collect_finished()
+        self._record_finished()
         self.metrics.sample(self.scheduler)
 
     async def _sample_metrics_forever(self) -> None:

@@ -218,7 +218,7 @@ class Scheduler:
                 self.applier.waste(job, served, now)
                 continue
             reason = self.applier.advance(job, token, served, now)
-            deltas.append(TokenDelta(job_id, token, reason is not None, reason))
+            deltas.append(TokenDelta.token(job_id, token, reason, job.stats if reason else None))
         self.applier.settle(settled)
         return deltas
 
@@ -262,4 +262,4 @@ class Scheduler:
     def _fail_job(self, job: Job, now: float) -> TokenDelta:
         self.applier.retire(job, JobState.FINISHED, "error", now)
         self.state.totals["errors"] += 1
-        return TokenDelta(job.job_id, None, True, "error")
+        return TokenDelta(job.job_id, finish_reason="error", stats=job.stats)

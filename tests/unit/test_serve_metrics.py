@@ -23,8 +23,7 @@ from app.metrics import (
     SchedulerMetrics,
 )
 from app.metrics_export import our_families, render
-from app.scheduler.job import JobStats
-from app.serving import StreamItem
+from app.scheduler.job import JobStats, TokenDelta
 from tests.unit.test_protocol import CONTEXT, MODEL, TEXT_IDS, TOK, VOCAB, FakeBackend, FakeStream
 
 
@@ -157,5 +156,5 @@ def test_ingress_records_how_each_request_ended_for_its_client() -> None:
 
     class Broken(FakeBackend):
         def generate(self, req: Any) -> FakeStream:
-            return FakeStream([StreamItem("accepted")])   # ends without a finish
+            return FakeStream([TokenDelta("j")])   # ends without a finish
     assert ingress_outcomes(Broken(TEXT_IDS), {"stream": True}) == {(("finished_reason", "error"),): 1.0}

@@ -40,8 +40,8 @@ def test_request_stream_ready_takes_what_is_queued_up_to_the_finish() -> None:
         queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
         stream = RequestStream("j", queue)
         for token, finished in ((5, False), (6, False), (7, True)):
-            queue.put_nowait(TokenDelta("j", token, finished, "length" if finished else None))
-        queue.put_nowait(TokenDelta("j", None, True, "abort"))   # never read: the job finished
+            queue.put_nowait(TokenDelta.token("j", token, "length" if finished else None))
+        queue.put_nowait(TokenDelta("j", finish_reason="abort"))   # never read: the job finished
         first = await stream.__anext__()
         rest = stream.ready()
         assert [first.token_id, *(d.token_id for d in rest)] == [5, 6, 7]
