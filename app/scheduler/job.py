@@ -91,7 +91,9 @@ class JobStats:
     ``queueing_s`` + ``swap_blocked_s`` + ``execution_s`` is the time from arrival to the last
     token. ``swap_blocked_s`` is time the job would have been picked but its KV was not on the
     device. ``enst_pairs`` holds (predicted ENST, actual wait until next scheduled) for every
-    prediction made at a swap decision.
+    prediction made at a swap decision; ``enst_mae_s`` is their mean absolute error, reported in
+    the response's ``job_stats`` and (per prediction) in the ``enst_error_seconds`` metric — how
+    good ENST is, which the paper leaves open.
     """
 
     job_id: str
@@ -126,9 +128,18 @@ class JobStats:
             "swaps_in": self.swaps_in, "swaps_out": self.swaps_out, "recomputes": self.recomputes,
             "num_generated": self.num_generated, "prompt_len": self.prompt_len,
         }
+        out["enst_mae_s"] = self.enst_mae_s
+        out["enst_predictions"] = len(self.enst_pairs)
         if self.delivery_s is not None:
             out["delivery_s"] = self.delivery_s
         return out
+
+    @property
+    def enst_mae_s(self) -> float | None:
+        """Mean |predicted ENST − actual wait until next scheduled|; None without predictions."""
+        if not self.enst_pairs:
+            return None
+        return sum(abs(p - a) for p, a in self.enst_pairs) / len(self.enst_pairs)
 
 
 @dataclass(eq=False)
