@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -34,10 +34,8 @@ class SwapHandle:
     """An issued swap: which device blocks it touches, and how to wait for it."""
 
     device_blocks: frozenset[int]
-    host_blocks: frozenset[int]
     _future: Future[None] | None = None
     _event: torch.cuda.Event | None = None
-    issued_at: float = field(default_factory=time.perf_counter)
 
     def done(self) -> bool:
         if self._future is not None:
@@ -105,15 +103,13 @@ class KVStore:
         """Copy device blocks to host blocks: ``pairs`` = [(device_block, host_block), ...]."""
         self._check(pairs, self.num_device_blocks, self.num_host_blocks, "device", "host")
         self.swapped_out_blocks += len(pairs)
-        return self._issue(self.device_pool, self.host_pool, pairs,
-                           frozenset(d for d, _ in pairs), frozenset(h for _, h in pairs))
+        return self._issue(self.device_pool, self.host_pool, pairs, frozenset(d for d, _ in pairs))
 
     def swap_in(self, pairs: BlockPairs) -> SwapHandle:
         """Copy host blocks to device blocks: ``pairs`` = [(host_block, device_block), ...]."""
         self._check(pairs, self.num_host_blocks, self.num_device_blocks, "host", "device")
         self.swapped_in_blocks += len(pairs)
-        return self._issue(self.host_pool, self.device_pool, pairs,
-                           frozenset(d for _, d in pairs), frozenset(h for h, _ in pairs))
+        return self._issue(self.host_pool, self.device_pool, pairs, frozenset(d for _, d in pairs))
 
     def wait_for(self, device_blocks: Iterable[int]) -> float:
         """Block until every in-flight swap touching ``device_blocks`` is done; seconds waited."""
@@ -148,10 +144,10 @@ class KVStore:
         return time.perf_counter() - start
 
     def _issue(self, src: torch.Tensor, dst: torch.Tensor, pairs: BlockPairs,
-               device_blocks: frozenset[int], host_blocks: frozenset[int]) -> SwapHandle:
+               device_blocks: frozenset[int]) -> SwapHandle:
         src_ids = [s for s, _ in pairs]
         dst_ids = [d for _, d in pairs]
-        handle = SwapHandle(device_blocks, host_blocks)
+        handle = SwapHandle(device_blocks)
         if not pairs:
             return handle
         if self._stream is not None:

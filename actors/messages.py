@@ -109,19 +109,18 @@ class SwapCommand:
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """One iteration for the whole pipeline: swaps to start, entries to run, jobs to forget.
+    """One iteration for the whole pipeline: swaps to start, entries to run.
 
     Every stage applies ``swap_out`` then ``swap_in`` to its own KV (asynchronously, overlapped with
     compute), then runs ``entries``. A swap may target blocks no entry of this plan uses: that is
-    the proactive case, finished in the background. ``free`` names jobs whose per-job data-plane
-    state may be dropped (they finished or were aborted).
+    the proactive case, finished in the background. The data plane keeps no per-job state, so
+    nothing tells it a job is gone.
     """
 
     step_id: int
     entries: tuple[BatchEntry, ...]
     swap_out: tuple[SwapCommand, ...] = ()
     swap_in: tuple[SwapCommand, ...] = ()
-    free: tuple[str, ...] = ()
 
     @property
     def num_tokens(self) -> int:

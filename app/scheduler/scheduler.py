@@ -163,9 +163,7 @@ class Scheduler:
         if not out.entries and not out.swap_out and not out.swap_in:
             return None
         s.next_step += 1
-        plan = BatchPlan(step, tuple(out.entries), tuple(out.swap_out), tuple(out.swap_in),
-                         tuple(s.to_free))
-        s.to_free.clear()
+        plan = BatchPlan(step, tuple(out.entries), tuple(out.swap_out), tuple(out.swap_in))
         s.inflight[step] = InFlight(now, tuple(e.job_id for e in out.entries),
                                     frozenset(out.reactive), frozenset(out.wasted))
         s.totals["steps"] += 1
@@ -256,7 +254,6 @@ class Scheduler:
                 if job.state is JobState.RUNNING:
                     job.state = JobState.RUNNABLE   # its step is void: retire frees at once
                 deltas.append(self._fail_job(job, now))
-        s.to_free.clear()
         return deltas
 
     def _fail_job(self, job: Job, now: float) -> TokenDelta:
