@@ -131,8 +131,6 @@ class StageWorker:
         self.tp = TensorParallelGroup(spec.device)
         self.runner = _build_runner(spec, self.tp)
         self._steps = 0
-        self._swapped_out_blocks = 0
-        self._swapped_in_blocks = 0
         self._timeline: deque[StepRecord] = deque(maxlen=TIMELINE_CAPACITY)
 
     def tp_address(self) -> tuple[str, int]:
@@ -154,7 +152,6 @@ class StageWorker:
         plan, hidden, upstream = msg
         if not self.tp.initialized:
             raise RuntimeError(f"{self.spec.name}: step before init_tp_group (tp_size {self.spec.tp_size})")
-        self._count_swaps(plan)
         if plan.entries and self.spec.stage_index > 0 and hidden is None:
             raise ValueError(f"{self.spec.name}: plan {plan.step_id} has {len(plan.entries)} entries "
                              "but no hidden states came from the previous stage")
@@ -169,20 +166,17 @@ class StageWorker:
             return StageInput(plan, result.hidden, summed)
         return StepOutput(plan.step_id, result.tokens, summed) if self.spec.samples else None
 
-    def _count_swaps(self, plan: BatchPlan) -> None:
-        self._swapped_out_blocks += sum(len(c.src_blocks) for c in plan.swap_out)
-        self._swapped_in_blocks += sum(len(c.src_blocks) for c in plan.swap_in)
-
     @ray.method(concurrency_group=CONTROL_GROUP)
     def ping(self) -> str:
         return self.spec.name
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def stats(self) -> dict[str, Any]:
-        """Counters only: safe while the graph runs (no KV access, no collectives)."""
+        """Counters only: safe while the graph runs (no KV access, no collectives). The swapped
+        blocks are the KV store's own counts."""
+        kv = self.runner.kv
         return {"stage": self.spec.stage_index, "tp_rank": self.spec.tp_rank, "steps": self._steps,
-                "swapped_out_blocks": self._swapped_out_blocks,
-                "swapped_in_blocks": self._swapped_in_blocks}
+                "swapped_out_blocks": kv.swapped_out_blocks, "swapped_in_blocks": kv.swapped_in_blocks}
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def timeline(self) -> list[StepRecord]:

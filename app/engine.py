@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Protocol
 
 from actors.messages import BatchPlan, SamplingParams, StepOutput
@@ -93,6 +94,16 @@ class RequestStream:
         return out
 
 
+@dataclass(frozen=True)
+class _Submitted:
+    """One step the executor is running: its plan, and when it was scheduled and submitted."""
+
+    plan: BatchPlan
+    at: float                    # perf_counter at submission
+    schedule_s: float            # seconds ``schedule`` took
+    busy_since: float | None     # end of the step it ran back to back with (None: idle before)
+
+
 #: Builds a fresh executor (new workers, weights reloaded) when the current one is lost.
 ExecutorFactory = Callable[[], Awaitable[Executor]]
 
@@ -115,11 +126,10 @@ class Engine:
         self._ids = itertools.count()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._inflight: dict[asyncio.Task[StepOutput], BatchPlan] = {}
+        #: The executor's outstanding steps (the scheduler keeps what each plan means for its jobs).
+        self._inflight: dict[asyncio.Task[StepOutput], _Submitted] = {}
         self.plans_failed = 0
         self.step_stats = StepStats()
-        # Per in-flight step: (submit time, schedule seconds, cycle start or None if idle before).
-        self._submitted: dict[asyncio.Task[StepOutput], tuple[float, float, float | None]] = {}
         self._pass = 0                           # loop passes, to tell back-to-back steps
         self._last_finish: tuple[int, float] | None = None   # (pass, time) of the last result
         self._last_progress = time.perf_counter()   # a step finished, or the engine went idle
@@ -165,8 +175,8 @@ class Engine:
             for step_task in stuck:
                 step_task.cancel()
             await asyncio.gather(*self._inflight, return_exceptions=True)
-            for step_task, plan in list(self._inflight.items()):
-                self._finish(step_task, plan)
+            for step_task, step in list(self._inflight.items()):
+                self._finish(step_task, step)
             self._inflight.clear()
         for job_id in list(self._queues):
             self.abort(job_id)
@@ -245,16 +255,15 @@ class Engine:
                 return
             submitted = time.perf_counter()
             task = asyncio.ensure_future(self.executor.execute(plan))
-            self._inflight[task] = plan
             # A step submitted in the pass right after a result ran back to back with it.
             last = self._last_finish
             busy_since = last[1] if last is not None and last[0] == self._pass - 1 else None
-            self._submitted[task] = (submitted, submitted - started, busy_since)
+            self._inflight[task] = _Submitted(plan, submitted, submitted - started, busy_since)
 
-    def _finish(self, task: asyncio.Task[StepOutput], plan: BatchPlan) -> None:
+    def _finish(self, task: asyncio.Task[StepOutput], step: _Submitted) -> None:
         now = self.clock()
         finished = time.perf_counter()
-        submitted, schedule_s, busy_since = self._submitted.pop(task, (finished, 0.0, None))
+        plan, submitted, schedule_s, busy_since = step.plan, step.at, step.schedule_s, step.busy_since
         output: StepOutput | None = None
         try:
             output = task.result()
@@ -298,9 +307,8 @@ class Engine:
         self._recovering_since = started
         if self._inflight:   # the rest of the lost executor's plans fail too
             await asyncio.gather(*self._inflight, return_exceptions=True)
-            self._lost += self._inflight.values()
+            self._lost += [step.plan for step in self._inflight.values()]
             self._inflight.clear()
-            self._submitted.clear()
         log.warning("executor lost; rebuilding it, %d jobs resume by recompute", len(self._queues))
         self.scheduler.lose_all_kv(self._lost)
         self._lost.clear()

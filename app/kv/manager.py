@@ -43,7 +43,11 @@ class _JobKV:
 
 
 @dataclass
-class _StepRecord:
+class _StepReleases:
+    """What one in-flight step holds of the KV cache, settled when it completes. (Which steps are
+    in flight, and what they mean for their jobs, is the scheduler's ``SchedulerState.inflight``;
+    the engine holds only the executor's tasks.)"""
+
     device: list[int] = field(default_factory=list)   # released when the step completes
     host: list[int] = field(default_factory=list)
     swaps: list[str] = field(default_factory=list)    # jobs whose swap settles with the step
@@ -57,7 +61,7 @@ class KVCacheManager:
         self.device = BlockPool(config.num_device_blocks, "device")
         self.host = BlockPool(config.num_host_blocks, "host")
         self._jobs: dict[str, _JobKV] = {}
-        self._steps: dict[int, _StepRecord] = {}
+        self._steps: dict[int, _StepReleases] = {}
         self.device_releasing = 0   # device blocks that come back when in-flight steps complete
         self.swapped_out_blocks = 0
         self.swapped_in_blocks = 0
@@ -239,10 +243,10 @@ class KVCacheManager:
         return lost
 
     # ---- internals -----------------------------------------------------------------------
-    def _record(self, step: int) -> _StepRecord:
+    def _record(self, step: int) -> _StepReleases:
         rec = self._steps.get(step)
         if rec is None:
-            rec = self._steps[step] = _StepRecord()
+            rec = self._steps[step] = _StepReleases()
         return rec
 
     def _pool(self, tier: Tier) -> BlockPool:
