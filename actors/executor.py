@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from actors.kv_store import KVStore
-from actors.messages import BatchPlan, StepOutput
+from actors.messages import DEFAULT_BLOCK_SIZE, BatchPlan, StepOutput
 from actors.model.config import OPTConfig
 from actors.model.opt import AllReduce, OPTStage, StageShard
 from actors.model.weights import load_stage_weights
@@ -50,7 +50,7 @@ class InProcessExecutor:
         model: str | Path | OPTConfig,
         num_device_blocks: int,
         num_host_blocks: int,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         dtype: str = "float32",
         device: str = "cpu",
         seed: int = 0,

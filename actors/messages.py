@@ -18,6 +18,14 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 
 SwapDirection = Literal["out", "in"]
 
+#: Tokens per KV block unless configured otherwise (``kv_cache.block_size``).
+DEFAULT_BLOCK_SIZE = 16
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """KV blocks of ``block_size`` tokens that hold ``num_tokens`` positions (ceiling division)."""
+    return -(-num_tokens // block_size)
+
 
 @dataclass(frozen=True)
 class SamplingParams:

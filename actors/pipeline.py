@@ -36,7 +36,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.messages import BatchPlan, StepOutput
+from actors.messages import DEFAULT_BLOCK_SIZE, BatchPlan, StepOutput
 from actors.model.config import OPTConfig
 from actors.parallel import BACKENDS, layer_ranges
 from actors.transport import TRANSPORTS, Transport, make_transport
@@ -65,7 +65,7 @@ class PipelineSpec:
     model: str | Path | OPTConfig
     num_device_blocks: int
     num_host_blocks: int
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0

@@ -21,7 +21,6 @@ come from the simulator; a running server always requires its profile.
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from actors.messages import blocks_for
 from actors.model.config import OPTConfig
 from app.scheduler.config import EngineConfig, KVCacheConfig, SchedulerConfig
 from app.scheduler.profile import Profile
@@ -256,7 +256,7 @@ class AppArgs(_Strict):
             raise ValueError(
                 f"kv_cache.block_size={kv.block_size} does not divide the context length {ctx}"
             )
-        need = math.ceil(ctx / kv.block_size)
+        need = blocks_for(ctx, kv.block_size)
         usable = kv.num_device_blocks - kv.reserved_blocks
         if usable < need:
             raise ValueError(

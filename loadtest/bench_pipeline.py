@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from actors.executor import InProcessExecutor
-from actors.messages import BatchEntry, BatchPlan, SamplingParams, StepOutput
+from actors.messages import BatchEntry, BatchPlan, SamplingParams, StepOutput, blocks_for
 from actors.model.config import OPTConfig
 from actors.pipeline import PipelineExecutor, PipelineSpec
 
@@ -51,17 +51,13 @@ GREEDY = SamplingParams(max_tokens=CONTEXT + 1, temperature=0.0, ignore_eos=True
 Execute = Callable[[BatchPlan], Awaitable[StepOutput]]
 
 
-def blocks_for(tokens: int) -> int:
-    return -(-tokens // BLOCK_SIZE)
-
-
 def batch_blocks() -> int:
-    return DECODES * blocks_for(CONTEXT) + blocks_for(PREFILL)
+    return DECODES * blocks_for(CONTEXT, BLOCK_SIZE) + blocks_for(PREFILL, BLOCK_SIZE)
 
 
 def make_plans() -> list[BatchPlan]:
     """``NUM_BATCHES`` plans with disjoint jobs and blocks, each ``DECODES`` decodes + 1 prefill."""
-    plans, per_decode = [], blocks_for(CONTEXT)
+    plans, per_decode = [], blocks_for(CONTEXT, BLOCK_SIZE)
     for b in range(NUM_BATCHES):
         base = b * batch_blocks()
         entries = [BatchEntry(f"b{b}d{j}", (7,), CONTEXT - 1,
@@ -69,7 +65,7 @@ def make_plans() -> list[BatchPlan]:
                               False, GREEDY, CONTEXT) for j in range(DECODES)]
         first = base + DECODES * per_decode
         entries.append(BatchEntry(f"b{b}p", tuple(range(2, 2 + PREFILL)), 0,
-                                  tuple(range(first, first + blocks_for(PREFILL))), True, GREEDY))
+                                  tuple(range(first, first + blocks_for(PREFILL, BLOCK_SIZE))), True, GREEDY))
         plans.append(BatchPlan(b, tuple(entries)))
     return plans
 

@@ -15,7 +15,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from actors.messages import SwapCommand
+from actors.messages import SwapCommand, blocks_for
 from app.kv.blocks import BlockPool, OutOfBlocks
 from app.scheduler.config import KVCacheConfig
 
@@ -68,7 +68,7 @@ class KVCacheManager:
 
     # ---- queries -------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     @property
     def num_free_device(self) -> int:

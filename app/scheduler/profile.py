@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from actors.messages import DEFAULT_BLOCK_SIZE
+
 
 def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     """Piecewise-linear through (xs, ys); linear extrapolation on the outer segments."""
@@ -53,7 +55,7 @@ class Profile:
     tp: int = 1
     pp: int = 1
     dtype: str = "float32"
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
 
     def __post_init__(self) -> None:
         _check_grid("t_init", self.init_lens, self.init_seconds)

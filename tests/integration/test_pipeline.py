@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import ray
 
+from actors import messages
 from actors.executor import InProcessExecutor
 from actors.messages import BatchEntry, BatchPlan, SamplingParams, StepOutput, SwapCommand
 from actors.model.config import OPTConfig
@@ -57,7 +58,7 @@ WORKER_THREADS = 1  # 2 cores, up to 4 workers: one torch thread each
 
 
 def blocks_for(num_tokens: int) -> int:
-    return -(-num_tokens // BLOCK_SIZE)
+    return messages.blocks_for(num_tokens, BLOCK_SIZE)
 
 
 @dataclass
