@@ -138,7 +138,7 @@ class ParallelArgs(_Strict):
 
 
 class ProfileArgs(_Strict):
-    """The job profiler's output the scheduler interpolates (``python -m app.profile``)."""
+    """The job profiler's output the scheduler interpolates (``python -m app.profiler``)."""
 
     path: str
 
@@ -149,7 +149,7 @@ class ProfileArgs(_Strict):
         if required and not resolve_path(value).is_file():
             raise ValueError(
                 f"profile file {value!r} not found (resolved to {resolve_path(value)}); "
-                "write it with `python -m app.profile`"
+                "write it with `python -m app.profiler`"
             )
         return value
 

@@ -1,6 +1,6 @@
 """The job profiler (paper §3.2): measure iteration times offline, write a profile JSON.
 
-``python -m app.profile --model config/models/opt-125m`` measures, on the in-process executor,
+``python -m app.profiler --model config/models/opt-125m`` measures, on the in-process executor,
 the first-iteration time ``t_init(s)`` over a grid of prompt lengths, the decode-iteration time
 ``t_dec(b)`` over a grid of batch sizes, and the cost of swapping one KV block, and writes
 ``config/profiles/<model>-<hardware>-tp1-pp1.json``. The scheduler interpolates it
