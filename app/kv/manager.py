@@ -14,10 +14,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from actors.messages import SwapCommand, blocks_for
 from app.kv.blocks import BlockPool, OutOfBlocks
-from app.scheduler.config import KVCacheConfig
 
 
 class Tier(enum.Enum):
@@ -54,8 +54,20 @@ class _StepReleases:
     busy: list[str] = field(default_factory=list)     # jobs whose blocks the step's entries use
 
 
+class PoolSizes(Protocol):
+    """The sizes the manager is built from (``app.scheduler.config.KVCacheConfig`` has them;
+    ``app/kv`` imports nothing from ``app/scheduler``)."""
+
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_device_blocks(self) -> int: ...
+    @property
+    def num_host_blocks(self) -> int: ...
+
+
 class KVCacheManager:
-    def __init__(self, config: KVCacheConfig) -> None:
+    def __init__(self, config: PoolSizes) -> None:
         self.config = config
         self.block_size = config.block_size
         self.device = BlockPool(config.num_device_blocks, "device")
