@@ -21,6 +21,7 @@ from typing import Any
 
 from actors.executor import InProcessExecutor
 from actors.messages import BatchEntry, BatchPlan, SamplingParams, SwapCommand, blocks_for
+from actors.spec import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PROMPT_LENS = (1, 16, 32, 64, 128, 256, 512, 1024)
@@ -90,8 +91,8 @@ def profile(model: str, dtype: str, device: str, block_size: int,
             prompt_lens: Sequence[int], batch_sizes: Sequence[int], repeats: int) -> dict[str, Any]:
     need = max(blocks_for(max(prompt_lens), block_size),
                max(batch_sizes) * blocks_for(DECODE_CONTEXT + 1, block_size))
-    ex = InProcessExecutor(model, num_device_blocks=need, num_host_blocks=SWAP_PROBE_BLOCKS,
-                           block_size=block_size, dtype=dtype, device=device)
+    ex = InProcessExecutor(ModelSpec(model, num_device_blocks=need, num_host_blocks=SWAP_PROBE_BLOCKS,
+                           block_size=block_size, dtype=dtype, device=device))
     try:
         result = {
             "model": Path(model).name,

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Coroutine
 from dataclasses import replace
 from typing import Any
 
+from actors.spec import EngineSpec
 from app.config import AppArgs, resolve_path
 from app.engine import Engine, Executor, ThreadedExecutor
 from app.errors import AdmissionQueueFull, RequestError
@@ -35,42 +36,28 @@ from app.scheduler.scheduler import Scheduler
 log = logging.getLogger(__name__)
 
 
-async def build_executor(args: AppArgs) -> Executor:
-    """The executor of one model copy, started."""
-    if args.parallel.uses_pipeline:
-        return await _pipeline_executor(args)
-    return await asyncio.to_thread(in_process_executor, args)
+async def build_executor(spec: EngineSpec) -> Executor:
+    """The executor of one model copy (``AppArgs.engine_spec()``), started."""
+    if spec.parallel.uses_pipeline:
+        return await _pipeline_executor(spec)
+    return await asyncio.to_thread(in_process_executor, spec)
 
 
-def in_process_executor(args: AppArgs) -> Executor:
+def in_process_executor(spec: EngineSpec) -> Executor:
     from actors.executor import InProcessExecutor  # imports torch: only where the model lives
 
-    m, kv = args.model, args.kv_cache
-    sync = InProcessExecutor(resolve_path(m.config_path), kv.num_device_blocks, kv.num_host_blocks,
-                             kv.block_size, m.dtype, m.device, m.seed, m.load_format, m.model_path,
-                             args.parallel.torch_threads)
-    return ThreadedExecutor(sync)
+    return ThreadedExecutor(InProcessExecutor(spec.model))
 
 
-async def _pipeline_executor(args: AppArgs) -> Executor:
+async def _pipeline_executor(spec: EngineSpec) -> Executor:
     """The Ray pipeline in this replica's placement group; stage s takes bundle 1 + s."""
     import ray
 
-    from actors.pipeline import PipelineExecutor, PipelineSpec
+    from actors.pipeline import PipelineExecutor
 
-    m, kv, par = args.model, args.kv_cache, args.parallel
-    spec = PipelineSpec(
-        model=resolve_path(m.config_path), num_device_blocks=kv.num_device_blocks,
-        num_host_blocks=kv.num_host_blocks, block_size=kv.block_size, dtype=m.dtype, device=m.device,
-        seed=m.seed, load_format=m.load_format, model_path=m.model_path,
-        tensor_parallel_size=par.tensor_parallel_size, pipeline_parallel_size=par.pipeline_parallel_size,
-        transport=par.transport, max_inflight=par.max_inflight, worker_cpus=par.worker_cpus,
-        torch_threads=par.torch_threads,
-        # None outside a Serve replica: the executor then reserves its own group.
-        placement_group=ray.util.get_current_placement_group(), bundle_offset=1)
-    if spec.placement_group is None:
-        spec.bundle_offset = 0
-    executor = PipelineExecutor(spec)
+    # None outside a Serve replica: the executor then reserves its own group.
+    group = ray.util.get_current_placement_group()
+    executor = PipelineExecutor(spec, group, bundle_offset=0 if group is None else 1)
     await executor.start()
     return executor
 
@@ -89,9 +76,10 @@ class SchedulerReplica:
         self.args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
         self.replica_id = _replica_id()
         self.metrics = SchedulerMetrics(self.args.model.name)
-        executor = await build_executor(self.args)
+        self.spec = self.args.engine_spec()
+        executor = await build_executor(self.spec)
         # A lost pipeline (a stage worker died) is rebuilt in this replica's placement group.
-        rebuild = (lambda: build_executor(self.args)) if self.args.parallel.uses_pipeline else None
+        rebuild = (lambda: build_executor(self.spec)) if self.spec.parallel.uses_pipeline else None
         self.engine = Engine(build_scheduler(self.args), executor, config=self.args.engine, rebuild=rebuild)
         await self.engine.start()
         self._sample_task = asyncio.get_running_loop().create_task(self._sample_metrics_forever())

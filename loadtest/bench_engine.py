@@ -22,6 +22,7 @@ from actors.executor import InProcessExecutor
 from actors.messages import BatchEntry, BatchPlan, SamplingParams, blocks_for
 from actors.model.config import OPTConfig
 from actors.model.weights import dummy_weights
+from actors.spec import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT_LEN = 128
@@ -92,7 +93,7 @@ def main() -> None:
     args = parser.parse_args()
     config = OPTConfig.from_file(args.model)
     per_seq = blocks_for(PROMPT_LEN + DECODE_STEPS + 1, BLOCK_SIZE)
-    ex = InProcessExecutor(config, max(BATCH_SIZES) * per_seq, 0, BLOCK_SIZE, seed=args.seed)
+    ex = InProcessExecutor(ModelSpec(config, max(BATCH_SIZES) * per_seq, 0, BLOCK_SIZE, seed=args.seed))
     hf = _hf_twin(ex, config, args.seed)
     rows = {}
     print(f"{config.name}, prompt {PROMPT_LEN} tokens, {torch.get_num_threads()} torch threads")

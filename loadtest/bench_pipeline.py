@@ -33,7 +33,8 @@ import torch
 from actors.executor import InProcessExecutor
 from actors.messages import BatchEntry, BatchPlan, SamplingParams, StepOutput, blocks_for
 from actors.model.config import OPTConfig
-from actors.pipeline import PipelineExecutor, PipelineSpec
+from actors.pipeline import PipelineExecutor
+from actors.spec import EngineSpec, ModelSpec, ParallelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 DECODES = 8
@@ -92,7 +93,7 @@ async def time_plans(execute: Execute, plans: list[BatchPlan], window: int, iter
 
 
 def bench_in_process(config: OPTConfig, seed: int, iterations: int, warmup: int) -> float:
-    ex = InProcessExecutor(config, NUM_BATCHES * batch_blocks(), 0, BLOCK_SIZE, seed=seed)
+    ex = InProcessExecutor(ModelSpec(config, NUM_BATCHES * batch_blocks(), 0, BLOCK_SIZE, seed=seed))
 
     async def execute(plan: BatchPlan) -> StepOutput:
         return ex.execute(plan)
@@ -105,9 +106,8 @@ def bench_in_process(config: OPTConfig, seed: int, iterations: int, warmup: int)
 
 async def bench_pipeline(config: OPTConfig, tp: int, pp: int, transport: str, seed: int,
                          iterations: int, warmup: int, threads: int) -> dict[str, float]:
-    spec = PipelineSpec(config, NUM_BATCHES * batch_blocks(), 0, block_size=BLOCK_SIZE, seed=seed,
-                        tensor_parallel_size=tp, pipeline_parallel_size=pp, transport=transport,
-                        torch_threads=threads)
+    spec = EngineSpec(ModelSpec(config, NUM_BATCHES * batch_blocks(), 0, block_size=BLOCK_SIZE, seed=seed,
+                                torch_threads=threads), ParallelSpec(tp, pp, transport))
     ex = PipelineExecutor(spec)
     started = time.perf_counter()
     await ex.start()

@@ -8,6 +8,7 @@ import pytest
 from actors.executor import InProcessExecutor
 from actors.messages import BatchEntry, BatchPlan, SamplingParams
 from actors.model.config import OPTConfig
+from actors.spec import ModelSpec
 from app.errors import ErrorCode, InvalidRequest, validate_request
 
 TINY = OPTConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -17,7 +18,7 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def executor() -> InProcessExecutor:
-    return InProcessExecutor(TINY, num_device_blocks=16, num_host_blocks=4, block_size=4)
+    return InProcessExecutor(ModelSpec(TINY, num_device_blocks=16, num_host_blocks=4, block_size=4))
 
 
 @pytest.mark.parametrize("prompt, sampling, message, code", [
