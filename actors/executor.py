@@ -7,16 +7,15 @@ plan names every block and swap, so the executor never decides anything.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from actors.kv_store import KVStore
-from actors.messages import BatchPlan, SamplingParams, StepOutput, validate_request
+from actors.messages import BatchPlan, StepOutput
 from actors.model.config import OPTConfig
 from actors.model.opt import AllReduce, OPTStage, StageShard
 from actors.model.weights import load_stage_weights
 from actors.sampler import Sampler
+from actors.spec import ModelSpec
 from actors.stage import StageRunner
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -40,33 +39,28 @@ def build_stage(config: OPTConfig, shard: StageShard, dtype: str, device: str,
     return stage
 
 
+def build_runner(spec: ModelSpec, config: OPTConfig, shard: StageShard,
+                 all_reduce: AllReduce | None = None) -> StageRunner:
+    """One worker's ``StageRunner`` — its shard of the model (weights loaded), its slice of the KV
+    store and a sampler — for the in-process executor and the Ray stage workers alike."""
+    if spec.torch_threads:
+        torch.set_num_threads(spec.torch_threads)   # per process: this worker owns the model's
+    model = build_stage(config, shard, spec.dtype, spec.device, spec.load_format, spec.model_path,
+                        spec.seed, all_reduce)
+    kv = KVStore(shard.num_layers, model.num_local_heads, config.head_dim, spec.block_size,
+                 spec.num_device_blocks, spec.num_host_blocks, torch_dtype(spec.dtype), spec.device)
+    return StageRunner(model, kv, Sampler(spec.seed))
+
+
 class InProcessExecutor:
     """Executes ``BatchPlan``s on one process's model; ``execute`` is synchronous."""
 
     max_inflight = 1
 
-    def __init__(
-        self,
-        model: str | Path | OPTConfig,
-        num_device_blocks: int,
-        num_host_blocks: int,
-        block_size: int = 16,
-        dtype: str = "float32",
-        device: str = "cpu",
-        seed: int = 0,
-        load_format: str = "dummy",
-        model_path: str | None = None,
-        torch_threads: int | None = None,
-    ) -> None:
-        if torch_threads:
-            torch.set_num_threads(torch_threads)   # per process: this executor owns the model's
-        self.config = model if isinstance(model, OPTConfig) else OPTConfig.from_file(model)
-        shard = StageShard.whole(self.config)
-        stage = build_stage(self.config, shard, dtype, device, load_format, model_path, seed)
-        kv = KVStore(self.config.num_hidden_layers, self.config.num_attention_heads,
-                     self.config.head_dim, block_size, num_device_blocks, num_host_blocks,
-                     torch_dtype(dtype), device)
-        self.runner = StageRunner(stage, kv, Sampler(seed))
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+        self.config = spec.load_config()
+        self.runner = build_runner(spec, self.config, StageShard.whole(self.config))
         self.steps = 0
 
     @property
@@ -76,10 +70,6 @@ class InProcessExecutor:
     @property
     def model(self) -> OPTStage:
         return self.runner.model
-
-    def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        validate_request(prompt_ids, sampling, self.config.vocab_size,
-                         self.config.max_position_embeddings)
 
     def execute(self, plan: BatchPlan) -> StepOutput:
         result = self.runner.run(plan, None, sample=True)

@@ -20,13 +20,12 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 import kernels
-
-BlockPairs = Sequence[tuple[int, int]]
+from actors.messages import SwapCommand
 
 
 @dataclass
@@ -34,10 +33,8 @@ class SwapHandle:
     """An issued swap: which device blocks it touches, and how to wait for it."""
 
     device_blocks: frozenset[int]
-    host_blocks: frozenset[int]
     _future: Future[None] | None = None
     _event: torch.cuda.Event | None = None
-    issued_at: float = field(default_factory=time.perf_counter)
 
     def done(self) -> bool:
         if self._future is not None:
@@ -101,19 +98,17 @@ class KVStore:
         """Layer ``index``'s cache, ``[num_blocks, 2, block_size, heads, head_dim]`` (a view)."""
         return self.device_pool[:, index]
 
-    def swap_out(self, pairs: BlockPairs) -> SwapHandle:
-        """Copy device blocks to host blocks: ``pairs`` = [(device_block, host_block), ...]."""
-        self._check(pairs, self.num_device_blocks, self.num_host_blocks, "device", "host")
-        self.swapped_out_blocks += len(pairs)
-        return self._issue(self.device_pool, self.host_pool, pairs,
-                           frozenset(d for d, _ in pairs), frozenset(h for _, h in pairs))
-
-    def swap_in(self, pairs: BlockPairs) -> SwapHandle:
-        """Copy host blocks to device blocks: ``pairs`` = [(host_block, device_block), ...]."""
-        self._check(pairs, self.num_host_blocks, self.num_device_blocks, "host", "device")
-        self.swapped_in_blocks += len(pairs)
-        return self._issue(self.host_pool, self.device_pool, pairs,
-                           frozenset(d for _, d in pairs), frozenset(h for h, _ in pairs))
+    def swap(self, cmd: SwapCommand) -> SwapHandle:
+        """Start one job's swap as the plan carries it: ``out`` copies its device blocks
+        ``src_blocks`` to host blocks ``dst_blocks``, ``in`` copies host blocks back to device ones."""
+        src, dst = cmd.src_blocks, cmd.dst_blocks
+        if cmd.direction == "out":
+            self._check(src, dst, self.num_device_blocks, self.num_host_blocks, "device", "host")
+            self.swapped_out_blocks += len(src)
+            return self._issue(self.device_pool, self.host_pool, src, dst, frozenset(src))
+        self._check(src, dst, self.num_host_blocks, self.num_device_blocks, "host", "device")
+        self.swapped_in_blocks += len(src)
+        return self._issue(self.host_pool, self.device_pool, src, dst, frozenset(dst))
 
     def wait_for(self, device_blocks: Iterable[int]) -> float:
         """Block until every in-flight swap touching ``device_blocks`` is done; seconds waited."""
@@ -147,12 +142,10 @@ class KVStore:
             self._inflight = [h for h in self._inflight if not h.done()]
         return time.perf_counter() - start
 
-    def _issue(self, src: torch.Tensor, dst: torch.Tensor, pairs: BlockPairs,
-               device_blocks: frozenset[int], host_blocks: frozenset[int]) -> SwapHandle:
-        src_ids = [s for s, _ in pairs]
-        dst_ids = [d for _, d in pairs]
-        handle = SwapHandle(device_blocks, host_blocks)
-        if not pairs:
+    def _issue(self, src: torch.Tensor, dst: torch.Tensor, src_ids: Sequence[int], dst_ids: Sequence[int],
+               device_blocks: frozenset[int]) -> SwapHandle:
+        handle = SwapHandle(device_blocks)
+        if not src_ids:
             return handle
         if self._stream is not None:
             # The side stream must not start before the compute that wrote these blocks.
@@ -170,11 +163,12 @@ class KVStore:
         return handle
 
     @staticmethod
-    def _check(pairs: BlockPairs, n_src: int, n_dst: int, src_name: str, dst_name: str) -> None:
-        for s, d in pairs:
+    def _check(src: Sequence[int], dst: Sequence[int], n_src: int, n_dst: int, src_name: str,
+               dst_name: str) -> None:
+        for s, d in zip(src, dst, strict=True):
             if not 0 <= s < n_src:
                 raise ValueError(f"{src_name} block {s} out of range [0, {n_src})")
             if not 0 <= d < n_dst:
                 raise ValueError(f"{dst_name} block {d} out of range [0, {n_dst})")
-        if len({d for _, d in pairs}) != len(pairs):
-            raise ValueError(f"a swap writes one {dst_name} block twice: {list(pairs)}")
+        if len(set(dst)) != len(dst):
+            raise ValueError(f"a swap writes one {dst_name} block twice: {list(zip(src, dst, strict=True))}")

@@ -18,6 +18,14 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 
 SwapDirection = Literal["out", "in"]
 
+#: Tokens per KV block unless configured otherwise (``kv_cache.block_size``).
+DEFAULT_BLOCK_SIZE = 16
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """KV blocks of ``block_size`` tokens that hold ``num_tokens`` positions (ceiling division)."""
+    return -(-num_tokens // block_size)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -109,19 +117,18 @@ class SwapCommand:
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """One iteration for the whole pipeline: swaps to start, entries to run, jobs to forget.
+    """One iteration for the whole pipeline: swaps to start, entries to run.
 
     Every stage applies ``swap_out`` then ``swap_in`` to its own KV (asynchronously, overlapped with
     compute), then runs ``entries``. A swap may target blocks no entry of this plan uses: that is
-    the proactive case, finished in the background. ``free`` names jobs whose per-job data-plane
-    state may be dropped (they finished or were aborted).
+    the proactive case, finished in the background. The data plane keeps no per-job state, so
+    nothing tells it a job is gone.
     """
 
     step_id: int
     entries: tuple[BatchEntry, ...]
     swap_out: tuple[SwapCommand, ...] = ()
     swap_in: tuple[SwapCommand, ...] = ()
-    free: tuple[str, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -145,21 +152,3 @@ class StepOutput:
     tokens: dict[str, int]
     timings: dict[str, float] = field(default_factory=dict)
 
-
-def validate_request(prompt_ids: list[int] | tuple[int, ...], sampling: SamplingParams,
-                     vocab_size: int, max_context: int) -> None:
-    """Reject a request the model cannot serve, with a ``ValueError`` naming the value.
-
-    The prompt plus every token it may generate must fit the model's context window.
-    """
-    if not prompt_ids:
-        raise ValueError("prompt is empty: at least one token id is required")
-    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-    sampling.validate()
-    if len(prompt_ids) + sampling.max_tokens > max_context:
-        raise ValueError(
-            f"prompt of {len(prompt_ids)} tokens + max_tokens {sampling.max_tokens} exceeds the "
-            f"model's context of {max_context} tokens"
-        )

@@ -9,7 +9,7 @@ caller guarantees a job is in at most one of them (paper §4.3).
 Placement: one bundle per stage holding its T ranks (a bundle lives on one node, so a stage's TP
 ranks are packed; stages may span nodes). The executor creates that placement group, or uses a
 caller's (a Serve ``Scheduler`` replica reserves its model copy in its own group: bundle 0 is the
-replica, ``bundle_offset`` 1 the first stage). ``pipeline_bundles(spec)`` says what to reserve.
+replica, ``bundle_offset`` 1 the first stage). ``ParallelSpec.stage_bundles`` says what to reserve.
 
 Failure: a worker that dies surfaces as ``PipelineError`` from ``execute`` within seconds (workers
 are pinged while a plan is overdue), never a hang; the executor kills its workers at once, stays
@@ -26,8 +26,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Coroutine
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -36,17 +34,15 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.messages import BatchPlan, SamplingParams, StepOutput, validate_request
+from actors.messages import BatchPlan, StepOutput
 from actors.model.config import OPTConfig
 from actors.parallel import BACKENDS, layer_ranges
+from actors.spec import EngineSpec
 from actors.transport import TRANSPORTS, Transport, make_transport
 from actors.worker import StageInput, StageWorker, StepRecord, WorkerSpec
 
 log = logging.getLogger(__name__)
 
-#: Compiled-graph channel size set in the workers: above the largest activation message, or
-#: Ray resizes the channel (slower) and ``teardown`` hangs (measured, RAY-NOTES).
-DEFAULT_CHANNEL_BUFFER_BYTES = 64 * 1024 * 1024
 CHANNEL_BUFFER_ENV = "RAY_CGRAPH_buffer_size_bytes"
 
 
@@ -58,88 +54,25 @@ class PlanFailed(RuntimeError):
     """One plan failed on live workers (a worker raised); the pipeline keeps running plans."""
 
 
-@dataclass
-class PipelineSpec:
-    """What to run and how to cut it. ``model`` is a config path/folder or an ``OPTConfig``."""
-
-    model: str | Path | OPTConfig
-    num_device_blocks: int
-    num_host_blocks: int
-    block_size: int = 16
-    dtype: str = "float32"
-    device: str = "cpu"
-    seed: int = 0
-    load_format: str = "dummy"
-    model_path: str | None = None
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    transport: str = "compiled"
-    #: Plans kept in flight; None = one per stage (paper §4.3).
-    max_inflight: int | None = None
-    #: A placement group to place the workers in (bundles ``bundle_offset ..`` one per stage);
-    #: None = the executor creates and removes its own.
-    placement_group: PlacementGroup | None = None
-    bundle_offset: int = 0
-    #: CPUs each worker reserves (logical; a bundle must reserve something on a CPU-only node).
-    worker_cpus: float = 1.0
-    #: torch intra-op threads per worker; None keeps torch's default (all cores per worker).
-    torch_threads: int | None = None
-    channel_buffer_bytes: int = DEFAULT_CHANNEL_BUFFER_BYTES
-    placement_timeout_s: float = 60.0
-    startup_timeout_s: float = 300.0
-    #: TP rendezvous timeout, also gloo/NCCL's collective timeout (a rank whose peer died).
-    tp_timeout_s: float = 120.0
-    #: While a plan is overdue by this much, the workers are pinged to tell slow from dead.
-    liveness_interval_s: float = 1.0
-    ping_timeout_s: float = 5.0
-    #: A live worker that answers no ping for this long (wedged) fails the pipeline too. Dead
-    #: workers fail it at once; a slow answer on a starved machine must not.
-    unresponsive_s: float = 60.0
-    #: After a transport error, how long to keep probing for the worker death behind it.
-    diagnose_s: float = 5.0
-    teardown_timeout_s: float = 15.0
-
-    def load_config(self) -> OPTConfig:
-        return self.model if isinstance(self.model, OPTConfig) else OPTConfig.from_file(self.model)
-
-    def check(self, config: OPTConfig) -> None:
-        """Raise ``ValueError`` naming the first bad value."""
-        t, p = self.tensor_parallel_size, self.pipeline_parallel_size
-        if t < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {t}")
-        layer_ranges(config.num_hidden_layers, p)
-        for what, n in (("num_attention_heads", config.num_attention_heads), ("ffn_dim", config.ffn_dim)):
-            if n % t:
-                raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={t}")
-        if self.device not in BACKENDS:
-            raise ValueError(f"device must be one of {sorted(BACKENDS)}, got {self.device!r}")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {list(TRANSPORTS)}, got {self.transport!r}")
-        if self.device == "cpu" and self.worker_cpus <= 0:
-            raise ValueError(f"worker_cpus must be > 0 on CPU (a bundle cannot be empty), got {self.worker_cpus}")
-        if self.max_inflight is not None and self.max_inflight < 1:
-            raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
-        if self.bundle_offset < 0:
-            raise ValueError(f"bundle_offset must be >= 0, got {self.bundle_offset}")
+def check_layout(spec: EngineSpec, config: OPTConfig) -> None:
+    """Raise ``ValueError`` naming the first value the pipeline cannot run with."""
+    spec.parallel.check(config)
+    layer_ranges(config.num_hidden_layers, spec.parallel.pipeline_parallel_size)
+    device, par = spec.model.device, spec.parallel
+    if device not in BACKENDS:
+        raise ValueError(f"device must be one of {sorted(BACKENDS)}, got {device!r}")
+    if par.transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {list(TRANSPORTS)}, got {par.transport!r}")
+    if device == "cpu" and par.worker_cpus <= 0:
+        raise ValueError(f"worker_cpus must be > 0 on CPU (a bundle cannot be empty), got {par.worker_cpus}")
+    if par.max_inflight is not None and par.max_inflight < 1:
+        raise ValueError(f"max_inflight must be >= 1, got {par.max_inflight}")
 
 
-def pipeline_bundles(spec: PipelineSpec) -> list[dict[str, float]]:
-    """One placement-group bundle per stage, holding that stage's TP ranks."""
-    t = spec.tensor_parallel_size
-    bundle: dict[str, float] = {}
-    if spec.worker_cpus > 0:
-        bundle["CPU"] = spec.worker_cpus * t
-    if spec.device == "cuda":
-        bundle["GPU"] = float(t)
-    return [dict(bundle) for _ in range(spec.pipeline_parallel_size)]
-
-
-def worker_specs(spec: PipelineSpec, config: OPTConfig) -> list[list[WorkerSpec]]:
+def worker_specs(spec: EngineSpec, config: OPTConfig) -> list[list[WorkerSpec]]:
     """``[stage][tp_rank]`` → the worker's spec."""
-    p, t = spec.pipeline_parallel_size, spec.tensor_parallel_size
-    return [[WorkerSpec(config, s, p, lo, hi, r, t, spec.dtype, spec.device, spec.load_format,
-                        spec.model_path, spec.seed, spec.block_size, spec.num_device_blocks,
-                        spec.num_host_blocks, spec.torch_threads) for r in range(t)]
+    p, t = spec.parallel.pipeline_parallel_size, spec.parallel.tensor_parallel_size
+    return [[WorkerSpec(spec.model, config, s, p, lo, hi, r, t) for r in range(t)]
             for s, (lo, hi) in enumerate(layer_ranges(config.num_hidden_layers, p))]
 
 
@@ -182,10 +115,18 @@ class _Liveness:
 class PipelineExecutor:
     """Runs ``BatchPlan``s on P × T Ray stage workers; ``execute`` is async, P plans deep."""
 
-    def __init__(self, spec: PipelineSpec) -> None:
+    def __init__(self, spec: EngineSpec, placement_group: PlacementGroup | None = None,
+                 bundle_offset: int = 0) -> None:
+        """``placement_group``: place the workers in it, stage s in bundle ``bundle_offset + s``;
+        None = the executor creates (and removes) its own."""
+        if bundle_offset < 0:
+            raise ValueError(f"bundle_offset must be >= 0, got {bundle_offset}")
         self.spec = spec
-        self.config = spec.load_config()
-        spec.check(self.config)
+        self.timeouts = spec.timeouts
+        self.config = spec.model.load_config()
+        check_layout(spec, self.config)
+        self._given_pg = placement_group
+        self._bundle_offset = bundle_offset
         self._specs = worker_specs(spec, self.config)
         self._grid: list[list[ActorHandle]] = []
         self._pg: PlacementGroup | None = None
@@ -199,19 +140,7 @@ class PipelineExecutor:
 
     @property
     def max_inflight(self) -> int:
-        return self.spec.max_inflight or self.spec.pipeline_parallel_size
-
-    @property
-    def block_size(self) -> int:
-        return self.spec.block_size
-
-    @property
-    def num_device_blocks(self) -> int:
-        return self.spec.num_device_blocks
-
-    @property
-    def num_host_blocks(self) -> int:
-        return self.spec.num_host_blocks
+        return self.spec.parallel.max_inflight or self.spec.parallel.pipeline_parallel_size
 
     @property
     def closed(self) -> bool:
@@ -221,9 +150,6 @@ class PipelineExecutor:
     def workers(self) -> list[list[ActorHandle]]:
         """``[stage][tp_rank]`` handles (for tests and diagnostics)."""
         return [list(stage) for stage in self._grid]
-
-    def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        validate_request(prompt_ids, sampling, self.config.vocab_size, self.config.max_position_embeddings)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -235,11 +161,11 @@ class PipelineExecutor:
             pg = await self._placement_group()
             self._grid = self._create_workers(pg)
             self._liveness = _Liveness(dict(zip(self._worker_names(), self._all_workers(), strict=True)),
-                                       self.spec.ping_timeout_s, self.spec.unresponsive_s)
+                                       self.timeouts.ping_timeout_s, self.timeouts.unresponsive_s)
             await self._await_ready()
             await self._init_tp_groups()
-            self._transport = make_transport(self.spec.transport, self._grid, self.max_inflight,
-                                             self.spec.device)
+            self._transport = make_transport(self.spec.parallel.transport, self._grid, self.max_inflight,
+                                             self.spec.model.device)
             await self._transport.start()
         except BaseException as exc:
             error = self._fail(f"start-up failed: {exc}")
@@ -254,8 +180,8 @@ class PipelineExecutor:
         await asyncio.shield(self._teardown_started())
 
     async def _placement_group(self) -> PlacementGroup:
-        bundles = pipeline_bundles(self.spec)
-        pg = self.spec.placement_group
+        bundles = self.spec.parallel.stage_bundles(self.spec.model.device)
+        pg = self._given_pg
         if pg is not None:
             self._check_given_group(pg, bundles)
         else:
@@ -263,13 +189,13 @@ class PipelineExecutor:
             self._owns_pg = True
         self._pg = pg
         try:
-            await asyncio.wait_for(_as_future(pg.ready()), self.spec.placement_timeout_s)
+            await asyncio.wait_for(_as_future(pg.ready()), self.timeouts.placement_timeout_s)
         except TimeoutError:
             raise PipelineError(self._resources_message(bundles)) from None
         return pg
 
     def _check_given_group(self, pg: PlacementGroup, bundles: list[dict[str, float]]) -> None:
-        offset, have = self.spec.bundle_offset, pg.bundle_specs
+        offset, have = self._bundle_offset, pg.bundle_specs
         if len(have) < offset + len(bundles):
             raise PipelineError(
                 f"placement group has {len(have)} bundles; the pipeline needs {len(bundles)} stage "
@@ -278,24 +204,26 @@ class PipelineExecutor:
             got = have[offset + s]
             short = {k: v for k, v in need.items() if got.get(k, 0.0) < v}
             if short:
+                tp = self.spec.parallel.tensor_parallel_size
                 raise PipelineError(f"placement group bundle {offset + s} (stage {s}) holds {got}; "
-                                    f"stage {s} needs {need} for its {self.spec.tensor_parallel_size} TP ranks")
+                                    f"stage {s} needs {need} for its {tp} TP ranks")
 
     def _resources_message(self, bundles: list[dict[str, float]]) -> str:
+        par = self.spec.parallel
         return (f"the cluster cannot place the pipeline (tensor_parallel_size="
-                f"{self.spec.tensor_parallel_size} × pipeline_parallel_size={self.spec.pipeline_parallel_size}, "
-                f"device {self.spec.device}) within {self.spec.placement_timeout_s}s: it needs "
+                f"{par.tensor_parallel_size} × pipeline_parallel_size={par.pipeline_parallel_size}, "
+                f"device {self.spec.model.device}) within {self.timeouts.placement_timeout_s}s: it needs "
                 f"{len(bundles)} bundles of {bundles[0]} (each stage's TP ranks on one node); the cluster "
                 f"has {ray.cluster_resources()} in total, {ray.available_resources()} available")
 
     def _create_workers(self, pg: PlacementGroup) -> list[list[ActorHandle]]:
-        env = {"env_vars": {CHANNEL_BUFFER_ENV: str(self.spec.channel_buffer_bytes)}}
-        gpus = 1 if self.spec.device == "cuda" else 0
+        env = {"env_vars": {CHANNEL_BUFFER_ENV: str(self.timeouts.channel_buffer_bytes)}}
+        gpus = 1 if self.spec.model.device == "cuda" else 0
         grid = []
         for s, stage in enumerate(self._specs):
-            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=self.spec.bundle_offset + s)
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=self._bundle_offset + s)
             grid.append([StageWorker.options(  # type: ignore[attr-defined]
-                num_cpus=self.spec.worker_cpus, num_gpus=gpus, scheduling_strategy=strategy,
+                num_cpus=self.spec.parallel.worker_cpus, num_gpus=gpus, scheduling_strategy=strategy,
                 runtime_env=env, max_restarts=0).remote(ws) for ws in stage])
         return grid
 
@@ -303,26 +231,26 @@ class PipelineExecutor:
         names = [ws.name for stage in self._specs for ws in stage]
         pings: list[ray.ObjectRef] = [w.ping.remote() for w in self._all_workers()]
         try:
-            await asyncio.wait_for(asyncio.gather(*pings), self.spec.startup_timeout_s)
+            await asyncio.wait_for(asyncio.gather(*pings), self.timeouts.startup_timeout_s)
         except TimeoutError:
-            raise PipelineError(f"stage workers did not start within {self.spec.startup_timeout_s}s") from None
+            raise PipelineError(f"stage workers did not start within {self.timeouts.startup_timeout_s}s") from None
         except RayActorError as exc:
             failed = next((n for n, p in zip(names, pings, strict=True) if _failed(p)), "a worker")
             raise PipelineError(f"{failed} failed to start: {exc}") from exc
 
     async def _init_tp_groups(self) -> None:
-        if self.spec.tensor_parallel_size == 1:
+        if self.spec.parallel.tensor_parallel_size == 1:
             return
         joins: list[ray.ObjectRef] = []
         for stage in self._grid:
             addr, port = await stage[0].tp_address.remote()
-            joins += [w.init_tp_group.remote(addr, port, len(stage), r, self.spec.tp_timeout_s)
+            joins += [w.init_tp_group.remote(addr, port, len(stage), r, self.timeouts.tp_timeout_s)
                       for r, w in enumerate(stage)]
         try:
-            await asyncio.wait_for(asyncio.gather(*joins), self.spec.tp_timeout_s)
+            await asyncio.wait_for(asyncio.gather(*joins), self.timeouts.tp_timeout_s)
         except TimeoutError:
-            raise PipelineError(f"tensor-parallel groups ({self.spec.tensor_parallel_size} ranks per stage) "
-                                f"did not form within tp_timeout_s={self.spec.tp_timeout_s}s") from None
+            raise PipelineError(f"tensor-parallel groups ({self.spec.parallel.tensor_parallel_size} ranks per stage) "
+                                f"did not form within tp_timeout_s={self.timeouts.tp_timeout_s}s") from None
 
     def _all_workers(self) -> list[ActorHandle]:
         return [w for stage in self._grid for w in stage]
@@ -368,7 +296,7 @@ class PipelineExecutor:
         closed = asyncio.ensure_future(self._closed.wait())
         try:
             while True:
-                await asyncio.wait({task, closed}, timeout=self.spec.liveness_interval_s,
+                await asyncio.wait({task, closed}, timeout=self.timeouts.liveness_interval_s,
                                    return_when=asyncio.FIRST_COMPLETED)
                 if task.done():
                     return task.result()
@@ -388,10 +316,10 @@ class PipelineExecutor:
         if self._closed_reason is not None:  # another plan's failure closed the pipeline first
             return PipelineError(f"plan {plan.step_id} aborted: pipeline closed ({self._closed_reason})")
         failed = await self._find_failed_worker()
-        deadline = time.monotonic() + self.spec.diagnose_s
+        deadline = time.monotonic() + self.timeouts.diagnose_s
         # A graph whose worker was killed may error before Ray reports the actor dead: re-probe briefly.
         while failed is None and _looks_like_channel_failure(exc) and time.monotonic() < deadline:
-            await asyncio.sleep(self.spec.liveness_interval_s)
+            await asyncio.sleep(self.timeouts.liveness_interval_s)
             failed = await self._find_failed_worker()
         if failed is None and not _looks_like_channel_failure(exc):
             log.warning("plan %d failed on live workers: %s", plan.step_id, _describe(exc))
@@ -454,9 +382,9 @@ class PipelineExecutor:
         if transport is None:
             return
         try:
-            await asyncio.wait_for(transport.close(kill_actors), self.spec.teardown_timeout_s)
+            await asyncio.wait_for(transport.close(kill_actors), self.timeouts.teardown_timeout_s)
         except TimeoutError:
-            log.warning("transport teardown exceeded %ss; killing the workers", self.spec.teardown_timeout_s)
+            log.warning("transport teardown exceeded %ss; killing the workers", self.timeouts.teardown_timeout_s)
         except Exception:
             log.exception("transport teardown failed; killing the workers")
 
@@ -469,14 +397,14 @@ class PipelineExecutor:
 
     async def _await_workers_gone(self) -> None:
         """Until every killed worker is reported dead (bounded): shutdown leaves no actors behind."""
-        deadline = time.monotonic() + self.spec.teardown_timeout_s
+        deadline = time.monotonic() + self.timeouts.teardown_timeout_s
         for w in self._all_workers():
             while time.monotonic() < deadline:
                 try:
-                    await asyncio.wait_for(_as_future(w.ping.remote()), self.spec.ping_timeout_s)
+                    await asyncio.wait_for(_as_future(w.ping.remote()), self.timeouts.ping_timeout_s)
                 except (RayActorError, GetTimeoutError, TimeoutError):
                     break
-                await asyncio.sleep(self.spec.liveness_interval_s / 10)
+                await asyncio.sleep(self.timeouts.liveness_interval_s / 10)
 
 
 def _looks_like_channel_failure(exc: BaseException) -> bool:

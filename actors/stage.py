@@ -58,11 +58,7 @@ class StageRunner:
         return StepResult(tokens, out, timings)
 
     def begin_swaps(self, plan: BatchPlan) -> list[SwapHandle]:
-        handles = [self.kv.swap_out([(s, d) for s, d in zip(c.src_blocks, c.dst_blocks, strict=True)])
-                   for c in plan.swap_out]
-        handles += [self.kv.swap_in([(s, d) for s, d in zip(c.src_blocks, c.dst_blocks, strict=True)])
-                    for c in plan.swap_in]
-        return handles
+        return [self.kv.swap(cmd) for cmd in (*plan.swap_out, *plan.swap_in)]
 
     def build_batch(self, plan: BatchPlan, timings: dict[str, float] | None = None) -> ForwardBatch:
         start = time.perf_counter()

@@ -27,6 +27,7 @@ import ray
 from actors.messages import BatchPlan, StepOutput
 from actors.model.config import OPTConfig
 from actors.parallel import TensorParallelGroup, free_port
+from actors.spec import ModelSpec
 
 if TYPE_CHECKING:
     import torch
@@ -62,8 +63,10 @@ class StepRecord(NamedTuple):
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything one worker needs to build its shard; picklable, no torch."""
+    """One worker: the model copy's ``ModelSpec`` as it is, the loaded config, and where in the
+    grid this worker sits. Picklable, no torch."""
 
+    model: ModelSpec
     config: OPTConfig
     stage_index: int
     num_stages: int
@@ -71,15 +74,6 @@ class WorkerSpec:
     layer_end: int
     tp_rank: int
     tp_size: int
-    dtype: str
-    device: str
-    load_format: str
-    model_path: str | None
-    seed: int
-    block_size: int
-    num_device_blocks: int
-    num_host_blocks: int
-    torch_threads: int | None = None
 
     @property
     def is_last(self) -> bool:
@@ -103,23 +97,12 @@ def _add_timings(upstream: dict[str, float], own: dict[str, float]) -> dict[str,
 
 
 def _build_runner(spec: WorkerSpec, tp: TensorParallelGroup) -> StageRunner:
-    import torch
-
-    from actors.executor import build_stage, torch_dtype
-    from actors.kv_store import KVStore
+    from actors.executor import build_runner
     from actors.model.opt import StageShard
-    from actors.sampler import Sampler
-    from actors.stage import StageRunner
 
-    if spec.torch_threads:
-        torch.set_num_threads(spec.torch_threads)
     shard = StageShard(spec.layer_start, spec.layer_end, spec.config.num_hidden_layers,
                        spec.tp_rank, spec.tp_size)
-    model = build_stage(spec.config, shard, spec.dtype, spec.device, spec.load_format,
-                        spec.model_path, spec.seed, all_reduce=tp.all_reduce())
-    kv = KVStore(shard.num_layers, model.num_local_heads, spec.config.head_dim, spec.block_size,
-                 spec.num_device_blocks, spec.num_host_blocks, torch_dtype(spec.dtype), spec.device)
-    return StageRunner(model, kv, Sampler(spec.seed))
+    return build_runner(spec.model, spec.config, shard, all_reduce=tp.all_reduce())
 
 
 @ray.remote(concurrency_groups={CONTROL_GROUP: 1})  # type: ignore[call-overload]
@@ -128,11 +111,9 @@ class StageWorker:
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
-        self.tp = TensorParallelGroup(spec.device)
+        self.tp = TensorParallelGroup(spec.model.device)
         self.runner = _build_runner(spec, self.tp)
         self._steps = 0
-        self._swapped_out_blocks = 0
-        self._swapped_in_blocks = 0
         self._timeline: deque[StepRecord] = deque(maxlen=TIMELINE_CAPACITY)
 
     def tp_address(self) -> tuple[str, int]:
@@ -154,7 +135,6 @@ class StageWorker:
         plan, hidden, upstream = msg
         if not self.tp.initialized:
             raise RuntimeError(f"{self.spec.name}: step before init_tp_group (tp_size {self.spec.tp_size})")
-        self._count_swaps(plan)
         if plan.entries and self.spec.stage_index > 0 and hidden is None:
             raise ValueError(f"{self.spec.name}: plan {plan.step_id} has {len(plan.entries)} entries "
                              "but no hidden states came from the previous stage")
@@ -169,20 +149,17 @@ class StageWorker:
             return StageInput(plan, result.hidden, summed)
         return StepOutput(plan.step_id, result.tokens, summed) if self.spec.samples else None
 
-    def _count_swaps(self, plan: BatchPlan) -> None:
-        self._swapped_out_blocks += sum(len(c.src_blocks) for c in plan.swap_out)
-        self._swapped_in_blocks += sum(len(c.src_blocks) for c in plan.swap_in)
-
     @ray.method(concurrency_group=CONTROL_GROUP)
     def ping(self) -> str:
         return self.spec.name
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def stats(self) -> dict[str, Any]:
-        """Counters only: safe while the graph runs (no KV access, no collectives)."""
+        """Counters only: safe while the graph runs (no KV access, no collectives). The swapped
+        blocks are the KV store's own counts."""
+        kv = self.runner.kv
         return {"stage": self.spec.stage_index, "tp_rank": self.spec.tp_rank, "steps": self._steps,
-                "swapped_out_blocks": self._swapped_out_blocks,
-                "swapped_in_blocks": self._swapped_in_blocks}
+                "swapped_out_blocks": kv.swapped_out_blocks, "swapped_in_blocks": kv.swapped_in_blocks}
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def timeline(self) -> list[StepRecord]:

@@ -21,7 +21,6 @@ come from the simulator; a running server always requires its profile.
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from pathlib import Path
@@ -29,7 +28,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from actors.messages import blocks_for
 from actors.model.config import OPTConfig
+from actors.spec import EngineSpec, ModelSpec, ParallelSpec, PipelineTimeouts
 from app.scheduler.config import EngineConfig, KVCacheConfig, SchedulerConfig
 from app.scheduler.profile import Profile
 
@@ -128,17 +129,50 @@ class ParallelArgs(_Strict):
             raise ValueError(f"replica_bundle {value} must reserve some resource")
         return value
 
+    def spec(self) -> ParallelSpec:
+        """What the data plane is given (it answers ``world_size`` and ``uses_pipeline``)."""
+        return ParallelSpec(self.tensor_parallel_size, self.pipeline_parallel_size, self.transport,
+                            self.max_inflight, self.worker_cpus, self.use_ray_pipeline)
+
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return self.spec().world_size
 
     @property
     def uses_pipeline(self) -> bool:
-        return self.use_ray_pipeline or self.world_size > 1
+        return self.spec().uses_pipeline
+
+
+_WAITS = PipelineTimeouts()
+
+
+class PipelineArgs(_Strict):
+    """The Ray pipeline's waits and its compiled-graph channel size (defaults: ``PipelineTimeouts``)."""
+
+    #: Compiled-graph channel size: above the largest activation message (else Ray resizes it).
+    channel_buffer_bytes: int = Field(default=_WAITS.channel_buffer_bytes, ge=1024)
+    #: How long the stage workers' placement group may take to be placed.
+    placement_timeout_s: float = Field(default=_WAITS.placement_timeout_s, gt=0)
+    #: How long the stage workers may take to start (weights loaded).
+    startup_timeout_s: float = Field(default=_WAITS.startup_timeout_s, gt=0)
+    #: TP rendezvous timeout, also gloo/NCCL's collective timeout (a rank whose peer died).
+    tp_timeout_s: float = Field(default=_WAITS.tp_timeout_s, gt=0)
+    #: While a plan is overdue by this much, the workers are pinged to tell slow from dead.
+    liveness_interval_s: float = Field(default=_WAITS.liveness_interval_s, gt=0)
+    ping_timeout_s: float = Field(default=_WAITS.ping_timeout_s, gt=0)
+    #: A live worker that answers no ping for this long (wedged) fails the pipeline.
+    unresponsive_s: float = Field(default=_WAITS.unresponsive_s, gt=0)
+    #: After a transport error, how long to keep probing for the worker death behind it.
+    diagnose_s: float = Field(default=_WAITS.diagnose_s, ge=0)
+    #: How long tearing the graph and the workers down may take.
+    teardown_timeout_s: float = Field(default=_WAITS.teardown_timeout_s, gt=0)
+
+    def timeouts(self) -> PipelineTimeouts:
+        return PipelineTimeouts(**self.model_dump())
 
 
 class ProfileArgs(_Strict):
-    """The job profiler's output the scheduler interpolates (``python -m app.profile``)."""
+    """The job profiler's output the scheduler interpolates (``python -m app.profiler``)."""
 
     path: str
 
@@ -149,7 +183,7 @@ class ProfileArgs(_Strict):
         if required and not resolve_path(value).is_file():
             raise ValueError(
                 f"profile file {value!r} not found (resolved to {resolve_path(value)}); "
-                "write it with `python -m app.profile`"
+                "write it with `python -m app.profiler`"
             )
         return value
 
@@ -202,6 +236,7 @@ class AppArgs(_Strict):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     kv_cache: KVCacheConfig
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    pipeline: PipelineArgs = Field(default_factory=PipelineArgs)
     server: ServerArgs = Field(default_factory=ServerArgs)
 
     @model_validator(mode="after")
@@ -236,15 +271,7 @@ class AppArgs(_Strict):
             )
         if model.device == "cpu" and par.num_gpus:
             raise ValueError(f"parallel.num_gpus={par.num_gpus} but model.device is 'cpu'")
-        cfg = model.opt_config()
-        tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
-        for name, value in (("num_attention_heads", cfg.num_attention_heads), ("ffn_dim", cfg.ffn_dim)):
-            if value % tp:
-                raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name}={value}")
-        if pp > cfg.num_hidden_layers:
-            raise ValueError(
-                f"pipeline_parallel_size={pp} exceeds the model's {cfg.num_hidden_layers} layers"
-            )
+        par.spec().check(model.opt_config())
 
     def _check_sizes(self) -> None:
         ctx = self.model.context_len()
@@ -256,7 +283,7 @@ class AppArgs(_Strict):
             raise ValueError(
                 f"kv_cache.block_size={kv.block_size} does not divide the context length {ctx}"
             )
-        need = math.ceil(ctx / kv.block_size)
+        need = blocks_for(ctx, kv.block_size)
         usable = kv.num_device_blocks - kv.reserved_blocks
         if usable < need:
             raise ValueError(
@@ -275,22 +302,29 @@ class AppArgs(_Strict):
                 f"context length {ctx}: a max-length prompt could never run its first iteration"
             )
 
+    # ---- what the data plane is given ----------------------------------------------------
+
+    def engine_spec(self) -> EngineSpec:
+        """The one spec of this model copy — model, KV pools, layout, pipeline waits — that the
+        executors and every stage worker are given whole."""
+        m, kv = self.model, self.kv_cache
+        model = ModelSpec(resolve_path(m.config_path), kv.num_device_blocks, kv.num_host_blocks,
+                          kv.block_size, m.dtype, m.device, m.seed, m.load_format, m.model_path,
+                          self.parallel.torch_threads)
+        return EngineSpec(model, self.parallel.spec(), self.pipeline.timeouts())
+
     # ---- derived deployment settings ------------------------------------------------------
 
     def placement_group_bundles(self) -> list[dict[str, float]]:
-        """One bundle for the scheduler replica, then one per pipeline stage with its TP GPUs."""
+        """One bundle for the scheduler replica, then the pipeline's stage bundles (the very ones
+        ``actors.pipeline`` places its stages in: ``ParallelSpec.stage_bundles``)."""
         par = self.parallel
         replica = dict(par.replica_bundle)
         if not par.uses_pipeline:
             if par.num_gpus:
                 replica["GPU"] = replica.get("GPU", 0.0) + par.num_gpus
             return [replica]
-        # Must match what actors.pipeline places in each stage bundle: TP workers of
-        # worker_cpus CPUs and (on cuda) one GPU each.
-        stage: dict[str, float] = {"CPU": par.worker_cpus * par.tensor_parallel_size}
-        if self.model.device == "cuda":
-            stage["GPU"] = float(par.tensor_parallel_size)
-        return [replica] + [dict(stage) for _ in range(par.pipeline_parallel_size)]
+        return [replica] + par.spec().stage_bundles(self.model.device)
 
     def scheduler_deployment_defaults(self) -> dict[str, Any]:
         """Serve options of the ``Scheduler`` deployment before the YAML's ``deployments:``.

@@ -16,12 +16,14 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Protocol
 
 from actors.messages import BatchPlan, SamplingParams, StepOutput
+from app.errors import AdmissionQueueFull, EngineUnavailable
 from app.scheduler.config import EngineConfig
 from app.scheduler.job import JobRequest, TokenDelta
-from app.scheduler.scheduler import AdmissionQueueFull, Scheduler
+from app.scheduler.scheduler import Scheduler
 from app.step_stats import StepKind, StepStats
 
 log = logging.getLogger(__name__)
@@ -64,10 +66,6 @@ class ThreadedExecutor:
             close()
 
 
-class EngineUnavailable(RuntimeError):
-    """The engine loop is not running (never started, stopped, or crashed): no new work."""
-
-
 class RequestStream:
     """Async iterator of one job's ``TokenDelta``s; ends after the finishing delta."""
 
@@ -96,6 +94,16 @@ class RequestStream:
         return out
 
 
+@dataclass(frozen=True)
+class _Submitted:
+    """One step the executor is running: its plan, and when it was scheduled and submitted."""
+
+    plan: BatchPlan
+    at: float                    # perf_counter at submission
+    schedule_s: float            # seconds ``schedule`` took
+    busy_since: float | None     # end of the step it ran back to back with (None: idle before)
+
+
 #: Builds a fresh executor (new workers, weights reloaded) when the current one is lost.
 ExecutorFactory = Callable[[], Awaitable[Executor]]
 
@@ -118,11 +126,10 @@ class Engine:
         self._ids = itertools.count()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._inflight: dict[asyncio.Task[StepOutput], BatchPlan] = {}
+        #: The executor's outstanding steps (the scheduler keeps what each plan means for its jobs).
+        self._inflight: dict[asyncio.Task[StepOutput], _Submitted] = {}
         self.plans_failed = 0
         self.step_stats = StepStats()
-        # Per in-flight step: (submit time, schedule seconds, cycle start or None if idle before).
-        self._submitted: dict[asyncio.Task[StepOutput], tuple[float, float, float | None]] = {}
         self._pass = 0                           # loop passes, to tell back-to-back steps
         self._last_finish: tuple[int, float] | None = None   # (pass, time) of the last result
         self._last_progress = time.perf_counter()   # a step finished, or the engine went idle
@@ -168,8 +175,8 @@ class Engine:
             for step_task in stuck:
                 step_task.cancel()
             await asyncio.gather(*self._inflight, return_exceptions=True)
-            for step_task, plan in list(self._inflight.items()):
-                self._finish(step_task, plan)
+            for step_task, step in list(self._inflight.items()):
+                self._finish(step_task, step)
             self._inflight.clear()
         for job_id in list(self._queues):
             self.abort(job_id)
@@ -178,8 +185,13 @@ class Engine:
     def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                     job_id: str | None = None, arrival: float | None = None,
                     priority: int = 0) -> RequestStream:
-        """Queue a request; returns its delta stream. Raises at once (``ValueError``,
-        ``AdmissionQueueFull``, ``EngineUnavailable``) if it cannot be served."""
+        """``submit`` a ``JobRequest`` built from these (offline runs and tests)."""
+        job_id = job_id if job_id is not None else f"job-{next(self._ids)}"
+        return self.submit(JobRequest(job_id, tuple(prompt_ids), sampling, arrival, priority))
+
+    def submit(self, req: JobRequest) -> RequestStream:
+        """Queue a request; returns its event stream. Raises a ``RequestError`` at once
+        (``InvalidRequest``, ``AdmissionQueueFull``, ``EngineUnavailable``) if it cannot be served."""
         if not self.running:
             raise EngineUnavailable("the engine loop is not running; the replica is being replaced")
         if len(self._queues) >= self.config.max_jobs:
@@ -187,21 +199,18 @@ class Engine:
                                      f"(engine.max_jobs={self.config.max_jobs})")
         if not (self._inflight or self.scheduler.has_work()):
             self._last_progress = time.perf_counter()   # the watchdog counts from the first work
-        job_id = job_id if job_id is not None else f"job-{next(self._ids)}"
-        now = self.clock()
-        req = JobRequest(job_id, tuple(prompt_ids), sampling, now if arrival is None else arrival, priority)
-        self.scheduler.add(req, now)
+        self.scheduler.add(req, self.clock())
         queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
-        self._queues[job_id] = queue
+        self._queues[req.job_id] = queue
         self._wake.set()
-        return RequestStream(job_id, queue)
+        return RequestStream(req.job_id, queue)
 
     def abort(self, job_id: str) -> None:
         """Cancel a job (e.g. its client went away): frees its blocks, ends its stream."""
         queue = self._queues.pop(job_id, None)
         self.scheduler.abort(job_id, self.clock())
         if queue is not None:
-            queue.put_nowait(TokenDelta(job_id, None, True, "abort"))
+            queue.put_nowait(TokenDelta(job_id, finish_reason="abort"))
         self._wake.set()
 
     # ---- the loop ------------------------------------------------------------------------
@@ -214,7 +223,7 @@ class Engine:
             # A scheduler bug must not leave callers waiting forever.
             log.exception("engine loop crashed; failing every open request")
             for job_id, queue in list(self._queues.items()):
-                queue.put_nowait(TokenDelta(job_id, None, True, "error"))
+                queue.put_nowait(TokenDelta(job_id, finish_reason="error"))
             self._queues.clear()
             raise
 
@@ -246,16 +255,15 @@ class Engine:
                 return
             submitted = time.perf_counter()
             task = asyncio.ensure_future(self.executor.execute(plan))
-            self._inflight[task] = plan
             # A step submitted in the pass right after a result ran back to back with it.
             last = self._last_finish
             busy_since = last[1] if last is not None and last[0] == self._pass - 1 else None
-            self._submitted[task] = (submitted, submitted - started, busy_since)
+            self._inflight[task] = _Submitted(plan, submitted, submitted - started, busy_since)
 
-    def _finish(self, task: asyncio.Task[StepOutput], plan: BatchPlan) -> None:
+    def _finish(self, task: asyncio.Task[StepOutput], step: _Submitted) -> None:
         now = self.clock()
         finished = time.perf_counter()
-        submitted, schedule_s, busy_since = self._submitted.pop(task, (finished, 0.0, None))
+        plan, submitted, schedule_s, busy_since = step.plan, step.at, step.schedule_s, step.busy_since
         output: StepOutput | None = None
         try:
             output = task.result()
@@ -299,9 +307,8 @@ class Engine:
         self._recovering_since = started
         if self._inflight:   # the rest of the lost executor's plans fail too
             await asyncio.gather(*self._inflight, return_exceptions=True)
-            self._lost += self._inflight.values()
+            self._lost += [step.plan for step in self._inflight.values()]
             self._inflight.clear()
-            self._submitted.clear()
         log.warning("executor lost; rebuilding it, %d jobs resume by recompute", len(self._queues))
         self.scheduler.lose_all_kv(self._lost)
         self._lost.clear()

@@ -20,7 +20,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -28,8 +28,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from actors.messages import SamplingParams, validate_request
+from actors.messages import SamplingParams
 from app.config import AppArgs, resolve_path
+from app.errors import ErrorCode, RequestError, validate_request
 from app.metrics import IngressMetrics
 from app.metrics_export import CONTENT_TYPE, AgentMetrics
 from app.protocol import (
@@ -50,7 +51,7 @@ from app.protocol import (
     usage,
 )
 from app.request_limits import RequestLimits, read_body, timed_out, wait_for_disconnect
-from app.serving import GenerateRequest, StreamItem
+from app.scheduler.job import JobRequest, TokenDelta
 from app.tokenizer import IncrementalDecoder, Tokenizer, apply_chat_template
 
 log = logging.getLogger(__name__)
@@ -59,20 +60,23 @@ SSE_DONE = b"data: [DONE]\n\n"
 #: Finish reasons that mean the server, not the model, ended the job.
 SERVER_ENDED = {"abort": (503, "the server stopped the request (shutting down?)"),
                 "error": (500, "generation failed inside the engine")}
+#: How a refusal's message reads to the client, by its code (default: the message as is).
+REFUSAL_MESSAGES = {ErrorCode.ADMISSION_QUEUE_FULL: "server busy: {}; retry later",
+                    ErrorCode.ENGINE_UNAVAILABLE: "the model is unavailable: {}; retry later"}
 
 
 class Stream(Protocol):
-    """A scheduler stream: async iterator of ``StreamItem``s that can be cancelled."""
+    """A scheduler stream: async iterator of ``TokenDelta``s that can be cancelled."""
 
-    def __aiter__(self) -> AsyncIterator[StreamItem]: ...
+    def __aiter__(self) -> AsyncIterator[TokenDelta]: ...
 
-    def __anext__(self) -> Awaitable[StreamItem]: ...
+    def __anext__(self) -> Awaitable[TokenDelta]: ...
 
     def cancel(self) -> None: ...
 
 
 class Backend(Protocol):
-    def generate(self, req: GenerateRequest) -> Stream: ...
+    def generate(self, req: JobRequest) -> Stream: ...
 
     async def metrics_text(self) -> str: ...
 
@@ -105,28 +109,17 @@ class ServerContext:
                    args.model.context_len(), srv.resolved_api_key(), srv.retry_after_s, limits)
 
 
-@dataclass
-class Event:
-    """One step of a generation as the HTTP layer sees it."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    job_stats: dict[str, Any] = field(default_factory=dict)
-    completion_tokens: int = 0
-
-
 class _Replayed:
     """A stream whose first item was already read: yields it again, then the rest."""
 
-    def __init__(self, first: StreamItem, rest: Stream) -> None:
-        self._first: StreamItem | None = first
+    def __init__(self, first: TokenDelta, rest: Stream) -> None:
+        self._first: TokenDelta | None = first
         self._rest = rest
 
     def __aiter__(self) -> _Replayed:
         return self
 
-    async def __anext__(self) -> StreamItem:
+    async def __anext__(self) -> TokenDelta:
         if self._first is not None:
             item, self._first = self._first, None
             return item
@@ -154,10 +147,24 @@ class _DeliveryDelay:
 
 @dataclass
 class Prepared:
+    """A parsed HTTP request (what the response needs) and the ``JobRequest`` it asks for."""
+
     req: CompletionRequest | ChatCompletionRequest
-    request_id: str
-    prompt_ids: list[int]
+    job: JobRequest
     chat: bool
+
+    @property
+    def request_id(self) -> str:
+        return self.job.job_id
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...]:
+        return self.job.prompt_ids
+
+
+def job_stats(delta: TokenDelta) -> dict[str, Any]:
+    """A finishing event's ``job_stats`` as the response carries them ({} without stats)."""
+    return {} if delta.stats is None else delta.stats.as_dict()
 
 
 class OpenAIServer:
@@ -176,15 +183,14 @@ class OpenAIServer:
             raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                            None, "invalid_api_key")
 
-    def prepare_completion(self, raw: bytes) -> tuple[Prepared, SamplingParams]:
+    def prepare_completion(self, raw: bytes) -> Prepared:
         req: CompletionRequest = parse_request(CompletionRequest, raw)
         self._check_request(req)
         ids = self.ctx.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
         sampling = req.to_sampling(DEFAULT_COMPLETION_MAX_TOKENS)
-        self._validate(ids, sampling, "prompt")
-        return Prepared(req, f"cmpl-{uuid.uuid4().hex}", ids, False), sampling
+        return self._prepared(req, f"cmpl-{uuid.uuid4().hex}", ids, sampling, False)
 
-    def prepare_chat(self, raw: bytes) -> tuple[Prepared, SamplingParams]:
+    def prepare_chat(self, raw: bytes) -> Prepared:
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, raw)
         self._check_request(req)
         try:
@@ -198,8 +204,7 @@ class OpenAIServer:
                 f"messages of {len(ids)} tokens leave no room to generate within the model's "
                 f"context of {self.ctx.context_len} tokens", "messages", "context_length_exceeded")
         sampling = req.to_sampling(room)
-        self._validate(ids, sampling, "messages")
-        return Prepared(req, f"chatcmpl-{uuid.uuid4().hex}", ids, True), sampling
+        return self._prepared(req, f"chatcmpl-{uuid.uuid4().hex}", ids, sampling, True)
 
     def _check_request(self, req: CompletionRequest | ChatCompletionRequest) -> None:
         self._check_model(req.model)
@@ -213,35 +218,34 @@ class OpenAIServer:
             raise bad_request(f"the model '{model}' does not exist; this server serves "
                               f"'{self.ctx.model_name}'", "model", "model_not_found")
 
-    def _validate(self, ids: list[int], sampling: SamplingParams, param: str) -> None:
+    def _prepared(self, req: CompletionRequest | ChatCompletionRequest, request_id: str, ids: list[int],
+                  sampling: SamplingParams, chat: bool) -> Prepared:
+        """The request's one validation (``validate_request``), then its ``JobRequest``."""
         try:
             validate_request(ids, sampling, self.ctx.vocab_size, self.ctx.context_len)
-        except ValueError as exc:
-            msg = str(exc)
-            code = "context_length_exceeded" if "exceeds the model's context" in msg else None
-            raise bad_request(msg, param, code) from None
+        except RequestError as exc:
+            raise self.refusal(exc.code, str(exc), "messages" if chat else "prompt") from None
+        return Prepared(req, JobRequest(request_id, tuple(ids), sampling, priority=req.priority), chat)
+
+    def refusal(self, code: ErrorCode, message: str, param: str | None) -> APIError:
+        """The HTTP answer to a refused request: status, type and code come from ``code``."""
+        template = REFUSAL_MESSAGES.get(code, "{}")
+        headers = {"Retry-After": str(self.ctx.retry_after_s)} if code.retry else None
+        return APIError(code.status, template.format(message), param if code.status == 400 else None,
+                        code.wire_code, code.error_type, headers)
 
     # ---- generation ------------------------------------------------------------------------
 
-    async def start(self, prep: Prepared, sampling: SamplingParams) -> Stream:
+    async def start(self, prep: Prepared) -> Stream:
         """Hand the job to a scheduler; raise 429/400 if it refuses."""
-        stream = self.backend.generate(
-            GenerateRequest(prep.request_id, tuple(prep.prompt_ids), sampling, prep.req.priority))
+        stream = self.backend.generate(prep.job)
         try:
             first = await stream.__anext__()
         except BaseException:
             stream.cancel()
             raise
-        if first.kind == "rejected":
-            raise APIError(429, f"server busy: {first.message}; retry later", None,
-                           "admission_queue_full", "rate_limit_error",
-                           {"Retry-After": str(self.ctx.retry_after_s)})
-        if first.kind == "invalid":
-            raise bad_request(first.message, "messages" if prep.chat else "prompt")
-        if first.kind == "unavailable":
-            raise APIError(503, f"the model is unavailable: {first.message}; retry later", None,
-                           "engine_unavailable", "service_unavailable",
-                           {"Retry-After": str(self.ctx.retry_after_s)})
+        if first.error is not None:
+            raise self.refusal(first.error, first.message, "messages" if prep.chat else "prompt")
         return await self._first_output(stream)
 
     async def _first_output(self, stream: Stream) -> Stream:
@@ -262,47 +266,47 @@ class OpenAIServer:
             raise
         return _Replayed(first, stream)
 
-    async def events(self, stream: Stream, prep: Prepared) -> AsyncIterator[Event]:
-        """Token items → text deltas (stop strings applied); the last event has the finish.
+    async def events(self, stream: Stream, prep: Prepared) -> AsyncIterator[tuple[TokenDelta, str]]:
+        """The stream's events with their text (stop strings applied); the last has the finish.
 
-        One event per item: an item carries every token since the previous one, so a lagging
-        reader catches up in one event instead of one per token. The finishing event's
-        ``job_stats`` gains ``delivery_s``: the mean delay from the scheduler emitting an item to
-        this replica reading it.
+        One event per read: an event carries every token since the previous one, so a lagging
+        reader catches up in one event instead of one per token. A stop string ends the stream
+        with a ``stop`` event of the tokens read so far. The finishing event's stats gain
+        ``delivery_s``: the mean delay from the scheduler emitting an event to this replica
+        reading it.
         """
         decoder = IncrementalDecoder(self.ctx.tokenizer, prep.prompt_ids)
         matcher = StopStringMatcher(prep.req.stop_strings())
-        n, done = 0, False
+        done = False
         outcome = "abort"   # unless it finishes: the client went away, or the stream broke (error)
         delay = _DeliveryDelay()
         try:
-            async for item in stream:
-                if item.kind not in ("tokens", "finished"):
-                    continue
-                delay.observe(item.emitted_at)
+            async for delta in stream:
+                if not delta.token_ids and not delta.finished:
+                    continue   # the accepted event
+                delay.observe(delta.emitted_at)
                 text, ids = [], []
-                for token_id in item.token_ids:
-                    n += 1
+                for token_id in delta.token_ids:
                     ids.append(token_id)
                     text.append(matcher.push(decoder.step(token_id)))
                     if matcher.stopped:
                         done, outcome = True, "stop"
                         stream.cancel()   # the scheduler aborts the job and frees its blocks
-                        yield Event("".join(text), ids, "stop", {}, n)
+                        yield TokenDelta(delta.job_id, tuple(ids), "stop"), "".join(text)
                         return
-                if item.kind == "tokens":
-                    yield Event("".join(text), ids, None, {}, n)
+                if not delta.finished:
+                    yield delta, "".join(text)
                     continue
                 done = True
-                reason = outcome = item.finish_reason or "stop"
+                reason = outcome = delta.finish_reason or "stop"
                 if reason in SERVER_ENDED:
                     status, message = SERVER_ENDED[reason]
                     raise APIError(status, message, None, reason, "internal_error")
                 text.append(matcher.push(decoder.flush()))
-                stats = dict(item.job_stats)
-                if stats and (mean_delay := delay.mean()) is not None:
-                    stats["delivery_s"] = mean_delay
-                yield Event("".join(text) + matcher.flush(), ids, reason, stats, n)
+                stats = delta.stats
+                if stats is not None and (mean_delay := delay.mean()) is not None:
+                    stats = replace(stats, delivery_s=mean_delay)   # a copy: in process it is the scheduler's
+                yield replace(delta, finish_reason=reason, stats=stats), "".join(text) + matcher.flush()
                 return
             outcome = "error"
             raise APIError(500, "the scheduler stream ended without a finish", None, "internal_error",
@@ -318,18 +322,20 @@ class OpenAIServer:
                 self.metrics.request_finished(outcome)
 
     async def complete(self, prep: Prepared, stream: Stream) -> dict[str, Any]:
-        text, ids, last = [], [], Event("", [])
-        async for ev in self.events(stream, prep):
-            text.append(ev.text)
-            ids += ev.token_ids
-            last = ev
-        extra: dict[str, Any] = {"job_stats": last.job_stats}
+        text: list[str] = []
+        ids: list[int] = []
+        last = TokenDelta(prep.request_id)
+        async for delta, delta_text in self.events(stream, prep):
+            text.append(delta_text)
+            ids += delta.token_ids
+            last = delta
+        extra: dict[str, Any] = {"job_stats": job_stats(last)}
         if prep.req.return_token_ids:
             extra["choice"] = {"token_ids": ids}
-            extra["prompt_token_ids"] = prep.prompt_ids
+            extra["prompt_token_ids"] = list(prep.prompt_ids)
         build = chat_response if prep.chat else completion_response
         return build(prep.request_id, self.ctx.model_name, "".join(text), last.finish_reason,
-                     usage(len(prep.prompt_ids), last.completion_tokens), extra)
+                     usage(len(prep.prompt_ids), len(ids)), extra)
 
     async def sse(self, prep: Prepared, stream: Stream) -> AsyncIterator[bytes]:
         created, model, rid = now_s(), self.ctx.model_name, prep.request_id
@@ -353,12 +359,13 @@ class OpenAIServer:
         n = 0
         try:
             async with asyncio.timeout(self.ctx.limits.request_timeout_s):
-                async for ev in self.events(stream, prep):
-                    n = ev.completion_tokens
-                    if ev.finish_reason is not None:
-                        yield chunk(ev.text, ev.finish_reason, ev.token_ids, {"job_stats": ev.job_stats})
-                    elif ev.text or want_ids:
-                        yield chunk(ev.text, None, ev.token_ids, {})
+                async for delta, text in self.events(stream, prep):
+                    n += len(delta.token_ids)
+                    ids = list(delta.token_ids)
+                    if delta.finish_reason is not None:
+                        yield chunk(text, delta.finish_reason, ids, {"job_stats": job_stats(delta)})
+                    elif text or want_ids:
+                        yield chunk(text, None, ids, {})
         except TimeoutError:   # ``events`` cancelled the stream on its way out: the job is aborted
             yield b"data: " + json.dumps(timed_out(self.ctx.limits.request_timeout_s).body()).encode() + b"\n\n"
             yield SSE_DONE
@@ -387,8 +394,8 @@ class OpenAIServer:
         non-streaming request whose client goes away (``disconnected()`` completes) is aborted:
         both are ours to enforce, whatever headers the client sent the proxy."""
         prepare = self.prepare_chat if chat else self.prepare_completion
-        prep, sampling = await asyncio.to_thread(prepare, raw)
-        stream = await self.start(prep, sampling)
+        prep = await asyncio.to_thread(prepare, raw)
+        stream = await self.start(prep)
         if prep.req.stream:
             return StreamingResponse(self.sse(prep, stream), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -482,7 +489,7 @@ class ServeBackend:
         self._health = scheduler.health
         self._metrics = metrics
 
-    def generate(self, req: GenerateRequest) -> Stream:
+    def generate(self, req: JobRequest) -> Stream:
         stream: Stream = self._generate.remote(req)
         return stream
 

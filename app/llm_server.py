@@ -37,7 +37,8 @@ from app.config import AppArgs
 from app.ingress import OpenAIServer, Prepared, ServerContext, Stream
 from app.metrics import IngressMetrics
 from app.protocol import APIError
-from app.serving import GenerateRequest, SchedulerReplica, StreamItem
+from app.scheduler.job import JobRequest, TokenDelta
+from app.serving import SchedulerReplica
 
 
 def app_args(llm_config: LLMConfig) -> AppArgs:
@@ -54,13 +55,13 @@ def app_args(llm_config: LLMConfig) -> AppArgs:
 class LocalStream:
     """A ``SchedulerReplica.generate`` stream in this process, cancellable like a Serve stream."""
 
-    def __init__(self, gen: AsyncGenerator[StreamItem, None]) -> None:
+    def __init__(self, gen: AsyncGenerator[TokenDelta, None]) -> None:
         self._gen = gen
 
-    def __aiter__(self) -> AsyncIterator[StreamItem]:
+    def __aiter__(self) -> AsyncIterator[TokenDelta]:
         return self
 
-    async def __anext__(self) -> StreamItem:
+    async def __anext__(self) -> TokenDelta:
         return await self._gen.__anext__()
 
     def cancel(self) -> None:
@@ -76,9 +77,9 @@ class LocalBackend:
     def __init__(self, replica: SchedulerReplica) -> None:
         self.replica = replica
 
-    def generate(self, req: GenerateRequest) -> Stream:
+    def generate(self, req: JobRequest) -> Stream:
         # generate is an async generator function (typed by what callers need: an iterator)
-        return LocalStream(cast(AsyncGenerator[StreamItem, None], self.replica.generate(req)))
+        return LocalStream(cast(AsyncGenerator[TokenDelta, None], self.replica.generate(req)))
 
     async def metrics_text(self) -> str:
         return ""   # metrics go to Ray's agents; Ray Serve LLM has no /metrics route of its own
@@ -142,8 +143,8 @@ class FastServeEngine(LLMEngine):
         raw = request.model_dump_json(exclude_unset=True).encode()
         server = self.server
         try:
-            prep, sampling = server.prepare_chat(raw) if chat else server.prepare_completion(raw)
-            stream = await server.start(prep, sampling)
+            prep = server.prepare_chat(raw) if chat else server.prepare_completion(raw)
+            stream = await server.start(prep)
             if not prep.req.stream:
                 body = await server.complete(prep, stream)
         except APIError as exc:

@@ -1,10 +1,11 @@
 """The ``Scheduler`` deployment: one replica = one model copy, its executor and its engine loop.
 
-Owns the replica side of a request: ``SchedulerReplica.generate`` adds the job to the replica's
-``Engine`` and streams ``StreamItem``s back through the ingress's ``DeploymentHandle``; the
-first item says whether the job was accepted (or refused: admission queue full → 429, invalid →
-400), the last carries the finish reason and the scheduler's per-job accounting. A cancelled
-stream (client gone, stop string matched) aborts the job, which frees its KV blocks.
+Owns the replica side of a request: ``SchedulerReplica.generate`` submits the ingress's
+``JobRequest`` to the replica's ``Engine`` and streams the job's ``TokenDelta``s back through the
+ingress's ``DeploymentHandle``; the first event says whether the job was accepted (or refused,
+with the ``ErrorCode`` that picks the HTTP answer: admission queue full → 429, invalid → 400), the
+last carries the finish reason and the job's stats (``JobStats``). A cancelled stream (client
+gone, stop string matched) aborts the job, which frees its KV blocks.
 
 It also owns executor construction (``build_executor``): in process (``ThreadedExecutor`` over
 ``InProcessExecutor``) for TP·PP = 1, else the Ray pipeline of stage-worker actors placed in this
@@ -20,99 +21,43 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Any
 
-from actors.messages import SamplingParams
+from actors.spec import EngineSpec
 from app.config import AppArgs, resolve_path
-from app.engine import Engine, EngineUnavailable, Executor, ThreadedExecutor
+from app.engine import Engine, Executor, ThreadedExecutor
+from app.errors import AdmissionQueueFull, RequestError
 from app.metrics import SchedulerMetrics
-from app.scheduler.job import JobStats
+from app.scheduler.job import JobRequest, TokenDelta
 from app.scheduler.profile import Profile
-from app.scheduler.scheduler import AdmissionQueueFull, Scheduler
+from app.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
-ItemKind = Literal["accepted", "rejected", "invalid", "unavailable", "tokens", "finished"]
+
+async def build_executor(spec: EngineSpec) -> Executor:
+    """The executor of one model copy (``AppArgs.engine_spec()``), started."""
+    if spec.parallel.uses_pipeline:
+        return await _pipeline_executor(spec)
+    return await asyncio.to_thread(in_process_executor, spec)
 
 
-@dataclass(frozen=True)
-class GenerateRequest:
-    """What the ingress sends the scheduler: a tokenized, validated request."""
-
-    job_id: str
-    prompt_ids: tuple[int, ...]
-    sampling: SamplingParams
-    #: Lower = more urgent. Recorded; the shipped policies rank by their own rules.
-    priority: int = 0
-
-
-@dataclass(frozen=True)
-class StreamItem:
-    """One item of ``generate``'s stream (plain data: it crosses processes).
-
-    ``tokens`` and ``finished`` items carry every token the job produced since the previous
-    item: one per step while the reader keeps up, several when it lags (one message instead of
-    one per token). ``emitted_at`` (wall clock) lets the reader measure the delivery delay.
-    """
-
-    kind: ItemKind
-    token_ids: tuple[int, ...] = ()
-    finish_reason: str | None = None
-    message: str = ""
-    job_stats: dict[str, Any] = field(default_factory=dict)
-    emitted_at: float = 0.0
-
-
-def job_stats_dict(stats: JobStats) -> dict[str, Any]:
-    """The per-job accounting a response carries (``job_stats``), in seconds and counts."""
-    ttft = None if stats.first_token_time is None else stats.first_token_time - stats.arrival
-    e2e = None if stats.finish_time is None else stats.finish_time - stats.arrival
-    return {
-        "queue_s": stats.queueing_s, "exec_s": stats.execution_s,
-        "swap_blocked_s": stats.swap_blocked_s, "ttft_s": ttft, "e2e_s": e2e,
-        "demotions": stats.demotions, "promotions": stats.promotions,
-        "swaps_in": stats.swaps_in, "swaps_out": stats.swaps_out, "recomputes": stats.recomputes,
-        "num_generated": stats.num_generated, "prompt_len": stats.prompt_len,
-    }
-
-
-async def build_executor(args: AppArgs) -> Executor:
-    """The executor of one model copy, started."""
-    if args.parallel.uses_pipeline:
-        return await _pipeline_executor(args)
-    return await asyncio.to_thread(in_process_executor, args)
-
-
-def in_process_executor(args: AppArgs) -> Executor:
+def in_process_executor(spec: EngineSpec) -> Executor:
     from actors.executor import InProcessExecutor  # imports torch: only where the model lives
 
-    m, kv = args.model, args.kv_cache
-    sync = InProcessExecutor(resolve_path(m.config_path), kv.num_device_blocks, kv.num_host_blocks,
-                             kv.block_size, m.dtype, m.device, m.seed, m.load_format, m.model_path,
-                             args.parallel.torch_threads)
-    return ThreadedExecutor(sync)
+    return ThreadedExecutor(InProcessExecutor(spec.model))
 
 
-async def _pipeline_executor(args: AppArgs) -> Executor:
+async def _pipeline_executor(spec: EngineSpec) -> Executor:
     """The Ray pipeline in this replica's placement group; stage s takes bundle 1 + s."""
     import ray
 
-    from actors.pipeline import PipelineExecutor, PipelineSpec
+    from actors.pipeline import PipelineExecutor
 
-    m, kv, par = args.model, args.kv_cache, args.parallel
-    spec = PipelineSpec(
-        model=resolve_path(m.config_path), num_device_blocks=kv.num_device_blocks,
-        num_host_blocks=kv.num_host_blocks, block_size=kv.block_size, dtype=m.dtype, device=m.device,
-        seed=m.seed, load_format=m.load_format, model_path=m.model_path,
-        tensor_parallel_size=par.tensor_parallel_size, pipeline_parallel_size=par.pipeline_parallel_size,
-        transport=par.transport, max_inflight=par.max_inflight, worker_cpus=par.worker_cpus,
-        torch_threads=par.torch_threads,
-        # None outside a Serve replica: the executor then reserves its own group.
-        placement_group=ray.util.get_current_placement_group(), bundle_offset=1)
-    if spec.placement_group is None:
-        spec.bundle_offset = 0
-    executor = PipelineExecutor(spec)
+    # None outside a Serve replica: the executor then reserves its own group.
+    group = ray.util.get_current_placement_group()
+    executor = PipelineExecutor(spec, group, bundle_offset=0 if group is None else 1)
     await executor.start()
     return executor
 
@@ -131,11 +76,10 @@ class SchedulerReplica:
         self.args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
         self.replica_id = _replica_id()
         self.metrics = SchedulerMetrics(self.args.model.name)
-        self._stats: dict[str, JobStats] = {}   # finished jobs' accounting, until their stream takes it
-        self._live: set[str] = set()             # jobs with a stream still open
-        executor = await build_executor(self.args)
+        self.spec = self.args.engine_spec()
+        executor = await build_executor(self.spec)
         # A lost pipeline (a stage worker died) is rebuilt in this replica's placement group.
-        rebuild = (lambda: build_executor(self.args)) if self.args.parallel.uses_pipeline else None
+        rebuild = (lambda: build_executor(self.spec)) if self.spec.parallel.uses_pipeline else None
         self.engine = Engine(build_scheduler(self.args), executor, config=self.args.engine, rebuild=rebuild)
         await self.engine.start()
         self._sample_task = asyncio.get_running_loop().create_task(self._sample_metrics_forever())
@@ -166,52 +110,34 @@ class SchedulerReplica:
     def scheduler(self) -> Scheduler:
         return self.engine.scheduler
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamItem]:
-        """Stream one job. Cancellation (the caller went away) aborts it and frees its blocks."""
+    async def generate(self, req: JobRequest) -> AsyncIterator[TokenDelta]:
+        """Stream one job's events: first an accepted (empty) event or a refusal with its
+        ``ErrorCode``, then its tokens, merged per read, the last with the finish and the job's
+        stats. Cancellation (the caller went away) aborts the job and frees its blocks."""
         try:
-            stream = self.engine.add_request(req.prompt_ids, req.sampling, job_id=req.job_id,
-                                             priority=req.priority)
-        except AdmissionQueueFull as exc:
-            self.metrics.rejected()
-            yield StreamItem("rejected", message=str(exc))
-            return
-        except ValueError as exc:
-            yield StreamItem("invalid", message=str(exc))
-            return
-        except EngineUnavailable as exc:
-            yield StreamItem("unavailable", message=str(exc))
+            stream = self.engine.submit(req)
+        except RequestError as exc:
+            if isinstance(exc, AdmissionQueueFull):
+                self.metrics.rejected()
+            yield TokenDelta(req.job_id, error=exc.code, message=str(exc))
             return
         finished = False
-        self._live.add(req.job_id)
         try:   # from here on, however the caller leaves, the job must not outlive it
-            yield StreamItem("accepted")
+            yield TokenDelta(req.job_id)
             async for delta in stream:
-                deltas = [delta, *stream.ready()]
-                tokens = tuple(d.token_id for d in deltas if d.token_id is not None)
-                last = deltas[-1]
-                if last.finished:
-                    finished = True
-                    yield StreamItem("finished", tokens, last.finish_reason,
-                                     job_stats=self._take_stats(req.job_id), emitted_at=time.time())
+                merged = TokenDelta.merge([delta, *stream.ready()])
+                finished = merged.finished
+                yield replace(merged, emitted_at=time.time())
+                if finished:
                     return
-                yield StreamItem("tokens", tokens, emitted_at=time.time())
         finally:
             if not finished:
                 self.engine.abort(req.job_id)
-            self._live.discard(req.job_id)
-            self._stats.pop(req.job_id, None)
 
-    def _take_stats(self, job_id: str) -> dict[str, Any]:
-        self._collect_finished()
-        stats = self._stats.pop(job_id, None)
-        return {} if stats is None else job_stats_dict(stats)
-
-    def _collect_finished(self) -> None:
-        """Drain the scheduler's finished-job accounting: record it, keep it per open stream."""
+    def _record_finished(self) -> None:
+        """Record the finished jobs' accounting (the scheduler keeps it until drained here)."""
         for stats in self.scheduler.drain_finished():
             self.metrics.job_finished(stats)
-            if stats.job_id in self._live:
-                self._stats[stats.job_id] = stats
 
     # ---- inspection ------------------------------------------------------------------------
 
@@ -229,7 +155,7 @@ class SchedulerReplica:
         return {"actor_id": ray.get_runtime_context().get_actor_id(), "replica_id": self.replica_id}
 
     def _sample_metrics(self) -> None:
-        self._collect_finished()
+        self._record_finished()
         self.metrics.sample(self.scheduler)
 
     async def _sample_metrics_forever(self) -> None:

@@ -19,9 +19,10 @@ import torch
 import transformers
 
 from actors.executor import InProcessExecutor
-from actors.messages import BatchEntry, BatchPlan, SamplingParams
+from actors.messages import BatchEntry, BatchPlan, SamplingParams, blocks_for
 from actors.model.config import OPTConfig
 from actors.model.weights import dummy_weights
+from actors.spec import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT_LEN = 128
@@ -49,7 +50,7 @@ def _hf_twin(ex: InProcessExecutor, config: OPTConfig, seed: int) -> transformer
 
 
 def bench_ours(ex: InProcessExecutor, b: int, repeats: int) -> tuple[float, float]:
-    per_seq = -(-(PROMPT_LEN + DECODE_STEPS + 1) // BLOCK_SIZE)
+    per_seq = blocks_for(PROMPT_LEN + DECODE_STEPS + 1, BLOCK_SIZE)
     tables = [tuple(range(j * per_seq, (j + 1) * per_seq)) for j in range(b)]
     prompt = tuple(2 + i for i in range(PROMPT_LEN))
     prefill = BatchPlan(0, tuple(BatchEntry(str(j), prompt, 0, tables[j], True, GREEDY) for j in range(b)))
@@ -91,8 +92,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     config = OPTConfig.from_file(args.model)
-    per_seq = -(-(PROMPT_LEN + DECODE_STEPS + 1) // BLOCK_SIZE)
-    ex = InProcessExecutor(config, max(BATCH_SIZES) * per_seq, 0, BLOCK_SIZE, seed=args.seed)
+    per_seq = blocks_for(PROMPT_LEN + DECODE_STEPS + 1, BLOCK_SIZE)
+    ex = InProcessExecutor(ModelSpec(config, max(BATCH_SIZES) * per_seq, 0, BLOCK_SIZE, seed=args.seed))
     hf = _hf_twin(ex, config, args.seed)
     rows = {}
     print(f"{config.name}, prompt {PROMPT_LEN} tokens, {torch.get_num_threads()} torch threads")

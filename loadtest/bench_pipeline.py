@@ -31,9 +31,10 @@ from typing import Any
 import torch
 
 from actors.executor import InProcessExecutor
-from actors.messages import BatchEntry, BatchPlan, SamplingParams, StepOutput
+from actors.messages import BatchEntry, BatchPlan, SamplingParams, StepOutput, blocks_for
 from actors.model.config import OPTConfig
-from actors.pipeline import PipelineExecutor, PipelineSpec
+from actors.pipeline import PipelineExecutor
+from actors.spec import EngineSpec, ModelSpec, ParallelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 DECODES = 8
@@ -51,17 +52,13 @@ GREEDY = SamplingParams(max_tokens=CONTEXT + 1, temperature=0.0, ignore_eos=True
 Execute = Callable[[BatchPlan], Awaitable[StepOutput]]
 
 
-def blocks_for(tokens: int) -> int:
-    return -(-tokens // BLOCK_SIZE)
-
-
 def batch_blocks() -> int:
-    return DECODES * blocks_for(CONTEXT) + blocks_for(PREFILL)
+    return DECODES * blocks_for(CONTEXT, BLOCK_SIZE) + blocks_for(PREFILL, BLOCK_SIZE)
 
 
 def make_plans() -> list[BatchPlan]:
     """``NUM_BATCHES`` plans with disjoint jobs and blocks, each ``DECODES`` decodes + 1 prefill."""
-    plans, per_decode = [], blocks_for(CONTEXT)
+    plans, per_decode = [], blocks_for(CONTEXT, BLOCK_SIZE)
     for b in range(NUM_BATCHES):
         base = b * batch_blocks()
         entries = [BatchEntry(f"b{b}d{j}", (7,), CONTEXT - 1,
@@ -69,7 +66,7 @@ def make_plans() -> list[BatchPlan]:
                               False, GREEDY, CONTEXT) for j in range(DECODES)]
         first = base + DECODES * per_decode
         entries.append(BatchEntry(f"b{b}p", tuple(range(2, 2 + PREFILL)), 0,
-                                  tuple(range(first, first + blocks_for(PREFILL))), True, GREEDY))
+                                  tuple(range(first, first + blocks_for(PREFILL, BLOCK_SIZE))), True, GREEDY))
         plans.append(BatchPlan(b, tuple(entries)))
     return plans
 
@@ -96,7 +93,7 @@ async def time_plans(execute: Execute, plans: list[BatchPlan], window: int, iter
 
 
 def bench_in_process(config: OPTConfig, seed: int, iterations: int, warmup: int) -> float:
-    ex = InProcessExecutor(config, NUM_BATCHES * batch_blocks(), 0, BLOCK_SIZE, seed=seed)
+    ex = InProcessExecutor(ModelSpec(config, NUM_BATCHES * batch_blocks(), 0, BLOCK_SIZE, seed=seed))
 
     async def execute(plan: BatchPlan) -> StepOutput:
         return ex.execute(plan)
@@ -109,9 +106,8 @@ def bench_in_process(config: OPTConfig, seed: int, iterations: int, warmup: int)
 
 async def bench_pipeline(config: OPTConfig, tp: int, pp: int, transport: str, seed: int,
                          iterations: int, warmup: int, threads: int) -> dict[str, float]:
-    spec = PipelineSpec(config, NUM_BATCHES * batch_blocks(), 0, block_size=BLOCK_SIZE, seed=seed,
-                        tensor_parallel_size=tp, pipeline_parallel_size=pp, transport=transport,
-                        torch_threads=threads)
+    spec = EngineSpec(ModelSpec(config, NUM_BATCHES * batch_blocks(), 0, block_size=BLOCK_SIZE, seed=seed,
+                                torch_threads=threads), ParallelSpec(tp, pp, transport))
     ex = PipelineExecutor(spec)
     started = time.perf_counter()
     await ex.start()

@@ -20,7 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
-from actors.messages import SamplingParams
+from actors.messages import SamplingParams, blocks_for
 from app.scheduler.config import POLICIES, KVCacheConfig, PolicyName, SchedulerConfig
 from app.scheduler.job import JobRequest
 from app.scheduler.profile import Profile
@@ -57,7 +57,7 @@ def bench(policy: PolicyName, queued: int, iters: int, warmup: int, seed: int = 
     """(wall, cpu) seconds of schedule()+update() for each of ``iters`` measured iterations."""
     rng = random.Random(seed)
     profile = _profile()
-    per_job = -(-(PROMPT_RANGE[1] + OUTPUT_RANGE[1]) // BLOCK)
+    per_job = blocks_for(PROMPT_RANGE[1] + OUTPUT_RANGE[1], BLOCK)
     sched = Scheduler(SchedulerConfig(policy=policy, max_batch_size=BATCH),
                       KVCacheConfig(block_size=BLOCK, num_device_blocks=queued * per_job,
                                     num_host_blocks=queued * per_job),

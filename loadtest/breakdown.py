@@ -89,15 +89,16 @@ def model_profile(batch_sizes: Sequence[int], context: int) -> dict[str, dict[st
     from torch.profiler import ProfilerActivity, profile
 
     from actors.executor import InProcessExecutor
-    from actors.messages import BatchEntry, BatchPlan, SamplingParams
+    from actors.messages import BatchEntry, BatchPlan, SamplingParams, blocks_for
+    from actors.spec import ModelSpec
     from app.config import resolve_path
 
     greedy = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
     out: dict[str, dict[str, float]] = {}
     steps = 5
     for b in batch_sizes:
-        per_seq = -(-(context + steps + 2) // 16)
-        ex = InProcessExecutor(resolve_path("config/models/opt-125m"), b * per_seq, 0, 16)
+        per_seq = blocks_for(context + steps + 2, 16)
+        ex = InProcessExecutor(ModelSpec(resolve_path("config/models/opt-125m"), b * per_seq, 0, 16))
         tables = [tuple(range(j * per_seq, (j + 1) * per_seq)) for j in range(b)]
         prompt = tuple(range(2, 2 + context))
         ex.execute(BatchPlan(0, tuple(BatchEntry(str(j), prompt, 0, tables[j], True, greedy) for j in range(b))))

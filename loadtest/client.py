@@ -265,11 +265,6 @@ def save_jsonl(records: Sequence[dict[str, Any]], path: Path) -> None:
             handle.write(json.dumps(rec) + "\n")
 
 
-def load_jsonl(path: Path) -> list[RequestRecord]:
-    with path.open(encoding="utf-8") as handle:
-        return [RequestRecord.from_dict(json.loads(line)) for line in handle if line.strip()]
-
-
 def _requests_from_args(args: argparse.Namespace) -> list[W.Request]:
     source = W.load_alpaca_lengths() if args.dataset == "alpaca" else W.load_sharegpt_lengths()
     reqs = W.workload(source, args.num_requests, args.rate, seed=args.seed)

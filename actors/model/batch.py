@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.messages import BatchEntry
+from actors.messages import BatchEntry, blocks_for
 
 
 @dataclass
@@ -59,10 +59,10 @@ class ForwardBatch:
             positions.extend(span)
             slots.extend(e.block_table[p // block_size] * block_size + p % block_size for p in span)
             sample_index[i] = len(ids) - 1
-            blocks.update(e.block_table[: _blocks_needed(e.context_len, block_size)])
+            blocks.update(e.block_table[: blocks_for(e.context_len, block_size)])
             if e.is_prefill:
                 cu.append(len(ids))
-        max_blocks = max((_blocks_needed(e.context_len, block_size) for _, e in decode), default=0)
+        max_blocks = max((blocks_for(e.context_len, block_size) for _, e in decode), default=0)
         tables = [list(e.block_table[:max_blocks]) for _, e in decode]
         tables = [t + [0] * (max_blocks - len(t)) for t in tables]
         as_long = {"dtype": torch.int64, "device": device}
@@ -80,10 +80,6 @@ class ForwardBatch:
         )
 
 
-def _blocks_needed(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
 def _check_entry(e: BatchEntry, block_size: int) -> None:
     if not e.token_ids:
         raise ValueError(f"job {e.job_id}: entry has no tokens")
@@ -91,7 +87,7 @@ def _check_entry(e: BatchEntry, block_size: int) -> None:
         raise ValueError(f"job {e.job_id}: a first iteration must start at position 0, got {e.start_pos}")
     if not e.is_prefill and len(e.token_ids) != 1:
         raise ValueError(f"job {e.job_id}: a decode step feeds one token, got {len(e.token_ids)}")
-    if len(e.block_table) < _blocks_needed(e.context_len, block_size):
+    if len(e.block_table) < blocks_for(e.context_len, block_size):
         raise ValueError(
             f"job {e.job_id}: {len(e.block_table)} blocks cannot hold {e.context_len} tokens "
             f"at block_size {block_size}"

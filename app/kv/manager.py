@@ -14,10 +14,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from actors.messages import SwapCommand
+from actors.messages import SwapCommand, blocks_for
 from app.kv.blocks import BlockPool, OutOfBlocks
-from app.scheduler.config import KVCacheConfig
 
 
 class Tier(enum.Enum):
@@ -43,28 +43,44 @@ class _JobKV:
 
 
 @dataclass
-class _StepRecord:
+class _StepReleases:
+    """What one in-flight step holds of the KV cache, settled when it completes. (Which steps are
+    in flight, and what they mean for their jobs, is the scheduler's ``SchedulerState.inflight``;
+    the engine holds only the executor's tasks.)"""
+
     device: list[int] = field(default_factory=list)   # released when the step completes
     host: list[int] = field(default_factory=list)
     swaps: list[str] = field(default_factory=list)    # jobs whose swap settles with the step
     busy: list[str] = field(default_factory=list)     # jobs whose blocks the step's entries use
 
 
+class PoolSizes(Protocol):
+    """The sizes the manager is built from (``app.scheduler.config.KVCacheConfig`` has them;
+    ``app/kv`` imports nothing from ``app/scheduler``)."""
+
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_device_blocks(self) -> int: ...
+    @property
+    def num_host_blocks(self) -> int: ...
+
+
 class KVCacheManager:
-    def __init__(self, config: KVCacheConfig) -> None:
+    def __init__(self, config: PoolSizes) -> None:
         self.config = config
         self.block_size = config.block_size
         self.device = BlockPool(config.num_device_blocks, "device")
         self.host = BlockPool(config.num_host_blocks, "host")
         self._jobs: dict[str, _JobKV] = {}
-        self._steps: dict[int, _StepRecord] = {}
+        self._steps: dict[int, _StepReleases] = {}
         self.device_releasing = 0   # device blocks that come back when in-flight steps complete
         self.swapped_out_blocks = 0
         self.swapped_in_blocks = 0
 
     # ---- queries -------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     @property
     def num_free_device(self) -> int:
@@ -239,10 +255,10 @@ class KVCacheManager:
         return lost
 
     # ---- internals -----------------------------------------------------------------------
-    def _record(self, step: int) -> _StepRecord:
+    def _record(self, step: int) -> _StepReleases:
         rec = self._steps.get(step)
         if rec is None:
-            rec = self._steps[step] = _StepRecord()
+            rec = self._steps[step] = _StepReleases()
         return rec
 
     def _pool(self, tier: Tier) -> BlockPool:

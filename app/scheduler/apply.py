@@ -273,7 +273,6 @@ class Applier:
                 job.pinned_until = None
                 self.count(job, "recomputes")
                 self.place(job)
-        s.to_free.clear()   # the new workers have nothing to forget
 
     def retire(self, job: Job, state: JobState, reason: FinishReason, now: float) -> None:
         """Take a job out of the queues for good; free its KV (deferred while in flight)."""
@@ -282,11 +281,8 @@ class Applier:
         s.queues.leave(job.level)
         if not job.admitted:
             s.num_unadmitted -= 1
-        running = job.state is JobState.RUNNING
         job.state = state
         s.kv.free(job.job_id)
-        if not running:   # the data plane forgets a job once no in-flight plan names it
-            s.to_free.append(job.job_id)
         job.stats.finish_time = now
         job.stats.finish_reason = reason
         s.finished.append(job.stats)
@@ -303,4 +299,3 @@ class Applier:
 
     def forget_aborted(self, job: Job) -> None:
         del self.s.jobs[job.job_id]
-        self.s.to_free.append(job.job_id)

@@ -88,8 +88,8 @@ class _Walk:
                 elif self.admit_new or job.admitted:
                     # As vLLM: a batch that preempted a job to let an older one grow admits no
                     # new job into what the preemption freed.
-                    fits = self._try_admit(job, admission_open=not res.waiting_needs and not self.evicted)
-                    if not fits and first_waiting is None:
+                    no_memory = self._try_admit(job, admission_open=not res.waiting_needs and not self.evicted)
+                    if no_memory and first_waiting is None:
                         first_waiting = job_id
                 if len(self.picked) == before:
                     # Passed over (memory or token budget): bound the walk to B such jobs, so
@@ -158,16 +158,18 @@ class _Walk:
             self._want(job_id, self.view.kv.device_blocks_needed(job_id, job.next_context_len))
 
     def _try_admit(self, job: Job, admission_open: bool) -> bool:
+        """Admit ``job`` into the batch if it fits; True when memory (or closed admission) kept
+        it out, False when it was picked or only the token budget was short."""
         prefix = self.view.policy.preempted_prefix(job)
         n = job.next_context_len if prefix is None else prefix
         if not self._fits_budget(n):
-            return True  # not a memory problem: it simply waits for a batch with room
+            return False  # not a memory problem: it simply waits for a batch with room
         need = self.view.kv.blocks_for(n)
         if not admission_open or need > self.res.free_device:
             self.res.waiting_needs[job.job_id] = need
-            return False
+            return True
         self._pick(Run(job.job_id, n, prefill=True, wasted=prefix is not None), need)
-        return True
+        return False
 
     def _preempt_latest(self, job: Job) -> None:
         """vLLM-style: decode growth does not fit, so preempt the most recently admitted idle

@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from actors.messages import DEFAULT_BLOCK_SIZE
+
 QuantumBasis = Literal["decode_share", "iteration"]
 PolicyName = Literal["skip_join_mlfq", "naive_mlfq", "fixed_priority", "fcfs", "srpt_oracle"]
 SwapMode = Literal["proactive", "reactive", "recompute"]
@@ -88,7 +90,7 @@ class SchedulerConfig(_Strict):
 class KVCacheConfig(_Strict):
     """Paged KV cache in two tiers and how it is swapped (paper §4.2)."""
 
-    block_size: int = Field(default=16, ge=1)
+    block_size: int = Field(default=DEFAULT_BLOCK_SIZE, ge=1)
     num_device_blocks: int = Field(ge=1)
     num_host_blocks: int = Field(default=0, ge=0)
     #: proactive = ENST-driven prefetch/offload overlapped with compute (the paper);

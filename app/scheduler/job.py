@@ -1,4 +1,4 @@
-"""Control-plane job state: ``Job``, its lifecycle ``JobState``, its accounting and ``TokenDelta``.
+"""Control-plane job state: ``JobRequest`` in, ``Job`` and its ``JobState`` and accounting, ``TokenDelta`` out.
 
 Only the scheduler mutates a ``Job`` (state, level, service); everything else reads it.
 """
@@ -6,9 +6,12 @@ Only the scheduler mutates a ``Job`` (state, level, service); everything else re
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from actors.messages import FinishReason, SamplingParams
+from app.errors import ErrorCode
 
 
 class JobState(enum.Enum):
@@ -24,20 +27,53 @@ ACTIVE_STATES = frozenset({JobState.WAITING, JobState.RUNNABLE, JobState.RUNNING
 
 @dataclass(frozen=True)
 class TokenDelta:
-    """One event of a job's stream: a new token, and whether the job is done (and why).
+    """The one event type of a job's stream, from the scheduler to the HTTP layer.
 
-    ``token_id`` is None for an event without a token (abort, or a failed step).
+    ``token_ids`` are the tokens since the previous event: one per step out of the scheduler,
+    several once a lagging reader's events are merged (``merge``). The finishing event has a
+    ``finish_reason`` and, from the scheduler, the job's ``stats``. A job refused before it
+    started ends with one event carrying an ``error`` code and its ``message``. An event with
+    neither tokens nor a finish says the job was accepted. ``emitted_at`` (wall clock) lets the
+    reader measure the delivery delay.
     """
 
     job_id: str
-    token_id: int | None
-    finished: bool
+    token_ids: tuple[int, ...] = ()
     finish_reason: FinishReason | None = None
+    stats: JobStats | None = None
+    error: ErrorCode | None = None
+    message: str = ""
+    emitted_at: float = 0.0
+
+    @classmethod
+    def token(cls, job_id: str, token_id: int, finish_reason: FinishReason | None = None,
+              stats: JobStats | None = None) -> TokenDelta:
+        return cls(job_id, (token_id,), finish_reason, stats)
+
+    @property
+    def finished(self) -> bool:
+        """The last event of its stream: the job finished, or was refused."""
+        return self.finish_reason is not None or self.error is not None
+
+    @property
+    def token_id(self) -> int | None:
+        """The token of a one-step event (None for an event without a token)."""
+        return self.token_ids[-1] if self.token_ids else None
+
+    @classmethod
+    def merge(cls, deltas: Sequence[TokenDelta]) -> TokenDelta:
+        """Consecutive events of one job as one: every token, the last one's finish."""
+        last = deltas[-1]
+        if len(deltas) == 1:
+            return last
+        return replace(last, token_ids=tuple(t for d in deltas for t in d.token_ids))
 
 
 @dataclass(frozen=True)
 class JobRequest:
-    """What a caller hands the scheduler; it becomes a ``Job`` on ``add``."""
+    """The one request type from the ingress to the scheduler: a tokenized request, validated
+    once (``app.errors.validate_request``) at the ingress; it becomes a ``Job`` on ``add``.
+    ``arrival`` None = when the scheduler receives it."""
 
     job_id: str
     prompt_ids: tuple[int, ...]
@@ -55,7 +91,9 @@ class JobStats:
     ``queueing_s`` + ``swap_blocked_s`` + ``execution_s`` is the time from arrival to the last
     token. ``swap_blocked_s`` is time the job would have been picked but its KV was not on the
     device. ``enst_pairs`` holds (predicted ENST, actual wait until next scheduled) for every
-    prediction made at a swap decision.
+    prediction made at a swap decision; ``enst_mae_s`` is their mean absolute error, reported in
+    the response's ``job_stats`` and (per prediction) in the ``enst_error_seconds`` metric — how
+    good ENST is, which the paper leaves open.
     """
 
     job_id: str
@@ -75,6 +113,33 @@ class JobStats:
     recomputes: int = 0
     wasted_prefills: int = 0         # naive MLFQ: first iterations cut at the quantum, work lost
     enst_pairs: list[tuple[float, float]] = field(default_factory=list)
+    #: Mean delay from the scheduler emitting an event to the ingress reading it (the ingress
+    #: sets it on its copy of the finishing event's stats).
+    delivery_s: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The per-job accounting a response carries (``job_stats``), in seconds and counts."""
+        ttft = None if self.first_token_time is None else self.first_token_time - self.arrival
+        e2e = None if self.finish_time is None else self.finish_time - self.arrival
+        out: dict[str, Any] = {
+            "queue_s": self.queueing_s, "exec_s": self.execution_s,
+            "swap_blocked_s": self.swap_blocked_s, "ttft_s": ttft, "e2e_s": e2e,
+            "demotions": self.demotions, "promotions": self.promotions,
+            "swaps_in": self.swaps_in, "swaps_out": self.swaps_out, "recomputes": self.recomputes,
+            "num_generated": self.num_generated, "prompt_len": self.prompt_len,
+        }
+        out["enst_mae_s"] = self.enst_mae_s
+        out["enst_predictions"] = len(self.enst_pairs)
+        if self.delivery_s is not None:
+            out["delivery_s"] = self.delivery_s
+        return out
+
+    @property
+    def enst_mae_s(self) -> float | None:
+        """Mean |predicted ENST − actual wait until next scheduled|; None without predictions."""
+        if not self.enst_pairs:
+            return None
+        return sum(abs(p - a) for p, a in self.enst_pairs) / len(self.enst_pairs)
 
 
 @dataclass(eq=False)

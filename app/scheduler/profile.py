@@ -1,6 +1,6 @@
 """The job profiler's output, as the scheduler reads it (paper §3.2 "Job Profiler").
 
-Owns the interpolation of the offline profile written by ``python -m app.profile``:
+Owns the interpolation of the offline profile written by ``python -m app.profiler``:
 ``t_init(prompt_len)`` (first-iteration time), ``t_dec(batch_size)`` (decode-iteration time),
 the smallest quantum ``q1`` and the number of MLFQ levels the profile implies.
 """
@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from actors.messages import DEFAULT_BLOCK_SIZE
 
 
 def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -53,7 +55,7 @@ class Profile:
     tp: int = 1
     pp: int = 1
     dtype: str = "float32"
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
 
     def __post_init__(self) -> None:
         _check_grid("t_init", self.init_lens, self.init_seconds)

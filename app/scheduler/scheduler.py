@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from actors.messages import BatchPlan, StepOutput
+from app.errors import AdmissionQueueFull, InvalidRequest
 from app.kv.manager import KVCacheManager
 from app.scheduler.accounting import compute_seconds, service_shares
 from app.scheduler.apply import Applied, Applier, Served
@@ -36,10 +37,6 @@ from app.scheduler.state import InFlight, SchedulerState, SchedulerView
 
 #: A plan that only dropped KV is re-planned at once (the drops freed blocks); once is enough.
 _PLAN_PASSES = 2
-
-
-class AdmissionQueueFull(RuntimeError):
-    """Too many jobs wait for admission; the HTTP layer answers 429."""
 
 
 class Scheduler:
@@ -106,8 +103,10 @@ class Scheduler:
     def add(self, job_or_request: Job | JobRequest, now: float) -> Job:
         """Queue a new job (skip-join: its level comes from the profiled t_init).
 
-        Raises ``ValueError`` for a job that can never run and ``AdmissionQueueFull`` when the
-        admission queue is at its configured limit.
+        The request's own validity (prompt, sampling, context) is ``app.errors.validate_request``'s,
+        at the ingress. Here only what the scheduler knows: raises ``InvalidRequest`` for a job its
+        KV pool can never hold (or a duplicate id) and ``AdmissionQueueFull`` when the admission
+        queue is at its configured limit.
         """
         req = job_or_request
         job = req if isinstance(req, Job) else Job(
@@ -115,13 +114,10 @@ class Scheduler:
             now if req.arrival is None else req.arrival, req.priority)
         s = self.state
         if job.job_id in s.jobs:
-            raise ValueError(f"job id {job.job_id!r} is already queued")
-        if not job.prompt_ids:
-            raise ValueError(f"job {job.job_id}: prompt is empty")
-        job.sampling.validate()
+            raise InvalidRequest(f"job id {job.job_id!r} is already queued")
         peak = s.kv.blocks_for(job.prompt_len + job.sampling.max_tokens - 1)
         if peak > s.kv_config.num_device_blocks:
-            raise ValueError(
+            raise InvalidRequest(
                 f"job {job.job_id}: prompt {job.prompt_len} + max_tokens "
                 f"{job.sampling.max_tokens} needs {peak} KV blocks, the device pool has "
                 f"{s.kv_config.num_device_blocks}")
@@ -167,9 +163,7 @@ class Scheduler:
         if not out.entries and not out.swap_out and not out.swap_in:
             return None
         s.next_step += 1
-        plan = BatchPlan(step, tuple(out.entries), tuple(out.swap_out), tuple(out.swap_in),
-                         tuple(s.to_free))
-        s.to_free.clear()
+        plan = BatchPlan(step, tuple(out.entries), tuple(out.swap_out), tuple(out.swap_in))
         s.inflight[step] = InFlight(now, tuple(e.job_id for e in out.entries),
                                     frozenset(out.reactive), frozenset(out.wasted))
         s.totals["steps"] += 1
@@ -222,7 +216,7 @@ class Scheduler:
                 self.applier.waste(job, served, now)
                 continue
             reason = self.applier.advance(job, token, served, now)
-            deltas.append(TokenDelta(job_id, token, reason is not None, reason))
+            deltas.append(TokenDelta.token(job_id, token, reason, job.stats if reason else None))
         self.applier.settle(settled)
         return deltas
 
@@ -260,10 +254,9 @@ class Scheduler:
                 if job.state is JobState.RUNNING:
                     job.state = JobState.RUNNABLE   # its step is void: retire frees at once
                 deltas.append(self._fail_job(job, now))
-        s.to_free.clear()
         return deltas
 
     def _fail_job(self, job: Job, now: float) -> TokenDelta:
         self.applier.retire(job, JobState.FINISHED, "error", now)
         self.state.totals["errors"] += 1
-        return TokenDelta(job.job_id, None, True, "error")
+        return TokenDelta(job.job_id, finish_reason="error", stats=job.stats)

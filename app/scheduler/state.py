@@ -70,7 +70,6 @@ class SchedulerState:
         self.level_seq = count()
         self.admit_seq = count()
         self.num_unadmitted = 0
-        self.to_free: list[str] = []
         self.finished: deque[JobStats] = deque(maxlen=config.finished_stats_limit)
         self.reserve = ArrivalReserve(kv_config)
         self.totals: Counter[str] = Counter()

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from actors.messages import blocks_for
 from loadtest import plots
 from loadtest import workloads as W
 from loadtest.experiments.common import Report, RunOptions, capacity_rate, dataset_pairs, run_point
@@ -44,7 +45,7 @@ def run(options: RunOptions) -> dict[str, Any]:
     rate = LOAD * capacity_rate(pairs, cost, BATCH)
     requests = W.build_requests(pairs, W.poisson_arrivals(n, rate, options.seed))
     # Room for every job's whole context at once: the pool never binds.
-    unbounded = sum(-(-(p.prompt_len + p.output_len) // cost.profile.block_size) for p in pairs)
+    unbounded = sum(blocks_for(p.prompt_len + p.output_len, cost.profile.block_size) for p in pairs)
     block_gb = cost.profile.swap_bytes_per_block / GB
     rows, curves, peaks = [], {}, {}
     for policy in POLICIES:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import kernels
+from actors.messages import blocks_for
 from kernels import reference
 
 pytestmark = [
@@ -87,7 +88,7 @@ def paged_case(
     gen: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(query, block-major cache, block_tables, context_lens) with shuffled, distinct blocks."""
-    blocks_per_seq = [-(-n // block_size) for n in context_lens]
+    blocks_per_seq = [blocks_for(n, block_size) for n in context_lens]
     max_blocks = max(blocks_per_seq) + 1  # a padded column in every row
     num_blocks = sum(blocks_per_seq) + 1
     cache = make_cache(num_blocks, block_size, num_heads, head_dim, dtype, gen)
@@ -206,7 +207,7 @@ def test_write_then_decode_matches_prefill(gen: torch.Generator, dtype: torch.dt
         for _ in range(3)
     )
     cache = make_cache(16, block_size, num_heads, head_dim, dtype, gen)
-    blocks = torch.randperm(16, generator=gen, device="cuda")[: -(-seq_len // block_size)]
+    blocks = torch.randperm(16, generator=gen, device="cuda")[: blocks_for(seq_len, block_size)]
     positions = torch.arange(seq_len, device="cuda")
     slots = blocks[positions // block_size] * block_size + positions % block_size
     key_cache, value_cache = cache[:, LAYER, KEY], cache[:, LAYER, VALUE]

@@ -13,6 +13,7 @@ import pytest
 from actors.executor import InProcessExecutor
 from actors.messages import SamplingParams
 from actors.model.config import OPTConfig
+from actors.spec import ModelSpec
 from app.engine import Engine, ThreadedExecutor
 from app.scheduler.config import KVCacheConfig, SchedulerConfig, SwapMode
 from app.scheduler.profile import Profile
@@ -46,7 +47,7 @@ async def generate(mode: SwapMode, device_blocks: int, batch: int = 16
         KVCacheConfig(block_size=BLOCK_SIZE, num_device_blocks=device_blocks,
                       num_host_blocks=HOST_POOL, swap_mode=mode),
         PROFILE, eos_token_id=TINY.eos_token_id)
-    executor = InProcessExecutor(TINY, device_blocks, HOST_POOL, BLOCK_SIZE, seed=SEED)
+    executor = InProcessExecutor(ModelSpec(TINY, device_blocks, HOST_POOL, BLOCK_SIZE, seed=SEED))
     engine = Engine(scheduler, ThreadedExecutor(executor))
     await engine.start()
     try:
@@ -104,7 +105,7 @@ def test_abort_mid_generation_frees_every_block() -> None:
                                              num_host_blocks=HOST_POOL),
             PROFILE, eos_token_id=TINY.eos_token_id)
         engine = Engine(scheduler, ThreadedExecutor(
-            InProcessExecutor(TINY, SMALL_DEVICE_POOL, HOST_POOL, BLOCK_SIZE, seed=SEED)))
+            InProcessExecutor(ModelSpec(TINY, SMALL_DEVICE_POOL, HOST_POOL, BLOCK_SIZE, seed=SEED))))
         await engine.start()
         try:
             keep = engine.add_request(PROMPTS[0], greedy(12), job_id="keep")

@@ -28,10 +28,12 @@ from typing import Any
 import pytest
 import ray
 
+from actors import messages
 from actors.executor import InProcessExecutor
 from actors.messages import BatchEntry, BatchPlan, SamplingParams, StepOutput, SwapCommand
 from actors.model.config import OPTConfig
-from actors.pipeline import PipelineError, PipelineExecutor, PipelineSpec, PlanFailed
+from actors.pipeline import PipelineError, PipelineExecutor, PlanFailed
+from actors.spec import EngineSpec, ModelSpec, ParallelSpec, PipelineTimeouts
 from actors.worker import StepRecord
 
 TINY = OPTConfig(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -57,7 +59,7 @@ WORKER_THREADS = 1  # 2 cores, up to 4 workers: one torch thread each
 
 
 def blocks_for(num_tokens: int) -> int:
-    return -(-num_tokens // BLOCK_SIZE)
+    return messages.blocks_for(num_tokens, BLOCK_SIZE)
 
 
 @dataclass
@@ -252,7 +254,7 @@ async def drive(execute: Execute, driver: PlanDriver, window: int) -> Run:
 
 
 def in_process_run(num_device_blocks: int) -> Run:
-    ex = InProcessExecutor(TINY, num_device_blocks, HOST_POOL, BLOCK_SIZE, seed=SEED)
+    ex = InProcessExecutor(ModelSpec(TINY, num_device_blocks, HOST_POOL, BLOCK_SIZE, seed=SEED))
 
     async def execute(plan: BatchPlan) -> StepOutput:
         return ex.execute(plan)
@@ -264,10 +266,10 @@ def in_process_run(num_device_blocks: int) -> Run:
 
 
 def pipeline_spec(tp: int, pp: int, transport: str = "compiled",
-                  num_device_blocks: int = SMALL_DEVICE_POOL, **overrides: Any) -> PipelineSpec:
-    return PipelineSpec(TINY, num_device_blocks, HOST_POOL, block_size=BLOCK_SIZE, seed=SEED,
-                        tensor_parallel_size=tp, pipeline_parallel_size=pp, transport=transport,
-                        torch_threads=WORKER_THREADS, **overrides)
+                  num_device_blocks: int = SMALL_DEVICE_POOL, device: str = "cpu", **timeouts: Any) -> EngineSpec:
+    return EngineSpec(ModelSpec(TINY, num_device_blocks, HOST_POOL, block_size=BLOCK_SIZE, device=device, seed=SEED,
+                                torch_threads=WORKER_THREADS),
+                      ParallelSpec(tp, pp, transport), PipelineTimeouts(**timeouts))
 
 
 def live_actors() -> list[str]:
@@ -294,11 +296,11 @@ def wait_no_live_actors(timeout_s: float = 10.0) -> list[str]:
     return alive
 
 
-async def pipeline_run(spec: PipelineSpec) -> Run:
+async def pipeline_run(spec: EngineSpec) -> Run:
     ex = PipelineExecutor(spec)
     await ex.start()
     try:
-        run = await drive(ex.execute, new_driver(spec.num_device_blocks), ex.max_inflight)
+        run = await drive(ex.execute, new_driver(spec.model.num_device_blocks), ex.max_inflight)
         run.stats = await ex.stats()
         run.timeline = await ex.timeline()
     finally:
@@ -425,9 +427,9 @@ def test_missing_resources_are_named(ray_local: None) -> None:
         asyncio.run(PipelineExecutor(gpu_spec).start())
     pg = ray.util.placement_group([{"CPU": 1}])
     try:
-        short = pipeline_spec(1, 2, placement_group=pg, bundle_offset=1)
+        short = pipeline_spec(1, 2)
         with pytest.raises(PipelineError, match="placement group has 1 bundles.*needs 2 stage bundles"):
-            asyncio.run(PipelineExecutor(short).start())
+            asyncio.run(PipelineExecutor(short, placement_group=pg, bundle_offset=1).start())
     finally:
         ray.util.remove_placement_group(pg)
     assert wait_no_live_actors() == []
@@ -460,7 +462,7 @@ def test_scheduler_engine_drives_the_pipeline(ray_local: None) -> None:
         await ex.start()
         return await generate(ex)  # engine.stop() shuts the executor down
 
-    local = InProcessExecutor(TINY, SMALL_DEVICE_POOL, HOST_POOL, BLOCK_SIZE, seed=SEED)
+    local = InProcessExecutor(ModelSpec(TINY, SMALL_DEVICE_POOL, HOST_POOL, BLOCK_SIZE, seed=SEED))
     expected = asyncio.run(generate(engine_mod.ThreadedExecutor(local)))
     assert asyncio.run(on_pipeline()) == expected
     assert {k: len(v) for k, v in expected.items()} == {f"job{i}": n for i, n in enumerate(MAX_TOKENS)}

@@ -14,6 +14,7 @@ import ray
 from actors.executor import InProcessExecutor
 from actors.messages import SamplingParams
 from actors.pipeline import PipelineExecutor
+from actors.spec import ModelSpec
 from app.engine import Engine, Executor, ThreadedExecutor
 from app.scheduler.config import EngineConfig, KVCacheConfig, SchedulerConfig
 from app.scheduler.scheduler import Scheduler
@@ -66,7 +67,7 @@ async def generate(engine: Engine, on_progress: Any = None) -> dict[str, list[in
 
 def test_killed_stage_worker_is_rebuilt_and_every_stream_gets_its_exact_tokens(ray_local: None) -> None:
     async def reference() -> dict[str, list[int]]:
-        local = InProcessExecutor(TINY, DEVICE_POOL, HOST_POOL, BLOCK_SIZE, seed=SEED)
+        local = InProcessExecutor(ModelSpec(TINY, DEVICE_POOL, HOST_POOL, BLOCK_SIZE, seed=SEED))
         engine = Engine(scheduler(), ThreadedExecutor(local))
         await engine.start()
         try:

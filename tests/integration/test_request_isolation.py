@@ -12,6 +12,7 @@ from actors.executor import InProcessExecutor
 from actors.messages import SamplingParams
 from actors.model.config import OPTConfig
 from actors.sampler import Sampler
+from actors.spec import ModelSpec
 from app.engine import Engine, ThreadedExecutor
 from app.scheduler.config import KVCacheConfig, SchedulerConfig
 from app.scheduler.profile import Profile
@@ -57,7 +58,7 @@ def greedy(n: int) -> SamplingParams:
 
 async def run(extra: dict[str, tuple[list[int], SamplingParams]]) -> tuple[dict[str, list[int]], dict[str, str]]:
     scheduler = tiny_scheduler()
-    executor = InProcessExecutor(TINY, DEVICE_BLOCKS, HOST_BLOCKS, BLOCK_SIZE, seed=0)
+    executor = InProcessExecutor(ModelSpec(TINY, DEVICE_BLOCKS, HOST_BLOCKS, BLOCK_SIZE, seed=0))
     executor.runner.sampler = FailingSampler(0)
     engine = Engine(scheduler, ThreadedExecutor(executor))
     await engine.start()
@@ -170,7 +171,7 @@ class DyingExecutor:
 
 
 def new_executor() -> ThreadedExecutor:
-    return ThreadedExecutor(InProcessExecutor(TINY, DEVICE_BLOCKS, HOST_BLOCKS, BLOCK_SIZE, seed=0))
+    return ThreadedExecutor(InProcessExecutor(ModelSpec(TINY, DEVICE_BLOCKS, HOST_BLOCKS, BLOCK_SIZE, seed=0)))
 
 
 async def run_with(executor: object, rebuild: object, deadline_s: float = 30.0

@@ -34,7 +34,7 @@ import yaml
 
 from actors.messages import SamplingParams
 from app.config import API_KEY_ENV, AppArgs
-from app.serving import GenerateRequest
+from app.scheduler.job import JobRequest
 from app.tokenizer import Tokenizer
 from tests.integration import metrics_view
 from tests.integration.metrics_view import Scrape
@@ -142,11 +142,13 @@ def test_full_admission_queue_answers_429_and_aborts_free_blocks() -> None:
             held = []
             for i in range(2):   # one runs, one waits for admission (held at the scheduler's stream:
                 # the ingress itself would wait for the queued one's first output)
-                prep, sampling = server.prepare_completion(body)
-                stream = backend.generate(GenerateRequest(prep.request_id, tuple(prep.prompt_ids), sampling))
-                assert (await stream.__anext__()).kind == "accepted"
+                prep = server.prepare_completion(body)
+                stream = backend.generate(prep.job)
+                accepted = await stream.__anext__()
+                assert accepted.error is None and not accepted.token_ids and not accepted.finished
                 if i == 0:   # admitted once it has produced a token
-                    assert (await stream.__anext__()).kind == "tokens"
+                    tokens = await stream.__anext__()
+                    assert tokens.token_ids and not tokens.finished
                 held.append(stream)
             assert replica.scheduler.num_waiting() == 1
             transport = httpx.ASGITransport(app=make_api(server))
@@ -337,8 +339,8 @@ def test_two_model_copies_each_with_a_ray_pipeline(tmp_path: Path) -> None:
         try:
             out = []
             for prompt in PIPELINE_PROMPTS:
-                req = GenerateRequest(prompt, tuple(TOK.encode(prompt)),
-                                      SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+                req = JobRequest(prompt, tuple(TOK.encode(prompt)),
+                                 SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
                 items = [x async for x in replica.generate(req)]
                 out.append([t for i in items for t in i.token_ids])
             return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from actors.executor import InProcessExecutor
-from actors.messages import BatchEntry, BatchPlan, SamplingParams, SwapCommand
+from actors.messages import BatchEntry, BatchPlan, SamplingParams, SwapCommand, blocks_for
 
 
 @dataclass
@@ -42,7 +42,7 @@ class Driver:
         self.jobs[job_id] = DriverJob(job_id, list(prompt), sampling)
 
     def _blocks_for(self, n_tokens: int) -> int:
-        return -(-n_tokens // self.bs)
+        return blocks_for(n_tokens, self.bs)
 
     def _take(self, pool: list[int], n: int) -> list[int]:
         assert len(pool) >= n, "test pool too small"

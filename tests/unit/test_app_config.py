@@ -10,6 +10,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from actors.spec import PipelineTimeouts
 from app.config import AppArgs, ProfileMismatchWarning
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -227,3 +228,19 @@ def test_require_api_key_refuses_to_start_without_one(monkeypatch: pytest.Monkey
     assert ServerArgs(require_api_key=True, api_key="k").resolved_api_key() == "k"
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     assert ServerArgs(require_api_key=True).resolved_api_key() == "from-env"
+
+
+def test_one_engine_spec_is_built_from_the_args_with_the_pipeline_waits_in_config() -> None:
+    parsed = AppArgs.model_validate(demo_args())
+    spec = parsed.engine_spec()
+    kv = parsed.kv_cache
+    assert (spec.model.num_device_blocks, spec.model.num_host_blocks, spec.model.block_size) == (
+        kv.num_device_blocks, kv.num_host_blocks, kv.block_size)
+    assert spec.timeouts == PipelineTimeouts()   # today's values are the defaults
+    args = demo_args()
+    args["pipeline"] = {"tp_timeout_s": 7.5, "channel_buffer_bytes": 1 << 20}
+    waits = AppArgs.model_validate(args).engine_spec().timeouts
+    assert waits.tp_timeout_s == 7.5 and waits.channel_buffer_bytes == 1 << 20
+    args["pipeline"] = {"tp_timout_s": 1.0}
+    with pytest.raises(ValidationError, match="tp_timout_s"):
+        AppArgs.model_validate(args)

@@ -1,4 +1,5 @@
-"""Bad input to the engine raises a ValueError naming the value and leaves it usable."""
+"""Bad input is refused naming the value: a request by ``app.errors.validate_request`` (with the
+code the HTTP layer answers by), a malformed plan by the executor, which stays usable."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import pytest
 from actors.executor import InProcessExecutor
 from actors.messages import BatchEntry, BatchPlan, SamplingParams
 from actors.model.config import OPTConfig
+from actors.spec import ModelSpec
+from app.errors import ErrorCode, InvalidRequest, validate_request
 
 TINY = OPTConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                  ffn_dim=64, max_position_embeddings=64, name="tiny")
@@ -15,21 +18,22 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def executor() -> InProcessExecutor:
-    return InProcessExecutor(TINY, num_device_blocks=16, num_host_blocks=4, block_size=4)
+    return InProcessExecutor(ModelSpec(TINY, num_device_blocks=16, num_host_blocks=4, block_size=4))
 
 
-@pytest.mark.parametrize("prompt, sampling, message", [
-    ([], GREEDY, "prompt is empty"),
-    (list(range(2, 63)), GREEDY, "prompt of 61 tokens \\+ max_tokens 4 exceeds the model's context of 64"),
-    ([2, 5, 100], GREEDY, "token id 100 is outside the vocabulary \\[0, 100\\)"),
-    ([2, -1], GREEDY, "token id -1 is outside"),
-    ([2, 5], SamplingParams(max_tokens=0), "max_tokens must be >= 1, got 0"),
+@pytest.mark.parametrize("prompt, sampling, message, code", [
+    ([], GREEDY, "prompt is empty", ErrorCode.INVALID_REQUEST),
+    (list(range(2, 63)), GREEDY, "prompt of 61 tokens \\+ max_tokens 4 exceeds the model's context of 64",
+     ErrorCode.CONTEXT_LENGTH_EXCEEDED),
+    ([2, 5, 100], GREEDY, "token id 100 is outside the vocabulary \\[0, 100\\)", ErrorCode.INVALID_REQUEST),
+    ([2, -1], GREEDY, "token id -1 is outside", ErrorCode.INVALID_REQUEST),
+    ([2, 5], SamplingParams(max_tokens=0), "max_tokens must be >= 1, got 0", ErrorCode.INVALID_REQUEST),
 ])
-def test_bad_requests_are_rejected_by_name(executor: InProcessExecutor, prompt: list[int],
-                                           sampling: SamplingParams, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        executor.validate(prompt, sampling)
-    _still_usable(executor)
+def test_bad_requests_are_rejected_by_name(prompt: list[int], sampling: SamplingParams, message: str,
+                                           code: ErrorCode) -> None:
+    with pytest.raises(InvalidRequest, match=message) as exc:
+        validate_request(prompt, sampling, TINY.vocab_size, TINY.max_position_embeddings)
+    assert exc.value.code is code
 
 
 @pytest.mark.parametrize("entry, message", [

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import kernels
+from actors.messages import blocks_for
 from kernels import reference
 
 KERNELS_DIR = Path(kernels.__file__).resolve().parent
@@ -228,7 +229,7 @@ def make_paged_case(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random cache + query; each sequence gets distinct, shuffled (non-sequential) blocks."""
     gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-n // block_size) for n in context_lens]
+    blocks_per_seq = [blocks_for(n, block_size) for n in context_lens]
     max_blocks = max(blocks_per_seq) + 1  # one extra column so every row has 0-padding
     num_blocks = sum(blocks_per_seq) + 2
     cache = make_cache(num_blocks, block_size, num_heads, head_dim, dtype, gen)

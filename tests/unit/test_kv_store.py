@@ -9,6 +9,7 @@ import torch
 
 import kernels
 from actors.kv_store import KVStore
+from actors.messages import SwapCommand
 
 
 def make_store(**kw: int) -> KVStore:
@@ -22,12 +23,22 @@ def fill_random(store: KVStore, seed: int = 0) -> torch.Tensor:
     return store.device_pool.clone()
 
 
+def out(pairs: list[tuple[int, int]]) -> SwapCommand:
+    """device -> host, as a plan carries it: [(device_block, host_block), ...]."""
+    return SwapCommand("out", "j", tuple(s for s, _ in pairs), tuple(d for _, d in pairs))
+
+
+def back(pairs: list[tuple[int, int]]) -> SwapCommand:
+    """host -> device: [(host_block, device_block), ...]."""
+    return SwapCommand("in", "j", tuple(s for s, _ in pairs), tuple(d for _, d in pairs))
+
+
 def test_swap_round_trip_is_bit_exact() -> None:
     store = make_store()
     original = fill_random(store)
-    store.swap_out([(1, 0), (2, 1), (5, 4)]).wait()
+    store.swap(out([(1, 0), (2, 1), (5, 4)])).wait()
     store.device_pool[[1, 2, 5]] = 0.0  # the blocks are reused by someone else meanwhile
-    store.swap_in([(0, 6), (1, 7), (4, 3)]).wait()
+    store.swap(back([(0, 6), (1, 7), (4, 3)])).wait()
     assert torch.equal(store.device_pool[6], original[1])
     assert torch.equal(store.device_pool[7], original[2])
     assert torch.equal(store.device_pool[3], original[5])
@@ -44,7 +55,7 @@ def test_layer_view_addresses_one_layer_of_every_block() -> None:
 def test_a_block_in_flight_is_not_read_before_its_copy_completes(monkeypatch: pytest.MonkeyPatch) -> None:
     store = make_store()
     original = fill_random(store)
-    store.swap_out([(3, 2)]).wait()
+    store.swap(out([(3, 2)])).wait()
     gate = threading.Event()
     real_copy = kernels.copy_blocks
 
@@ -53,7 +64,7 @@ def test_a_block_in_flight_is_not_read_before_its_copy_completes(monkeypatch: py
         real_copy(*args, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(kernels, "copy_blocks", gated_copy)
-    handle = store.swap_in([(2, 6)])
+    handle = store.swap(back([(2, 6)]))
     # A step over other blocks does not wait for this swap.
     store.wait_for([0, 1, 7])
     assert not handle.done()
@@ -70,8 +81,8 @@ def test_swaps_complete_in_issue_order() -> None:
     """A swap-in issued after the swap-out that fills the host block reads the new data."""
     store = make_store()
     original = fill_random(store)
-    store.swap_out([(4, 0)])
-    handle = store.swap_in([(0, 7)])
+    store.swap(out([(4, 0)]))
+    handle = store.swap(back([(0, 7)]))
     handle.wait()
     assert torch.equal(store.device_pool[7], original[4])
 
@@ -83,7 +94,7 @@ def test_swaps_complete_in_issue_order() -> None:
 ])
 def test_bad_swaps_name_the_block(pairs: list[tuple[int, int]], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        make_store().swap_out(pairs)
+        make_store().swap(out(pairs))
 
 
 def test_bad_sizes_are_rejected() -> None:

@@ -18,6 +18,7 @@ from actors.executor import InProcessExecutor
 from actors.messages import BatchEntry, BatchPlan, SamplingParams
 from actors.model.config import OPTConfig
 from actors.model.weights import dummy_weights
+from actors.spec import ModelSpec
 from tests.unit.engine_driver import Driver
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,8 +46,8 @@ def our_executor_from(hf: transformers.OPTForCausalLM, config: OPTConfig, tmp_pa
         hf.save_pretrained(tmp_path)
     else:  # transformers 5 writes only safetensors; older OPT checkpoints ship a torch pickle
         torch.save(hf.state_dict(), tmp_path / "pytorch_model.bin")
-    return InProcessExecutor(config, num_device_blocks, num_host_blocks, block_size,
-                             load_format="auto", model_path=str(tmp_path))
+    return InProcessExecutor(ModelSpec(config, num_device_blocks, num_host_blocks, block_size,
+                             load_format="auto", model_path=str(tmp_path)))
 
 
 def hf_greedy(hf: transformers.OPTForCausalLM, prompt: list[int], n: int) -> list[int]:
@@ -124,8 +125,8 @@ def hf_tokens(tiny_pair: tuple[transformers.OPTForCausalLM, Path]) -> dict[str, 
 
 
 def _tiny_executor(path: Path, **kw: int) -> InProcessExecutor:
-    return InProcessExecutor(TINY, kw.get("dev", 96), kw.get("host", 32), 4,
-                             load_format="auto", model_path=str(path))
+    return InProcessExecutor(ModelSpec(TINY, kw.get("dev", 96), kw.get("host", 32), 4,
+                             load_format="auto", model_path=str(path)))
 
 
 def test_greedy_batch_matches_generate(tiny_pair: tuple, hf_tokens: dict[str, list[int]]) -> None:
@@ -162,7 +163,7 @@ def test_greedy_matches_with_drop_and_recompute_midway(tiny_pair: tuple, hf_toke
 
 def test_opt125m_shaped_dummy_model_matches_transformers() -> None:
     config = OPTConfig.from_file(ROOT / "config/models/opt-125m")
-    ex = InProcessExecutor(config, num_device_blocks=8, num_host_blocks=0, block_size=16, seed=7)
+    ex = InProcessExecutor(ModelSpec(config, num_device_blocks=8, num_host_blocks=0, block_size=16, seed=7))
     hf = transformers.OPTForCausalLM(transformers.OPTConfig(**config.to_hf_dict())).eval()
     state = {f"model.decoder.{n}": t for n, t in dummy_weights(ex.model, seed=7)}
     missing, unexpected = hf.load_state_dict(state, strict=False)

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from app.errors import ErrorCode
 from app.ingress import OpenAIServer, ServerContext, make_api
 from app.protocol import (
     APIError,
@@ -23,14 +24,14 @@ from app.protocol import (
     parse_request,
 )
 from app.request_limits import RequestLimits
-from app.serving import GenerateRequest, StreamItem
+from app.scheduler.job import JobRequest, JobStats, TokenDelta
 from app.tokenizer import Tokenizer
 
 MODEL = "opt-125m"
 VOCAB = 50272
 CONTEXT = 2048
 TOK = Tokenizer.default()
-STATS = {"queue_s": 0.5, "exec_s": 1.0, "swap_blocked_s": 0.0, "demotions": 2}
+STATS = JobStats("j", arrival=0.0, prompt_len=2, queueing_s=0.5, execution_s=1.0, demotions=2)
 
 
 def parse_error(model: Any, body: Any) -> dict[str, Any]:
@@ -131,14 +132,14 @@ def test_stop_string_matcher_holds_back_split_stops() -> None:
 # ---- the HTTP layer over a scripted backend --------------------------------------------------
 
 class FakeStream:
-    def __init__(self, items: list[StreamItem]) -> None:
+    def __init__(self, items: list[TokenDelta]) -> None:
         self.items = list(items)
         self.cancelled = False
 
-    def __aiter__(self) -> AsyncIterator[StreamItem]:
+    def __aiter__(self) -> AsyncIterator[TokenDelta]:
         return self
 
-    async def __anext__(self) -> StreamItem:
+    async def __anext__(self) -> TokenDelta:
         await asyncio.sleep(0)
         if self.cancelled or not self.items:
             raise StopAsyncIteration
@@ -155,18 +156,19 @@ class FakeBackend:
                  per_item: int = 1) -> None:
         self.tokens, self.reason, self.first, self.per_item = tokens, reason, first, per_item
         self.healthy = True
-        self.requests: list[GenerateRequest] = []
+        self.requests: list[JobRequest] = []
         self.streams: list[FakeStream] = []
 
-    def generate(self, req: GenerateRequest) -> FakeStream:
+    def generate(self, req: JobRequest) -> FakeStream:
         self.requests.append(req)
         if self.first != "accepted":
-            stream = FakeStream([StreamItem(self.first, message="2 jobs already wait for admission")])  # type: ignore[arg-type]
+            code = {"rejected": ErrorCode.ADMISSION_QUEUE_FULL, "unavailable": ErrorCode.ENGINE_UNAVAILABLE}[self.first]
+            stream = FakeStream([TokenDelta("j", error=code, message="2 jobs already wait for admission")])
         else:
             k = self.per_item
-            items = [StreamItem("accepted"),
-                     *(StreamItem("tokens", tuple(self.tokens[i:i + k])) for i in range(0, len(self.tokens), k)),
-                     StreamItem("finished", finish_reason=self.reason, job_stats=STATS)]
+            items = [TokenDelta("j"),
+                     *(TokenDelta("j", tuple(self.tokens[i:i + k])) for i in range(0, len(self.tokens), k)),
+                     TokenDelta("j", finish_reason=self.reason, stats=STATS)]
             stream = FakeStream(items)
         self.streams.append(stream)
         return stream
@@ -220,7 +222,7 @@ def test_completion_response_has_text_usage_and_job_stats() -> None:
     assert choice["token_ids"] == TEXT_IDS
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": len(TEXT_IDS),
                              "total_tokens": 2 + len(TEXT_IDS)}
-    assert body["job_stats"] == STATS
+    assert body["job_stats"] == STATS.as_dict()
     assert backend.requests[0].prompt_ids == tuple(TOK.encode("Hi"))
 
 
@@ -243,7 +245,7 @@ def test_streaming_completion_chunks_usage_and_done() -> None:
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     assert text == " Hello world. STOP here"
     finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
-    assert len(finals) == 1 and finals[0]["job_stats"] == STATS
+    assert len(finals) == 1 and finals[0]["job_stats"] == STATS.as_dict()
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == len(TEXT_IDS)
     assert all(c["usage"] is None for c in chunks[:-1])
 
@@ -360,15 +362,15 @@ def test_models_health_metrics_and_unknown_routes() -> None:
 
 def test_a_stream_that_breaks_mid_way_ends_with_an_error_event() -> None:
     class BrokenStream(FakeStream):
-        async def __anext__(self) -> StreamItem:
+        async def __anext__(self) -> TokenDelta:
             if len(self.items) == 0:
                 raise RuntimeError("replica died")
             return await super().__anext__()
 
     class Broken(FakeBackend):
-        def generate(self, req: GenerateRequest) -> FakeStream:
+        def generate(self, req: JobRequest) -> FakeStream:
             # accepted, one token, then the replica is gone
-            return BrokenStream([StreamItem("accepted"), StreamItem("tokens", (TEXT_IDS[0],))])
+            return BrokenStream([TokenDelta("j"), TokenDelta("j", (TEXT_IDS[0],))])
 
     resp = post(Broken(TEXT_IDS), "/v1/completions", {"model": MODEL, "prompt": "Hi", "stream": True})
     events = sse_events(resp)
@@ -383,15 +385,15 @@ def test_a_stream_that_breaks_mid_way_ends_with_an_error_event() -> None:
 class HangingBackend(FakeBackend):
     """Accepts, streams the first token, then never finishes (a slow or stuck job)."""
 
-    def generate(self, req: GenerateRequest) -> FakeStream:
+    def generate(self, req: JobRequest) -> FakeStream:
         self.requests.append(req)
-        stream = HangingStream([StreamItem("accepted"), StreamItem("tokens", (TEXT_IDS[0],))])
+        stream = HangingStream([TokenDelta("j"), TokenDelta("j", (TEXT_IDS[0],))])
         self.streams.append(stream)
         return stream
 
 
 class HangingStream(FakeStream):
-    async def __anext__(self) -> StreamItem:
+    async def __anext__(self) -> TokenDelta:
         if not self.items:
             await asyncio.Event().wait()   # forever, until cancelled
         return await super().__anext__()
@@ -486,8 +488,8 @@ def test_an_unavailable_engine_answers_503_with_retry_after() -> None:
 
 def test_a_job_without_output_within_the_admission_timeout_gets_429_and_is_dropped() -> None:
     class Queued(FakeBackend):
-        def generate(self, req: GenerateRequest) -> FakeStream:
-            stream = HangingStream([StreamItem("accepted")])   # admitted to the queue, never run
+        def generate(self, req: JobRequest) -> FakeStream:
+            stream = HangingStream([TokenDelta("j")])   # admitted to the queue, never run
             self.streams.append(stream)
             return stream
 

@@ -10,6 +10,7 @@ import asyncio
 from typing import Any
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.ingress import OpenAIServer, ServerContext, make_api
@@ -23,8 +24,7 @@ from app.metrics import (
     SchedulerMetrics,
 )
 from app.metrics_export import our_families, render
-from app.scheduler.job import JobStats
-from app.serving import StreamItem
+from app.scheduler.job import JobStats, TokenDelta
 from tests.unit.test_protocol import CONTEXT, MODEL, TEXT_IDS, TOK, VOCAB, FakeBackend, FakeStream
 
 
@@ -157,5 +157,13 @@ def test_ingress_records_how_each_request_ended_for_its_client() -> None:
 
     class Broken(FakeBackend):
         def generate(self, req: Any) -> FakeStream:
-            return FakeStream([StreamItem("accepted")])   # ends without a finish
+            return FakeStream([TokenDelta("j")])   # ends without a finish
     assert ingress_outcomes(Broken(TEXT_IDS), {"stream": True}) == {(("finished_reason", "error"),): 1.0}
+
+
+def test_job_stats_report_the_enst_mean_absolute_error() -> None:
+    stats = JobStats("j", arrival=0.0, prompt_len=3)
+    assert stats.enst_mae_s is None and stats.as_dict()["enst_mae_s"] is None
+    stats.enst_pairs += [(1.0, 1.5), (2.0, 1.0)]
+    body = stats.as_dict()
+    assert body["enst_mae_s"] == pytest.approx(0.75) and body["enst_predictions"] == 2

@@ -15,6 +15,7 @@ import pytest
 from actors.executor import InProcessExecutor
 from actors.messages import SamplingParams
 from actors.model.config import OPTConfig
+from actors.spec import ModelSpec
 from app.engine import Engine, ThreadedExecutor
 from app.scheduler.config import KVCacheConfig, PolicyName, SchedulerConfig
 from app.scheduler.profile import Profile
@@ -134,8 +135,8 @@ def _sim_order(policy: PolicyName, batch: int) -> list[str]:
 async def _engine_order(policy: PolicyName, batch: int) -> list[str]:
     sched_cfg, kv_cfg = _order_configs(policy, batch)
     scheduler = Scheduler(sched_cfg, kv_cfg, ORDER_PROFILE, TINY.eos_token_id)
-    executor = InProcessExecutor(TINY, num_device_blocks=ORDER_BLOCKS, num_host_blocks=ORDER_BLOCKS,
-                                 block_size=ORDER_BLOCK)
+    executor = InProcessExecutor(ModelSpec(TINY, num_device_blocks=ORDER_BLOCKS, num_host_blocks=ORDER_BLOCKS,
+                                 block_size=ORDER_BLOCK))
     engine = Engine(scheduler, ThreadedExecutor(executor))
     order: list[str] = []
 

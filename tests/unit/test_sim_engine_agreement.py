@@ -20,6 +20,7 @@ import pytest
 from actors.executor import InProcessExecutor
 from actors.messages import BatchPlan, SamplingParams, StepOutput
 from actors.model.config import OPTConfig
+from actors.spec import ModelSpec
 from app.engine import Engine, ThreadedExecutor
 from app.scheduler.config import KVCacheConfig, PolicyName, SchedulerConfig
 from app.scheduler.job import JobStats
@@ -92,8 +93,8 @@ async def _engine(policy: PolicyName) -> tuple[list[str], dict[str, JobStats], d
     sched_cfg, kv_cfg = _configs(policy)
     scheduler = Scheduler(sched_cfg, kv_cfg, PROFILE, TINY.eos_token_id)
     clock = VirtualClock()
-    real = InProcessExecutor(TINY, num_device_blocks=DEVICE_BLOCKS, num_host_blocks=HOST_BLOCKS,
-                             block_size=BLOCK)
+    real = InProcessExecutor(ModelSpec(TINY, num_device_blocks=DEVICE_BLOCKS, num_host_blocks=HOST_BLOCKS,
+                             block_size=BLOCK))
     engine = Engine(scheduler, ThreadedExecutor(PricedExecutor(real, clock)), clock=clock)
     order: list[str] = []
     counts: dict[str, int] = {}

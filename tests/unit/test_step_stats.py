@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from app.engine import RequestStream
-from app.scheduler.job import TokenDelta
+from app.errors import ErrorCode
+from app.scheduler.job import JobStats, TokenDelta
 from app.step_stats import StepStats, diff_totals, summarize
 
 
@@ -40,8 +41,8 @@ def test_request_stream_ready_takes_what_is_queued_up_to_the_finish() -> None:
         queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
         stream = RequestStream("j", queue)
         for token, finished in ((5, False), (6, False), (7, True)):
-            queue.put_nowait(TokenDelta("j", token, finished, "length" if finished else None))
-        queue.put_nowait(TokenDelta("j", None, True, "abort"))   # never read: the job finished
+            queue.put_nowait(TokenDelta.token("j", token, "length" if finished else None))
+        queue.put_nowait(TokenDelta("j", finish_reason="abort"))   # never read: the job finished
         first = await stream.__anext__()
         rest = stream.ready()
         assert [first.token_id, *(d.token_id for d in rest)] == [5, 6, 7]
@@ -50,3 +51,13 @@ def test_request_stream_ready_takes_what_is_queued_up_to_the_finish() -> None:
             await stream.__anext__()
 
     asyncio.run(run())
+
+
+def test_a_lagging_readers_events_merge_into_one_with_the_last_ones_finish() -> None:
+    stats = JobStats("j", arrival=0.0, prompt_len=2)
+    merged = TokenDelta.merge([TokenDelta.token("j", 5), TokenDelta.token("j", 6),
+                               TokenDelta.token("j", 7, "length", stats)])
+    assert merged.token_ids == (5, 6, 7) and merged.finish_reason == "length" and merged.stats is stats
+    assert merged.finished and TokenDelta("j").finished is False
+    refused = TokenDelta("j", error=ErrorCode.ADMISSION_QUEUE_FULL, message="full")
+    assert refused.finished and refused.token_id is None and refused.error.status == 429

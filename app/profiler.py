@@ -1,6 +1,6 @@
 """The job profiler (paper §3.2): measure iteration times offline, write a profile JSON.
 
-``python -m app.profile --model config/models/opt-125m`` measures, on the in-process executor,
+``python -m app.profiler --model config/models/opt-125m`` measures, on the in-process executor,
 the first-iteration time ``t_init(s)`` over a grid of prompt lengths, the decode-iteration time
 ``t_dec(b)`` over a grid of batch sizes, and the cost of swapping one KV block, and writes
 ``config/profiles/<model>-<hardware>-tp1-pp1.json``. The scheduler interpolates it
@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from actors.executor import InProcessExecutor
-from actors.messages import BatchEntry, BatchPlan, SamplingParams
+from actors.messages import BatchEntry, BatchPlan, SamplingParams, SwapCommand, blocks_for
+from actors.spec import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PROMPT_LENS = (1, 16, 32, 64, 128, 256, 512, 1024)
@@ -50,16 +51,12 @@ def _median_seconds(run: Callable[[], object], repeats: int) -> float:
     return statistics.median(samples)
 
 
-def _blocks(n_tokens: int, block_size: int) -> int:
-    return -(-n_tokens // block_size)
-
-
 def measure_t_init(ex: InProcessExecutor, prompt_lens: Sequence[int], repeats: int) -> list[float]:
     bs = ex.kv.block_size
     out = []
     for s in prompt_lens:
         entry = BatchEntry("p", tuple(2 + (i % 1000) for i in range(s)), 0,
-                           tuple(range(_blocks(s, bs))), True, GREEDY)
+                           tuple(range(blocks_for(s, bs))), True, GREEDY)
         plan = BatchPlan(0, (entry,))
         out.append(_median_seconds(partial(ex.execute, plan), repeats))
     return out
@@ -67,7 +64,7 @@ def measure_t_init(ex: InProcessExecutor, prompt_lens: Sequence[int], repeats: i
 
 def measure_t_dec(ex: InProcessExecutor, batch_sizes: Sequence[int], repeats: int) -> list[float]:
     bs = ex.kv.block_size
-    per_seq = _blocks(DECODE_CONTEXT + 1, bs)
+    per_seq = blocks_for(DECODE_CONTEXT + 1, bs)
     out = []
     for b in batch_sizes:
         entries = tuple(
@@ -81,21 +78,21 @@ def measure_t_dec(ex: InProcessExecutor, batch_sizes: Sequence[int], repeats: in
 
 def measure_swap(ex: InProcessExecutor, repeats: int) -> float:
     n = min(SWAP_PROBE_BLOCKS, ex.kv.num_device_blocks, ex.kv.num_host_blocks)
-    pairs = [(i, i) for i in range(n)]
+    ids = tuple(range(n))
 
     def round_trip() -> None:
-        ex.kv.swap_out(pairs).wait()
-        ex.kv.swap_in(pairs).wait()
+        ex.kv.swap(SwapCommand("out", "probe", ids, ids)).wait()
+        ex.kv.swap(SwapCommand("in", "probe", ids, ids)).wait()
 
     return _median_seconds(round_trip, repeats) / (2 * n)
 
 
 def profile(model: str, dtype: str, device: str, block_size: int,
             prompt_lens: Sequence[int], batch_sizes: Sequence[int], repeats: int) -> dict[str, Any]:
-    need = max(_blocks(max(prompt_lens), block_size),
-               max(batch_sizes) * _blocks(DECODE_CONTEXT + 1, block_size))
-    ex = InProcessExecutor(model, num_device_blocks=need, num_host_blocks=SWAP_PROBE_BLOCKS,
-                           block_size=block_size, dtype=dtype, device=device)
+    need = max(blocks_for(max(prompt_lens), block_size),
+               max(batch_sizes) * blocks_for(DECODE_CONTEXT + 1, block_size))
+    ex = InProcessExecutor(ModelSpec(model, num_device_blocks=need, num_host_blocks=SWAP_PROBE_BLOCKS,
+                           block_size=block_size, dtype=dtype, device=device))
     try:
         result = {
             "model": Path(model).name,
