@@ -13,8 +13,10 @@ import torch
 
 from actors.kv_store import KVStore
 from actors.messages import BatchPlan, SamplingParams, StepOutput, validate_request
-from actors.model.config import OPTConfig
-from actors.model.opt import AllReduce, OPTStage, StageShard
+from actors.model.config import ModelConfig, as_model_config
+from actors.model.opt import AllReduce
+from actors.model.registry import Stage, build_model
+from actors.model.shard import StageShard
 from actors.model.weights import load_stage_weights
 from actors.sampler import Sampler
 from actors.stage import StageRunner
@@ -29,11 +31,12 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
 
 
-def build_stage(config: OPTConfig, shard: StageShard, dtype: str, device: str,
+def build_stage(config: ModelConfig, shard: StageShard, dtype: str, device: str,
                 load_format: str, model_path: str | None, seed: int,
-                all_reduce: AllReduce | None = None) -> OPTStage:
-    """Build one stage on ``device`` and load its weights (dummy or checkpoint)."""
-    stage = OPTStage(config, shard) if all_reduce is None else OPTStage(config, shard, all_reduce)
+                all_reduce: AllReduce | None = None) -> Stage:
+    """Build one stage of ``config``'s architecture on ``device`` and load its weights (dummy or
+    checkpoint)."""
+    stage = build_model(config, shard, all_reduce)
     load_stage_weights(stage, load_format, model_path, seed)
     stage = stage.to(device=device, dtype=torch_dtype(dtype)).eval()
     stage.pack_linear_weights()   # CPU float32 only; a no-op elsewhere
@@ -47,7 +50,7 @@ class InProcessExecutor:
 
     def __init__(
         self,
-        model: str | Path | OPTConfig,
+        model: str | Path | ModelConfig,
         num_device_blocks: int,
         num_host_blocks: int,
         block_size: int = 16,
@@ -60,10 +63,10 @@ class InProcessExecutor:
     ) -> None:
         if torch_threads:
             torch.set_num_threads(torch_threads)   # per process: this executor owns the model's
-        self.config = model if isinstance(model, OPTConfig) else OPTConfig.from_file(model)
+        self.config = as_model_config(model)
         shard = StageShard.whole(self.config)
         stage = build_stage(self.config, shard, dtype, device, load_format, model_path, seed)
-        kv = KVStore(self.config.num_hidden_layers, self.config.num_attention_heads,
+        kv = KVStore(self.config.num_hidden_layers, stage.num_local_kv_heads,
                      self.config.head_dim, block_size, num_device_blocks, num_host_blocks,
                      torch_dtype(dtype), device)
         self.runner = StageRunner(stage, kv, Sampler(seed))
@@ -74,7 +77,7 @@ class InProcessExecutor:
         return self.runner.kv
 
     @property
-    def model(self) -> OPTStage:
+    def model(self) -> Stage:
         return self.runner.model
 
     def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:

@@ -37,7 +37,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.messages import BatchPlan, SamplingParams, StepOutput, validate_request
-from actors.model.config import OPTConfig
+from actors.model.config import ModelConfig, as_model_config
 from actors.parallel import BACKENDS, layer_ranges
 from actors.transport import TRANSPORTS, Transport, make_transport
 from actors.worker import StageInput, StageWorker, StepRecord, WorkerSpec
@@ -60,9 +60,9 @@ class PlanFailed(RuntimeError):
 
 @dataclass
 class PipelineSpec:
-    """What to run and how to cut it. ``model`` is a config path/folder or an ``OPTConfig``."""
+    """What to run and how to cut it. ``model`` is a config path/folder or a ``ModelConfig``."""
 
-    model: str | Path | OPTConfig
+    model: str | Path | ModelConfig
     num_device_blocks: int
     num_host_blocks: int
     block_size: int = 16
@@ -99,18 +99,16 @@ class PipelineSpec:
     diagnose_s: float = 5.0
     teardown_timeout_s: float = 15.0
 
-    def load_config(self) -> OPTConfig:
-        return self.model if isinstance(self.model, OPTConfig) else OPTConfig.from_file(self.model)
+    def load_config(self) -> ModelConfig:
+        return as_model_config(self.model)
 
-    def check(self, config: OPTConfig) -> None:
+    def check(self, config: ModelConfig) -> None:
         """Raise ``ValueError`` naming the first bad value."""
         t, p = self.tensor_parallel_size, self.pipeline_parallel_size
         if t < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {t}")
         layer_ranges(config.num_hidden_layers, p)
-        for what, n in (("num_attention_heads", config.num_attention_heads), ("ffn_dim", config.ffn_dim)):
-            if n % t:
-                raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={t}")
+        config.check_tensor_parallel(t)
         if self.device not in BACKENDS:
             raise ValueError(f"device must be one of {sorted(BACKENDS)}, got {self.device!r}")
         if self.transport not in TRANSPORTS:
@@ -134,7 +132,7 @@ def pipeline_bundles(spec: PipelineSpec) -> list[dict[str, float]]:
     return [dict(bundle) for _ in range(spec.pipeline_parallel_size)]
 
 
-def worker_specs(spec: PipelineSpec, config: OPTConfig) -> list[list[WorkerSpec]]:
+def worker_specs(spec: PipelineSpec, config: ModelConfig) -> list[list[WorkerSpec]]:
     """``[stage][tp_rank]`` → the worker's spec."""
     p, t = spec.pipeline_parallel_size, spec.tensor_parallel_size
     return [[WorkerSpec(config, s, p, lo, hi, r, t, spec.dtype, spec.device, spec.load_format,

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import ray
 
 from actors.messages import BatchPlan, StepOutput
-from actors.model.config import OPTConfig
+from actors.model.config import ModelConfig
 from actors.parallel import TensorParallelGroup, free_port
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ class StepRecord(NamedTuple):
 class WorkerSpec:
     """Everything one worker needs to build its shard; picklable, no torch."""
 
-    config: OPTConfig
+    config: ModelConfig
     stage_index: int
     num_stages: int
     layer_start: int
@@ -107,7 +107,7 @@ def _build_runner(spec: WorkerSpec, tp: TensorParallelGroup) -> StageRunner:
 
     from actors.executor import build_stage, torch_dtype
     from actors.kv_store import KVStore
-    from actors.model.opt import StageShard
+    from actors.model.shard import StageShard
     from actors.sampler import Sampler
     from actors.stage import StageRunner
 
@@ -117,7 +117,7 @@ def _build_runner(spec: WorkerSpec, tp: TensorParallelGroup) -> StageRunner:
                        spec.tp_rank, spec.tp_size)
     model = build_stage(spec.config, shard, spec.dtype, spec.device, spec.load_format,
                         spec.model_path, spec.seed, all_reduce=tp.all_reduce())
-    kv = KVStore(shard.num_layers, model.num_local_heads, spec.config.head_dim, spec.block_size,
+    kv = KVStore(shard.num_layers, model.num_local_kv_heads, spec.config.head_dim, spec.block_size,
                  spec.num_device_blocks, spec.num_host_blocks, torch_dtype(spec.dtype), spec.device)
     return StageRunner(model, kv, Sampler(spec.seed))
 

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from actors.model.config import OPTConfig
+from actors.model.config import ModelConfig, load_model_config
 from app.scheduler.config import EngineConfig, KVCacheConfig, SchedulerConfig
 from app.scheduler.profile import Profile
 
@@ -88,12 +88,16 @@ class ModelArgs(_Strict):
             raise ValueError("load_format 'auto' needs model_path (a checkpoint directory or hub id)")
         return self
 
-    def opt_config(self) -> OPTConfig:
-        return OPTConfig.from_file(resolve_path(self.config_path))
+    def hf_config(self) -> ModelConfig:
+        """The model's config, of the architecture its ``config.json`` names (OPT or LLaMA)."""
+        return load_model_config(resolve_path(self.config_path))
+
+    #: The name callers used before LLaMA support; any architecture's config now.
+    opt_config = hf_config
 
     def context_len(self) -> int:
         """The longest prompt + output a request may have."""
-        limit = self.opt_config().max_position_embeddings
+        limit = self.hf_config().max_position_embeddings
         return limit if self.max_model_len is None else self.max_model_len
 
 
@@ -236,11 +240,9 @@ class AppArgs(_Strict):
             )
         if model.device == "cpu" and par.num_gpus:
             raise ValueError(f"parallel.num_gpus={par.num_gpus} but model.device is 'cpu'")
-        cfg = model.opt_config()
+        cfg = model.hf_config()
         tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
-        for name, value in (("num_attention_heads", cfg.num_attention_heads), ("ffn_dim", cfg.ffn_dim)):
-            if value % tp:
-                raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name}={value}")
+        cfg.check_tensor_parallel(tp)
         if pp > cfg.num_hidden_layers:
             raise ValueError(
                 f"pipeline_parallel_size={pp} exceeds the model's {cfg.num_hidden_layers} layers"
@@ -248,7 +250,7 @@ class AppArgs(_Strict):
 
     def _check_sizes(self) -> None:
         ctx = self.model.context_len()
-        positions = self.model.opt_config().max_position_embeddings
+        positions = self.model.hf_config().max_position_embeddings
         if ctx > positions:
             raise ValueError(f"model.max_model_len={ctx} exceeds the model's {positions} positions")
         kv = self.kv_cache
