@@ -178,9 +178,9 @@ class LlamaConfig:
         return cls(**values)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """Fields transformers' ``LlamaConfig``/``Qwen2Config``/``MistralConfig`` accept."""
+        """Fields transformers' ``LlamaConfig``/``Qwen2Config``/``MistralConfig`` accept (the class
+        is chosen by ``model_type``)."""
         out: dict[str, Any] = {
-            "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
