@@ -134,10 +134,14 @@ def test_demo_model_serves_with_dummy_weights_and_fits_the_opt_tokenizer() -> No
 
 @pytest.mark.parametrize("name", ["llama-demo", "llama3-8b", "llama3-70b"])
 def test_llama_serve_configs_validate(name: str) -> None:
+    from ray.serve.schema import ServeDeploySchema
+
     from app.config import AppArgs
 
     raw = yaml.safe_load((ROOT / "config" / f"{name}.yaml").read_text())
+    ServeDeploySchema.model_validate(raw)
     (app,) = raw["applications"]
+    # The GPU configs' profiles are to be measured on their GPUs; the CPU demo's is shipped.
     args = AppArgs.model_validate(app["args"], context={"require_profile": name == "llama-demo"})
     assert isinstance(args.model.hf_config(), LlamaConfig)
     assert args.parallel.tensor_parallel_size * args.parallel.pipeline_parallel_size == max(
