@@ -35,7 +35,7 @@ DECODE_STEPS = 8
 GREEDY = SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
 
 
-def _median(run: Callable[[], None], repeats: int) -> float:
+def _median(run: Callable[[], object], repeats: int) -> float:
     run()
     times = []
     for _ in range(repeats):
