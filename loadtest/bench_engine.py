@@ -126,17 +126,19 @@ def main() -> None:
     parser.add_argument("--model", default=str(ROOT / "config/models/opt-125m"),
                         help="model folder / config.json (OPT or LLaMA family), or a Serve YAML")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES),
+                        help="batch sizes to measure (a busy machine may only afford the small ones)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     config = load_bench_config(args.model)
     per_seq = -(-(PROMPT_LEN + DECODE_STEPS + 1) // BLOCK_SIZE)
-    ex = InProcessExecutor(config, max(BATCH_SIZES) * per_seq, 0, BLOCK_SIZE, seed=args.seed)
+    ex = InProcessExecutor(config, max(args.batch_sizes) * per_seq, 0, BLOCK_SIZE, seed=args.seed)
     hf = _hf_twin(ex, config, args.seed)
     rows = {}
     print(f"{config.name}, prompt {PROMPT_LEN} tokens, {torch.get_num_threads()} torch threads")
     print(f"{'batch':>5} | {'prefill tok/s ours':>18} {'hf':>10} {'ratio':>6} | "
           f"{'decode tok/s ours':>17} {'hf':>10} {'ratio':>6}")
-    for b in BATCH_SIZES:
+    for b in args.batch_sizes:
         op, od = bench_ours(ex, b, args.repeats)
         hp, hd = bench_hf(hf, b, args.repeats)
         rows[str(b)] = {"prefill_tok_s": round(op, 1), "prefill_tok_s_hf": round(hp, 1),
