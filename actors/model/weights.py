@@ -86,7 +86,8 @@ def _shard(stage: ServedStage, name: str, full: torch.Tensor) -> torch.Tensor:
     layout, suffix = stage.weight_layout, _suffix(name)
     if suffix.startswith(layout.kv_parallel):
         first, count = stage.kv_rows()
-        return full.narrow(0, first, count)
+        # A tensor too short for the slice is passed whole: the shape check then names it.
+        return full.narrow(0, first, count) if full.shape[0] >= first + count else full
     if suffix.startswith(layout.column_parallel):
         return full.chunk(size, dim=0)[rank]
     if suffix in layout.row_parallel:
