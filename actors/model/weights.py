@@ -85,9 +85,12 @@ def _shard(stage: ServedStage, name: str, full: torch.Tensor) -> torch.Tensor:
         return full
     layout, suffix = stage.weight_layout, _suffix(name)
     if suffix.startswith(layout.kv_parallel):
+        rows = stage.config.num_kv_heads * stage.config.head_dim
+        if full.shape[0] != rows:   # checked here: a wrong tensor's slice could fit by accident
+            raise ValueError(f"checkpoint tensor {name!r} has {full.shape[0]} rows; the model's "
+                             f"{stage.config.num_kv_heads} KV heads x {stage.config.head_dim} need {rows}")
         first, count = stage.kv_rows()
-        # A tensor too short for the slice is passed whole: the shape check then names it.
-        return full.narrow(0, first, count) if full.shape[0] >= first + count else full
+        return full.narrow(0, first, count)
     if suffix.startswith(layout.column_parallel):
         return full.chunk(size, dim=0)[rank]
     if suffix in layout.row_parallel:

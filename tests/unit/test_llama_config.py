@@ -146,3 +146,16 @@ def test_llama_serve_configs_validate(name: str) -> None:
     assert isinstance(args.model.hf_config(), LlamaConfig)
     assert args.parallel.tensor_parallel_size * args.parallel.pipeline_parallel_size == max(
         args.parallel.num_gpus, 1)
+
+
+def test_kv_projection_of_the_wrong_size_is_refused_at_tensor_parallel_2() -> None:
+    from actors.model.llama import LlamaStage
+    from actors.model.shard import StageShard
+    from actors.model.weights import load_weights
+
+    config = LlamaConfig(**{k: v for k, v in BASE.items() if k != "model_type"})   # 2 KV heads x 8
+    stage = LlamaStage(config, StageShard(0, 2, 2, tp_rank=1, tp_size=2))
+    # Half the rows: rank 1's slice would be out of range, rank 0's would fit by accident.
+    bad = [("model.layers.0.self_attn.v_proj.weight", torch.zeros(8, 64))]
+    with pytest.raises(ValueError, match="'layers.0.self_attn.v_proj.weight' has 8 rows"):
+        load_weights(stage, bad, strict=False)
