@@ -1,6 +1,6 @@
 """Paged attention over one mixed batch, shared by every architecture.
 
-``attend`` takes the projected queries, keys and values of a batch's tokens, writes every token's
+``paged_self_attention`` takes the projected queries, keys and values of a batch's tokens, writes every token's
 K/V to its cache slot, and attends: prefill tokens causally to their own sequence's new tokens,
 decode tokens to their sequence's paged KV. Grouped-query attention is the kernels' business:
 ``key``/``value`` may carry fewer heads than ``query`` (a divisor of them); query head ``h``
@@ -19,8 +19,8 @@ import kernels
 from actors.model.batch import ForwardBatch
 
 
-def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: ForwardBatch,
-           layer_cache: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_self_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         layer_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
     """``query [T, H, D]``, ``key``/``value [T, KV, D]`` → attention output ``[T, H, D]``.
 
     ``layer_cache`` is one layer's ``[num_blocks, 2, block_size, KV, D]`` view of the KV store.

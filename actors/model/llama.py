@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.model.attention import attend
+from actors.model.attention import paged_self_attention
 from actors.model.batch import ForwardBatch
 from actors.model.layout import WeightLayout
 from actors.model.linear import ServingLinear
@@ -92,7 +92,7 @@ class Attention(nn.Module):
         q = Rotary.apply(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
         k = Rotary.apply(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        attn = attend(q, k, v, batch, layer_cache, self.scale)
+        attn = paged_self_attention(q, k, v, layer_cache, batch, self.scale)
         out = self.o_proj.multiply(attn.reshape(n, -1), with_bias=False)
         return _reduce_then_bias(out, self.o_proj, self.all_reduce)
 

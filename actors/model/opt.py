@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.model.attention import attend
+from actors.model.attention import paged_self_attention
 from actors.model.batch import ForwardBatch
 from actors.model.config import POSITION_OFFSET, OPTConfig
 from actors.model.layout import WeightLayout
@@ -66,7 +66,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_heads, self.head_dim)
-        attn = attend(q, k, v, batch, layer_cache, self.scale)
+        attn = paged_self_attention(q, k, v, layer_cache, batch, self.scale)
         out = self.out_proj.multiply(attn.reshape(n, -1), with_bias=False)
         out = self.all_reduce(out)
         return out if self.out_proj.bias is None else out + self.out_proj.bias
