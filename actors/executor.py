@@ -11,8 +11,10 @@ import torch
 
 from actors.kv_store import KVStore
 from actors.messages import BatchPlan, StepOutput
-from actors.model.config import OPTConfig
-from actors.model.opt import AllReduce, OPTStage, StageShard
+from actors.model.config import ModelConfig
+from actors.model.opt import AllReduce
+from actors.model.registry import Stage, build_model
+from actors.model.shard import StageShard
 from actors.model.weights import load_stage_weights
 from actors.sampler import Sampler
 from actors.spec import ModelSpec
@@ -28,18 +30,19 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
 
 
-def build_stage(config: OPTConfig, shard: StageShard, dtype: str, device: str,
+def build_stage(config: ModelConfig, shard: StageShard, dtype: str, device: str,
                 load_format: str, model_path: str | None, seed: int,
-                all_reduce: AllReduce | None = None) -> OPTStage:
-    """Build one stage on ``device`` and load its weights (dummy or checkpoint)."""
-    stage = OPTStage(config, shard) if all_reduce is None else OPTStage(config, shard, all_reduce)
+                all_reduce: AllReduce | None = None) -> Stage:
+    """Build one stage of ``config``'s architecture on ``device`` and load its weights (dummy or
+    checkpoint)."""
+    stage = build_model(config, shard, all_reduce)
     load_stage_weights(stage, load_format, model_path, seed)
     stage = stage.to(device=device, dtype=torch_dtype(dtype)).eval()
     stage.pack_linear_weights()   # CPU float32 only; a no-op elsewhere
     return stage
 
 
-def build_runner(spec: ModelSpec, config: OPTConfig, shard: StageShard,
+def build_runner(spec: ModelSpec, config: ModelConfig, shard: StageShard,
                  all_reduce: AllReduce | None = None) -> StageRunner:
     """One worker's ``StageRunner`` — its shard of the model (weights loaded), its slice of the KV
     store and a sampler — for the in-process executor and the Ray stage workers alike."""
@@ -47,7 +50,7 @@ def build_runner(spec: ModelSpec, config: OPTConfig, shard: StageShard,
         torch.set_num_threads(spec.torch_threads)   # per process: this worker owns the model's
     model = build_stage(config, shard, spec.dtype, spec.device, spec.load_format, spec.model_path,
                         spec.seed, all_reduce)
-    kv = KVStore(shard.num_layers, model.num_local_heads, config.head_dim, spec.block_size,
+    kv = KVStore(shard.num_layers, model.num_local_kv_heads, config.head_dim, spec.block_size,
                  spec.num_device_blocks, spec.num_host_blocks, torch_dtype(spec.dtype), spec.device)
     return StageRunner(model, kv, Sampler(spec.seed))
 
@@ -68,7 +71,7 @@ class InProcessExecutor:
         return self.runner.kv
 
     @property
-    def model(self) -> OPTStage:
+    def model(self) -> Stage:
         return self.runner.model
 
     def execute(self, plan: BatchPlan) -> StepOutput:

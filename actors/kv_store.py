@@ -3,6 +3,7 @@
 Layout, per pool: ``[num_blocks, num_layers, 2, block_size, num_heads, head_dim]`` — block-major,
 so one block of every layer is one contiguous region and a swap of a block is a single copy (on a
 GPU, one DMA per run of consecutive blocks). Layer ``l`` reads the strided view ``pool[:, l]``.
+``num_heads`` is the worker's *KV* heads (fewer than its query heads under grouped-query attention).
 
 Swaps are asynchronous. On a GPU they run on a side CUDA stream into pinned host memory and are
 tracked by events; on CPU a single copy thread runs them. Either way they complete in issue order

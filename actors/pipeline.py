@@ -35,7 +35,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.messages import BatchPlan, StepOutput
-from actors.model.config import OPTConfig
+from actors.model.config import ModelConfig
 from actors.parallel import BACKENDS, layer_ranges
 from actors.spec import EngineSpec
 from actors.transport import TRANSPORTS, Transport, make_transport
@@ -54,7 +54,7 @@ class PlanFailed(RuntimeError):
     """One plan failed on live workers (a worker raised); the pipeline keeps running plans."""
 
 
-def check_layout(spec: EngineSpec, config: OPTConfig) -> None:
+def check_layout(spec: EngineSpec, config: ModelConfig) -> None:
     """Raise ``ValueError`` naming the first value the pipeline cannot run with."""
     spec.parallel.check(config)
     layer_ranges(config.num_hidden_layers, spec.parallel.pipeline_parallel_size)
@@ -69,7 +69,7 @@ def check_layout(spec: EngineSpec, config: OPTConfig) -> None:
         raise ValueError(f"max_inflight must be >= 1, got {par.max_inflight}")
 
 
-def worker_specs(spec: EngineSpec, config: OPTConfig) -> list[list[WorkerSpec]]:
+def worker_specs(spec: EngineSpec, config: ModelConfig) -> list[list[WorkerSpec]]:
     """``[stage][tp_rank]`` → the worker's spec."""
     p, t = spec.parallel.pipeline_parallel_size, spec.parallel.tensor_parallel_size
     return [[WorkerSpec(spec.model, config, s, p, lo, hi, r, t) for r in range(t)]

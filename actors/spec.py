@@ -17,14 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from actors.messages import DEFAULT_BLOCK_SIZE
-from actors.model.config import OPTConfig
+from actors.model.config import ModelConfig, as_model_config
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The model, its weights, and its KV pools. ``model`` is a config path/folder or an ``OPTConfig``."""
+    """The model, its weights, and its KV pools. ``model`` is a config path/folder (its
+    ``config.json`` says the architecture) or a loaded ``ModelConfig``."""
 
-    model: str | Path | OPTConfig
+    model: str | Path | ModelConfig
     num_device_blocks: int
     num_host_blocks: int
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -36,8 +37,8 @@ class ModelSpec:
     #: torch intra-op threads of each process that runs the model; None keeps torch's default.
     torch_threads: int | None = None
 
-    def load_config(self) -> OPTConfig:
-        return self.model if isinstance(self.model, OPTConfig) else OPTConfig.from_file(self.model)
+    def load_config(self) -> ModelConfig:
+        return as_model_config(self.model)
 
 
 @dataclass(frozen=True)
@@ -63,16 +64,14 @@ class ParallelSpec:
     def uses_pipeline(self) -> bool:
         return self.use_ray_pipeline or self.world_size > 1
 
-    def check(self, config: OPTConfig) -> None:
+    def check(self, config: ModelConfig) -> None:
         """Raise ``ValueError`` if the model cannot be cut this way (the one place that says)."""
         t, p = self.tensor_parallel_size, self.pipeline_parallel_size
         if t < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {t}")
         if p < 1:
             raise ValueError(f"pipeline_parallel_size must be >= 1, got {p}")
-        for what, n in (("num_attention_heads", config.num_attention_heads), ("ffn_dim", config.ffn_dim)):
-            if n % t:
-                raise ValueError(f"tensor_parallel_size={t} does not divide the model's {what}={n}")
+        config.check_tensor_parallel(t)
         if p > config.num_hidden_layers:
             raise ValueError(f"pipeline_parallel_size={p} exceeds the model's {config.num_hidden_layers} layers")
 

@@ -16,7 +16,7 @@ import torch
 from actors.kv_store import KVStore, SwapHandle
 from actors.messages import BatchPlan
 from actors.model.batch import ForwardBatch
-from actors.model.opt import OPTStage
+from actors.model.registry import Stage
 from actors.sampler import Sampler
 
 
@@ -31,7 +31,7 @@ class StepResult:
 
 
 class StageRunner:
-    def __init__(self, model: OPTStage, kv: KVStore, sampler: Sampler | None = None) -> None:
+    def __init__(self, model: Stage, kv: KVStore, sampler: Sampler | None = None) -> None:
         self.model = model
         self.kv = kv
         self.sampler = sampler if sampler is not None else Sampler()

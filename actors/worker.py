@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import ray
 
 from actors.messages import BatchPlan, StepOutput
-from actors.model.config import OPTConfig
+from actors.model.config import ModelConfig
 from actors.parallel import TensorParallelGroup, free_port
 from actors.spec import ModelSpec
 
@@ -67,7 +67,7 @@ class WorkerSpec:
     grid this worker sits. Picklable, no torch."""
 
     model: ModelSpec
-    config: OPTConfig
+    config: ModelConfig
     stage_index: int
     num_stages: int
     layer_start: int
@@ -98,7 +98,7 @@ def _add_timings(upstream: dict[str, float], own: dict[str, float]) -> dict[str,
 
 def _build_runner(spec: WorkerSpec, tp: TensorParallelGroup) -> StageRunner:
     from actors.executor import build_runner
-    from actors.model.opt import StageShard
+    from actors.model.shard import StageShard
 
     shard = StageShard(spec.layer_start, spec.layer_end, spec.config.num_hidden_layers,
                        spec.tp_rank, spec.tp_size)

@@ -29,7 +29,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from actors.messages import blocks_for
-from actors.model.config import OPTConfig
+from actors.model.config import ModelConfig, load_model_config
 from actors.spec import EngineSpec, ModelSpec, ParallelSpec, PipelineTimeouts
 from app.scheduler.config import EngineConfig, KVCacheConfig, SchedulerConfig
 from app.scheduler.profile import Profile
@@ -89,12 +89,13 @@ class ModelArgs(_Strict):
             raise ValueError("load_format 'auto' needs model_path (a checkpoint directory or hub id)")
         return self
 
-    def opt_config(self) -> OPTConfig:
-        return OPTConfig.from_file(resolve_path(self.config_path))
+    def hf_config(self) -> ModelConfig:
+        """The model's config, of the architecture its ``config.json`` names (OPT or LLaMA)."""
+        return load_model_config(resolve_path(self.config_path))
 
     def context_len(self) -> int:
         """The longest prompt + output a request may have."""
-        limit = self.opt_config().max_position_embeddings
+        limit = self.hf_config().max_position_embeddings
         return limit if self.max_model_len is None else self.max_model_len
 
 
@@ -271,11 +272,11 @@ class AppArgs(_Strict):
             )
         if model.device == "cpu" and par.num_gpus:
             raise ValueError(f"parallel.num_gpus={par.num_gpus} but model.device is 'cpu'")
-        par.spec().check(model.opt_config())
+        par.spec().check(model.hf_config())
 
     def _check_sizes(self) -> None:
         ctx = self.model.context_len()
-        positions = self.model.opt_config().max_position_embeddings
+        positions = self.model.hf_config().max_position_embeddings
         if ctx > positions:
             raise ValueError(f"model.max_model_len={ctx} exceeds the model's {positions} positions")
         kv = self.kv_cache

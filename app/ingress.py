@@ -105,7 +105,7 @@ class ServerContext:
         limits = RequestLimits(srv.max_request_bytes, srv.max_stop_strings, srv.max_stop_string_chars,
                                srv.request_timeout_s, srv.admission_timeout_s, srv.allow_priority,
                                srv.health_timeout_s)
-        return cls(args.model.name, tokenizer, args.model.opt_config().vocab_size,
+        return cls(args.model.name, tokenizer, args.model.hf_config().vocab_size,
                    args.model.context_len(), srv.resolved_api_key(), srv.retry_after_s, limits)
 
 

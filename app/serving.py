@@ -64,7 +64,7 @@ async def _pipeline_executor(spec: EngineSpec) -> Executor:
 
 def build_scheduler(args: AppArgs) -> Scheduler:
     profile = Profile.load(resolve_path(args.profile.path))
-    eos = args.model.opt_config().eos_token_id
+    eos = args.model.hf_config().eos_token_id
     return Scheduler(args.scheduler, args.kv_cache, profile, eos_token_id=eos)
 
 

@@ -22,7 +22,7 @@ Which implementation runs:
   overlaps with compute.
 
 KV cache layout (fixed by the lead): one tensor per pipeline stage,
-``cache[num_blocks, num_layers, 2, block_size, num_heads, head_dim]`` (2 = key, value), so one
+``cache[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (2 = key, value), so one
 block is one contiguous range. Kernels receive the per-layer views ``cache[:, layer, 0]`` and
 ``cache[:, layer, 1]`` of shape ``[num_blocks, block_size, num_heads, head_dim]``, strided along
 dim 0; every implementation honours the strides.
@@ -125,7 +125,7 @@ def write_kv(
 ) -> None:
     """Write each token's K and V into its cache slot, in place.
 
-    ``key``/``value``: ``[num_tokens, num_heads, head_dim]``; ``slot_mapping``: int64
+    ``key``/``value``: ``[num_tokens, num_kv_heads, head_dim]``; ``slot_mapping``: int64
     ``[num_tokens]`` with ``slot = block_id * block_size + offset``; a slot < 0 is padding and is
     skipped. Caches are per-layer views ``[num_blocks, block_size, num_heads, head_dim]``.
     """
@@ -142,8 +142,10 @@ def prefill_attention(
 ) -> torch.Tensor:
     """Varlen causal self-attention over the new tokens of packed sequences.
 
-    ``query``/``key``/``value``: ``[num_tokens, num_heads, head_dim]``; ``cu_seqlens``: int
-    ``[B + 1]`` cumulative starts. Token t of a sequence attends to tokens 0..t of the same
+    ``query``: ``[num_tokens, num_heads, head_dim]``; ``key``/``value``: ``[num_tokens,
+    num_kv_heads, head_dim]`` (grouped-query attention when ``num_kv_heads < num_heads``: query
+    head h reads KV head ``h // (num_heads // num_kv_heads)``); ``cu_seqlens``: int ``[B + 1]``
+    cumulative starts. Token t of a sequence attends to tokens 0..t of the same
     sequence; scores are ``scale * q.k``, softmax in float32. Returns ``[num_tokens, num_heads,
     head_dim]`` in the input dtype.
     """
@@ -160,7 +162,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """Decode attention: one query token per sequence over its paged KV (already written).
 
-    ``query``: ``[B, num_heads, head_dim]``; ``block_tables``: int32 ``[B, max_blocks_per_seq]``
+    ``query``: ``[B, num_heads, head_dim]``; caches ``[num_blocks, block_size, num_kv_heads,
+    head_dim]`` with ``num_kv_heads`` dividing ``num_heads`` (query head h reads KV head
+    ``h // (num_heads // num_kv_heads)``, in every backend); ``block_tables``: int32 ``[B, max_blocks_per_seq]``
     (padded with 0); ``context_lens``: int32 ``[B]`` (>= 1). Sequence b attends to positions
     ``0..context_lens[b]-1``; position p lives in block ``block_tables[b, p // block_size]`` at
     offset ``p % block_size``. Returns ``[B, num_heads, head_dim]`` in the input dtype.

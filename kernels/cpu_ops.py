@@ -38,6 +38,8 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "fastserve" / "cpu-kernels"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 BUILD_TIMEOUT_S = 120.0
 SUPPORTED_DTYPES = frozenset({torch.float32})
+#: paged_attention_f32's status when it could not allocate its scratch rows.
+SCRATCH_FAILED = -1
 
 _log = logging.getLogger(__name__)
 
@@ -97,7 +99,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     fn = lib.paged_attention_f32
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i32, i32, i32, i32, ctypes.c_float, ptr, i32]
+    fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i32, i32, i32, i32, i32, ctypes.c_float, ptr, i32]
     fn.restype = ctypes.c_int
     return lib
 
@@ -130,9 +132,10 @@ def paged_attention(
         raise ValueError(f"key/value caches differ: {tuple(key_cache.shape)} {key_cache.stride()} vs "
                          f"{tuple(value_cache.shape)} {value_cache.stride()}")
     num_seqs, num_heads, head_dim = query.shape
-    _, block_size, cache_heads, cache_dim = key_cache.shape
-    if (cache_heads, cache_dim) != (num_heads, head_dim):
-        raise ValueError(f"query heads/dim {(num_heads, head_dim)} do not match the cache's {(cache_heads, cache_dim)}")
+    _, block_size, num_kv_heads, cache_dim = key_cache.shape
+    if cache_dim != head_dim or num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"query heads/dim {(num_heads, head_dim)} do not match the cache's "
+                         f"{(num_kv_heads, cache_dim)}: head_dim must be equal and the KV heads divide the query heads")
     q = query.contiguous()
     tables = block_tables.to(dtype=torch.int32).contiguous()
     lens = context_lens.to(dtype=torch.int32).contiguous()
@@ -152,8 +155,10 @@ def paged_attention(
     block_stride, token_stride, head_stride, _ = key_cache.stride()
     status = lib.paged_attention_f32(
         q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_stride, token_stride, head_stride,
-        tables.data_ptr(), tables.stride(0), lens.data_ptr(), num_seqs, num_heads, head_dim, block_size,
+        tables.data_ptr(), tables.stride(0), lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
         float(scale), out.data_ptr(), torch.get_num_threads())
-    if status != 0:
+    if status == SCRATCH_FAILED:
         raise MemoryError("paged_attention_f32: scratch allocation failed")
+    if status != 0:
+        raise RuntimeError(f"paged_attention_f32 failed with status {status}")
     return out

@@ -169,6 +169,11 @@ def paged_attention(
             f"paged_attention: query {query.dtype}, caches {key_cache.dtype}/{value_cache.dtype}"
         )
     num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    if num_heads % num_kv_heads or key_cache.shape[3] != head_dim:
+        # The kernel maps query head h to KV head h // (num_heads // num_kv_heads) unchecked.
+        raise ValueError(f"paged_attention: {num_heads} query heads of dim {head_dim} do not fit a cache of "
+                         f"{num_kv_heads} KV heads of dim {key_cache.shape[3]}")
     if head_dim > PAGED_ATTENTION_MAX_HEAD_DIM:
         raise ValueError(
             f"paged_attention: head_dim {head_dim} > {PAGED_ATTENTION_MAX_HEAD_DIM} unsupported"
@@ -196,6 +201,7 @@ def paged_attention(
         _ptr(lens),
         np.float32(scale),
         np.int32(num_heads),
+        np.int32(num_kv_heads),
         np.int32(head_dim),
         np.int32(key_cache.shape[1]),
         np.int64(tables.stride(0)),

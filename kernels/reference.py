@@ -4,8 +4,10 @@ Owns the semantics of every kernel: the CUDA sources in ``kernels/cuda/`` must c
 function as these (the tests hold both to these). Each function has the same signature as its
 public counterpart in ``kernels/__init__.py``; see there for the contracts.
 
-Attention math follows Hugging Face OPT: scores and softmax in float32 whatever the input dtype,
-output cast back to the input dtype. Half-precision inputs are upcast before the matmuls so the
+Attention math follows Hugging Face OPT/LLaMA: scores and softmax in float32 whatever the input
+dtype, output cast back to the input dtype. Grouped-query attention: keys/values (and the caches)
+may have ``num_kv_heads`` heads, a divisor of the query's ``num_heads``; query head ``h`` reads KV
+head ``h // (num_heads // num_kv_heads)``. Half-precision inputs are upcast before the matmuls so the
 reference is at least as accurate as the kernels it checks (and CPU fp16/bf16 matmuls are slow).
 """
 
@@ -53,6 +55,13 @@ def _compute_dtype(tensor: torch.Tensor) -> torch.dtype:
     return ACCUM_DTYPE
 
 
+def check_kv_heads(num_heads: int, num_kv_heads: int) -> None:
+    """Query heads must split evenly into groups, one per KV head."""
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads "
+                         "(the KV head count must divide the query head count)")
+
+
 def _sequence_bounds(cu_seqlens: torch.Tensor | Sequence[int]) -> list[tuple[int, int]]:
     """[(start, end)] per sequence from cumulative starts [B+1]."""
     starts = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
@@ -66,9 +75,11 @@ def prefill_attention(
     cu_seqlens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Varlen causal self-attention over packed sequences: [T, H, D] -> [T, H, D]."""
+    """Varlen causal self-attention over packed sequences: q [T, H, D], k/v [T, KV, D] -> [T, H, D]."""
     out = torch.empty_like(query)
     compute_dtype = _compute_dtype(query)
+    check_kv_heads(query.shape[1], key.shape[1])
+    grouped = query.shape[1] != key.shape[1]
     for start, end in _sequence_bounds(cu_seqlens):
         if end <= start:
             continue
@@ -76,7 +87,7 @@ def prefill_attention(
         q = query[start:end].transpose(0, 1).to(compute_dtype)
         k = key[start:end].transpose(0, 1).to(compute_dtype)
         v = value[start:end].transpose(0, 1).to(compute_dtype)
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=grouped)
         out[start:end] = attended.transpose(0, 1).to(query.dtype)
     return out
 
@@ -89,7 +100,8 @@ def paged_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Decode attention of one query per sequence over its paged context: [B, H, D] -> [B, H, D]."""
+    """Decode attention of one query per sequence over its paged context: [B, H, D] -> [B, H, D]
+    (caches hold ``KV`` heads, a divisor of ``H``)."""
     block_size = key_cache.shape[1]
     context_lens = context_lens.to(device=query.device, dtype=torch.long)
     # Only gather the blocks the longest context needs, not the whole padded table.
@@ -97,12 +109,14 @@ def paged_attention(
     blocks_needed = max(1, -(-max_context // block_size))
     tables = block_tables[:, :blocks_needed].to(device=key_cache.device, dtype=torch.long)
     num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    check_kv_heads(num_heads, num_kv_heads)
     positions = blocks_needed * block_size
 
     compute_dtype = ACCUM_DTYPE if query.dtype != torch.float64 else torch.float64
     # The gather copies: [B, blocks, block_size, H, D] -> [B, positions, H, D], contiguous.
-    keys = key_cache[tables].reshape(num_seqs, positions, num_heads, head_dim).to(compute_dtype)
-    values = value_cache[tables].reshape(num_seqs, positions, num_heads, head_dim).to(compute_dtype)
+    keys = key_cache[tables].reshape(num_seqs, positions, num_kv_heads, head_dim).to(compute_dtype)
+    values = value_cache[tables].reshape(num_seqs, positions, num_kv_heads, head_dim).to(compute_dtype)
     position_ids = torch.arange(positions, device=query.device)
     past_context = position_ids[None, :] >= context_lens[:, None]  # [B, positions]
     # Slots past a context may hold anything (a recycled block's stale inf/NaN): 0 * NaN is NaN
@@ -113,8 +127,8 @@ def paged_attention(
     values[:, shortest:].masked_fill_(tail, 0.0)
     out = F.scaled_dot_product_attention(
         query.to(compute_dtype).unsqueeze(2),  # [B, H, 1, D]
-        keys.transpose(1, 2), values.transpose(1, 2),  # [B, H, positions, D] views
-        attn_mask=~past_context[:, None, None, :], scale=scale,
+        keys.transpose(1, 2), values.transpose(1, 2),  # [B, KV, positions, D] views
+        attn_mask=~past_context[:, None, None, :], scale=scale, enable_gqa=num_heads != num_kv_heads,
     ).squeeze(2)
     return out.to(query.dtype)
 

@@ -1,9 +1,12 @@
 """Engine throughput vs transformers, side by side in one run: ``python -m loadtest.bench_engine``.
 
-Prefill and decode tokens/s at batch 1/8/32 for the demo model (opt-125m shapes, dummy weights)
-on this machine: our in-process executor (paged KV, mixed-batch forward, sampling included)
-against ``transformers``' ``OPTForCausalLM`` forward on the same weights (contiguous KV cache,
-logits only). Prints a table and, last, one JSON object with the figures and the ratios.
+Prefill and decode tokens/s at batch 1/8/32 for a model with dummy weights (default: the demo's
+opt-125m shapes; ``--model`` takes a model folder / config.json of any served architecture, OPT or
+LLaMA family, or a Serve YAML whose ``model.config_path`` names one) on this machine: our
+in-process executor (paged KV, mixed-batch forward, sampling included) against ``transformers``'
+``OPTForCausalLM`` / ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` forward on the same weights
+(contiguous KV cache, logits only). Prints a table and, last, one JSON object with the figures and
+the ratios.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import transformers
 
 from actors.executor import InProcessExecutor
 from actors.messages import BatchEntry, BatchPlan, SamplingParams, blocks_for
-from actors.model.config import OPTConfig
+from actors.model.config import ModelConfig, OPTConfig, as_model_config
+from actors.model.llama_config import LlamaConfig
 from actors.model.weights import dummy_weights
 from actors.spec import ModelSpec
 
@@ -32,7 +36,7 @@ DECODE_STEPS = 8
 GREEDY = SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
 
 
-def _median(run: Callable[[], None], repeats: int) -> float:
+def _median(run: Callable[[], object], repeats: int) -> float:
     run()
     times = []
     for _ in range(repeats):
@@ -42,11 +46,44 @@ def _median(run: Callable[[], None], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _hf_twin(ex: InProcessExecutor, config: OPTConfig, seed: int) -> transformers.OPTForCausalLM:
-    hf = transformers.OPTForCausalLM(transformers.OPTConfig(**config.to_hf_dict())).eval()
-    hf.load_state_dict({f"model.decoder.{n}": t for n, t in dummy_weights(ex.model, seed)}, strict=False)
+#: transformers' (config, model) classes of each LLaMA-family ``model_type``.
+HF_LLAMA_CLASSES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+}
+
+
+def _hf_twin(ex: InProcessExecutor, config: ModelConfig, seed: int) -> transformers.PreTrainedModel:
+    """The transformers model of ``config`` holding the executor's dummy weights."""
+    ours = dict(dummy_weights(ex.model, seed))
+    if isinstance(config, OPTConfig):
+        hf = transformers.OPTForCausalLM(transformers.OPTConfig(**config.to_hf_dict()))
+        state = {f"model.decoder.{n}": t for n, t in ours.items()}
+    elif isinstance(config, LlamaConfig):
+        config_cls, model_cls = HF_LLAMA_CLASSES[config.model_type]
+        hf = model_cls(config_cls(**config.to_hf_dict()))
+        state = {(n if n == "lm_head.weight" else f"model.{n}"): t for n, t in ours.items()}
+    else:
+        raise TypeError(f"no transformers twin for {type(config).__name__}")
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"weights do not map onto transformers' names: missing {missing[:3]}, "
+                           f"unexpected {unexpected[:3]}")
     hf.tie_weights()
-    return hf
+    return hf.eval()
+
+
+def load_bench_config(model: str) -> ModelConfig:
+    """A model folder or config.json as is; a Serve YAML through its ``model.config_path``."""
+    path = Path(model)
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        (app,) = yaml.safe_load(path.read_text())["applications"]
+        config_path = Path(app["args"]["model"]["config_path"])
+        return as_model_config(config_path if config_path.is_absolute() else ROOT / config_path)
+    return as_model_config(path)
 
 
 def bench_ours(ex: InProcessExecutor, b: int, repeats: int) -> tuple[float, float]:
@@ -66,7 +103,7 @@ def bench_ours(ex: InProcessExecutor, b: int, repeats: int) -> tuple[float, floa
 
 
 @torch.inference_mode()
-def bench_hf(hf: transformers.OPTForCausalLM, b: int, repeats: int) -> tuple[float, float]:
+def bench_hf(hf: transformers.PreTrainedModel, b: int, repeats: int) -> tuple[float, float]:
     ids = torch.arange(2, 2 + PROMPT_LEN).repeat(b, 1)
     t_prefill = _median(lambda: hf(ids, use_cache=False), repeats)
 
@@ -87,19 +124,22 @@ def bench_hf(hf: transformers.OPTForCausalLM, b: int, repeats: int) -> tuple[flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=str(ROOT / "config/models/opt-125m"))
+    parser.add_argument("--model", default=str(ROOT / "config/models/opt-125m"),
+                        help="model folder / config.json (OPT or LLaMA family), or a Serve YAML")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES),
+                        help="batch sizes to measure (a busy machine may only afford the small ones)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    config = OPTConfig.from_file(args.model)
+    config = load_bench_config(args.model)
     per_seq = blocks_for(PROMPT_LEN + DECODE_STEPS + 1, BLOCK_SIZE)
-    ex = InProcessExecutor(ModelSpec(config, max(BATCH_SIZES) * per_seq, 0, BLOCK_SIZE, seed=args.seed))
+    ex = InProcessExecutor(ModelSpec(config, max(args.batch_sizes) * per_seq, 0, BLOCK_SIZE, seed=args.seed))
     hf = _hf_twin(ex, config, args.seed)
     rows = {}
     print(f"{config.name}, prompt {PROMPT_LEN} tokens, {torch.get_num_threads()} torch threads")
     print(f"{'batch':>5} | {'prefill tok/s ours':>18} {'hf':>10} {'ratio':>6} | "
           f"{'decode tok/s ours':>17} {'hf':>10} {'ratio':>6}")
-    for b in BATCH_SIZES:
+    for b in args.batch_sizes:
         op, od = bench_ours(ex, b, args.repeats)
         hp, hd = bench_hf(hf, b, args.repeats)
         rows[str(b)] = {"prefill_tok_s": round(op, 1), "prefill_tok_s_hf": round(hp, 1),

@@ -32,7 +32,7 @@ import torch
 
 from actors.executor import InProcessExecutor
 from actors.messages import BatchEntry, BatchPlan, SamplingParams, StepOutput, blocks_for
-from actors.model.config import OPTConfig
+from actors.model.config import ModelConfig, load_model_config
 from actors.pipeline import PipelineExecutor
 from actors.spec import EngineSpec, ModelSpec, ParallelSpec
 
@@ -92,7 +92,7 @@ async def time_plans(execute: Execute, plans: list[BatchPlan], window: int, iter
     return min(samples)
 
 
-def bench_in_process(config: OPTConfig, seed: int, iterations: int, warmup: int) -> float:
+def bench_in_process(config: ModelConfig, seed: int, iterations: int, warmup: int) -> float:
     ex = InProcessExecutor(ModelSpec(config, NUM_BATCHES * batch_blocks(), 0, BLOCK_SIZE, seed=seed))
 
     async def execute(plan: BatchPlan) -> StepOutput:
@@ -104,7 +104,7 @@ def bench_in_process(config: OPTConfig, seed: int, iterations: int, warmup: int)
         ex.close()
 
 
-async def bench_pipeline(config: OPTConfig, tp: int, pp: int, transport: str, seed: int,
+async def bench_pipeline(config: ModelConfig, tp: int, pp: int, transport: str, seed: int,
                          iterations: int, warmup: int, threads: int) -> dict[str, float]:
     spec = EngineSpec(ModelSpec(config, NUM_BATCHES * batch_blocks(), 0, block_size=BLOCK_SIZE, seed=seed,
                                 torch_threads=threads), ParallelSpec(tp, pp, transport))
@@ -121,7 +121,7 @@ async def bench_pipeline(config: OPTConfig, tp: int, pp: int, transport: str, se
     return {"serial_ms": serial * 1e3, "pipelined_ms": piped * 1e3, "start_s": start_s}
 
 
-def run_pipelines(config: OPTConfig, seed: int, iterations: int, warmup: int,
+def run_pipelines(config: ModelConfig, seed: int, iterations: int, warmup: int,
                   threads: int) -> dict[str, dict[str, Any]]:
     import ray
 
@@ -139,7 +139,7 @@ def run_pipelines(config: OPTConfig, seed: int, iterations: int, warmup: int,
         ray.shutdown()
 
 
-def report(config: OPTConfig, in_process_ms: float, results: dict[str, dict[str, Any]],
+def report(config: ModelConfig, in_process_ms: float, results: dict[str, dict[str, Any]],
            iterations: int) -> dict[str, Any]:
     print(f"{config.name}: {DECODES} decodes at context {CONTEXT} + 1 prefill of {PREFILL} tokens, "
           f"{iterations} iterations, {torch.get_num_threads()} torch thread(s) per process, {os.cpu_count()} cores")
@@ -168,7 +168,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker and in process")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    config = OPTConfig.from_file(args.model)
+    config = load_model_config(args.model)
     in_process_ms = bench_in_process(config, args.seed, args.iterations, args.warmup) * 1e3
     results = run_pipelines(config, args.seed, args.iterations, args.warmup, args.threads)
     print(json.dumps(report(config, in_process_ms, results, args.iterations)))

@@ -1,1 +1,2 @@
-"""OPT model code: configuration, batch layout, the transformer stage and weight loading."""
+"""Model code of the data plane: OPT and LLaMA-family configs (one interface, picked by
+``model_type``), batch layout, shared paged attention, the transformer stages and weight loading."""

@@ -1,7 +1,11 @@
-"""OPT architecture hyper-parameters, read from a Hugging Face ``config.json``.
+"""Model hyper-parameters, read from a Hugging Face ``config.json``: the model-agnostic interface
+(``ModelConfig``), the factory that picks an architecture from ``model_type``
+(``load_model_config``), and the OPT family's own config (``OPTConfig``).
 
 Only what the forward pass needs; everything else in the JSON is ignored. Owned here so that the
-model, the weight loader, the KV store sizing and the profiler agree on one definition.
+model, the weight loader, the KV store sizing, the profiler and the control plane agree on one
+definition. The LLaMA family's config lives in ``actors.model.llama_config``. No torch here: the
+control plane imports this module to validate its settings.
 """
 
 from __future__ import annotations
@@ -9,10 +13,62 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 #: OPT's learned position table is offset by 2 rows (a fairseq legacy of the padding index).
 POSITION_OFFSET = 2
+
+
+@runtime_checkable
+class ModelConfig(Protocol):
+    """What the executor, the KV store sizing and the serving code need to know of any model."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def architecture(self) -> str:
+        """The model family (``"opt"``, ``"llama"``): which stage class serves it."""
+        ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def num_hidden_layers(self) -> int: ...
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int:
+        """K/V heads per layer (the KV cache stores only these; < query heads under GQA)."""
+        ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def max_position_embeddings(self) -> int: ...
+    @property
+    def bos_token_id(self) -> int: ...
+    @property
+    def eos_token_id(self) -> int: ...
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes of K and V one token occupies across all layers and KV heads."""
+        ...
+
+    def kv_heads_per_rank(self, tp_size: int) -> int:
+        """KV heads each tensor-parallel rank stores (its KV cache's head count)."""
+        ...
+
+    def check_tensor_parallel(self, tp_size: int) -> None:
+        """Raise ``ValueError`` naming the first dimension ``tp_size`` cannot split."""
+        ...
+
+    def to_hf_dict(self) -> dict[str, Any]: ...
+
+
+def _check_divisible(tp_size: int, dims: tuple[tuple[str, int], ...]) -> None:
+    for what, n in dims:
+        if n % tp_size:
+            raise ValueError(f"tensor_parallel_size={tp_size} does not divide the model's {what}={n}")
 
 
 @dataclass(frozen=True)
@@ -44,8 +100,23 @@ class OPTConfig:
             raise ValueError(f"only OPT's relu activation is supported, got {self.activation_function!r}")
 
     @property
+    def architecture(self) -> str:
+        return "opt"
+
+    @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_attention_heads  # OPT has no grouped-query attention
+
+    def kv_heads_per_rank(self, tp_size: int) -> int:
+        return self.num_kv_heads // tp_size
+
+    def check_tensor_parallel(self, tp_size: int) -> None:
+        _check_divisible(tp_size, (("num_attention_heads", self.num_attention_heads),
+                                   ("ffn_dim", self.ffn_dim)))
 
     @property
     def proj_dim(self) -> int:
@@ -58,7 +129,7 @@ class OPTConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V one token occupies across all layers (the paper's 4·l·h for fp16)."""
-        return 2 * self.num_hidden_layers * self.hidden_size * dtype_bytes
+        return 2 * self.num_hidden_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], name: str = "opt") -> OPTConfig:
@@ -75,12 +146,8 @@ class OPTConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> OPTConfig:
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no OPT config.json at {path}")
-        return cls.from_dict(json.loads(path.read_text()), name=path.parent.name)
+        raw, name = read_config_json(path)
+        return cls.from_dict(raw, name=name)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The equivalent Hugging Face config fields (used to build a reference model in tests)."""
@@ -101,3 +168,44 @@ class OPTConfig:
             "eos_token_id": self.eos_token_id,
             "pad_token_id": self.pad_token_id,
         }
+
+
+#: ``model_type`` values of config.json, by the architecture that serves them.
+OPT_MODEL_TYPES = frozenset({"opt"})
+LLAMA_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+
+
+def read_config_json(path: str | Path) -> tuple[dict[str, Any], str]:
+    """The parsed ``config.json`` at ``path`` (a file, or the folder holding it) and the model's
+    default name (its folder's name)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no model config.json at {path}")
+    return json.loads(path.read_text()), path.parent.name
+
+
+def model_config_from_dict(raw: dict[str, Any], name: str = "model") -> ModelConfig:
+    """The config of the architecture ``raw["model_type"]`` names. A config without
+    ``model_type`` is taken as OPT (this project's configs predate the field's use)."""
+    model_type = raw.get("model_type", "opt")
+    if model_type in OPT_MODEL_TYPES:
+        return OPTConfig.from_dict(raw, name=name)
+    if model_type in LLAMA_MODEL_TYPES:
+        from actors.model.llama_config import LlamaConfig
+
+        return LlamaConfig.from_dict(raw, name=name)
+    known = sorted(OPT_MODEL_TYPES | LLAMA_MODEL_TYPES)
+    raise ValueError(f"unsupported model_type {model_type!r} in config {name!r}: supported are {known}")
+
+
+def load_model_config(path: str | Path) -> ModelConfig:
+    """Read a Hugging Face ``config.json`` (file or folder) into its architecture's config."""
+    raw, name = read_config_json(path)
+    return model_config_from_dict(raw, name=name)
+
+
+def as_model_config(model: str | Path | ModelConfig) -> ModelConfig:
+    """A config object as is; a path read with ``load_model_config``."""
+    return load_model_config(model) if isinstance(model, (str, Path)) else model

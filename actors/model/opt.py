@@ -16,61 +16,34 @@ Module names mirror Hugging Face's ``OPTDecoder`` so that checkpoint names map o
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
+from actors.model.attention import paged_self_attention
 from actors.model.batch import ForwardBatch
 from actors.model.config import POSITION_OFFSET, OPTConfig
+from actors.model.layout import WeightLayout
 from actors.model.linear import ServingLinear
+from actors.model.shard import StageShard
+
+__all__ = ["AllReduce", "OPTStage", "StageShard"]
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+#: Checkpoint names: ``model.decoder.*`` (or ``decoder.*``); q/k/v and fc1 column-parallel.
+OPT_WEIGHTS = WeightLayout(
+    prefixes=("model.decoder.", "decoder.", "model."),
+    column_parallel=("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", "fc1."),
+    row_parallel=("self_attn.out_proj.weight", "fc2.weight"),
+    skipped=("lm_head.weight",),
+    ones=("layer_norm.weight",),
+)
 
 
 def _no_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
-
-
-@dataclass(frozen=True)
-class StageShard:
-    """Which slice of the model one worker holds: a layer range and a tensor-parallel rank."""
-
-    layer_start: int
-    layer_end: int
-    num_layers_total: int
-    tp_rank: int = 0
-    tp_size: int = 1
-
-    @classmethod
-    def whole(cls, config: OPTConfig) -> StageShard:
-        return cls(0, config.num_hidden_layers, config.num_hidden_layers)
-
-    @property
-    def is_first(self) -> bool:
-        return self.layer_start == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.layer_end == self.num_layers_total
-
-    @property
-    def num_layers(self) -> int:
-        return self.layer_end - self.layer_start
-
-    def check(self, config: OPTConfig) -> None:
-        if not 0 <= self.layer_start < self.layer_end <= config.num_hidden_layers:
-            raise ValueError(
-                f"layer range [{self.layer_start}, {self.layer_end}) is outside the model's "
-                f"{config.num_hidden_layers} layers"
-            )
-        for what, n in (("num_attention_heads", config.num_attention_heads), ("ffn_dim", config.ffn_dim)):
-            if n % self.tp_size:
-                raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={self.tp_size}")
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(f"tp_rank {self.tp_rank} outside tensor_parallel_size {self.tp_size}")
 
 
 class Attention(nn.Module):
@@ -93,20 +66,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_heads, self.head_dim)
-        key_cache, value_cache = layer_cache[:, 0], layer_cache[:, 1]
-        kernels.write_kv(key_cache, value_cache, k, v, batch.slot_mapping)
-        p = batch.num_prefill_tokens
-        parts = []
-        if p:
-            parts.append(kernels.prefill_attention(q[:p], k[:p], v[:p], batch.prefill_cu_seqlens, self.scale))
-        if batch.num_decode:
-            parts.append(
-                kernels.paged_attention(
-                    q[p:], key_cache, value_cache,
-                    batch.decode_block_tables, batch.decode_context_lens, self.scale,
-                )
-            )
-        attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+        attn = paged_self_attention(q, k, v, layer_cache, batch, self.scale)
         out = self.out_proj.multiply(attn.reshape(n, -1), with_bias=False)
         out = self.all_reduce(out)
         return out if self.out_proj.bias is None else out + self.out_proj.bias
@@ -167,6 +127,19 @@ class OPTStage(nn.Module):
     @property
     def num_local_heads(self) -> int:
         return self.config.num_attention_heads // self.shard.tp_size
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """Heads of this rank's KV cache (all its query heads: OPT has no GQA)."""
+        return self.num_local_heads
+
+    @property
+    def weight_layout(self) -> WeightLayout:
+        return OPT_WEIGHTS
+
+    def kv_rows(self) -> tuple[int, int]:
+        rows = self.num_local_heads * self.config.head_dim
+        return self.shard.tp_rank * rows, rows
 
     def pack_linear_weights(self) -> int:
         """Prepack every decoder linear for CPU GEMMs (``ServingLinear.pack``), after the

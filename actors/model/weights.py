@@ -1,10 +1,14 @@
-"""Weight loading for ``OPTStage``: Hugging Face checkpoints or seeded dummy weights.
+"""Weight loading for any served stage (OPT, LLaMA): Hugging Face checkpoints or seeded dummy weights.
 
-Checkpoint names map one-to-one onto our module names once the ``model.decoder.`` (or
-``decoder.``) prefix is stripped and the global layer index is rebased onto the stage. Each stage
-and tensor-parallel rank takes only the slices it owns: column-parallel weights (q/k/v, fc1) are
-split by output rows, row-parallel weights (out_proj, fc2) by input columns; biases of
-row-parallel layers and everything else are replicated.
+Checkpoint names map one-to-one onto our module names once the architecture's prefix
+(``model.decoder.`` for OPT, ``model.`` for LLaMA; see each model's ``WeightLayout``) is stripped
+and the global layer index is rebased onto the stage. Each stage and tensor-parallel rank takes
+only the slices it owns: column-parallel weights (OPT q/k/v and fc1; LLaMA q, gate, up) are split
+by output rows, row-parallel weights (out_proj/o_proj, fc2/down_proj) by input columns; K/V
+projections under grouped-query attention take the rows of the KV heads the rank stores (a split
+when TP divides the KV heads, else the one shared head, replicated); biases of row-parallel
+layers and everything else are replicated. Safetensors (also sharded, with
+``model.safetensors.index.json``), or torch pickles.
 
 ``load_format="dummy"`` (as vLLM's ``--load-format dummy``) draws every full tensor from a
 generator seeded by ``(seed, name)`` and then slices it, so any TP/PP split of the same seed holds
@@ -14,33 +18,57 @@ exactly the same model as the unsplit one.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from actors.model.opt import OPTStage
+from actors.model.config import ModelConfig
+from actors.model.layout import WeightLayout
+from actors.model.shard import StageShard
 
-_PREFIXES = ("model.decoder.", "decoder.", "model.")
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-#: Split by output rows (dim 0) / input columns (dim 1) across tensor-parallel ranks.
-_COLUMN_PARALLEL = ("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", "fc1.")
-_ROW_PARALLEL_WEIGHTS = ("self_attn.out_proj.weight", "fc2.weight")
-_TIED = ("lm_head.weight",)
-#: Hugging Face's OPT initialisation scale, reused for dummy weights so activations stay sane.
+#: Hugging Face's OPT/LLaMA initialisation scale (``initializer_range``), reused for dummy
+#: weights so activations stay sane.
 DUMMY_INIT_STD = 0.02
+#: The index of a sharded safetensors checkpoint (maps each tensor to its shard file).
+SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
-def canonical_name(name: str) -> str:
-    for prefix in _PREFIXES:
+class ServedStage(Protocol):
+    """What the loader needs of a stage module (``OPTStage``, ``LlamaStage``)."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+    @property
+    def shard(self) -> StageShard: ...
+    @property
+    def weight_layout(self) -> WeightLayout: ...
+
+    def kv_rows(self) -> tuple[int, int]:
+        """``(first, count)`` rows of a full K/V projection this rank holds."""
+        ...
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
+
+
+def canonical_name(name: str, layout: WeightLayout) -> str:
+    for prefix in layout.prefixes:
         if name.startswith(prefix):
             return name[len(prefix):]
     return name
 
 
-def _local_name(stage: OPTStage, name: str) -> str | None:
+def _suffix(local: str) -> str:
+    m = _LAYER.match(local)
+    return m.group(2) if m else local
+
+
+def _local_name(stage: ServedStage, name: str) -> str | None:
     """Our parameter name for a checkpoint tensor, or None if this stage does not hold it."""
     m = _LAYER.match(name)
     if m is None:
@@ -51,25 +79,33 @@ def _local_name(stage: OPTStage, name: str) -> str | None:
     return f"layers.{layer - stage.shard.layer_start}.{m.group(2)}"
 
 
-def _shard(stage: OPTStage, name: str, full: torch.Tensor) -> torch.Tensor:
+def _shard(stage: ServedStage, name: str, full: torch.Tensor) -> torch.Tensor:
     rank, size = stage.shard.tp_rank, stage.shard.tp_size
     if size == 1:
         return full
-    suffix = name.split(".", 2)[-1] if name.startswith("layers.") else name
-    if suffix.startswith(_COLUMN_PARALLEL):
+    layout, suffix = stage.weight_layout, _suffix(name)
+    if suffix.startswith(layout.kv_parallel):
+        rows = stage.config.num_kv_heads * stage.config.head_dim
+        if full.shape[0] != rows:   # checked here: a wrong tensor's slice could fit by accident
+            raise ValueError(f"checkpoint tensor {name!r} has {full.shape[0]} rows; the model's "
+                             f"{stage.config.num_kv_heads} KV heads x {stage.config.head_dim} need {rows}")
+        first, count = stage.kv_rows()
+        return full.narrow(0, first, count)
+    if suffix.startswith(layout.column_parallel):
         return full.chunk(size, dim=0)[rank]
-    if suffix in _ROW_PARALLEL_WEIGHTS:
+    if suffix in layout.row_parallel:
         return full.chunk(size, dim=1)[rank]
     return full
 
 
-def load_weights(stage: OPTStage, tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
+def load_weights(stage: ServedStage, tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
     """Copy checkpoint tensors into ``stage``, taking this stage's slices; check every shape."""
     params = dict(stage.named_parameters())
+    layout = stage.weight_layout
     loaded: set[str] = set()
     for raw_name, full in tensors:
-        name = canonical_name(raw_name)
-        if name in _TIED:
+        name = canonical_name(raw_name, layout)
+        if name in layout.skipped:
             continue
         local = _local_name(stage, name)
         if local is None or local not in params:
@@ -89,39 +125,52 @@ def load_weights(stage: OPTStage, tensors: Iterable[tuple[str, torch.Tensor]], s
         raise ValueError(f"checkpoint lacks {len(missing)} tensors this stage needs, e.g. {missing[:5]}")
 
 
-def _dummy_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+def _dummy_tensor(name: str, shape: tuple[int, ...], seed: int, layout: WeightLayout) -> torch.Tensor:
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-    if name.endswith("layer_norm.weight"):
+    if name.endswith(layout.ones):
         return torch.ones(shape)
-    if name.endswith(".bias"):
+    if name.endswith(layout.zeros):
         return torch.zeros(shape)
     return torch.randn(shape, generator=gen) * DUMMY_INIT_STD
 
 
-def full_shapes(stage: OPTStage) -> dict[str, tuple[int, ...]]:
+def full_shapes(stage: ServedStage) -> dict[str, tuple[int, ...]]:
     """Unsharded shapes, keyed by global checkpoint name, of every tensor this stage holds."""
+    layout, config = stage.weight_layout, stage.config
     shapes: dict[str, tuple[int, ...]] = {}
     for local, p in stage.named_parameters():
         m = _LAYER.match(local)
         name = local if m is None else f"layers.{int(m.group(1)) + stage.shard.layer_start}.{m.group(2)}"
         shape = list(p.shape)
-        suffix = m.group(2) if m else local
-        if suffix.startswith(_COLUMN_PARALLEL):
+        suffix = _suffix(local)
+        if suffix.startswith(layout.kv_parallel):
+            shape[0] = config.num_kv_heads * config.head_dim
+        elif suffix.startswith(layout.column_parallel):
             shape[0] *= stage.shard.tp_size
-        elif suffix in _ROW_PARALLEL_WEIGHTS:
+        elif suffix in layout.row_parallel:
             shape[1] *= stage.shard.tp_size
         shapes[name] = tuple(shape)
     return shapes
 
 
-def dummy_weights(stage: OPTStage, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+def dummy_weights(stage: ServedStage, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every full (unsharded) tensor this stage holds, drawn from ``seed``, by our name."""
+    layout = stage.weight_layout
     for name, shape in full_shapes(stage).items():
-        yield name, _dummy_tensor(name, shape, seed)
+        yield name, _dummy_tensor(name, shape, seed, layout)
 
 
 def checkpoint_files(path: Path) -> list[Path]:
-    """The weight files of a local Hugging Face model folder: safetensors preferred, else .bin."""
+    """The weight files of a local Hugging Face model folder: safetensors preferred (the shards an
+    index names, when there is one), else .bin."""
+    index = path / SAFETENSORS_INDEX
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shards that are not in {path}: {missing[:3]}")
+        return [path / s for s in shards]
     for pattern in ("*.safetensors", "pytorch_model*.bin", "*.bin", "*.pt"):
         files = sorted(path.glob(pattern))
         if files:
@@ -154,7 +203,7 @@ def resolve_model_path(model: str) -> Path:
     return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.bin"]))
 
 
-def load_stage_weights(stage: OPTStage, load_format: str, model_path: str | None = None, seed: int = 0) -> None:
+def load_stage_weights(stage: ServedStage, load_format: str, model_path: str | None = None, seed: int = 0) -> None:
     """Fill ``stage`` from ``load_format``: ``dummy`` (seeded random) or ``auto`` (a checkpoint)."""
     if load_format == "dummy":
         load_weights(stage, dummy_weights(stage, seed))

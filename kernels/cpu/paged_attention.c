@@ -1,5 +1,8 @@
 /* Decode attention over a paged KV cache on the CPU, float32: one query token per sequence.
  *
+ * Grouped-query attention: the caches hold num_kv_heads heads (a divisor of num_heads); query
+ * head h reads KV head h / (num_heads / num_kv_heads).
+ *
  * Same function as kernels.reference.paged_attention, without its dense gather: each (sequence,
  * head) reads its keys and values straight from the cache blocks its block table names, once,
  * in two passes (scores, then the softmax-weighted sum of values). Scores and the softmax are
@@ -40,12 +43,15 @@ static inline int64_t slot_of(const int32_t *table, int p, int block_size, int64
     return (int64_t)table[p / block_size] * block_stride + (int64_t)(p % block_size) * token_stride;
 }
 
-/* Returns 0, or -1 if the scratch buffer could not be allocated (nothing is written then). */
+/* Returns 0; -1 if the scratch buffer could not be allocated, -2 if num_kv_heads does not divide
+ * num_heads (nothing is written then). */
 int paged_attention_f32(const float *query, const float *key_cache, const float *value_cache,
                         int64_t block_stride, int64_t token_stride, int64_t head_stride,
                         const int32_t *block_tables, int64_t table_stride, const int32_t *context_lens,
-                        int num_seqs, int num_heads, int head_dim, int block_size, float scale,
-                        float *out, int num_threads) {
+                        int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                        float scale, float *out, int num_threads) {
+    if (num_kv_heads < 1 || num_heads % num_kv_heads != 0) return -2;
+    const int group = num_heads / num_kv_heads;
     int max_context = 0;
     for (int b = 0; b < num_seqs; ++b)
         if (context_lens[b] > max_context) max_context = context_lens[b];
@@ -60,12 +66,13 @@ int paged_attention_f32(const float *query, const float *key_cache, const float 
             float *scores = scratch + row * omp_get_thread_num();
             float *acc = scores + (row - head_dim);
             const float *q = query + ((int64_t)b * num_heads + h) * head_dim;
+            const int64_t kv_head = (int64_t)(h / group) * head_stride;
             const int32_t *table = block_tables + (int64_t)b * table_stride;
             const int context = context_lens[b];
             float max_score = -INFINITY;
             for (int p = 0; p < context; ++p) {
                 const float s = dot(q, key_cache + slot_of(table, p, block_size, block_stride, token_stride) +
-                                           h * head_stride, head_dim) * scale;
+                                           kv_head, head_dim) * scale;
                 scores[p] = s;
                 if (s > max_score) max_score = s;
             }
@@ -77,7 +84,7 @@ int paged_attention_f32(const float *query, const float *key_cache, const float 
             for (int d = 0; d < head_dim; ++d) acc[d] = 0.0f;
             for (int p = 0; p < context; ++p) {
                 const float *v = value_cache + slot_of(table, p, block_size, block_stride, token_stride) +
-                                 h * head_stride;
+                                 kv_head;
                 const float w = scores[p];
                 for (int d = 0; d < head_dim; ++d) acc[d] += w * v[d];
             }

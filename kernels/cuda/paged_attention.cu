@@ -6,6 +6,9 @@
 // [num_blocks, block_size, num_heads, head_dim] of a block-major cache, so the block stride is
 // NOT block_size * num_heads * head_dim; every stride except the innermost (1) is passed in.
 //
+// Grouped-query attention: the caches hold num_kv_heads heads (a divisor of num_heads, checked by
+// the launcher); query head h reads KV head h / (num_heads / num_kv_heads).
+//
 // Grid: (num_heads, num_seqs); one thread block per (head, sequence). Each warp walks every
 // NUM_WARPS-th context position with its own online-softmax state (running max, running sum,
 // fp32 accumulator spread over the lanes); the warps merge their states through shared memory.
@@ -92,6 +95,7 @@ __device__ void paged_attention_impl(
     const int* __restrict__ context_lens,    // [num_seqs]
     const float scale,
     const int num_heads,
+    const int num_kv_heads,
     const int head_dim,
     const int block_size,
     const long long block_table_stride,
@@ -105,6 +109,7 @@ __device__ void paged_attention_impl(
     const long long v_head_stride) {
     const int head = blockIdx.x;
     const int seq = blockIdx.y;
+    const int kv_head = head / (num_heads / num_kv_heads);
     const int warp = threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
     const float neg_inf = __uint_as_float(NEG_INF_BITS);
@@ -133,9 +138,9 @@ __device__ void paged_attention_impl(
         const long long block = table[pos / block_size];
         const long long offset = pos % block_size;
         const T* k_ptr = key_cache + block * k_block_stride + offset * k_token_stride
-                         + head * k_head_stride;
+                         + kv_head * k_head_stride;
         const T* v_ptr = value_cache + block * v_block_stride + offset * v_token_stride
-                         + head * v_head_stride;
+                         + kv_head * v_head_stride;
         float partial = 0.0f;
 #pragma unroll
         for (int i = 0; i < DIMS_PER_LANE; ++i) {
@@ -193,13 +198,15 @@ __device__ void paged_attention_impl(
         T* __restrict__ out, const T* __restrict__ query, const T* __restrict__ key_cache,     \
         const T* __restrict__ value_cache, const int* __restrict__ block_tables,               \
         const int* __restrict__ context_lens, const float scale, const int num_heads,          \
-        const int head_dim, const int block_size, const long long block_table_stride,          \
+        const int num_kv_heads, const int head_dim, const int block_size,                      \
+        const long long block_table_stride,                                                    \
         const long long q_seq_stride, const long long q_head_stride,                           \
         const long long k_block_stride, const long long k_token_stride,                        \
         const long long k_head_stride, const long long v_block_stride,                         \
         const long long v_token_stride, const long long v_head_stride) {                       \
         paged_attention_impl<T>(out, query, key_cache, value_cache, block_tables, context_lens, \
-                                scale, num_heads, head_dim, block_size, block_table_stride,    \
+                                scale, num_heads, num_kv_heads, head_dim, block_size,          \
+                                block_table_stride,                                            \
                                 q_seq_stride, q_head_stride, k_block_stride, k_token_stride,   \
                                 k_head_stride, v_block_stride, v_token_stride, v_head_stride); \
     }

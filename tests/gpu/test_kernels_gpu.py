@@ -271,3 +271,23 @@ def test_copy_blocks_swap_round_trip_bit_exact(gen: torch.Generator, dtype: torc
         assert torch.equal(bits(back[r]), bits(device_cache[d]))
     untouched = sorted(set(range(num_blocks)) - set(return_ids))
     assert torch.isnan(back[untouched].float()).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (4, 1), (32, 8)])
+def test_paged_attention_gqa_matches_dense_reference(
+    cupy_ops: ModuleType, gen: torch.Generator, dtype: torch.dtype, num_heads: int, num_kv_heads: int
+) -> None:
+    """Grouped-query attention: query head h reads KV head h // (num_heads // num_kv_heads)."""
+    block_size, head_dim = 16, 128
+    group = num_heads // num_kv_heads
+    _, cache, tables, lens = paged_case([1, 3, block_size + 1, 300], block_size, num_kv_heads, head_dim,
+                                        dtype, gen)
+    query = torch.randn(lens.numel(), num_heads, head_dim, generator=gen, device="cuda").to(dtype)
+    scale = head_dim**-0.5
+    out = torch.full_like(query, float("nan"))
+    cupy_ops.paged_attention(query, cache[:, LAYER, KEY], cache[:, LAYER, VALUE], tables, lens, scale, out=out)
+    torch.cuda.synchronize()
+    dense = cache.repeat_interleave(group, dim=-2)   # an MHA cache with each KV head repeated
+    expected = reference_paged_f64(query, dense, tables, lens, scale)
+    assert rel_error(out, expected) < REL_ERROR_BOUND[dtype]

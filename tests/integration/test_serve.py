@@ -271,8 +271,9 @@ def _wait_for(what: str, check: Callable[[], bool], timeout: float, log: Path) -
 
 
 @contextlib.contextmanager
-def serve_app(tmp: Path, config: dict[str, Any], health_path: str = "/health") -> Iterator[Server]:
-    """A private Ray head and ``serve run`` of ``config`` (on a free port), stopped afterwards."""
+def serve_app(tmp: Path, config: dict[str, Any], health_path: str = "/health", model: str = MODEL) -> Iterator[Server]:
+    """A private Ray head and ``serve run`` of ``config`` (on a free port), stopped afterwards;
+    ready once ``model`` answers a first completion."""
     gcs, http = free_port(), free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", API_KEY_ENV: API_KEY, "RAY_ADDRESS": f"127.0.0.1:{gcs}",
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -298,7 +299,7 @@ def serve_app(tmp: Path, config: dict[str, Any], health_path: str = "/health") -
 
         def scheduler_ready() -> bool:
             resp = httpx.post(srv.url("/v1/completions"), headers=AUTH, timeout=REQUEST_TIMEOUT_S,
-                              json={"model": MODEL, "prompt": "warm up", "max_tokens": 1})
+                              json={"model": model, "prompt": "warm up", "max_tokens": 1})
             return resp.status_code == 200
         _wait_for("a first completion", scheduler_ready, STARTUP_TIMEOUT_S, serve_log)
         yield srv

@@ -452,3 +452,78 @@ def test_cuda_source_compiles(source: Path, tmp_path: Path) -> None:
     text = ptx.read_text()
     for suffix in kernels.CUDA_KERNEL_SUFFIX.values():
         assert f".entry {source.stem}_{suffix}" in text, f"{source.stem}_{suffix} not exported"
+
+
+# ---------------------------------------------------------------- grouped-query attention
+
+
+def expand_kv_heads(cache: torch.Tensor, group: int) -> torch.Tensor:
+    """A dense MHA copy of a GQA cache/tensor: each KV head repeated for its ``group`` query heads."""
+    return cache.repeat_interleave(group, dim=-2)
+
+
+GQA_SHAPES = [(4, 2), (4, 1), (6, 3)]   # (query heads, KV heads)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA_SHAPES)
+def test_prefill_attention_gqa_matches_dense(num_heads: int, num_kv_heads: int) -> None:
+    gen = torch.Generator().manual_seed(11)
+    cu = [0, 5, 6, 19]
+    head_dim = 16
+    query = torch.randn(cu[-1], num_heads, head_dim, generator=gen)
+    key = torch.randn(cu[-1], num_kv_heads, head_dim, generator=gen)
+    value = torch.randn(cu[-1], num_kv_heads, head_dim, generator=gen)
+    out = kernels.prefill_attention(query, key, value, torch.tensor(cu), head_dim**-0.5)
+    group = num_heads // num_kv_heads
+    expected = naive_prefill(query, expand_kv_heads(key, group), expand_kv_heads(value, group), cu, head_dim**-0.5)
+    assert_close(out, expected, torch.float32)
+
+
+def gqa_paged_case(num_heads: int, num_kv_heads: int, block_size: int, head_dim: int,
+                   seed: int) -> tuple[torch.Tensor, ...]:
+    """A GQA case: (query with num_heads, key/value caches with num_kv_heads, tables, lens, the
+    dense-MHA expected output)."""
+    query_src, cache, tables, lens = make_paged_case([1, block_size + 2, 23, 40], block_size, num_kv_heads,
+                                                     head_dim, torch.float32, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    query = torch.randn(query_src.shape[0], num_heads, head_dim, generator=gen)
+    key_cache, value_cache = layer_views(cache)
+    group = num_heads // num_kv_heads
+    expected = naive_paged(query, expand_kv_heads(key_cache, group), expand_kv_heads(value_cache, group),
+                           tables, lens, head_dim**-0.5)
+    return query, key_cache, value_cache, tables, lens, expected
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA_SHAPES)
+def test_reference_paged_attention_gqa_matches_dense(num_heads: int, num_kv_heads: int) -> None:
+    query, key_cache, value_cache, tables, lens, expected = gqa_paged_case(num_heads, num_kv_heads, 4, 16, seed=5)
+    out = reference.paged_attention(query, key_cache, value_cache, tables, lens, 16**-0.5)
+    assert_close(out, expected, torch.float32)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler on this machine")
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA_SHAPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_kernel_paged_attention_gqa_matches_dense(num_heads: int, num_kv_heads: int, threads: int) -> None:
+    from kernels import cpu_ops
+
+    query, key_cache, value_cache, tables, lens, expected = gqa_paged_case(num_heads, num_kv_heads, 3, 24, seed=9)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_ops.paged_attention(query, key_cache, value_cache, tables, lens, 24**-0.5)
+    finally:
+        torch.set_num_threads(previous)
+    assert_close(out, expected, torch.float32)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler on this machine")
+def test_paged_attention_rejects_kv_heads_that_do_not_divide_query_heads() -> None:
+    from kernels import cpu_ops
+
+    query, key_cache, value_cache, tables, lens, _ = gqa_paged_case(4, 2, 4, 8, seed=1)
+    odd_query = torch.randn(query.shape[0], 3, 8)
+    with pytest.raises(ValueError, match="do not match"):
+        cpu_ops.paged_attention(odd_query, key_cache, value_cache, tables, lens, 0.3)
+    with pytest.raises(ValueError, match="cannot share"):
+        reference.paged_attention(odd_query, key_cache, value_cache, tables, lens, 0.3)

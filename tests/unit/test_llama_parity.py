@@ -1,0 +1,261 @@
+"""Our LLaMA-family stage against transformers' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``.
+
+Tiny random models with grouped-query attention (4 query heads, 2 KV heads): a Llama-3-style one
+(llama3 rope scaling, untied LM head, sharded safetensors checkpoint) and a Qwen2-style one (q/k/v
+biases, tied embeddings). Logits agree on prefill and on a mixed decode + prefill step; greedy
+generation of a batch gives exactly ``generate``'s tokens, also when a job is swapped to the host
+pool and back midway; and the same at tensor-parallel size 2 on CPU (two processes, gloo), where
+KV heads are split (2 KV heads) or replicated (1 KV head). Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from actors.executor import InProcessExecutor
+from actors.messages import BatchEntry, BatchPlan, SamplingParams, StepOutput
+from actors.model.llama_config import LlamaConfig, RopeScaling
+from actors.spec import ModelSpec
+from tests.unit.engine_driver import Driver
+
+LLAMA3_ROPE = RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=64)
+TINY_LLAMA = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, name="tiny-llama")
+TINY_QWEN2 = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         rope_theta=10000.0, qkv_bias=True, tie_word_embeddings=True, model_type="qwen2",
+                         name="tiny-qwen2")
+#: Multi-query attention: at TP 2 the single KV head is replicated on both ranks.
+TINY_MQA = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=256,
+                       rope_theta=500000.0, rope_scaling=RopeScaling("linear", factor=2.0), name="tiny-mqa")
+CONFIGS = [TINY_LLAMA, TINY_QWEN2]
+HF_CLASSES = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+              "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}
+PROMPTS = [[1, 11, 57, 100, 7], [1, 300, 4], [1] + list(range(20, 61)), [1, 99, 98, 97, 96, 95, 94, 93]]
+NEW_TOKENS = 24
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+BLOCK_SIZE = 4
+#: Small enough that the tiny checkpoint is written as several safetensors shards plus an index.
+SHARD_SIZE = "40KB"
+#: Random weights wider than HF's 0.02 init, so that biases and norms actually matter.
+WEIGHT_STD = 0.08
+NORM_STD = 0.1
+TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
+TP_TIMEOUT_S = 120
+
+
+def hf_model(config: LlamaConfig) -> transformers.PreTrainedModel:
+    config_cls, model_cls = HF_CLASSES[config.model_type]
+    torch.manual_seed(1234)
+    model = model_cls(config_cls(**config.to_hf_dict()))
+    with torch.no_grad():  # HF zero-initialises biases and ones norms: randomise them all
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, NORM_STD)
+            else:
+                param.normal_(0.0, WEIGHT_STD)
+    return model.eval()
+
+
+def save_checkpoint(hf: transformers.PreTrainedModel, path: Path) -> Path:
+    hf.save_pretrained(path, max_shard_size=SHARD_SIZE)
+    return path
+
+
+def executor_for(config: LlamaConfig, path: Path, num_device_blocks: int = 96,
+                 num_host_blocks: int = 48) -> InProcessExecutor:
+    return InProcessExecutor(ModelSpec(config, num_device_blocks, num_host_blocks, BLOCK_SIZE,
+                                       load_format="auto", model_path=str(path)))
+
+
+def hf_logits(hf: transformers.PreTrainedModel, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def hf_greedy(hf: transformers.PreTrainedModel, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens. Our runs ignore EOS; so must this one: ``min_new_tokens`` would instead
+    *mask* EOS (a different sequence), so generation has no EOS at all."""
+    ids = torch.tensor([prompt])
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                          pad_token_id=0)
+    assert out.shape[1] == len(prompt) + n
+    return out[0, len(prompt):].tolist()
+
+
+Event = Callable[[Driver, list[str]], tuple[list[str], tuple[Any, ...], tuple[Any, ...]]]
+
+
+def generate(driver: Driver, events: dict[int, Event] | None = None) -> dict[str, list[int]]:
+    for i, p in enumerate(PROMPTS):
+        driver.add(str(i), p, GREEDY)
+    active = [str(i) for i in range(len(PROMPTS))]
+    step = 0
+    while any(len(driver.jobs[j].generated) < NEW_TOKENS for j in active):
+        run = [j for j in active if len(driver.jobs[j].generated) < NEW_TOKENS]
+        swap_out: tuple[Any, ...] = ()
+        swap_in: tuple[Any, ...] = ()
+        if events and step in events:
+            run, swap_out, swap_in = events[step](driver, run)
+        driver.step(run, swap_out, swap_in)
+        step += 1
+    return {j: driver.jobs[j].generated for j in active}
+
+
+def swap_events() -> dict[int, Event]:
+    """Job 2 (the long prompt) goes to the host pool at step 8, stays out two steps, comes back
+    at step 11 in the same step it runs (the forward waits for the copy)."""
+    def out(d: Driver, run: list[str]) -> tuple[list[str], tuple[Any, ...], tuple[Any, ...]]:
+        return [j for j in run if j != "2"], (d.swap_out("2"),), ()
+
+    def stay_out(d: Driver, run: list[str]) -> tuple[list[str], tuple[Any, ...], tuple[Any, ...]]:
+        return [j for j in run if j != "2"], (), ()
+
+    def back(d: Driver, run: list[str]) -> tuple[list[str], tuple[Any, ...], tuple[Any, ...]]:
+        return run, (), (d.swap_in("2"),)
+
+    return {8: out, 9: stay_out, 10: stay_out, 11: back}
+
+
+@pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: c.name)
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+         ) -> tuple[LlamaConfig, transformers.PreTrainedModel, Path]:
+    config: LlamaConfig = request.param
+    hf = hf_model(config)
+    return config, hf, save_checkpoint(hf, tmp_path_factory.mktemp(config.name))
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(pair: tuple[LlamaConfig, transformers.PreTrainedModel, Path]) -> dict[str, list[int]]:
+    _, hf, _ = pair
+    return {str(i): hf_greedy(hf, p, NEW_TOKENS) for i, p in enumerate(PROMPTS)}
+
+
+def test_checkpoint_is_sharded_with_an_index(pair: tuple[LlamaConfig, Any, Path]) -> None:
+    _, _, path = pair
+    assert (path / "model.safetensors.index.json").is_file()
+    assert len(list(path.glob("*.safetensors"))) > 1
+
+
+def test_prefill_and_decode_logits_match(pair: tuple[LlamaConfig, Any, Path]) -> None:
+    config, hf, path = pair
+    ex = executor_for(config, path)
+    runner = ex.runner
+    assert ex.kv.device_pool.shape[-2] == config.num_kv_heads  # the cache holds KV heads only
+    tables = {0: (0, 1), 1: tuple(range(2, 13))}
+    prompts = {0: PROMPTS[0], 1: PROMPTS[2]}
+    entries = tuple(BatchEntry(str(i), tuple(p), 0, tables[i], True, GREEDY) for i, p in prompts.items())
+    batch = runner.build_batch(BatchPlan(0, entries))
+    with torch.inference_mode():
+        logits = runner.model.logits(runner.forward(batch, None, {}))
+    ref = torch.cat([hf_logits(hf, p) for p in prompts.values()])
+    torch.testing.assert_close(logits, ref, **TOLERANCE)
+    # A mixed step: job 0 decodes one token over its paged KV, job 2 prefills.
+    nxt = int(ref[len(PROMPTS[0]) - 1].argmax())
+    decode = BatchEntry("0", (nxt,), len(PROMPTS[0]), tables[0], False, GREEDY, 1)
+    fresh = BatchEntry("2", tuple(PROMPTS[1]), 0, (13,), True, GREEDY)
+    batch = runner.build_batch(BatchPlan(1, (decode, fresh)))
+    with torch.inference_mode():
+        logits = runner.model.logits(runner.forward(batch, None, {})[batch.sample_index])
+    torch.testing.assert_close(logits[0], hf_logits(hf, PROMPTS[0] + [nxt])[-1], **TOLERANCE)
+    torch.testing.assert_close(logits[1], hf_logits(hf, PROMPTS[1])[-1], **TOLERANCE)
+    ex.close()
+
+
+def test_greedy_batch_matches_generate(pair: tuple[LlamaConfig, Any, Path], hf_tokens: dict[str, list[int]]) -> None:
+    config, _, path = pair
+    assert generate(Driver(executor_for(config, path))) == hf_tokens
+
+
+def test_greedy_matches_with_swap_out_and_in_midway(pair: tuple[LlamaConfig, Any, Path],
+                                                    hf_tokens: dict[str, list[int]]) -> None:
+    config, _, path = pair
+    driver = Driver(executor_for(config, path))
+    assert generate(driver, swap_events()) == hf_tokens
+    assert driver.swaps == {"out": 1, "in": 1}
+    assert driver.ex.kv.swapped_out_blocks == driver.ex.kv.swapped_in_blocks > 0
+
+
+# ---------------------------------------------------------------- tensor parallel (gloo, 2 processes)
+
+
+class _RankExecutor:
+    """One TP rank's stage, KV store and runner, shaped like ``InProcessExecutor`` for ``Driver``."""
+
+    def __init__(self, config: LlamaConfig, path: Path, rank: int, tp_size: int, port: int) -> None:
+        from actors.executor import build_stage
+        from actors.kv_store import KVStore
+        from actors.model.shard import StageShard
+        from actors.parallel import TensorParallelGroup
+        from actors.sampler import Sampler
+        from actors.stage import StageRunner
+
+        group = TensorParallelGroup("cpu")
+        group.init("127.0.0.1", port, tp_size, rank, TP_TIMEOUT_S)
+        shard = StageShard(0, config.num_hidden_layers, config.num_hidden_layers, rank, tp_size)
+        stage = build_stage(config, shard, "float32", "cpu", "auto", str(path), 0, all_reduce=group.all_reduce())
+        self.kv = KVStore(config.num_hidden_layers, stage.num_local_kv_heads, config.head_dim, BLOCK_SIZE,
+                          96, 48)
+        self.runner = StageRunner(stage, self.kv, Sampler(0))
+
+    def execute(self, plan: BatchPlan) -> StepOutput:
+        result = self.runner.run(plan, None, sample=True)
+        return StepOutput(plan.step_id, result.tokens, result.timings)
+
+
+def _tp_rank_main(config: LlamaConfig, path: Path, rank: int, tp_size: int, port: int, queue: Any) -> None:
+    """Child process: one rank generates (every rank samples the same all-reduced logits)."""
+    try:
+        torch.set_num_threads(1)   # two ranks on a 2-core box
+        ex = _RankExecutor(config, path, rank, tp_size, port)
+        local = (ex.runner.model.num_local_heads, ex.runner.model.num_local_kv_heads)
+        queue.put((rank, local, generate(Driver(ex), swap_events()), None))  # type: ignore[arg-type]
+    except Exception as exc:  # reported to the parent, which fails the test with it
+        queue.put((rank, None, None, repr(exc)))
+
+
+def run_tensor_parallel(config: LlamaConfig, path: Path, tp_size: int = 2) -> dict[int, tuple[Any, Any]]:
+    from actors.parallel import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_tp_rank_main, args=(config, path, r, tp_size, port, queue))
+             for r in range(tp_size)]
+    for p in procs:
+        p.start()
+    try:
+        results = [queue.get(timeout=TP_TIMEOUT_S) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=TP_TIMEOUT_S)
+            if p.is_alive():
+                p.kill()
+    errors = [e for _, _, _, e in results if e]
+    assert not errors, errors
+    return {rank: (local, tokens) for rank, local, tokens, _ in results}
+
+
+@pytest.mark.parametrize(("config", "local_heads"), [(TINY_LLAMA, (2, 1)), (TINY_QWEN2, (2, 1)), (TINY_MQA, (2, 1))],
+                         ids=["llama-kv-split", "qwen2-kv-split", "mqa-kv-replicated"])
+def test_tensor_parallel_2_matches_generate_with_swaps(config: LlamaConfig, local_heads: tuple[int, int],
+                                                       tmp_path: Path) -> None:
+    hf = hf_model(config)
+    expected = {str(i): hf_greedy(hf, p, NEW_TOKENS) for i, p in enumerate(PROMPTS)}
+    ranks = run_tensor_parallel(config, save_checkpoint(hf, tmp_path))
+    for rank, (local, tokens) in ranks.items():
+        assert tuple(local) == local_heads, f"rank {rank}"
+        assert tokens == expected, f"rank {rank}"
