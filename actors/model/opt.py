@@ -8,7 +8,8 @@ followed by an all-reduce; their biases are added once, after the reduce. Embedd
 head are replicated on the ranks that need them (simpler than vocab-parallel; OPT-175B's table is
 1.2 GB in fp16, small next to its layers).
 
-Attention reads and writes K/V through ``kernels`` on the stage's block-major cache
+Attention reads and writes K/V through ``actors.model.attention.paged_self_attention`` (the
+helper every model shares; it calls ``kernels``) on the stage's block-major cache
 ``[num_blocks, num_layers, 2, block_size, heads, head_dim]`` (see ``actors.kv_store``).
 Module names mirror Hugging Face's ``OPTDecoder`` so that checkpoint names map one-to-one.
 """
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
+from actors.model.attention import paged_self_attention
 from actors.model.batch import ForwardBatch
 from actors.model.config import POSITION_OFFSET, OPTConfig
 from actors.model.linear import ServingLinear
@@ -93,20 +94,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_heads, self.head_dim)
-        key_cache, value_cache = layer_cache[:, 0], layer_cache[:, 1]
-        kernels.write_kv(key_cache, value_cache, k, v, batch.slot_mapping)
-        p = batch.num_prefill_tokens
-        parts = []
-        if p:
-            parts.append(kernels.prefill_attention(q[:p], k[:p], v[:p], batch.prefill_cu_seqlens, self.scale))
-        if batch.num_decode:
-            parts.append(
-                kernels.paged_attention(
-                    q[p:], key_cache, value_cache,
-                    batch.decode_block_tables, batch.decode_context_lens, self.scale,
-                )
-            )
-        attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+        attn = paged_self_attention(q, k, v, layer_cache, batch, self.scale)
         out = self.out_proj.multiply(attn.reshape(n, -1), with_bias=False)
         out = self.all_reduce(out)
         return out if self.out_proj.bias is None else out + self.out_proj.bias

@@ -1,0 +1,47 @@
+"""Attention over the paged KV cache for one mixed batch, shared by every model's layers.
+
+``paged_self_attention`` is the one place a model's attention meets the cache: it writes the
+batch's new K/V to their slots, then runs prefill attention over the prefill part (varlen causal;
+a chunk of a chunked prefill also attends to the prefix its earlier chunks cached) and paged
+decode attention over the decode part. A model computes q/k/v (and applies its own position
+scheme, e.g. rotary embeddings, before calling) and projects the result; the batch layout and the
+cache are this function's business.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kernels
+from actors.model.batch import ForwardBatch
+
+
+def paged_self_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         layer_cache: torch.Tensor, batch: ForwardBatch,
+                         scale: float) -> torch.Tensor:
+    """Attention of every token of ``batch``: ``[num_tokens, heads, head_dim]`` in and out.
+
+    ``layer_cache`` is one layer's view ``[num_blocks, 2, block_size, heads, head_dim]`` of the
+    stage's block-major cache; the new K/V are written into it first.
+    """
+    key_cache, value_cache = layer_cache[:, 0], layer_cache[:, 1]
+    kernels.write_kv(key_cache, value_cache, key, value, batch.slot_mapping)
+    p = batch.num_prefill_tokens
+    parts = []
+    if p:
+        parts.append(_prefill(query[:p], key[:p], value[:p], key_cache, value_cache, batch, scale))
+    if batch.num_decode:
+        parts.append(kernels.paged_attention(query[p:], key_cache, value_cache,
+                                             batch.decode_block_tables, batch.decode_context_lens,
+                                             scale))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             key_cache: torch.Tensor, value_cache: torch.Tensor, batch: ForwardBatch,
+             scale: float) -> torch.Tensor:
+    if batch.prefill_block_tables is None:   # every prefill starts at 0: no cached prefix
+        return kernels.prefill_attention(query, key, value, batch.prefill_cu_seqlens, scale)
+    return kernels.context_prefill_attention(query, key, value, key_cache, value_cache,
+                                             batch.prefill_cu_seqlens, batch.prefill_start_pos,
+                                             batch.prefill_block_tables, scale)
