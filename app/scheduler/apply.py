@@ -230,6 +230,7 @@ class Applier:
         stays (positions up to ``end``); no token, no TTFT; its time is service in the level."""
         job.prefilled = end
         self._served(job, served, now)
+        self.s.totals["prefill_chunks"] += 1
         self._idle_after_run(job)
 
     def _idle_after_run(self, job: Job) -> None:
