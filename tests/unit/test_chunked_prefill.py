@@ -63,6 +63,41 @@ def _logits(ex: InProcessExecutor, plan: BatchPlan) -> torch.Tensor:
         return runner.model.logits(runner.forward(batch, None, {}))
 
 
+# ---- the kernel ----------------------------------------------------------------------------
+
+def _naive_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Full causal attention over one whole sequence [T, H, D], in float64."""
+    q, k, v = q.double(), k.double(), v.double()
+    scores = torch.einsum("thd,shd->hts", q, k) * scale
+    t = q.shape[0]
+    scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("hts,shd->thd", scores.softmax(-1), v)
+
+
+def test_context_prefill_attention_equals_attention_over_the_whole_sequence() -> None:
+    """Two sequences in one call: a chunk at position 13 over a cached prefix whose blocks are
+    scattered (the prefix's last block holds a stale NaN past it), and a fresh prefill."""
+    import kernels
+
+    gen = torch.Generator().manual_seed(5)
+    heads, dim, block, scale = 2, 8, 4, 8**-0.5
+    cache = torch.randn(12, 2, block, heads, dim, generator=gen)
+    cache[4, :, 2] = float("nan")   # position 14: a stale slot in the prefix's last block
+    full = [torch.randn(20, heads, dim, generator=gen) for _ in range(3)]   # q, k, v of seq 0
+    table = torch.tensor([[7, 2, 11, 4, 9], [5, 0, 0, 0, 0]], dtype=torch.int32)
+    for pos in range(13):                       # the prefix its earlier chunks cached
+        blk, off = int(table[0, pos // block]), pos % block
+        cache[blk, 0, off], cache[blk, 1, off] = full[1][pos], full[2][pos]
+    fresh = [torch.randn(3, heads, dim, generator=gen) for _ in range(3)]
+    q = torch.cat([full[0][13:], fresh[0]])
+    k = torch.cat([full[1][13:], fresh[1]])
+    v = torch.cat([full[2][13:], fresh[2]])
+    out = kernels.context_prefill_attention(q, k, v, cache[:, 0], cache[:, 1],
+                                            torch.tensor([0, 7, 10]), (13, 0), table, scale)
+    torch.testing.assert_close(out[:7].double(), _naive_causal(*full, scale)[13:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[7:].double(), _naive_causal(*fresh, scale), rtol=1e-5, atol=1e-5)
+
+
 # ---- the model -----------------------------------------------------------------------------
 
 def test_chunked_prefill_logits_equal_one_prefill_also_mixed_with_other_work() -> None:
