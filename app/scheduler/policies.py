@@ -168,8 +168,10 @@ class NaiveMLFQ(SkipJoinMLFQ):
     def may_be_promoted(self, job: Job) -> bool:
         """No boost for a job still working through a first iteration that is being cut: in
         level 1 it would only be cut again, and a job that keeps being promoted before its
-        descent reaches a quantum long enough would never produce a token."""
-        if self.config.naive_preempts_first_iteration and not job.generated:
+        descent reaches a quantum long enough would never produce a token. (With chunked prefill
+        nothing is cut, so such a job is watched like any other.)"""
+        cuts = self.config.naive_preempts_first_iteration and not self.config.chunked_prefill.enabled
+        if cuts and not job.generated:
             return False
         return super().may_be_promoted(job)
 

@@ -156,7 +156,7 @@ def check_random_load(policy: PolicyName, mode: SwapMode, case: Workload,
             for job in sched.jobs().values():
                 # Naive MLFQ does not boost a job whose first iteration is being cut at the
                 # quantum (in level 1 it would be cut again): see NaiveMLFQ.may_be_promoted.
-                cut = policy == "naive_mlfq" and not job.generated
+                cut = policy == "naive_mlfq" and not job.generated and chunk_tokens is None
                 if job.state in (JobState.WAITING, JobState.RUNNABLE) and job.level > 1 \
                         and not cut:
                     assert now - job.last_served <= alpha, (
