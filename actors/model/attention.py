@@ -40,8 +40,9 @@ def paged_self_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 def _prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              key_cache: torch.Tensor, value_cache: torch.Tensor, batch: ForwardBatch,
              scale: float) -> torch.Tensor:
-    if batch.prefill_block_tables is None:   # every prefill starts at 0: no cached prefix
+    tables = batch.prefill_block_tables
+    if tables is None:   # every prefill starts at 0: no cached prefix
         return kernels.prefill_attention(query, key, value, batch.prefill_cu_seqlens, scale)
     return kernels.context_prefill_attention(query, key, value, key_cache, value_cache,
                                              batch.prefill_cu_seqlens, batch.prefill_start_pos,
-                                             batch.prefill_block_tables, scale)
+                                             tables, scale)

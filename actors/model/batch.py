@@ -39,11 +39,6 @@ class ForwardBatch:
     prefill_block_tables: torch.Tensor | None = None
 
     @property
-    def has_prefill_context(self) -> bool:
-        """Some prefill entry is a chunk that attends to a cached prefix."""
-        return self.prefill_block_tables is not None
-
-    @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
 

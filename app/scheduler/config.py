@@ -56,7 +56,7 @@ class ChunkedPrefillConfig(_Strict):
     """
 
     enabled: bool = False
-    #: Most prompt tokens one chunk feeds (vLLM's ``max_num_batched_tokens`` per prefill chunk).
+    #: Most tokens one chunk feeds; a chunk also gets no more than the budget its batch left.
     chunk_tokens: int = Field(default=512, ge=1)
 
 
