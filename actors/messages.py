@@ -77,6 +77,9 @@ class BatchEntry:
     ``token_ids`` are the tokens fed this step, at positions ``start_pos ..``. A first iteration
     (``is_prefill``) feeds the whole prompt with ``start_pos == 0``; a recompute after the job's KV
     was dropped feeds prompt + generated tokens the same way. A decode step feeds one token.
+    With chunked prefill a first iteration is split: each chunk is a prefill entry whose
+    ``start_pos`` is where the previous chunk ended (its KV for ``0 .. start_pos`` is cached), and
+    only the last chunk has ``samples`` set; the others return no token.
     ``block_table`` lists the device blocks holding positions ``0 .. start_pos + len(token_ids)``.
     ``step_index`` is how many tokens the job has generated before this step (seeds sampling).
     """
@@ -88,6 +91,9 @@ class BatchEntry:
     is_prefill: bool
     sampling: SamplingParams
     step_index: int = 0
+    #: Whether this entry's last position is sampled: False only for a prefill chunk that is not
+    #: its first iteration's last (its logits are discarded; ``StepOutput.tokens`` omits it).
+    samples: bool = True
 
     @property
     def context_len(self) -> int:
@@ -137,7 +143,7 @@ class BatchPlan:
 
 @dataclass
 class StepOutput:
-    """What the last stage returns for one plan: one sampled token per entry, and timings.
+    """What the last stage returns for one plan: one sampled token per sampling entry, and timings.
 
     A plan's output comes back only once its swaps have completed on every worker: swaps run
     beside the plan's forward (overlapped with it, paper Fig. 9b) and are awaited at the end.

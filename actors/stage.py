@@ -80,12 +80,20 @@ class StageRunner:
     def sample(self, plan: BatchPlan, batch: ForwardBatch, hidden: torch.Tensor,
                timings: dict[str, float]) -> dict[str, int]:
         start = time.perf_counter()
-        logits = self.model.logits(hidden[batch.sample_index])
-        tokens = self.sampler.sample(logits, [e.sampling for e in plan.entries],
-                                     [e.step_index for e in plan.entries])
+        # A prefill chunk short of its first iteration's last samples nothing (its logits would
+        # be discarded), so its row is not even projected to the vocabulary.
+        rows = [i for i, e in enumerate(plan.entries) if e.samples]
+        if not rows:
+            timings["sample"] = time.perf_counter() - start
+            return {}
+        entries = [plan.entries[i] for i in rows]
+        index = batch.sample_index if len(rows) == len(plan.entries) else batch.sample_index[rows]
+        logits = self.model.logits(hidden[index])
+        tokens = self.sampler.sample(logits, [e.sampling for e in entries],
+                                     [e.step_index for e in entries])
         timings["sample"] = time.perf_counter() - start
         # A row that could not be sampled is left out: the scheduler fails that job alone.
-        return {e.job_id: t for e, t in zip(plan.entries, tokens, strict=True) if t is not None}
+        return {e.job_id: t for e, t in zip(entries, tokens, strict=True) if t is not None}
 
     def finish_swaps(self, handles: list[SwapHandle], timings: dict[str, float]) -> None:
         start = time.perf_counter()

@@ -297,10 +297,11 @@ class AppArgs(_Strict):
                 f"kv_cache.num_host_blocks={kv.num_host_blocks} is too small to swap out one "
                 f"max-length request ({need} blocks)"
             )
-        if self.scheduler.max_num_batched_tokens < ctx:
+        if self.scheduler.max_num_batched_tokens < ctx and not self.scheduler.chunked_prefill.enabled:
             raise ValueError(
                 f"scheduler.max_num_batched_tokens={self.scheduler.max_num_batched_tokens} is below the "
-                f"context length {ctx}: a max-length prompt could never run its first iteration"
+                f"context length {ctx}: a max-length prompt could never run its first iteration (raise it, or "
+                "enable scheduler.chunked_prefill)"
             )
 
     # ---- what the data plane is given ----------------------------------------------------

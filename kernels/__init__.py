@@ -1,9 +1,10 @@
 """Device code of the data plane: KV-cache writes, attention and block copies.
 
 Owns the kernel API the model code calls (``write_kv``, ``prefill_attention``,
-``paged_attention``, ``copy_blocks``) and the choice, per call, between the CuPy/CUDA kernels in
-``kernels/cuda/`` (launched by ``kernels.cupy_ops``) and the torch reference implementations in
-``kernels.reference`` (same signatures, same results to rounding).
+``context_prefill_attention``, ``paged_attention``, ``copy_blocks``) and the choice, per call,
+between the CuPy/CUDA kernels in ``kernels/cuda/`` (launched by ``kernels.cupy_ops``) and the
+torch reference implementations in ``kernels.reference`` (same signatures, same results to
+rounding).
 
 Which implementation runs:
 
@@ -17,6 +18,9 @@ Which implementation runs:
   ``paged_attention_backend(query, key_cache)`` says which.
 * ``prefill_attention`` always uses torch's ``scaled_dot_product_attention`` (flash/efficient
   kernels on CUDA), one call per sequence.
+* ``context_prefill_attention`` (chunked prefill: chunks that continue a cached prefix) always
+  uses the torch reference on every device: it gathers the prefix from the paged cache into a
+  dense tensor, then one masked SDPA call per sequence. Correct on CUDA, not a fused kernel.
 * ``copy_blocks`` always uses torch slice copies (``cudaMemcpyAsync`` underneath), one per run of
   consecutive block ids; with pinned host memory and ``non_blocking=True`` on a side stream it
   overlaps with compute.
@@ -49,6 +53,7 @@ __all__ = [
     "CUDA_BACKEND",
     "TORCH_BACKEND",
     "backend_for",
+    "context_prefill_attention",
     "copy_blocks",
     "paged_attention",
     "paged_attention_backend",
@@ -150,6 +155,30 @@ def prefill_attention(
     head_dim]`` in the input dtype.
     """
     return reference.prefill_attention(query, key, value, cu_seqlens, scale)
+
+
+def context_prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    start_positions: Sequence[int],
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Prefill attention where a sequence may continue a cached prefix (chunked prefill).
+
+    As ``prefill_attention`` for the new tokens (``query``/``key``/``value``: ``[num_tokens,
+    num_heads, head_dim]``, ``cu_seqlens`` cumulative starts), except that sequence b's tokens
+    sit at positions ``start_positions[b] ..`` and also attend to positions
+    ``0 .. start_positions[b]-1``, read from the per-layer caches through ``block_tables[b]``
+    (int32 ``[B, max_blocks]``, padded with 0). Start 0 is plain causal prefill. Returns
+    ``[num_tokens, num_heads, head_dim]`` in the input dtype.
+    """
+    return reference.context_prefill_attention(query, key, value, key_cache, value_cache,
+                                               cu_seqlens, start_positions, block_tables, scale)
 
 
 def paged_attention(

@@ -92,6 +92,58 @@ def prefill_attention(
     return out
 
 
+def context_prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    start_positions: Sequence[int],
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Prefill attention of packed sequences that may continue a cached prefix (chunked
+    prefill): q [T, H, D], k/v [T, KV, D] -> [T, H, D].
+
+    Sequence b's new tokens sit at positions ``start_positions[b] ..``; each attends to the
+    prefix ``0 .. start_positions[b]-1`` read from the paged cache through ``block_tables[b]``,
+    and causally to the new tokens up to itself (taken from ``key``/``value``). A sequence with
+    start 0 is plain causal prefill.
+    """
+    out = torch.empty_like(query)
+    compute_dtype = _compute_dtype(query)
+    check_kv_heads(query.shape[1], key.shape[1])
+    grouped = query.shape[1] != key.shape[1]
+    block_size = key_cache.shape[1]
+    for b, (start, end) in enumerate(_sequence_bounds(cu_seqlens)):
+        if end <= start:
+            continue
+        past = int(start_positions[b])
+        q = query[start:end].transpose(0, 1).to(compute_dtype)
+        k = key[start:end].to(compute_dtype)
+        v = value[start:end].to(compute_dtype)
+        if not past:
+            attended = F.scaled_dot_product_attention(
+                q, k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=grouped)
+            out[start:end] = attended.transpose(0, 1).to(query.dtype)
+            continue
+        blocks = block_tables[b, : -(-past // block_size)].to(device=key_cache.device, dtype=torch.long)
+        heads, dim = key.shape[1], key.shape[2]
+        past_k = key_cache[blocks].reshape(-1, heads, dim)[:past].to(device=q.device, dtype=compute_dtype)
+        past_v = value_cache[blocks].reshape(-1, heads, dim)[:past].to(device=q.device, dtype=compute_dtype)
+        keys = torch.cat([past_k, k]).transpose(0, 1)        # [H, past + L, D]
+        values = torch.cat([past_v, v]).transpose(0, 1)
+        n = end - start
+        key_pos = torch.arange(past + n, device=q.device)
+        query_pos = past + torch.arange(n, device=q.device)
+        allowed = key_pos[None, :] <= query_pos[:, None]     # [L, past + L]
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scale,
+                                                  enable_gqa=grouped)
+        out[start:end] = attended.transpose(0, 1).to(query.dtype)
+    return out
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,

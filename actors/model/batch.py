@@ -5,6 +5,10 @@ first, with their whole token run, then decode jobs, one token each. Attention r
 attention over the prefill part and paged attention over the decode part; every token's K/V is
 written to its cache slot first. ``sample_index[i]`` is where entry ``i``'s last token sits, so
 outputs come back in the plan's entry order.
+
+A prefill entry may be a chunk of a first iteration (chunked prefill) starting at
+``start_pos > 0``: its tokens then also attend to the prefix its earlier chunks cached, which
+``prefill_start_pos`` and ``prefill_block_tables`` locate (see ``actors.model.attention``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,11 @@ class ForwardBatch:
     decode_context_lens: torch.Tensor  # int32 [num_decode_seqs]
     sample_index: torch.Tensor  # int64 [num_entries], in entry order
     block_ids: frozenset[int]  # every device block this batch reads or writes
+    #: Per prefill sequence, the position its tokens start at (> 0: a chunk with a cached prefix).
+    prefill_start_pos: tuple[int, ...] = ()
+    #: int32 [num_prefill_seqs, max_blocks]: where each prefill's cached prefix lives; None when
+    #: no prefill continues a prefix (every start is 0).
+    prefill_block_tables: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -62,11 +71,14 @@ class ForwardBatch:
             blocks.update(e.block_table[: blocks_for(e.context_len, block_size)])
             if e.is_prefill:
                 cu.append(len(ids))
-        max_blocks = max((blocks_for(e.context_len, block_size) for _, e in decode), default=0)
-        tables = [list(e.block_table[:max_blocks]) for _, e in decode]
-        tables = [t + [0] * (max_blocks - len(t)) for t in tables]
+        tables, max_blocks = _padded_tables([e for _, e in decode], block_size)
         as_long = {"dtype": torch.int64, "device": device}
         as_int = {"dtype": torch.int32, "device": device}
+        starts = tuple(e.start_pos for _, e in prefill)
+        prefill_tables = None
+        if any(starts):
+            rows, width = _padded_tables([e for _, e in prefill], block_size)
+            prefill_tables = torch.tensor(rows, **as_int).reshape(len(rows), width)  # type: ignore[arg-type]
         return cls(
             input_ids=torch.tensor(ids, **as_long),  # type: ignore[arg-type]
             positions=torch.tensor(positions, **as_long),  # type: ignore[arg-type]
@@ -77,14 +89,23 @@ class ForwardBatch:
             decode_context_lens=torch.tensor([e.context_len for _, e in decode], **as_int),  # type: ignore[arg-type]
             sample_index=torch.tensor(sample_index, **as_long),  # type: ignore[arg-type]
             block_ids=frozenset(blocks),
+            prefill_start_pos=starts,
+            prefill_block_tables=prefill_tables,
         )
+
+
+def _padded_tables(entries: Sequence[BatchEntry], block_size: int) -> tuple[list[list[int]], int]:
+    """Each entry's blocks up to its context, padded with 0 to the longest; and that width."""
+    width = max((blocks_for(e.context_len, block_size) for e in entries), default=0)
+    tables = [list(e.block_table[:width]) for e in entries]
+    return [t + [0] * (width - len(t)) for t in tables], width
 
 
 def _check_entry(e: BatchEntry, block_size: int) -> None:
     if not e.token_ids:
         raise ValueError(f"job {e.job_id}: entry has no tokens")
-    if e.is_prefill and e.start_pos != 0:
-        raise ValueError(f"job {e.job_id}: a first iteration must start at position 0, got {e.start_pos}")
+    if e.start_pos < 0:
+        raise ValueError(f"job {e.job_id}: start_pos must be >= 0, got {e.start_pos}")
     if not e.is_prefill and len(e.token_ids) != 1:
         raise ValueError(f"job {e.job_id}: a decode step feeds one token, got {len(e.token_ids)}")
     if len(e.block_table) < blocks_for(e.context_len, block_size):

@@ -8,7 +8,8 @@ followed by an all-reduce; their biases are added once, after the reduce. Embedd
 head are replicated on the ranks that need them (simpler than vocab-parallel; OPT-175B's table is
 1.2 GB in fp16, small next to its layers).
 
-Attention reads and writes K/V through ``kernels`` on the stage's block-major cache
+Attention reads and writes K/V through ``actors.model.attention.paged_self_attention`` (the
+helper every model shares; it calls ``kernels``) on the stage's block-major cache
 ``[num_blocks, num_layers, 2, block_size, heads, head_dim]`` (see ``actors.kv_store``).
 Module names mirror Hugging Face's ``OPTDecoder`` so that checkpoint names map one-to-one.
 """

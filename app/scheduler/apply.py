@@ -37,6 +37,7 @@ class Applied:
     swap_in: list[SwapCommand] = field(default_factory=list)
     reactive: set[str] = field(default_factory=set)
     wasted: set[str] = field(default_factory=set)
+    chunks: dict[str, int] = field(default_factory=dict)   # non-final prefill chunks: their end
 
 
 class Applier:
@@ -129,14 +130,21 @@ class Applier:
             out.swap_in.append(s.kv.swap_in(job.job_id, step))
             out.reactive.add(job.job_id)
             self.count(job, "swaps_in")
-        table = s.kv.allocate(job.job_id, run.num_tokens, step)
+        # A first iteration in chunks takes the blocks of all of it with its first chunk.
+        whole = job.next_context_len if run.prefill and not run.wasted else run.num_tokens
+        table = s.kv.allocate(job.job_id, whole, step)
         if not run.prefill:
             out.entries.append(BatchEntry(job.job_id, (job.generated[-1],), run.num_tokens - 1,
                                           table, False, job.sampling, len(job.generated)))
         else:
-            tokens = (job.prompt_ids + tuple(job.generated))[:run.num_tokens]
-            out.entries.append(BatchEntry(job.job_id, tokens, 0, table, True, job.sampling,
-                                          len(job.generated)))
+            tokens = (job.prompt_ids + tuple(job.generated))[run.start:run.num_tokens]
+            # A chunk short of the whole first iteration samples nothing (chunked prefill); a
+            # cut prefix (naive MLFQ) samples a token that is discarded.
+            samples = run.wasted or run.num_tokens == job.next_context_len
+            out.entries.append(BatchEntry(job.job_id, tokens, run.start, table, True,
+                                          job.sampling, len(job.generated), samples))
+            if not samples:
+                out.chunks[job.job_id] = run.num_tokens
         if run.wasted:
             out.wasted.add(job.job_id)
         self._start(job, now)
@@ -168,6 +176,7 @@ class Applier:
             self.unplace(job)
             s.kv.drop(job_id)
             job.state = JobState.WAITING    # recompute: its next iteration is a prefill
+            job.prefilled = 0
             job.pinned_until = None
             self.count(job, "recomputes")
             self.place(job)
@@ -202,6 +211,7 @@ class Applier:
     def advance(self, job: Job, token: int, served: Served, now: float) -> FinishReason | None:
         """A token for ``job``; returns why it finished (it is then retired), or None."""
         job.generated.append(token)
+        job.prefilled = 0
         stats = job.stats
         stats.num_generated = len(job.generated)
         if stats.first_token_time is None:
@@ -212,13 +222,24 @@ class Applier:
             self.retire(job, JobState.FINISHED, reason, now)
             self.s.totals["finished"] += 1
             return reason
+        self._idle_after_run(job)
+        return None
+
+    def chunk_done(self, job: Job, end: int, served: Served, now: float) -> None:
+        """Chunked prefill: a chunk that is not the first iteration's last completed. Its KV
+        stays (positions up to ``end``); no token, no TTFT; its time is service in the level."""
+        job.prefilled = end
+        self._served(job, served, now)
+        self.s.totals["prefill_chunks"] += 1
+        self._idle_after_run(job)
+
+    def _idle_after_run(self, job: Job) -> None:
         job.state = JobState.RUNNABLE
         level = self.s.policy.demotion_level(job)
         if level is not None:
             self.set_level(job, level)
             self.count(job, "demotions")
         self.place(job)
-        return None
 
     def waste(self, job: Job, served: Served, now: float) -> None:
         """Naive MLFQ: the first iteration was cut at the quantum; its KV and token are lost,
@@ -226,6 +247,7 @@ class Applier:
         self._served(job, served, now)
         self.s.kv.drop(job.job_id)
         job.state = JobState.WAITING
+        job.prefilled = 0
         self.count(job, "wasted_prefills")
         self.set_level(job, self.s.policy.level_after_quantum(job))
         self.count(job, "demotions")
@@ -252,6 +274,7 @@ class Applier:
             if job is not None and job.state is JobState.RUNNABLE:
                 self.unplace(job)
                 job.state = JobState.WAITING
+                job.prefilled = 0
                 self.count(job, "recomputes")
                 self.place(job)
 
@@ -270,6 +293,7 @@ class Applier:
                 self.unplace(job)
                 s.kv.drop(job.job_id)
                 job.state = JobState.WAITING
+                job.prefilled = 0
                 job.pinned_until = None
                 self.count(job, "recomputes")
                 self.place(job)

@@ -9,6 +9,12 @@ passes over at most ``max_batch_size`` jobs that need memory or budget it does n
 decision costs O(B log n), not O(queued jobs). The result is a ``BatchDecision``;
 ``Applier.apply`` takes the blocks.
 
+With chunked prefill (``scheduler.chunked_prefill``) a first iteration's chunk feeds what is
+left of the token budget, at most ``chunk_tokens``; a job whose earlier chunks ran is resident
+(or swapped out) and its next run is its next chunk, not a decode. As in vLLM, the blocks of the
+whole first iteration are taken with its first chunk, so a job part-way through its prompt never
+waits for memory to go on: two such jobs cannot hold each other's blocks hostage.
+
 A job promoted for starvation whose KV is on the host is wanted (so swapped in, evicting
 others) only into batch slots that resident work left empty: a promotion must not push out the
 jobs that would run anyway, or each promotion drags a swap-out and a swap-in behind it (under
@@ -116,14 +122,32 @@ class _Walk:
         self.res.actions.append(run)
         self.picked.add(run.job_id)
         self.res.free_device -= need
-        self.tokens += run.num_tokens if run.prefill else 1
-        if not run.wasted:
+        self.tokens += run.fed_tokens
+        full = self.view.jobs[run.job_id].next_context_len
+        if not run.wasted and run.num_tokens == full:   # a chunk's job grows only after its last
             kv = self.view.kv
-            self.res.next_growth += kv.blocks_for(run.num_tokens + 1) - kv.blocks_for(run.num_tokens)
+            self.res.next_growth += kv.blocks_for(full + 1) - kv.blocks_for(full)
+
+    def _chunk_room(self) -> int | None:
+        """Chunked prefill: the tokens a chunk may feed now — what is left of the budget, at most
+        ``chunk_tokens`` (>= 1 inside the walk, which stops at a full budget); None when off."""
+        limit = self.view.config.chunk_limit()
+        if limit is None:
+            return None
+        return max(min(limit, self.view.config.max_num_batched_tokens - self.tokens), 1)
+
+    def _resident_run(self, job: Job, swap_in_first: bool = False) -> Run:
+        """A job with KV: its next prefill chunk when one is due, else a decode."""
+        room = self._chunk_room()
+        if job.mid_prefill and room is not None:
+            end = min(job.next_context_len, job.prefilled + room)
+            return Run(job.job_id, end, prefill=True, start=job.prefilled,
+                       swap_in_first=swap_in_first)
+        return Run(job.job_id, job.next_context_len, prefill=False, swap_in_first=swap_in_first)
 
     def _try_resident(self, job: Job) -> None:
-        ctx = job.next_context_len
-        need = self.view.kv.device_blocks_needed(job.job_id, ctx)
+        run = self._resident_run(job)
+        need = self.view.kv.device_blocks_needed(job.job_id, run.num_tokens)
         if need > self.res.free_device and self.view.policy.evicts_during_batch:
             self._preempt_latest(job)
         if need > self.res.free_device:
@@ -131,19 +155,19 @@ class _Walk:
             if self.res.focus is None:
                 self.res.focus = job.job_id
             return
-        self._pick(Run(job.job_id, ctx, prefill=False), need)
+        self._pick(run, need)
 
     def _try_host(self, job: Job, deferred: list[str]) -> None:
-        ctx = job.next_context_len
-        need = self.view.kv.device_blocks_needed(job.job_id, ctx)
+        run = self._resident_run(job, swap_in_first=True)
+        need = self.view.kv.device_blocks_needed(job.job_id, run.num_tokens)
         if self.p.reactive and need <= self.res.free_device:
             # Reactive: swap in with this very plan; the entry's forward waits for the copy.
-            self._pick(Run(job.job_id, ctx, prefill=False, swap_in_first=True), need)
+            self._pick(run, need)
             return
         if job.promoted:
             deferred.append(job.job_id)
             return
-        self._want(job.job_id, need)
+        self._want(job.job_id, self.view.kv.device_blocks_needed(job.job_id, job.next_context_len))
 
     def _want(self, job_id: str, need: int) -> None:
         self.res.wanted_host[job_id] = need
@@ -162,9 +186,13 @@ class _Walk:
         it out, False when it was picked or only the token budget was short."""
         prefix = self.view.policy.preempted_prefix(job)
         n = job.next_context_len if prefix is None else prefix
+        room = self._chunk_room()
+        if room is not None and prefix is None:
+            n = min(n, room)   # chunked prefill: the first chunk
         if not self._fits_budget(n):
             return False  # not a memory problem: it simply waits for a batch with room
-        need = self.view.kv.blocks_for(n)
+        # A first iteration in chunks takes the blocks of all of it with its first chunk.
+        need = self.view.kv.blocks_for(n if prefix is not None else job.next_context_len)
         if not admission_open or need > self.res.free_device:
             self.res.waiting_needs[job.job_id] = need
             return True

@@ -60,6 +60,7 @@ def check_scheduler(s: SchedulerState) -> None:
                   if job_id in getattr(lv, name)}
         if job.state is JobState.WAITING:
             assert where is Residency.NONE, f"waiting job {job_id} has KV ({where.value})"
+            assert not job.prefilled, f"waiting job {job_id} has {job.prefilled} prefilled"
             want: set[str] = {"pending"}
         elif job.state is JobState.RUNNABLE:
             assert where is not Residency.NONE, f"runnable job {job_id} has no KV"
@@ -69,8 +70,14 @@ def check_scheduler(s: SchedulerState) -> None:
         else:
             assert job_id in in_plan, f"running job {job_id} is in no in-flight plan"
             assert kv.tier(job_id) is Tier.DEVICE, f"running job {job_id} is not on the device"
+            rec = s.inflight[in_plan[job_id]]
             expected[job_id] = job.next_context_len
-            if job_id in s.inflight[in_plan[job_id]].wasted:   # a prompt prefix, cut short
+            chunk_end = rec.chunks.get(job_id)
+            if chunk_end is not None:   # a prefill chunk short of the last
+                assert job.prefilled < chunk_end < job.next_context_len, (
+                    f"chunk of {job_id} ends at {chunk_end} after {job.prefilled} "
+                    f"of {job.next_context_len} positions")
+            if job_id in rec.wasted:   # a prompt prefix, cut short
                 assert not job.generated, f"job {job_id}: a cut first iteration after tokens"
                 expected[job_id] = kv.num_tokens(job_id)
                 assert 0 < expected[job_id] < job.next_context_len, (

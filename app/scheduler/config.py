@@ -48,6 +48,20 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class ChunkedPrefillConfig(_Strict):
+    """Chunked prefill: a first iteration longer than a chunk runs as several iterations.
+
+    Each chunk is its own iteration, mixed with other jobs' decodes; it gets what is left of the
+    token budget (``max_num_batched_tokens``), at most ``chunk_tokens``. Only the last chunk
+    samples a token. Each chunk counts as service in the job's level (its profiled
+    ``t_init`` of the chunk's tokens); the entry level still comes from the whole prompt.
+    """
+
+    enabled: bool = False
+    #: Most tokens one chunk feeds; a chunk also gets no more than the budget its batch left.
+    chunk_tokens: int = Field(default=512, ge=1)
+
+
 class SchedulerConfig(_Strict):
     """Scheduling policy (paper §4.1, Algorithm 1)."""
 
@@ -85,6 +99,23 @@ class SchedulerConfig(_Strict):
     admission_queue_limit: int = Field(default=100_000, ge=1)
     #: Accounting records of finished jobs kept until drained (oldest dropped first).
     finished_stats_limit: int = Field(default=10_000, ge=0)
+    #: Split long first iterations into chunks (off by default: the paper runs them whole).
+    chunked_prefill: ChunkedPrefillConfig = Field(default_factory=ChunkedPrefillConfig)
+
+    @model_validator(mode="after")
+    def _chunk_fits_budget(self) -> SchedulerConfig:
+        chunk = self.chunked_prefill
+        if chunk.enabled and chunk.chunk_tokens > self.max_num_batched_tokens:
+            raise ValueError(
+                f"chunked_prefill.chunk_tokens={chunk.chunk_tokens} exceeds "
+                f"max_num_batched_tokens={self.max_num_batched_tokens}: no iteration could "
+                "give a chunk that many tokens"
+            )
+        return self
+
+    def chunk_limit(self) -> int | None:
+        """Most tokens one first-iteration chunk may feed, or None when chunking is off."""
+        return self.chunked_prefill.chunk_tokens if self.chunked_prefill.enabled else None
 
 
 class KVCacheConfig(_Strict):

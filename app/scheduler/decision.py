@@ -18,13 +18,21 @@ class Run:
     """One entry of the next batch."""
 
     job_id: str
-    #: Positions the entry covers (its context); for a cut first iteration, the prefix.
+    #: Positions the entry covers (its context); for a cut first iteration, the prefix; for a
+    #: prefill chunk, where the chunk ends.
     num_tokens: int
     prefill: bool
+    #: Chunked prefill: the first position a prefill chunk feeds (its KV before is cached).
+    start: int = 0
     #: Reactive mode: the job's KV comes back with this very plan (its forward waits).
     swap_in_first: bool = False
     #: Naive MLFQ: a first iteration cut at the quantum; its token and KV are discarded.
     wasted: bool = False
+
+    @property
+    def fed_tokens(self) -> int:
+        """Tokens the entry feeds (its share of the token budget)."""
+        return self.num_tokens - self.start if self.prefill else 1
 
 
 @dataclass(frozen=True)

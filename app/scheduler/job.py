@@ -164,6 +164,9 @@ class Job:
     blocked_since: float | None = None   # first decision it was passed over for not being resident
     pinned_until: int | None = None  # swapped in for its turn: no swap-out victim up to this step
     promoted: bool = False           # promoted for starvation and not run since
+    #: Chunked prefill: positions of the first iteration in progress whose KV earlier chunks
+    #: computed (0 when none is in progress, and whenever the job's KV is dropped).
+    prefilled: int = 0
     predictions: list[tuple[float, float]] = field(default_factory=list)  # (made at, ENST)
     stats: JobStats = field(init=False)
 
@@ -191,8 +194,17 @@ class Job:
 
     @property
     def kv_len(self) -> int:
-        """Positions whose KV exists once the job's last iteration completed."""
+        """Positions the job's KV table covers once its last iteration completed: those whose
+        KV exists, or all of a first iteration part-way through its chunks (its blocks are taken
+        with the first chunk)."""
+        if self.prefilled:
+            return self.next_context_len
         return self.next_context_len - 1 if self.generated else 0
+
+    @property
+    def mid_prefill(self) -> bool:
+        """Chunked prefill: earlier chunks of its first iteration ran, the last has not."""
+        return self.prefilled > 0
 
     @property
     def remaining_tokens(self) -> int:

@@ -37,10 +37,16 @@ class MemoryPlanner:
         taken = self._taken(batch)
         protected = batch.protected
 
+        drop = mode == "recompute"
+
         def can_evict(job_id: str) -> bool:
-            # A job swapped in for its turn stays until it ran or its pin expired.
+            # A job swapped in for its turn stays until it ran or its pin expired. A first
+            # iteration part-way through its chunks is not dropped (recompute): its chunks
+            # would be lost, and two long prompts could drop each other forever whenever their
+            # chunks outlast α (each is promoted back while the other prefills).
             return (job_id not in protected and job_id not in taken
-                    and not view.pinned(job_id, step))
+                    and not view.pinned(job_id, step)
+                    and not (drop and view.jobs[job_id].mid_prefill))
 
         with view.queues.ordered("evictable", self._score(table, -1.0)) as victims, \
                 view.queues.ordered("onhost", self._score(table, 1.0)) as prefetch:
@@ -48,7 +54,7 @@ class MemoryPlanner:
                               wanted=batch.wanted_host,
                               prefetch=prefetch if mode == "proactive" else (),
                               victims=victims, can_evict=can_evict,
-                              drop=mode == "recompute",
+                              drop=drop,
                               max_skips=view.config.max_batch_size,
                               prefetch_headroom=view.kv_config.prefetch_headroom_iterations
                               * batch.next_growth)

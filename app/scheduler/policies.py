@@ -10,6 +10,8 @@ A policy is a small set of rules over a ``Job``; the mechanism (queues, batches,
 * ``naive_mlfq`` — classic MLFQ: every job joins level 1; a first iteration longer than the
   level's quantum is preempted at the quantum and its work lost (paper Figure 7(b)), unless
   ``naive_preempts_first_iteration`` is off (then it runs to completion and is demoted after).
+  With chunked prefill nothing is cut: the chunk boundaries are the preemption points, and a
+  job that spent its quantum on chunks is demoted between them, keeping their KV.
 * ``fixed_priority`` — by input length (shorter first), no demotion, no promotion.
 * ``fcfs`` — vLLM-style run to completion: arrival order, admission stops at the first job that
   does not fit, never preempts for priority; when decode growth does not fit it preempts the most
@@ -154,6 +156,8 @@ class NaiveMLFQ(SkipJoinMLFQ):
         longer than what is left of it is cut at the quantum (the lowest level has no cut)."""
         if not self.config.naive_preempts_first_iteration or job.generated or job.prompt_len < 2:
             return None   # (a one-token prompt has no prefix to stop at)
+        if self.config.chunked_prefill.enabled:
+            return None   # chunks already stop at their boundaries, losing nothing
         if job.level >= self.num_levels():
             return None
         left = self.quantum(job.level) - job.attained_s
@@ -164,8 +168,10 @@ class NaiveMLFQ(SkipJoinMLFQ):
     def may_be_promoted(self, job: Job) -> bool:
         """No boost for a job still working through a first iteration that is being cut: in
         level 1 it would only be cut again, and a job that keeps being promoted before its
-        descent reaches a quantum long enough would never produce a token."""
-        if self.config.naive_preempts_first_iteration and not job.generated:
+        descent reaches a quantum long enough would never produce a token. (With chunked prefill
+        nothing is cut, so such a job is watched like any other.)"""
+        cuts = self.config.naive_preempts_first_iteration and not self.config.chunked_prefill.enabled
+        if cuts and not job.generated:
             return False
         return super().may_be_promoted(job)
 

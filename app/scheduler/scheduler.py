@@ -7,6 +7,8 @@ of paper Algorithm 1 reads as
     schedule(now): promote starved jobs → plan (batch, swaps, stall breaker) → apply → BatchPlan
     update(plan, output, now): settle the plan's swaps, append tokens, finish jobs, charge each
                    entry its own share of the step, demote (policy methods decide the levels).
+                   A prefill chunk that is not its job's last (chunked prefill) appends no
+                   token: it only moves the job's prefilled mark and is charged as service.
 
 Pipelining (paper §4.3): ``schedule`` may be called again while earlier plans are in flight; a
 job in an in-flight plan stays in its queue marked RUNNING and is never in two plans; updates may
@@ -165,7 +167,7 @@ class Scheduler:
         s.next_step += 1
         plan = BatchPlan(step, tuple(out.entries), tuple(out.swap_out), tuple(out.swap_in))
         s.inflight[step] = InFlight(now, tuple(e.job_id for e in out.entries),
-                                    frozenset(out.reactive), frozenset(out.wasted))
+                                    frozenset(out.reactive), frozenset(out.wasted), out.chunks)
         s.totals["steps"] += 1
         return plan
 
@@ -206,12 +208,16 @@ class Scheduler:
             if job.state is JobState.ABORTED:
                 self.applier.forget_aborted(job)
                 continue
+            served = Served(shares[job_id], duration,
+                            swap_wait if job_id in rec.reactive else 0.0)
+            chunk_end = rec.chunks.get(job_id)
+            if chunk_end is not None:   # a prefill chunk short of the last: no token (by design)
+                self.applier.chunk_done(job, chunk_end, served, now)
+                continue
             token = output.tokens.get(job_id)
             if token is None:
                 deltas.append(self._fail_job(job, now))
                 continue
-            served = Served(shares[job_id], duration,
-                            swap_wait if job_id in rec.reactive else 0.0)
             if job_id in rec.wasted:
                 self.applier.waste(job, served, now)
                 continue

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import count
 from types import MappingProxyType
 from typing import Protocol
@@ -31,6 +31,8 @@ class InFlight:
     job_ids: tuple[str, ...]
     reactive: frozenset[str]     # jobs swapped in by this very plan (their forward waited)
     wasted: frozenset[str]       # naive MLFQ: first iterations cut at the quantum (discarded)
+    #: Chunked prefill: jobs running a chunk that is not their last -> where the chunk ends.
+    chunks: dict[str, int] = field(default_factory=dict)
 
 
 class KVView(Protocol):

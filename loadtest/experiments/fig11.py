@@ -13,6 +13,7 @@ Paper (FastServe vs FastServe-FCFS): 13B ShareGPT ≈4.0–4.5 vs ≈2.5 req/s; 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from loadtest import metrics as M
@@ -39,7 +40,11 @@ PAPER = {  # (FCFS, FastServe) req/s at the SLO, as read from Figure 11 in the p
 }
 
 
-def sweep(model: str, dataset: str, options: RunOptions) -> dict[str, Any]:
+def sweep(model: str, dataset: str, options: RunOptions,
+          setups: Mapping[str, SimSetup] | None = None) -> dict[str, Any]:
+    """Mean per-token latency over the rate grid and throughput at the SLO, for each of
+    ``setups`` (label -> setup; default: FCFS and skip-join, keyed by policy)."""
+    setups = setups or {policy: SimSetup(policy=policy) for policy in POLICIES}
     cost = CostModel.from_json(PAPER_PROFILES[model])
     pairs = dataset_pairs(dataset)
     batch = cost.serving.max_batch_size or SimSetup().max_batch_size or 1
@@ -47,8 +52,8 @@ def sweep(model: str, dataset: str, options: RunOptions) -> dict[str, Any]:
     rates = [round(f * capacity, 3) for f in LOAD_GRID[options.quick]]
     n = NUM_REQUESTS[options.quick]
     out: dict[str, Any] = {"capacity": capacity, "rates": rates}
-    for policy in POLICIES:
-        points = [run_point(W.workload(pairs, n, rate, options.seed), cost, SimSetup(policy=policy), PAPER_SLO_S)[1]
+    for policy, setup in setups.items():
+        points = [run_point(W.workload(pairs, n, rate, options.seed), cost, setup, PAPER_SLO_S)[1]
                   for rate in rates]
         means = [p["per_token_mean"] for p in points]
         out[policy] = {"per_token_mean": means, "per_token_p95": [p["per_token_p95"] for p in points],

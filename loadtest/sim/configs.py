@@ -44,6 +44,8 @@ class SimSetup:
     #: naive_mlfq: cut a first iteration at its quantum and lose the work (the paper's baseline)
     #: or run it whole (the variant we had).
     naive_preempts_first_iteration: bool = True
+    #: Chunked prefill with chunks of this many tokens (None: off, first iterations run whole).
+    chunk_tokens: int | None = None
 
 
 def build_configs(cost: CostModel, setup: SimSetup) -> tuple[SchedulerConfig, KVCacheConfig]:
@@ -55,6 +57,8 @@ def build_configs(cost: CostModel, setup: SimSetup) -> tuple[SchedulerConfig, KV
                        ("starvation_alpha_s", setup.starvation_alpha_s)):
         if value is not None:
             sched_kwargs[key] = value
+    if setup.chunk_tokens is not None:
+        sched_kwargs["chunked_prefill"] = {"enabled": True, "chunk_tokens": setup.chunk_tokens}
     device = setup.num_device_blocks or serving.num_device_blocks
     if device is None:
         raise ValueError("the profile has no serving.num_device_blocks; pass num_device_blocks")

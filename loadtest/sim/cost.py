@@ -5,6 +5,10 @@ scheduler's own ``app.scheduler.profile.Profile`` (the same interpolation the sc
 
 * compute = Σ (or max, or t_init of the summed tokens) of ``t_init(len)`` over first-iteration
   entries, plus ``t_dec(#decode entries)`` when the plan decodes — see ``PrefillCombine``;
+  a chunk of a chunked prefill is priced like a first iteration of its own tokens, ``t_init``
+  of the chunk (the price the scheduler charges it as service). The profile has no term for a
+  chunk's attention over its cached prefix, so long prompts' later chunks are priced a little
+  low; each chunk does pay ``t_init``'s fixed per-iteration part again;
 * swaps = blocks × ``swap.seconds_per_block``, on a PCIe resource separate from compute;
 * pipeline parallelism: a plan visits ``pp`` stages, each taking compute / pp.
 

@@ -51,7 +51,7 @@ class CostModelExecutor:
 
     def execute(self, plan: BatchPlan) -> StepOutput:
         self.plans += 1
-        tokens = {e.job_id: self.tokens(e.job_id, e.step_index) for e in plan.entries}
+        tokens = {e.job_id: self.tokens(e.job_id, e.step_index) for e in plan.entries if e.samples}
         return StepOutput(plan.step_id, tokens, self.timings(plan))
 
 

@@ -67,5 +67,5 @@ class SimPipeline:
             "swap_tail": completion - end,
             "total": completion - ready,
         }
-        tokens = {e.job_id: self.token_id for e in plan.entries}
+        tokens = {e.job_id: self.token_id for e in plan.entries if e.samples}
         return Dispatch(completion, StepOutput(plan.step_id, tokens, timings))

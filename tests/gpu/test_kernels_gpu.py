@@ -245,6 +245,30 @@ def test_prefill_attention_on_cuda_matches_cpu(gen: torch.Generator, dtype: torc
     assert rel_error(out, expected) < PREFILL_REL_ERROR_BOUND[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_chunked_prefill_attention_on_cuda_matches_one_prefill(gen: torch.Generator,
+                                                               dtype: torch.dtype) -> None:
+    """Chunked prefill on CUDA (the torch gather path): a chunk at position 100 over the
+    paged prefix equals the tail of one causal prefill of the whole sequence."""
+    num_heads, head_dim, block_size, seq_len, past = 8, 64, 16, 180, 100
+    cache = make_cache(16, block_size, num_heads, head_dim, dtype, gen)
+    key_cache, value_cache = cache[:, LAYER, KEY], cache[:, LAYER, VALUE]
+    q, k, v = (torch.randn(seq_len, num_heads, head_dim, generator=gen, device="cuda").to(dtype)
+               for _ in range(3))
+    blocks = torch.randperm(16, device="cuda")[: -(-seq_len // block_size)]
+    slots = blocks.repeat_interleave(block_size)[:seq_len] * block_size \
+        + torch.arange(seq_len, device="cuda") % block_size
+    kernels.write_kv(key_cache, value_cache, k, v, slots)   # the whole sequence, prefix included
+    out = kernels.context_prefill_attention(
+        q[past:], k[past:], v[past:], key_cache, value_cache,
+        torch.tensor([0, seq_len - past], device="cuda"), (past,),
+        blocks[None, :].to(torch.int32), head_dim**-0.5)
+    expected = reference.prefill_attention(
+        q.double().cpu(), k.double().cpu(), v.double().cpu(), torch.tensor([0, seq_len]),
+        head_dim**-0.5)
+    assert rel_error(out, expected[past:]) < PREFILL_REL_ERROR_BOUND[dtype]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=dtype_id)
 def test_copy_blocks_swap_round_trip_bit_exact(gen: torch.Generator, dtype: torch.dtype) -> None:
     """Swap out to pinned host memory and back in, on a side stream: every bit survives."""

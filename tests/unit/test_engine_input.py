@@ -38,7 +38,7 @@ def test_bad_requests_are_rejected_by_name(prompt: list[int], sampling: Sampling
 
 @pytest.mark.parametrize("entry, message", [
     (BatchEntry("x", (), 0, (0,), True, GREEDY), "job x: entry has no tokens"),
-    (BatchEntry("x", (2, 3), 4, (0, 1), True, GREEDY), "must start at position 0, got 4"),
+    (BatchEntry("x", (2, 3), -1, (0, 1), True, GREEDY), "start_pos must be >= 0, got -1"),
     (BatchEntry("x", (2, 3), 4, (0, 1), False, GREEDY), "a decode step feeds one token, got 2"),
     (BatchEntry("x", tuple(range(2, 11)), 0, (0, 1), True, GREEDY), "2 blocks cannot hold 9 tokens"),
 ])

@@ -24,6 +24,7 @@ from app.kv.manager import Residency
 from app.scheduler.config import (
     POLICIES,
     SWAP_MODES,
+    ChunkedPrefillConfig,
     KVCacheConfig,
     PolicyName,
     SchedulerConfig,
@@ -93,10 +94,30 @@ def script(job_id: str, index: int) -> int:
 @given(case=workloads())
 def test_random_load_keeps_every_invariant(policy: PolicyName, mode: SwapMode,
                                            case: Workload) -> None:
+    check_random_load(policy, mode, case, chunk_tokens=None)
+
+
+@pytest.mark.parametrize("mode", SWAP_MODES)
+@pytest.mark.parametrize("policy", POLICIES)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=workloads(), chunk_tokens=st.integers(1, 4))
+def test_random_load_with_chunked_prefill_keeps_every_invariant(
+        policy: PolicyName, mode: SwapMode, case: Workload, chunk_tokens: int) -> None:
+    """The same properties with prompts (1..10 tokens) split into chunks of 1..4 tokens: jobs
+    part-way through their prompt are swapped, dropped, preempted and resumed like any other;
+    a chunk never emits a token (the token check below would see it)."""
+    check_random_load(policy, mode, case, chunk_tokens=chunk_tokens)
+
+
+def check_random_load(policy: PolicyName, mode: SwapMode, case: Workload,
+                      chunk_tokens: int | None) -> None:
     setup, jobs = case
+    chunking = ChunkedPrefillConfig(enabled=chunk_tokens is not None,
+                                    chunk_tokens=chunk_tokens or 1)
     s = Scheduler(
         SchedulerConfig(policy=policy, max_batch_size=setup.batch,
-                        starvation_alpha_s=setup.alpha, max_num_batched_tokens=setup.budget),
+                        starvation_alpha_s=setup.alpha, max_num_batched_tokens=setup.budget,
+                        chunked_prefill=chunking),
         KVCacheConfig(block_size=setup.block, num_device_blocks=setup.device,
                       num_host_blocks=setup.host, swap_mode=mode,
                       reserved_blocks=setup.reserved),
@@ -116,6 +137,8 @@ def test_random_load_keeps_every_invariant(policy: PolicyName, mode: SwapMode,
 
     def check_plan(sched: Scheduler, plan: BatchPlan, now: float) -> None:
         swapped_in = {c.job_id for c in plan.swap_in}
+        if chunk_tokens is not None:
+            check_chunks(sched, plan, chunk_tokens, setup.budget)
         for e in plan.entries:
             where = sched.kv.residency(e.job_id)
             assert where is Residency.RESIDENT or (
@@ -133,7 +156,7 @@ def test_random_load_keeps_every_invariant(policy: PolicyName, mode: SwapMode,
             for job in sched.jobs().values():
                 # Naive MLFQ does not boost a job whose first iteration is being cut at the
                 # quantum (in level 1 it would be cut again): see NaiveMLFQ.may_be_promoted.
-                cut = policy == "naive_mlfq" and not job.generated
+                cut = policy == "naive_mlfq" and not job.generated and chunk_tokens is None
                 if job.state in (JobState.WAITING, JobState.RUNNABLE) and job.level > 1 \
                         and not cut:
                     assert now - job.last_served <= alpha, (
@@ -141,6 +164,8 @@ def test_random_load_keeps_every_invariant(policy: PolicyName, mode: SwapMode,
                         f"and is still in level {job.level}")
 
     total_tokens = sum(r.sampling.max_tokens for _, r in jobs)
+    if chunk_tokens is not None:   # every first iteration may take one plan per chunk
+        total_tokens += sum(-(-len(r.prompt_ids) // chunk_tokens) for _, r in jobs)
     # Every plan either runs a job or moves memory for one; a generous bound on plans per
     # token catches a livelock (plans that only swap, forever).
     result = drive(s, CostModelExecutor(PROFILE, script), jobs,
@@ -153,6 +178,24 @@ def test_random_load_keeps_every_invariant(policy: PolicyName, mode: SwapMode,
         assert result.reasons[r.job_id] == "length"
     assert not s.has_work()
     assert s.kv.num_free_device == setup.device and s.kv.num_free_host == setup.host
+
+
+def check_chunks(sched: Scheduler, plan: BatchPlan, chunk_tokens: int, budget: int) -> None:
+    """Chunked prefill: a plan stays within the token budget, no first-iteration entry feeds
+    more than a chunk, a chunk starts where the job's KV ends and samples only at the end."""
+    assert plan.num_tokens <= budget, f"plan feeds {plan.num_tokens} tokens > budget {budget}"
+    for e in plan.entries:
+        if not e.is_prefill:
+            assert e.samples
+            continue
+        job = sched.jobs()[e.job_id]
+        assert len(e.token_ids) <= chunk_tokens, f"{e.job_id}: chunk of {len(e.token_ids)}"
+        assert e.start_pos == job.prefilled
+        # The blocks of the whole first iteration are taken with its first chunk.
+        assert sched.kv.num_tokens(e.job_id) == len(job.prompt_ids) + len(job.generated)
+        full = job.prompt_ids + tuple(job.generated)
+        assert e.token_ids == full[e.start_pos:e.context_len]
+        assert e.samples == (e.context_len == len(full))
 
 
 def _job(i: int, prompt: int, out: int) -> JobRequest:
