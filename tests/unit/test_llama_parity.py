@@ -259,3 +259,29 @@ def test_tensor_parallel_2_matches_generate_with_swaps(config: LlamaConfig, loca
     for rank, (local, tokens) in ranks.items():
         assert tuple(local) == local_heads, f"rank {rank}"
         assert tokens == expected, f"rank {rank}"
+
+
+def test_chunked_prefill_matches_hf_logits_and_greedy_tokens(pair: tuple[LlamaConfig, Any, Path],
+                                                             hf_tokens: dict[str, list[int]]) -> None:
+    """The long prompt (42 tokens) prefilled in chunks of 16, 16 and 10 — each chunk attends to
+    the KV its earlier chunks cached, with rotary positions continuing — then decoded greedily:
+    every chunk's logits are HF's rows and the tokens are HF's ``generate``."""
+    config, hf, path = pair
+    ex = executor_for(config, path)
+    prompt, table = tuple(PROMPTS[2]), tuple(range(20, 40))
+    ref = hf_logits(hf, list(prompt))
+    runner = ex.runner
+    for start, end in ((0, 16), (16, 32), (32, len(prompt))):
+        last = end == len(prompt)
+        entry = BatchEntry("2", prompt[start:end], start, table, True, GREEDY, 0, last)
+        batch = runner.build_batch(BatchPlan(start, (entry,)))
+        with torch.inference_mode():
+            logits = runner.model.logits(runner.forward(batch, None, {}))
+        torch.testing.assert_close(logits, ref[start:end], **TOLERANCE)
+    tokens = [int(ref[-1].argmax())]
+    while len(tokens) < NEW_TOKENS:
+        pos = len(prompt) + len(tokens) - 1
+        entry = BatchEntry("2", (tokens[-1],), pos, table, False, GREEDY, len(tokens))
+        tokens.append(ex.execute(BatchPlan(100 + pos, (entry,))).tokens["2"])
+    assert tokens == hf_tokens["2"]
+    ex.close()
