@@ -33,7 +33,7 @@ LENGTH_SCALE = {True: 1 / 16, False: 1 / 4}
 #: The real server runs below the profile's capacity (HTTP, tokenization and per-step Python on
 #: the same two cores), so the full grid is dense where both policies cross the SLO.
 LOAD_GRID = {(True, "sharegpt"): (0.6, 1.4), (True, "alpaca"): (0.6, 1.4),
-             (False, "sharegpt"): (0.2, 0.35, 0.5, 0.65, 0.8), (False, "alpaca"): (0.2, 0.4, 0.6, 0.8, 1.0)}
+             (False, "sharegpt"): (0.2, 0.35, 0.5, 0.65, 0.8, 1.0), (False, "alpaca"): (0.4, 0.8, 1.2, 1.6, 2.0)}
 #: The paper's setting: every request is admitted and queued, so the policy (not the demo's
 #: admission limits, which answer 429 under overload) decides each request's latency.
 ADMIT_ALL = {"engine": {"max_jobs": 100_000}, "scheduler": {"admission_queue_limit": 100_000}}
