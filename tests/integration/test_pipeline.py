@@ -31,7 +31,7 @@ import ray
 from actors import messages
 from actors.executor import InProcessExecutor
 from actors.messages import BatchEntry, BatchPlan, SamplingParams, StepOutput, SwapCommand
-from actors.model.config import OPTConfig
+from actors.model.config import ModelConfig, OPTConfig
 from actors.pipeline import PipelineError, PipelineExecutor, PlanFailed
 from actors.spec import EngineSpec, ModelSpec, ParallelSpec, PipelineTimeouts
 from actors.worker import StepRecord
@@ -253,8 +253,9 @@ async def drive(execute: Execute, driver: PlanDriver, window: int) -> Run:
     return Run(plans, tokens, generated, driver.swaps, most)
 
 
-def in_process_run(num_device_blocks: int) -> Run:
-    ex = InProcessExecutor(ModelSpec(TINY, num_device_blocks, HOST_POOL, BLOCK_SIZE, seed=SEED))
+def in_process_run(num_device_blocks: int, config: ModelConfig = TINY) -> Run:
+    """The reference: the same plans on one in-process executor."""
+    ex = InProcessExecutor(ModelSpec(config, num_device_blocks, HOST_POOL, BLOCK_SIZE, seed=SEED))
 
     async def execute(plan: BatchPlan) -> StepOutput:
         return ex.execute(plan)

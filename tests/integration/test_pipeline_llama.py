@@ -12,8 +12,6 @@ import asyncio
 
 import pytest
 
-from actors.executor import InProcessExecutor
-from actors.messages import BatchPlan, StepOutput
 from actors.model.llama_config import LlamaConfig, RopeScaling
 from actors.spec import EngineSpec, ModelSpec, ParallelSpec
 from tests.integration.test_pipeline import (
@@ -22,9 +20,7 @@ from tests.integration.test_pipeline import (
     SEED,
     SMALL_DEVICE_POOL,
     WORKER_THREADS,
-    Run,
-    drive,
-    new_driver,
+    in_process_run,
     pipeline_run,
     wait_no_live_actors,
 )
@@ -40,21 +36,9 @@ MQA = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hid
                   qkv_bias=True, tie_word_embeddings=True, model_type="qwen2", name="tiny-qwen2-mqa")
 
 
-def in_process_run(config: LlamaConfig) -> Run:
-    ex = InProcessExecutor(ModelSpec(config, SMALL_DEVICE_POOL, HOST_POOL, BLOCK_SIZE, seed=SEED))
-
-    async def execute(plan: BatchPlan) -> StepOutput:
-        return ex.execute(plan)
-
-    try:
-        return asyncio.run(drive(execute, new_driver(SMALL_DEVICE_POOL), window=1))
-    finally:
-        ex.close()
-
-
 @pytest.mark.parametrize(("config", "tp", "pp"), [(GQA, 2, 2), (MQA, 2, 1)], ids=["gqa-tp2-pp2", "mqa-tp2"])
 def test_llama_pipeline_matches_in_process_with_swaps(ray_local: None, config: LlamaConfig, tp: int, pp: int) -> None:
-    reference = in_process_run(config)
+    reference = in_process_run(SMALL_DEVICE_POOL, config)
     assert reference.swaps["out"] > 0 and reference.swaps["in"] > 0, "the small pool should force swaps"
     spec = EngineSpec(ModelSpec(config, SMALL_DEVICE_POOL, HOST_POOL, block_size=BLOCK_SIZE, seed=SEED,
                                 torch_threads=WORKER_THREADS),
