@@ -17,8 +17,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ADMISSION_QUEUE_LIMIT = 8
 ADMISSION_TIMEOUT_S = 20
-#: Latency in the last recovery window may exceed the light-load level by this much (CPU noise).
-RECOVERED_WITHIN = 1.5
+#: Latency in each recovery window after the first may exceed the light-load level by this much:
+#: a 10 s window at 0.3x capacity holds 3-7 Poisson arrivals, and a cluster of them alone has
+#: measured 1.6x on a quiet machine. Still overloaded, p50 stays at 5-6x.
+RECOVERED_WITHIN = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +50,10 @@ def test_three_times_capacity_gets_429s_and_recovers(server: Server) -> None:
     burst = [w for w in result["windows"] if w["phase"] == "overload"]
     assert sum(w["retry_after_on_429"] for w in burst) == sum(w["rejected_429"] for w in burst)
     assert result["accepted"] + result["rejected_429"] == result["offered"]   # every accepted one completed
-    last = [w for w in result["windows"] if w["phase"] == "recovery"][-1]
-    print(f"light-load p50 {baseline:.3f} s/token; last recovery window p50 {last['per_token_p50_s']:.3f}")
-    assert last["rejected_429"] == 0 and last["per_token_p50_s"] <= RECOVERED_WITHIN * baseline
+    # The first recovery window still drains the burst's backlog; from the second on, none.
+    settled = [w for w in result["windows"] if w["phase"] == "recovery"][1:]
+    p50s = [w["per_token_p50_s"] for w in settled if w["per_token_p50_s"] is not None]  # a window may get no arrival
+    print(f"light-load p50 {baseline:.3f} s/token; settled recovery windows' p50 {[round(x, 3) for x in p50s]}")
+    assert settled and p50s
+    assert settled[-1]["rejected_429"] == 0
+    assert max(p50s) <= RECOVERED_WITHIN * baseline, (p50s, baseline)
