@@ -267,7 +267,8 @@ HAVE_CC = shutil.which("cc") is not None or shutil.which("gcc") is not None
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler on this machine")
-@pytest.mark.parametrize("threads", [1, 2])
+# 3 threads on 5 sequences split each sequence's heads into uneven runs (2 + 1 of 3 heads).
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize(("block_size", "head_dim"), [(1, 24), (3, 64), (16, 24), (16, 80)])
 def test_cpu_kernel_paged_attention_matches_naive(block_size: int, head_dim: int, threads: int) -> None:
     # head_dim 24 and 80 exercise the dot product's tail past its 16 vector lanes.
@@ -287,6 +288,24 @@ def test_cpu_kernel_paged_attention_matches_naive(block_size: int, head_dim: int
     assert_close(out, expected, torch.float32)
     reference_out = reference.paged_attention(query, key_cache, value_cache, tables, lens, head_dim**-0.5)
     torch.testing.assert_close(out, reference_out, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler on this machine")
+@pytest.mark.parametrize("num_heads", [1, 7, 12])
+def test_cpu_kernel_splits_a_lone_sequence_over_its_heads(num_heads: int) -> None:
+    # One sequence on two threads is cut into runs of heads (the kernel's work items); every
+    # head's output must be what it would be alone, whatever the run it fell in.
+    from kernels import cpu_ops
+
+    query, cache, tables, lens = make_paged_case([37], 16, num_heads, 64, torch.float32, seed=11)
+    key_cache, value_cache = layer_views(cache)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = cpu_ops.paged_attention(query, key_cache, value_cache, tables, lens, 0.125)
+    finally:
+        torch.set_num_threads(previous)
+    assert_close(out, naive_paged(query, key_cache, value_cache, tables, lens, 0.125), torch.float32)
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler on this machine")
@@ -503,7 +522,7 @@ def test_reference_paged_attention_gqa_matches_dense(num_heads: int, num_kv_head
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler on this machine")
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA_SHAPES)
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 3])
 def test_cpu_kernel_paged_attention_gqa_matches_dense(num_heads: int, num_kv_heads: int, threads: int) -> None:
     from kernels import cpu_ops
 
