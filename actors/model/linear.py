@@ -50,11 +50,8 @@ class ServingLinear(nn.Linear):
 
     def pack(self) -> bool:
         """Prepack the weight for CPU float32 GEMMs; False (and nothing changes) elsewhere."""
-        w = self.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32 or not onednn_linear_available():
-            return False
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_HINT)
-        return True
+        self._packed = pack_weight(self.weight)
+        return self._packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.multiply(x, with_bias=True)
@@ -62,7 +59,21 @@ class ServingLinear(nn.Linear):
     def multiply(self, x: torch.Tensor, with_bias: bool) -> torch.Tensor:
         """``x @ weight.T`` (+ bias when ``with_bias``): row-parallel layers add their bias once,
         after the all-reduce."""
-        bias = self.bias if with_bias else None
-        if self._packed is None or x.dim() != 2 or not PACKED_MIN_ROWS <= x.shape[0] <= PACKED_MAX_ROWS:
-            return F.linear(x, self.weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+        return multiply(x, self.weight, self._packed, self.bias if with_bias else None)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` ([out, in]) reordered once into oneDNN's blocked layout for CPU float32 GEMMs;
+    None (use ``weight`` as it is) on another device or dtype, or without oneDNN."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not onednn_linear_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+
+
+def multiply(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+             bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, on ``packed`` (``pack_weight(weight)``) for decode-sized
+    row counts."""
+    if packed is None or x.dim() != 2 or not PACKED_MIN_ROWS <= x.shape[0] <= PACKED_MAX_ROWS:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

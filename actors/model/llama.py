@@ -26,7 +26,7 @@ from torch import nn
 from actors.model.attention import paged_self_attention
 from actors.model.batch import ForwardBatch
 from actors.model.layout import WeightLayout
-from actors.model.linear import ServingLinear
+from actors.model.linear import ServingLinear, multiply, pack_weight
 from actors.model.llama_config import LlamaConfig
 from actors.model.opt import AllReduce
 from actors.model.rope import Rotary
@@ -130,6 +130,9 @@ class DecoderLayer(nn.Module):
 class LlamaStage(nn.Module):
     """One pipeline stage × one tensor-parallel rank of a LLaMA-family model."""
 
+    #: The LM head packed for CPU GEMMs (last stage, after ``pack_linear_weights``).
+    _head_packed: torch.Tensor | None = None
+
     def __init__(self, config: LlamaConfig, shard: StageShard | None = None,
                  all_reduce: AllReduce = _no_reduce) -> None:
         super().__init__()
@@ -165,7 +168,14 @@ class LlamaStage(nn.Module):
 
     def pack_linear_weights(self) -> int:
         """Prepack every decoder linear for CPU GEMMs (see ``ServingLinear.pack``)."""
-        return sum(m.pack() for m in self.layers.modules() if isinstance(m, ServingLinear))
+        packed = sum(m.pack() for m in self.layers.modules() if isinstance(m, ServingLinear))
+        if self.shard.is_last:
+            self._head_packed = pack_weight(self._head_weight())
+            packed += self._head_packed is not None
+        return packed
+
+    def _head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
     def forward(self, batch: ForwardBatch, cache: torch.Tensor,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -181,5 +191,4 @@ class LlamaStage(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head; float32 logits for the rows given."""
-        head = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(self.norm(hidden), head).float()
+        return multiply(self.norm(hidden), self._head_weight(), self._head_packed, None).float()

@@ -26,7 +26,7 @@ from actors.model.attention import paged_self_attention
 from actors.model.batch import ForwardBatch
 from actors.model.config import POSITION_OFFSET, OPTConfig
 from actors.model.layout import WeightLayout
-from actors.model.linear import ServingLinear
+from actors.model.linear import ServingLinear, multiply, pack_weight
 from actors.model.shard import StageShard
 
 __all__ = ["AllReduce", "OPTStage", "StageShard"]
@@ -103,6 +103,10 @@ class DecoderLayer(nn.Module):
 class OPTStage(nn.Module):
     """One pipeline stage × one tensor-parallel rank of an OPT model."""
 
+    #: The tied LM head packed for CPU GEMMs (last stage, after ``pack_linear_weights``): at batch
+    #: 16 the vocabulary projection is the largest GEMM of a decode step (9.5 vs 13.7 ms here).
+    _head_packed: torch.Tensor | None = None
+
     def __init__(self, config: OPTConfig, shard: StageShard | None = None,
                  all_reduce: AllReduce = _no_reduce) -> None:
         super().__init__()
@@ -145,7 +149,11 @@ class OPTStage(nn.Module):
     def pack_linear_weights(self) -> int:
         """Prepack every decoder linear for CPU GEMMs (``ServingLinear.pack``), after the
         weights are loaded; returns how many were packed (0 off CPU float32)."""
-        return sum(m.pack() for m in self.layers.modules() if isinstance(m, ServingLinear))
+        packed = sum(m.pack() for m in self.layers.modules() if isinstance(m, ServingLinear))
+        if self.shard.is_last:
+            self._head_packed = pack_weight(self.embed_tokens.weight)
+            packed += self._head_packed is not None
+        return packed
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
@@ -171,4 +179,4 @@ class OPTStage(nn.Module):
             hidden = self.final_layer_norm(hidden)
         if hasattr(self, "project_out"):
             hidden = self.project_out(hidden)
-        return F.linear(hidden, self.embed_tokens.weight).float()
+        return multiply(hidden, self.embed_tokens.weight, self._head_packed, None).float()

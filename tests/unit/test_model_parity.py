@@ -196,3 +196,20 @@ def test_serving_linear_packed_path_equals_f_linear_for_every_row_count() -> Non
         torch.testing.assert_close(lin(x), expected[n], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lin.multiply(x, with_bias=False), F.linear(x, lin.weight), atol=1e-5, rtol=1e-5)
     assert not L.ServingLinear(4, 4).to(torch.float64).pack()   # float32 CPU only
+
+
+def test_packed_lm_head_gives_the_unpacked_logits(tiny_pair: tuple) -> None:
+    # The executor packs the tied LM head (CPU float32); its logits for a decode-sized batch must
+    # be the plain projection's to float32 rounding, and a lone row takes the plain path.
+    from actors.model import linear as L
+
+    ex = _tiny_executor(tiny_pair[1])
+    model = ex.model
+    assert (model._head_packed is not None) == L.onednn_linear_available()
+    hidden = torch.randn(5, TINY.hidden_size)
+    with torch.inference_mode():
+        packed = model.logits(hidden)
+        plain = F.linear(model.final_layer_norm(hidden), model.embed_tokens.weight)
+        lone = model.logits(hidden[:1])
+    torch.testing.assert_close(packed, plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lone, plain[:1], atol=1e-5, rtol=1e-5)
