@@ -43,7 +43,9 @@ class Sampler:
         could not be sampled (its job alone fails)."""
         if logits.shape[0] != len(params):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(params)} requests")
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        # A row holds a NaN or an infinity exactly when its float64 sum is not finite (float32
+        # values cannot overflow a float64 sum); one reduction instead of a mask over the vocabulary.
+        finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float64)).tolist()
         greedy = logits.argmax(dim=-1).tolist()
         out: list[int | None] = []
         for row, (p, step) in enumerate(zip(params, step_indices, strict=True)):
@@ -65,7 +67,22 @@ class Sampler:
     def _sample_row(self, row: torch.Tensor, p: SamplingParams, step: int) -> int:
         probs = filtered_probs(row.float().cpu(), p)
         gen = self._shared if p.seed is None else torch.Generator().manual_seed(step_seed(p.seed, step))
-        return int(torch.multinomial(probs, 1, generator=gen).item())
+        return draw(probs, gen)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One index of ``probs`` (1-D, non-negative, any positive sum), drawn by inverting its CDF
+    with one uniform variate. ``torch.multinomial`` draws an exponential variate per vocabulary
+    entry instead: 0.8 ms per row for OPT's 50k tokens on the 2-core Intel, 13 ms per batch-16
+    step. An index of zero probability is never drawn."""
+    cdf = probs.double().cumsum(0)
+    total = cdf[-1]
+    if not bool(total > 0) or not bool(torch.isfinite(total)):
+        raise ValueError(f"probabilities sum to {float(total)}")
+    point = torch.rand(1, generator=generator, dtype=torch.float64) * total
+    index = int(torch.searchsorted(cdf, point, right=True))
+    # Rounding can put the point at the total itself: the last index with mass is the limit.
+    return min(index, int(torch.count_nonzero(cdf < total)))
 
 
 def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -77,3 +77,17 @@ def test_a_row_with_non_finite_logits_gets_none_and_the_others_are_unchanged() -
 def test_top_p_that_underflows_float32_keeps_the_most_likely_token() -> None:
     p = SamplingParams(temperature=1.0, top_p=1e-300, seed=3)
     assert [Sampler().sample(LOGITS, [p, p], [s, s]) for s in range(5)] == [[1, 0]] * 5
+
+
+def test_draw_follows_the_distribution_and_never_picks_zero_mass() -> None:
+    from actors.sampler import draw
+
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3, 0.0])
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.tensor([draw(probs, gen) for _ in range(4000)]), minlength=5)
+    assert counts[1] == 0 and counts[4] == 0
+    torch.testing.assert_close(counts.double() / 4000, probs.double(), atol=0.03, rtol=0)
+    # Unnormalised mass is fine (top-p renormalises in float32); none at all is an error.
+    assert draw(torch.tensor([0.0, 0.0, 2.5]), gen) == 2
+    with pytest.raises(ValueError, match="probabilities sum to 0.0"):
+        draw(torch.zeros(3), gen)
