@@ -65,15 +65,19 @@ def load_prompts(dataset: Dataset) -> list[PromptSample]:
 
 
 def text_requests(samples: list[PromptSample], num_prompts: int, rate: float, seed: int,
-                  output_scale: float = 1.0) -> list[W.Request]:
+                  output_scale: float = 1.0, part: int = 0) -> list[W.Request]:
     """``num_prompts`` samples (seeded, without replacement) with Poisson arrivals at ``rate``;
-    each output length scaled by ``output_scale`` (at least one token)."""
-    if num_prompts < 1 or num_prompts > len(samples):
-        raise ValueError(f"num_prompts must be in [1, {len(samples)}], got {num_prompts}")
+    each output length scaled by ``output_scale`` (at least one token). ``part`` k takes the k-th
+    run of ``num_prompts`` from one seeded shuffle, so parts never share a prompt: a server with
+    a prefix cache (vLLM's is on by default) must not find one rate's prompts cached by another."""
+    if num_prompts < 1 or (part + 1) * num_prompts > len(samples):
+        raise ValueError(f"num_prompts × (part + 1) must be in [1, {len(samples)}], "
+                         f"got {num_prompts} × {part + 1}")
     if output_scale <= 0:
         raise ValueError(f"output_scale must be positive, got {output_scale}")
     rng = np.random.default_rng(seed)
-    picked = [samples[int(i)] for i in rng.choice(len(samples), size=num_prompts, replace=False)]
+    order = rng.permutation(len(samples))[part * num_prompts:(part + 1) * num_prompts]
+    picked = [samples[int(i)] for i in order]
     arrivals = W.poisson_arrivals(num_prompts, rate, seed)
     return [W.Request(f"req-{k}", float(t), s.prompt_len, max(1, round(s.output_len * output_scale)), s.text)
             for k, (s, t) in enumerate(zip(picked, arrivals, strict=True))]

@@ -34,6 +34,20 @@ def test_text_requests_are_seeded_and_scaled() -> None:
         P.text_requests(samples, 0, 1.0, 0)
 
 
+def test_parts_never_share_a_prompt() -> None:
+    # The race gives each rate its own part, so a prefix cache cannot carry one rate's prompts
+    # into the next; the same part is the same prompts whatever the rate.
+    samples = P.load_sharegpt_prompts()
+    parts = [P.text_requests(samples, 30, rate=1.0, seed=0, part=k) for k in range(4)]
+    texts = [{r.prompt_text for r in part} for part in parts]
+    assert all(len(t) == 30 for t in texts)
+    assert len(set().union(*texts)) == 120
+    again = P.text_requests(samples, 30, rate=4.0, seed=0, part=2)
+    assert [r.prompt_text for r in again] == [r.prompt_text for r in parts[2]]
+    with pytest.raises(ValueError, match=r"num_prompts × \(part \+ 1\)"):
+        P.text_requests(samples, len(samples), 1.0, 0, part=1)
+
+
 def scripted_server(model: str) -> httpx.MockTransport:
     """Streams exactly ``max_tokens`` one-token chunks, then usage and [DONE]."""
 
