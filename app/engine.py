@@ -46,13 +46,31 @@ class SyncExecutor(Protocol):
 
 class ThreadedExecutor:
     """Adapts a synchronous ``execute(plan)`` (e.g. ``InProcessExecutor``) to the ``Executor``
-    interface: one worker thread, so the event loop keeps streaming while a step runs."""
+    interface: one worker thread, so the event loop keeps streaming while a step runs.
+
+    Build a model's executor with ``on_its_thread``: then one thread of the process runs torch,
+    and libgomp keeps one OpenMP team. A second team (the thread that loaded the model keeps its
+    own) makes libgomp count more threads than cores and cut its spin-wait to almost nothing, so
+    both threads sleep and wake at each of a step's ~400 parallel regions: measured in a Ray
+    actor on the 2-core Intel, decode forward 26 vs 20 ms at batch 1 and 60 vs 48 ms at batch 16.
+    """
 
     max_inflight = 1
 
-    def __init__(self, sync_executor: SyncExecutor) -> None:
+    def __init__(self, sync_executor: SyncExecutor, pool: ThreadPoolExecutor | None = None) -> None:
         self.sync = sync_executor
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._pool = pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+
+    @classmethod
+    async def on_its_thread(cls, build: Callable[[], SyncExecutor]) -> ThreadedExecutor:
+        """``build()`` run on the thread that will run every step, wrapped."""
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        try:
+            sync = await asyncio.get_running_loop().run_in_executor(pool, build)
+        except BaseException:
+            pool.shutdown(wait=False)
+            raise
+        return cls(sync, pool)
 
     async def execute(self, plan: BatchPlan) -> StepOutput:
         loop = asyncio.get_running_loop()

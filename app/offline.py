@@ -44,7 +44,7 @@ def load_app_args(config: str | Path, app_index: int = 0) -> AppArgs:
 
 async def generate_all(args: AppArgs, prompts: Sequence[str], sampling: SamplingParams) -> list[dict[str, Any]]:
     tokenizer = Tokenizer.from_dir(resolve_path(args.model.tokenizer_path))
-    executor = await asyncio.to_thread(in_process_executor, args.engine_spec())
+    executor = await in_process_executor(args.engine_spec())
     engine = Engine(build_scheduler(args), executor, config=args.engine)
     await engine.start()
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from actors.spec import EngineSpec
 from app.config import AppArgs, resolve_path
-from app.engine import Engine, Executor, ThreadedExecutor
+from app.engine import Engine, Executor, SyncExecutor, ThreadedExecutor
 from app.errors import AdmissionQueueFull, RequestError
 from app.metrics import SchedulerMetrics
 from app.scheduler.job import JobRequest, TokenDelta
@@ -40,13 +40,17 @@ async def build_executor(spec: EngineSpec) -> Executor:
     """The executor of one model copy (``AppArgs.engine_spec()``), started."""
     if spec.parallel.uses_pipeline:
         return await _pipeline_executor(spec)
-    return await asyncio.to_thread(in_process_executor, spec)
+    return await in_process_executor(spec)
 
 
-def in_process_executor(spec: EngineSpec) -> Executor:
-    from actors.executor import InProcessExecutor  # imports torch: only where the model lives
+async def in_process_executor(spec: EngineSpec) -> Executor:
+    """The model in this process, loaded on the one thread that will run its steps."""
+    def build() -> SyncExecutor:
+        from actors.executor import InProcessExecutor  # imports torch: only where the model lives
 
-    return ThreadedExecutor(InProcessExecutor(spec.model))
+        return InProcessExecutor(spec.model)
+
+    return await ThreadedExecutor.on_its_thread(build)
 
 
 async def _pipeline_executor(spec: EngineSpec) -> Executor:

@@ -21,9 +21,10 @@ Which implementation runs:
 * ``context_prefill_attention`` (chunked prefill: chunks that continue a cached prefix) always
   uses the torch reference on every device: it gathers the prefix from the paged cache into a
   dense tensor, then one masked SDPA call per sequence. Correct on CUDA, not a fused kernel.
-* ``copy_blocks`` always uses torch slice copies (``cudaMemcpyAsync`` underneath), one per run of
-  consecutive block ids; with pinned host memory and ``non_blocking=True`` on a side stream it
-  overlaps with compute.
+* ``copy_blocks`` copies one slice per run of consecutive block ids: a torch copy on CUDA
+  (``cudaMemcpyAsync`` underneath; with pinned host memory and ``non_blocking=True`` on a side
+  stream it overlaps with compute), a single-threaded memcpy between CPU tensors (it runs on the
+  KV store's copier thread, which must not start an OpenMP team of its own).
 
 KV cache layout (fixed by the lead): one tensor per pipeline stage,
 ``cache[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (2 = key, value), so one

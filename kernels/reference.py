@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -236,6 +237,16 @@ def copy_blocks(
         # Slicing past the end would silently shorten a run and copy_ would then broadcast.
         _check_run(src_start, length, src.shape[0], "source")
         _check_run(dst_start, length, dst.shape[0], "destination")
-        dst[dst_start : dst_start + length].copy_(
-            src[src_start : src_start + length], non_blocking=non_blocking
-        )
+        source, target = src[src_start : src_start + length], dst[dst_start : dst_start + length]
+        if source.device.type == target.device.type == "cpu" and source.is_contiguous() and target.is_contiguous():
+            # One thread's memcpy: a torch copy this large is an OpenMP region, and the KV store
+            # runs swaps on its own thread, whose OpenMP team would throttle the model's (see
+            # app.engine.ThreadedExecutor).
+            np.copyto(_as_bytes(target), _as_bytes(source))
+        else:
+            target.copy_(source, non_blocking=non_blocking)
+
+
+def _as_bytes(t: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor's memory as a flat uint8 array (a view: writes go to ``t``)."""
+    return t.reshape(-1).view(torch.uint8).numpy()
