@@ -16,10 +16,12 @@ def test_one_app_per_policy_with_overrides_validated_by_app_args() -> None:
         assert args.scheduler.policy == policy
         assert args.engine.max_jobs == 100_000
         assert args.scheduler.admission_queue_limit == 100_000
+        assert args.scheduler.max_batch_size == 16   # the paper's, not the demo's 32
         assert args.kv_cache.num_device_blocks == 256  # the rest stays the demo's
 
 
 def test_without_overrides_the_demo_limits_stay() -> None:
     app = multi_policy_config(["fcfs"], 8123)["applications"][0]
-    assert app["args"]["engine"]["max_jobs"] == 32
+    assert app["args"]["engine"]["max_jobs"] == 64
     assert app["args"]["scheduler"]["admission_queue_limit"] == 64
+    assert app["args"]["scheduler"]["max_batch_size"] == 32
