@@ -1,12 +1,13 @@
 """Race two OpenAI-compatible servers on one workload: ``python -m loadtest.race --ours URL --peer URL``.
 
 The same requests (real ShareGPT or Alpaca prompt texts, output lengths scaled, Poisson arrivals,
-one seed; each rate its own prompts) are sent by our load client to each server in turn, rate by rate (ours then the peer at
-each rate, so slow drift of the machine hits both alike). For each server and rate it reports the
-paper's per-token latency (mean, P95), TTFT, TPOT and output tokens/s; then each server's
-throughput at the SLO (the largest rate whose mean per-token latency stays under it) and the
-ratios ours ÷ peer. The SLO is given (``--slo``) or set to ``--slo-factor`` × the peer's mean
-per-token latency at the lowest rate, as the issue's race defines it.
+one seed; each rate its own prompts) are sent by our load client to each server in turn, rate by
+rate (ours then the peer at each rate, so slow drift of the machine hits both alike). For each
+server and rate it reports the paper's per-token latency (mean, P95), TTFT, TPOT and output
+tokens/s; then each server's throughput at the SLO (``loadtest.metrics.throughput_at_slo``: where
+its mean per-token latency crosses the SLO between two rates, or a bound) and the ratios
+ours ÷ peer. The SLO is given (``--slo``) or set to ``--slo-factor`` × the peer's mean per-token
+latency at the lowest rate, as the issue's race defines it.
 
 Run both servers on this machine, one at a time busy (the other idles), on loopback only. Prints a
 table and, last, one JSON object with every figure and the CPU model.
