@@ -1,6 +1,6 @@
 """The engine loop: schedule → execute → update, streaming ``TokenDelta``s per job (asyncio).
 
-Owns the glue between one ``Scheduler`` and one executor: per-job delta queues, the in-flight
+Owns the glue between one ``Scheduler`` and one executor: where each job's deltas go, the in-flight
 plans (up to ``executor.max_inflight``: 1 in process, P for a P-stage pipeline), and failure
 handling (a failing plan fails only its own jobs, with ``finish_reason="error"``; the loop keeps
 serving). The executor is an interface so the same loop drives the in-process executor now and
@@ -84,6 +84,12 @@ class ThreadedExecutor:
             close()
 
 
+class DeltaSink(Protocol):
+    """Where a job's ``TokenDelta``s go: its own queue, or an ingress replica's delivery channel."""
+
+    def put_nowait(self, delta: TokenDelta) -> None: ...
+
+
 class RequestStream:
     """Async iterator of one job's ``TokenDelta``s; ends after the finishing delta."""
 
@@ -140,7 +146,7 @@ class Engine:
         self.last_rebuild_s: float | None = None
         self.clock = clock
         self.config = config or EngineConfig()
-        self._queues: dict[str, asyncio.Queue[TokenDelta]] = {}
+        self._sinks: dict[str, DeltaSink] = {}
         self._ids = itertools.count()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -196,7 +202,7 @@ class Engine:
             for step_task, step in list(self._inflight.items()):
                 self._finish(step_task, step)
             self._inflight.clear()
-        for job_id in list(self._queues):
+        for job_id in list(self._sinks):
             self.abort(job_id)
         await self.executor.shutdown()
 
@@ -210,25 +216,29 @@ class Engine:
     def submit(self, req: JobRequest) -> RequestStream:
         """Queue a request; returns its event stream. Raises a ``RequestError`` at once
         (``InvalidRequest``, ``AdmissionQueueFull``, ``EngineUnavailable``) if it cannot be served."""
+        queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
+        self.submit_to(req, queue)
+        return RequestStream(req.job_id, queue)
+
+    def submit_to(self, req: JobRequest, sink: DeltaSink) -> None:
+        """``submit``, with the job's deltas put into ``sink`` (up to and including its last)."""
         if not self.running:
             raise EngineUnavailable("the engine loop is not running; the replica is being replaced")
-        if len(self._queues) >= self.config.max_jobs:
-            raise AdmissionQueueFull(f"{len(self._queues)} jobs already in this engine "
+        if len(self._sinks) >= self.config.max_jobs:
+            raise AdmissionQueueFull(f"{len(self._sinks)} jobs already in this engine "
                                      f"(engine.max_jobs={self.config.max_jobs})")
         if not (self._inflight or self.scheduler.has_work()):
             self._last_progress = time.perf_counter()   # the watchdog counts from the first work
         self.scheduler.add(req, self.clock())
-        queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
-        self._queues[req.job_id] = queue
+        self._sinks[req.job_id] = sink
         self._wake.set()
-        return RequestStream(req.job_id, queue)
 
     def abort(self, job_id: str) -> None:
         """Cancel a job (e.g. its client went away): frees its blocks, ends its stream."""
-        queue = self._queues.pop(job_id, None)
+        sink = self._sinks.pop(job_id, None)
         self.scheduler.abort(job_id, self.clock())
-        if queue is not None:
-            queue.put_nowait(TokenDelta(job_id, finish_reason="abort"))
+        if sink is not None:
+            sink.put_nowait(TokenDelta(job_id, finish_reason="abort"))
         self._wake.set()
 
     # ---- the loop ------------------------------------------------------------------------
@@ -240,9 +250,9 @@ class Engine:
         except Exception:
             # A scheduler bug must not leave callers waiting forever.
             log.exception("engine loop crashed; failing every open request")
-            for job_id, queue in list(self._queues.items()):
-                queue.put_nowait(TokenDelta(job_id, finish_reason="error"))
-            self._queues.clear()
+            for job_id, sink in list(self._sinks.items()):
+                sink.put_nowait(TokenDelta(job_id, finish_reason="error"))
+            self._sinks.clear()
             raise
 
     async def _loop(self) -> None:
@@ -309,12 +319,12 @@ class Engine:
 
     def _deliver(self, deltas: Sequence[TokenDelta]) -> None:
         for delta in deltas:
-            queue = self._queues.get(delta.job_id)
-            if queue is None:
+            sink = self._sinks.get(delta.job_id)
+            if sink is None:
                 continue
-            queue.put_nowait(delta)
+            sink.put_nowait(delta)
             if delta.finished:
-                del self._queues[delta.job_id]
+                del self._sinks[delta.job_id]
 
     async def _recover(self) -> None:
         """The executor was lost: settle what was in flight, requeue every job for recompute
@@ -327,7 +337,7 @@ class Engine:
             await asyncio.gather(*self._inflight, return_exceptions=True)
             self._lost += [step.plan for step in self._inflight.values()]
             self._inflight.clear()
-        log.warning("executor lost; rebuilding it, %d jobs resume by recompute", len(self._queues))
+        log.warning("executor lost; rebuilding it, %d jobs resume by recompute", len(self._sinks))
         self.scheduler.lose_all_kv(self._lost)
         self._lost.clear()
         with contextlib.suppress(Exception):

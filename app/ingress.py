@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.messages import SamplingParams
 from app.config import AppArgs, resolve_path
+from app.delivery import ChannelClient, MessageStream
 from app.errors import ErrorCode, RequestError, validate_request
 from app.metrics import IngressMetrics
 from app.metrics_export import CONTENT_TYPE, AgentMetrics
@@ -51,6 +52,7 @@ from app.protocol import (
     usage,
 )
 from app.request_limits import RequestLimits, read_body, timed_out, wait_for_disconnect
+from app.routing import PIN_KWARG
 from app.scheduler.job import JobRequest, TokenDelta
 from app.tokenizer import IncrementalDecoder, Tokenizer, apply_chat_template
 
@@ -481,17 +483,25 @@ def make_api(server: OpenAIServer) -> FastAPI:
 
 
 class ServeBackend:
-    """The production ``Backend``: the Scheduler deployment's handle, Ray's metrics agents."""
+    """The production ``Backend``: the Scheduler deployment's handle, Ray's metrics agents.
 
-    def __init__(self, scheduler: Any, metrics: AgentMetrics) -> None:
+    With ``channels`` (``server.delivery_channels``), jobs' tokens come on this ingress replica's
+    delivery channels (one message per step per scheduler replica, ``app.delivery``) once one is
+    open to the replica a job landed on; without, each job's tokens come on its own stream."""
+
+    def __init__(self, scheduler: Any, metrics: AgentMetrics, channels: ChannelClient | None = None) -> None:
         self._generate = scheduler.options(stream=True).generate
         self._stats = scheduler.stats
         self._health = scheduler.health
         self._metrics = metrics
+        self.channels = channels
 
     def generate(self, req: JobRequest) -> Stream:
-        stream: Stream = self._generate.remote(req)
-        return stream
+        channels = self.channels
+        if channels is None:
+            stream: Stream = self._generate.remote(req)
+            return stream
+        return channels.submit(req.job_id, lambda: self._generate.remote(req, channels.ingress_id))
 
     async def metrics_text(self) -> str:
         return await self._metrics.text()
@@ -505,6 +515,18 @@ class ServeBackend:
         return state
 
 
+def channel_client(scheduler: Any, ingress_id: str, open_timeout_s: float) -> ChannelClient:
+    """This ingress replica's delivery channels over the Scheduler deployment's handle."""
+    subscribe = scheduler.options(stream=True).subscribe
+
+    def open_channel(ingress: str, replica_id: str, channel_id: str) -> MessageStream:
+        stream: MessageStream = subscribe.remote(ingress_id=ingress, channel_id=channel_id,
+                                                 **{PIN_KWARG: replica_id})
+        return stream
+
+    return ChannelClient(ingress_id, open_channel, open_timeout_s)
+
+
 @serve.ingress()
 class Ingress:
     """The HTTP entry point; ``app.main`` applies its Serve options (autoscaling, ...)."""
@@ -513,9 +535,17 @@ class Ingress:
         started = time.monotonic()
         app_args = AppArgs.model_validate(args)
         ctx = ServerContext.from_args(app_args)
-        backend = ServeBackend(scheduler, AgentMetrics(app_args.server.metrics_agent_timeout_s))
+        srv = app_args.server
+        channels = channel_client(scheduler, _ingress_replica_id(), srv.channel_open_timeout_s) \
+            if srv.delivery_channels else None
+        backend = ServeBackend(scheduler, AgentMetrics(srv.metrics_agent_timeout_s), channels)
         self.server = OpenAIServer(ctx, backend, IngressMetrics(ctx.model_name))
         log.info("ingress ready in %.1f s for model %s", time.monotonic() - started, ctx.model_name)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return make_api(self.server)
+
+
+def _ingress_replica_id() -> str:
+    """This Serve replica's unique id: the scheduler replicas key its delivery channel by it."""
+    return str(serve.get_replica_context().replica_id.unique_id)

@@ -2,7 +2,8 @@
 
 Owns the application graph and each deployment's default Serve options:
 
-    Ingress (FastAPI, CPU)  ──stream──▶  Scheduler (× model copies, owns its executor)
+    Ingress (FastAPI, CPU)  ──generate──▶  Scheduler (× model copies, owns its executor)
+                            ◀─channel──   (one message per step per ingress replica)
 
 Both record their metrics into Ray's metrics pipeline (``app.metrics``); the ingress's
 ``/metrics`` reads them back from Ray's metrics agents (``app.metrics_export``).
@@ -23,6 +24,7 @@ from ray.serve import Application
 
 from app.config import INGRESS_DEFAULTS, AppArgs
 from app.ingress import Ingress
+from app.routing import ROUTER_CLASS
 from app.serving import SchedulerReplica
 
 APP_NAME = "fastserve"
@@ -33,6 +35,8 @@ def build_app(args: AppArgs) -> Application:
     if not isinstance(args, AppArgs):   # called directly with a dict (tests, scripts)
         args = AppArgs.model_validate(args)
     raw = args.model_dump(mode="json")
-    scheduler = serve.deployment(name="Scheduler", **args.scheduler_deployment_defaults())(
+    # The router sends each ingress replica's delivery channel to the replica it asked for.
+    scheduler = serve.deployment(name="Scheduler", **args.scheduler_deployment_defaults(),
+                                 request_router_config={"request_router_class": ROUTER_CLASS})(
         SchedulerReplica).bind(raw)
     return serve.deployment(name="Ingress", **INGRESS_DEFAULTS)(Ingress).bind(scheduler, raw)

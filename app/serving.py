@@ -26,6 +26,7 @@ from typing import Any
 
 from actors.spec import EngineSpec
 from app.config import AppArgs, resolve_path
+from app.delivery import Channel, Message
 from app.engine import Engine, Executor, SyncExecutor, ThreadedExecutor
 from app.errors import AdmissionQueueFull, RequestError
 from app.metrics import SchedulerMetrics
@@ -86,6 +87,7 @@ class SchedulerReplica:
         rebuild = (lambda: build_executor(self.spec)) if self.spec.parallel.uses_pipeline else None
         self.engine = Engine(build_scheduler(self.args), executor, config=self.args.engine, rebuild=rebuild)
         await self.engine.start()
+        self._channels: dict[str, Channel] = {}   # ingress replica id → its delivery channel here
         self._sample_task = asyncio.get_running_loop().create_task(self._sample_metrics_forever())
         self._closed = False
         log.info("scheduler replica %s ready (%s, policy %s, swap %s)", self.replica_id,
@@ -114,20 +116,35 @@ class SchedulerReplica:
     def scheduler(self) -> Scheduler:
         return self.engine.scheduler
 
-    async def generate(self, req: JobRequest) -> AsyncIterator[TokenDelta]:
+    async def generate(self, req: JobRequest, ingress_id: str = "") -> AsyncIterator[TokenDelta]:
         """Stream one job's events: first an accepted (empty) event or a refusal with its
         ``ErrorCode``, then its tokens, merged per read, the last with the finish and the job's
-        stats. Cancellation (the caller went away) aborts the job and frees its blocks."""
+        stats. Cancellation (the caller went away) aborts the job and frees its blocks.
+
+        When ``ingress_id``'s replica has a delivery channel open here, the job's events after
+        the accepted one (which names the channel) travel on the channel instead, and this stream
+        stays open, silent, until the job ends: cancelling it still aborts the job."""
+        channel = self._channels.get(ingress_id) if ingress_id else None
         try:
-            stream = self.engine.submit(req)
+            if channel is not None:
+                self.engine.submit_to(req, channel.sink(req.job_id))
+            else:
+                stream = self.engine.submit(req)
         except RequestError as exc:
+            if channel is not None:
+                channel.forget(req.job_id)
             if isinstance(exc, AdmissionQueueFull):
                 self.metrics.rejected()
             yield TokenDelta(req.job_id, error=exc.code, message=str(exc))
             return
         finished = False
         try:   # from here on, however the caller leaves, the job must not outlive it
-            yield TokenDelta(req.job_id)
+            if channel is not None:
+                yield TokenDelta(req.job_id, replica_id=self.replica_id, channel_id=channel.channel_id)
+                await channel.wait_done(req.job_id)
+                finished = True
+                return
+            yield TokenDelta(req.job_id, replica_id=self.replica_id)
             async for delta in stream:
                 merged = TokenDelta.merge([delta, *stream.ready()])
                 finished = merged.finished
@@ -137,6 +154,33 @@ class SchedulerReplica:
         finally:
             if not finished:
                 self.engine.abort(req.job_id)
+
+    async def subscribe(self, ingress_id: str, channel_id: str,
+                        pinned_replica: str) -> AsyncIterator[Message]:
+        """An ingress replica's delivery channel (``app.delivery``): an empty message once it is
+        open, then one message per step with the deltas of that replica's jobs on it. Routed here
+        by ``pinned_replica`` (``app.routing``). Ending it (the ingress went away) aborts them."""
+        if pinned_replica != self.replica_id:
+            raise ValueError(f"subscribe for replica {pinned_replica!r} reached replica {self.replica_id!r}")
+        channel = Channel(channel_id)
+        replaced = self._channels.get(ingress_id)
+        self._channels[ingress_id] = channel
+        if replaced is not None:   # that ingress replica lost it and opened a new one
+            self._close_channel(replaced)
+        try:
+            yield ()
+            async for message in channel.messages():
+                yield message
+        finally:
+            if self._channels.get(ingress_id) is channel:
+                del self._channels[ingress_id]
+            self._close_channel(channel)
+
+    def _close_channel(self, channel: Channel) -> None:
+        jobs = channel.job_ids
+        channel.close()
+        for job_id in jobs:
+            self.engine.abort(job_id)
 
     def _record_finished(self) -> None:
         """Record the finished jobs' accounting (the scheduler keeps it until drained here)."""
@@ -150,6 +194,7 @@ class SchedulerReplica:
         breakdown tool; not on the request path)."""
         return {**self.scheduler.stats(), "step_totals": self.engine.step_stats.totals(),
                 "process_rss_bytes": process_rss_bytes(), "torch_threads": _torch_threads(),
+                "delivery_channels": {ingress: len(channel.job_ids) for ingress, channel in self._channels.items()},
                 "rebuilds": self.engine.rebuilds}
 
     async def replica_info(self) -> dict[str, Any]:

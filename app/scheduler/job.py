@@ -33,8 +33,10 @@ class TokenDelta:
     several once a lagging reader's events are merged (``merge``). The finishing event has a
     ``finish_reason`` and, from the scheduler, the job's ``stats``. A job refused before it
     started ends with one event carrying an ``error`` code and its ``message``. An event with
-    neither tokens nor a finish says the job was accepted. ``emitted_at`` (wall clock) lets the
-    reader measure the delivery delay.
+    neither tokens nor a finish says the job was accepted; it names the scheduler replica
+    (``replica_id``) and, when the job's later events travel on that replica's delivery channel
+    to the caller's ingress replica (``app.delivery``), the channel (``channel_id``).
+    ``emitted_at`` (wall clock) lets the reader measure the delivery delay.
     """
 
     job_id: str
@@ -44,6 +46,8 @@ class TokenDelta:
     error: ErrorCode | None = None
     message: str = ""
     emitted_at: float = 0.0
+    replica_id: str = ""
+    channel_id: str = ""
 
     @classmethod
     def token(cls, job_id: str, token_id: int, finish_reason: FinishReason | None = None,

@@ -210,6 +210,49 @@ def test_counters_do_not_decrease_when_a_scheduler_replica_is_replaced(cluster: 
     assert after.total(tokens) == before.total(tokens) + 8
 
 
+def scheduler_stats() -> dict[str, Any]:
+    from ray import serve
+
+    stats: dict[str, Any] = serve.get_deployment_handle("Scheduler", app_name=APP).stats.remote().result(
+        timeout_s=60)
+    return stats
+
+
+def test_a_stream_on_a_killed_scheduler_replica_ends_with_an_error_and_service_resumes(cluster: Cluster) -> None:
+    """The stream's job travels on its ingress replica's delivery channel; the replica dies
+    mid-stream: the client gets an error event and [DONE] (not a hang), and the next requests
+    are served by the replacement, which gets channels of its own."""
+    import json
+
+    import ray
+
+    ingresses = len(running_replicas("Ingress"))
+
+    def every_ingress_has_a_channel() -> bool:
+        complete(cluster, "Open a channel", 2)   # a job's accepted event opens its ingress's channel
+        return len(scheduler_stats()["delivery_channels"]) == ingresses
+
+    wait_until("a delivery channel from every ingress replica", every_ingress_has_a_channel, REQUEST_TIMEOUT_S)
+    (old,) = running_replicas("Scheduler")
+    body = {"model": MODEL, "prompt": "Go on forever", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", cluster.base + "/v1/completions", json=body, headers=AUTH,
+                      timeout=REQUEST_TIMEOUT_S) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        chunks = 0
+        while chunks < 3:
+            chunks += next(lines).startswith("data: ")
+        assert sum(scheduler_stats()["delivery_channels"].values()) == 1   # the job is on a channel
+        ray.kill(ray.get_actor(old["actor_name"], namespace="serve"), no_restart=True)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2][len("data: "):])["error"]
+    assert error["type"] == "internal_error", error
+    wait_until("a replacement replica", lambda: scheduler_actor_ids() not in (set(), {old["actor_id"]}),
+               STARTUP_TIMEOUT_S)
+    wait_until("delivery channels to the replacement", every_ingress_has_a_channel, REQUEST_TIMEOUT_S)
+
+
 def test_scheduler_autoscales_to_two_model_copies_and_both_serve(cluster: Cluster) -> None:
     """Each new replica reserves its whole model copy: its own placement group holding the
     replica's bundle and its stage worker's (a Ray pipeline of one stage; plain actor calls, as a

@@ -177,6 +177,77 @@ def test_full_admission_queue_answers_429_and_aborts_free_blocks() -> None:
     asyncio.run(run())
 
 
+def test_delivery_channel_carries_exact_tokens_one_message_per_step_and_breaking_it_frees_blocks() -> None:
+    """A real scheduler replica and the ingress's ``ChannelClient``, in process (no Ray): the
+    first job travels on its own stream and opens the channel; the next four share it."""
+    from app.delivery import ChannelClient
+    from app.ingress import APIError, OpenAIServer, ServerContext
+    from app.serving import SchedulerReplica
+
+    raw = demo_yaml()["applications"][0]["args"]
+    prompts = ["The capital of France", "Once upon a time", "def main():", "Hello"]
+
+    async def run() -> None:
+        replica = await SchedulerReplica.create(raw)
+        client = ChannelClient("ingress-1", lambda ingress, replica_id, channel_id: LocalStream(
+            replica.subscribe(ingress, channel_id, replica_id)), open_timeout_s=30)
+
+        class Backend:
+            def __init__(self, channels: bool) -> None:
+                self.channels = channels
+
+            def generate(self, req: JobRequest) -> Any:
+                if not self.channels:
+                    return LocalStream(replica.generate(req))
+                return client.submit(req.job_id, lambda: LocalStream(replica.generate(req, client.ingress_id)))
+
+        ctx = ServerContext.from_args(replica.args)
+        on_channel, own = OpenAIServer(ctx, Backend(True)), OpenAIServer(ctx, Backend(False))  # type: ignore[arg-type]
+
+        async def complete(server: OpenAIServer, prompt: str, tokens: int = 12) -> dict[str, Any]:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+            prep = server.prepare_completion(json.dumps(body).encode())
+            return await server.complete(prep, await server.start(prep))
+
+        def steps() -> float:
+            return sum(kind["steps"] for kind in replica.engine.step_stats.totals().values())
+
+        try:
+            await complete(on_channel, "Opening")
+            deadline = time.monotonic() + 30
+            while not client.live_channels and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert client.live_channels == {replica.replica_id: next(iter(client.live_channels.values()))}
+            before = steps()
+            shared = await asyncio.gather(*(complete(on_channel, p) for p in prompts))
+            ran = steps() - before
+            alone = [await complete(own, p) for p in prompts]
+            assert [r["choices"][0]["text"] for r in shared] == [r["choices"][0]["text"] for r in alone]
+            assert all(r["usage"]["completion_tokens"] == 12 for r in shared)
+            # One message per step carrying every job's token (48 tokens), not one per job.
+            assert 12 <= client.messages <= ran < 48
+
+            # The channel breaks mid-job: the job fails, the scheduler aborts it and frees its blocks.
+            body = {"model": MODEL, "prompt": "Go on", "max_tokens": 400, "ignore_eos": True}
+            prep = on_channel.prepare_completion(json.dumps(body).encode())
+            stream = await on_channel.start(prep)
+            await client.close()
+            with pytest.raises(APIError) as failed:
+                await asyncio.wait_for(on_channel.complete(prep, stream), 30)
+            assert failed.value.status == 500
+            deadline = time.monotonic() + 30
+            while replica.scheduler.has_work() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            stats = await replica.stats()
+            assert stats["jobs"] == 0 and stats["device_blocks"]["free"] == stats["device_blocks"]["total"]
+            assert stats["delivery_channels"] == {}
+            replica.scheduler.check_invariants()
+        finally:
+            await replica.close()
+
+    asyncio.run(run())
+
+
 # ---- the server: ray start + serve run, torn down by process tree -----------------------------
 
 def free_port() -> int:

@@ -1,0 +1,214 @@
+"""Delivery channels (``app.delivery``) at both ends, without Ray: the scheduler replica's
+``Channel`` with a real ``Engine`` over a fake executor, and the ingress replica's
+``ChannelClient`` with fake Serve streams."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from app.delivery import Channel, ChannelClient, Message, merged_by_job
+from app.scheduler.job import TokenDelta
+
+
+def test_merged_by_job_keeps_each_jobs_tokens_in_order_and_its_finish() -> None:
+    deltas = [TokenDelta.token("a", 1), TokenDelta.token("b", 7), TokenDelta.token("a", 2),
+              TokenDelta.token("b", 8, "length")]
+    assert merged_by_job(deltas, emitted_at=5.0) == (
+        TokenDelta("a", (1, 2), emitted_at=5.0), TokenDelta("b", (7, 8), "length", emitted_at=5.0))
+
+
+def test_a_channel_sends_what_was_put_between_wakeups_as_one_message() -> None:
+    async def run() -> list[Message]:
+        channel = Channel("c1")
+        sinks = {job: channel.sink(job) for job in ("a", "b", "c")}
+        got: list[Message] = []
+
+        async def read() -> None:
+            async for message in channel.messages():
+                got.append(message)
+
+        reader = asyncio.create_task(read())
+        for step in range(3):   # three engine steps, each putting every job's delta at once
+            for job, sink in sinks.items():
+                sink.put_nowait(TokenDelta.token(job, step, "length" if step == 2 and job == "b" else None))
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+        assert channel.job_ids == ["a", "c"]
+        await asyncio.wait_for(channel.wait_done("b"), 1)   # b's last delta was put
+        channel.close()
+        await asyncio.wait_for(channel.wait_done("a"), 1)   # closing releases every waiter
+        await asyncio.wait_for(reader, 1)
+        return got
+
+    got = asyncio.run(run())
+    assert [[(d.job_id, d.token_ids, d.finish_reason) for d in m] for m in got] == [
+        [("a", (0,), None), ("b", (0,), None), ("c", (0,), None)],
+        [("a", (1,), None), ("b", (1,), None), ("c", (1,), None)],
+        [("a", (2,), None), ("b", (2,), "length"), ("c", (2,), None)]]
+    assert all(len({d.emitted_at for d in m}) == 1 and m[0].emitted_at > 0 for m in got)
+
+
+class FakeJobStream:
+    """A job's own Serve stream: the deltas given, then silence until cancelled or ended."""
+
+    def __init__(self, deltas: list[TokenDelta]) -> None:
+        self.queue: asyncio.Queue[TokenDelta | None] = asyncio.Queue()
+        for delta in deltas:
+            self.queue.put_nowait(delta)
+        self.cancelled = False
+
+    def __aiter__(self) -> FakeJobStream:
+        return self
+
+    async def __anext__(self) -> TokenDelta:
+        item = await self.queue.get()
+        if item is None:
+            raise StopAsyncIteration
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeChannelStream:
+    """A ``subscribe`` stream the test feeds; ``fail()`` breaks it as a dead replica would."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[Message | BaseException] = asyncio.Queue()
+        self.cancelled = False
+
+    def __aiter__(self) -> FakeChannelStream:
+        return self
+
+    async def __anext__(self) -> Message:
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Opened:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, str]] = []
+        self.streams: list[FakeChannelStream] = []
+
+    def __call__(self, ingress: str, replica: str, channel_id: str) -> FakeChannelStream:
+        self.calls.append((ingress, replica, channel_id))
+        self.streams.append(FakeChannelStream())
+        return self.streams[-1]
+
+
+async def drain(stream: AsyncIterator[TokenDelta]) -> list[TokenDelta]:
+    return [delta async for delta in stream]
+
+
+async def open_channel(client: ChannelClient, opened: Opened) -> str:
+    """Accept one job without a channel (which opens one), ack it; the channel's id."""
+    first = FakeJobStream([TokenDelta("j0", replica_id="r1"), TokenDelta.token("j0", 3, "length")])
+    assert [d.token_ids for d in await drain(client.submit("j0", lambda: first))] == [(), (3,)]
+    (_, _, channel_id), = opened.calls
+    opened.streams[0].queue.put_nowait(())   # the scheduler's ack
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert client.live_channels == {"r1": channel_id}
+    return channel_id
+
+
+def test_jobs_read_their_tokens_from_the_channel_once_it_is_open() -> None:
+    async def run() -> None:
+        opened = Opened()
+        client = ChannelClient("in-1", opened, open_timeout_s=5)
+        channel_id = await open_channel(client, opened)
+        assert opened.calls == [("in-1", "r1", channel_id)]
+        own = {job: FakeJobStream([TokenDelta(job, replica_id="r1", channel_id=channel_id)]) for job in "ab"}
+        streams = {job: client.submit(job, lambda job=job: own[job]) for job in "ab"}   # type: ignore[misc]
+        channel = opened.streams[0]
+        channel.queue.put_nowait((TokenDelta.token("a", 1), TokenDelta.token("b", 5), TokenDelta.token("x", 9)))
+        channel.queue.put_nowait((TokenDelta("a", (2, 3), "length"), TokenDelta.token("b", 6, "stop")))
+        got = await asyncio.wait_for(asyncio.gather(*(drain(s) for s in streams.values())), 2)
+        assert [[(d.token_ids, d.finish_reason) for d in g] for g in got] == [
+            [((), None), ((1,), None), ((2, 3), "length")], [((), None), ((5,), None), ((6,), "stop")]]
+        assert client.messages == 2 and not any(s.cancelled for s in own.values())
+        await client.close()
+
+    asyncio.run(run())
+
+
+def test_a_broken_channel_fails_its_jobs_and_is_reopened_later() -> None:
+    async def run() -> None:
+        opened = Opened()
+        client = ChannelClient("in-1", opened, open_timeout_s=0.2)
+        channel_id = await open_channel(client, opened)
+        own = FakeJobStream([TokenDelta("a", replica_id="r1", channel_id=channel_id)])
+        stream = client.submit("a", lambda: own)
+        reading = asyncio.create_task(drain(stream))
+        opened.streams[0].queue.put_nowait((TokenDelta.token("a", 1),))
+        await asyncio.sleep(0.01)
+        opened.streams[0].queue.put_nowait(ConnectionError("replica died"))
+        got = await asyncio.wait_for(reading, 2)
+        assert [(d.token_ids, d.finish_reason) for d in got] == [((), None), ((1,), None), ((), "error")]
+        assert client.live_channels == {} and opened.streams[0].cancelled
+        # A job accepted on the dead channel (its accepted event was still in flight) fails too.
+        late = FakeJobStream([TokenDelta("b", replica_id="r1", channel_id=channel_id)])
+        assert [d.finish_reason for d in await asyncio.wait_for(drain(client.submit("b", lambda: late)), 2)] \
+            == [None, "error"]
+        # Not retried within open_timeout_s of the failure; retried after it.
+        client.want("r1")
+        assert len(opened.calls) == 1
+        await asyncio.sleep(0.25)
+        client.want("r1")
+        assert len(opened.calls) == 2
+        await client.close()
+
+    asyncio.run(run())
+
+
+def test_a_channel_that_never_answers_is_given_up_after_its_timeout() -> None:
+    async def run() -> None:
+        opened = Opened()
+        client = ChannelClient("in-1", opened, open_timeout_s=0.05)
+        client.want("r1")
+        await asyncio.sleep(0.2)
+        assert client.live_channels == {} and opened.streams[0].cancelled
+        await client.close()
+
+    asyncio.run(run())
+
+
+def test_cancelling_a_job_on_a_channel_cancels_its_own_stream_and_drops_its_route() -> None:
+    async def run() -> None:
+        opened = Opened()
+        client = ChannelClient("in-1", opened, open_timeout_s=5)
+        channel_id = await open_channel(client, opened)
+        own = FakeJobStream([TokenDelta("a", replica_id="r1", channel_id=channel_id)])
+        stream = client.submit("a", lambda: own)
+        assert (await stream.__anext__()).channel_id == channel_id
+        stream.cancel()
+        assert own.cancelled
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+        opened.streams[0].queue.put_nowait((TokenDelta("a", finish_reason="abort"),))   # ignored
+        await asyncio.sleep(0.01)
+        assert client.messages == 1
+        await client.close()
+
+    asyncio.run(run())
+
+
+def test_a_refused_job_ends_with_its_refusal_and_opens_no_channel() -> None:
+    from app.errors import ErrorCode
+
+    async def run() -> None:
+        opened = Opened()
+        client = ChannelClient("in-1", opened, open_timeout_s=5)
+        refused = FakeJobStream([TokenDelta("a", error=ErrorCode.ADMISSION_QUEUE_FULL, message="full")])
+        got = await drain(client.submit("a", lambda: refused))
+        assert [d.error for d in got] == [ErrorCode.ADMISSION_QUEUE_FULL] and opened.calls == []
+
+    asyncio.run(run())
