@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 import uuid
@@ -198,12 +199,16 @@ class ChannelClient:
         failed_at = self._failed_at.get(replica_id)
         if failed_at is not None and time.monotonic() - failed_at < self._open_timeout_s:
             return
-        channel_id = uuid.uuid4().hex
-        stream = self._open_channel(self.ingress_id, replica_id, channel_id)
+        # A context of its own: the request that happens to open the channel must not own it.
+        # Serve ties a call to the request in whose context it is made, and cancels it when that
+        # request is cancelled (measured: a client that closed its finished stream took the
+        # channel, and the 17 jobs on it, down with it).
         self._readers[replica_id] = asyncio.get_running_loop().create_task(
-            self._read(replica_id, channel_id, stream), name=f"channel-{replica_id}")
+            self._read(replica_id, uuid.uuid4().hex), name=f"channel-{replica_id}",
+            context=contextvars.Context())
 
-    async def _read(self, replica_id: str, channel_id: str, stream: MessageStream) -> None:
+    async def _read(self, replica_id: str, channel_id: str) -> None:
+        stream = self._open_channel(self.ingress_id, replica_id, channel_id)
         try:
             await asyncio.wait_for(stream.__anext__(), self._open_timeout_s)   # the channel's ack
             self._live[replica_id] = channel_id
@@ -214,10 +219,11 @@ class ChannelClient:
                     queue = self._routes.get(delta.job_id)
                     if queue is not None:
                         queue.put_nowait(delta)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:   # the replica died, or never answered: its jobs fail below
-            log.warning("delivery channel to scheduler replica %s ended: %s", replica_id, exc)
+        except BaseException as exc:   # the replica died, never answered, or Serve cancelled the call
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():   # ours: close()
+                raise
+            log.warning("delivery channel to scheduler replica %s ended: %r", replica_id, exc)
             self._failed_at[replica_id] = time.monotonic()
         finally:
             stream.cancel()

@@ -32,6 +32,7 @@ from actors.messages import SamplingParams
 from app.config import AppArgs, resolve_path
 from app.delivery import ChannelClient, MessageStream
 from app.errors import ErrorCode, RequestError, validate_request
+from app.logs import join_serve_logs
 from app.metrics import IngressMetrics
 from app.metrics_export import CONTENT_TYPE, AgentMetrics
 from app.protocol import (
@@ -532,6 +533,7 @@ class Ingress:
     """The HTTP entry point; ``app.main`` applies its Serve options (autoscaling, ...)."""
 
     def __init__(self, scheduler: Any, args: dict[str, Any]) -> None:
+        join_serve_logs()
         started = time.monotonic()
         app_args = AppArgs.model_validate(args)
         ctx = ServerContext.from_args(app_args)

@@ -29,12 +29,15 @@ from app.config import AppArgs, resolve_path
 from app.delivery import Channel, Message
 from app.engine import Engine, Executor, SyncExecutor, ThreadedExecutor
 from app.errors import AdmissionQueueFull, RequestError
+from app.logs import join_serve_logs
 from app.metrics import SchedulerMetrics
 from app.scheduler.job import JobRequest, TokenDelta
 from app.scheduler.profile import Profile
 from app.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
+#: How ``replica_id`` starts outside a Serve replica (offline runs, tests, Ray Serve LLM's engine).
+LOCAL_REPLICA = "local-"
 
 
 async def build_executor(spec: EngineSpec) -> Executor:
@@ -78,8 +81,10 @@ class SchedulerReplica:
 
     # Serve awaits an async constructor: the replica is ready only once its model is loaded.
     async def __init__(self, args: dict[str, Any] | AppArgs) -> None:  # type: ignore[misc]
-        self.args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
         self.replica_id = _replica_id()
+        if not self.replica_id.startswith(LOCAL_REPLICA):
+            join_serve_logs()
+        self.args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
         self.metrics = SchedulerMetrics(self.args.model.name)
         self.spec = self.args.engine_spec()
         executor = await build_executor(self.spec)
@@ -272,5 +277,5 @@ def _replica_id() -> str:
 
         return str(serve.get_replica_context().replica_id.unique_id)
     except Exception:   # not inside a Serve replica (offline runs, tests)
-        return f"local-{uuid.uuid4().hex[:8]}"
+        return f"{LOCAL_REPLICA}{uuid.uuid4().hex[:8]}"
 

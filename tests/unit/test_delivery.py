@@ -112,6 +112,7 @@ async def open_channel(client: ChannelClient, opened: Opened) -> str:
     """Accept one job without a channel (which opens one), ack it; the channel's id."""
     first = FakeJobStream([TokenDelta("j0", replica_id="r1"), TokenDelta.token("j0", 3, "length")])
     assert [d.token_ids for d in await drain(client.submit("j0", lambda: first))] == [(), (3,)]
+    await asyncio.sleep(0)   # the reader task opens it
     (_, _, channel_id), = opened.calls
     opened.streams[0].queue.put_nowait(())   # the scheduler's ack
     for _ in range(5):
@@ -160,9 +161,11 @@ def test_a_broken_channel_fails_its_jobs_and_is_reopened_later() -> None:
             == [None, "error"]
         # Not retried within open_timeout_s of the failure; retried after it.
         client.want("r1")
+        await asyncio.sleep(0)
         assert len(opened.calls) == 1
         await asyncio.sleep(0.25)
         client.want("r1")
+        await asyncio.sleep(0)
         assert len(opened.calls) == 2
         await client.close()
 
@@ -212,3 +215,33 @@ def test_a_refused_job_ends_with_its_refusal_and_opens_no_channel() -> None:
         assert [d.error for d in got] == [ErrorCode.ADMISSION_QUEUE_FULL] and opened.calls == []
 
     asyncio.run(run())
+
+
+def test_a_channel_is_opened_outside_the_context_of_the_request_that_asked_for_it() -> None:
+    """Serve ties a handle call to the request in whose context it is made and cancels it with
+    that request: the channel must not belong to whichever request happened to open it."""
+    import contextvars
+
+    request: contextvars.ContextVar[str | None] = contextvars.ContextVar("request", default=None)
+    seen: list[str | None] = []
+
+    async def run() -> None:
+        opened = Opened()
+
+        def open_in(ingress: str, replica: str, channel_id: str) -> FakeChannelStream:
+            seen.append(request.get())
+            return opened(ingress, replica, channel_id)
+
+        client = ChannelClient("in-1", open_in, open_timeout_s=5)
+
+        async def a_request() -> None:
+            request.set("req-1")
+            first = FakeJobStream([TokenDelta("j0", replica_id="r1"), TokenDelta.token("j0", 3, "length")])
+            await drain(client.submit("j0", lambda: first))
+
+        await asyncio.create_task(a_request())
+        await asyncio.sleep(0)
+        await client.close()
+
+    asyncio.run(run())
+    assert seen == [None]
