@@ -244,3 +244,13 @@ def test_one_engine_spec_is_built_from_the_args_with_the_pipeline_waits_in_confi
     args["pipeline"] = {"tp_timout_s": 1.0}
     with pytest.raises(ValidationError, match="tp_timout_s"):
         AppArgs.model_validate(args)
+
+
+def test_the_race_config_matches_the_vllm_peer_it_is_raced_against() -> None:
+    """config/race-vllm.yaml: vLLM's batch limit (--max-num-seqs 16) and KV memory (4 GiB)."""
+    raw = yaml.safe_load((ROOT / "config" / "race-vllm.yaml").read_text())
+    args = AppArgs.model_validate(raw["applications"][0]["args"])
+    hf = args.model.hf_config()
+    block_bytes = 2 * hf.num_hidden_layers * args.kv_cache.block_size * hf.hidden_size * 4   # K and V, fp32
+    assert args.scheduler.max_batch_size == 16
+    assert 4 * 2**30 - block_bytes < args.kv_cache.num_device_blocks * block_bytes <= 4 * 2**30
