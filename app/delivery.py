@@ -66,9 +66,8 @@ class DeltaStream(Protocol):
 class _JobSink:
     """The engine's ``DeltaSink`` for one job on a channel."""
 
-    def __init__(self, channel: Channel, job_id: str) -> None:
+    def __init__(self, channel: Channel) -> None:
         self._channel = channel
-        self._job_id = job_id
 
     def put_nowait(self, delta: TokenDelta) -> None:
         self._channel.put(delta)
@@ -89,7 +88,7 @@ class Channel:
         if self.closed:
             raise RuntimeError(f"channel {self.channel_id} is closed")
         self._open[job_id] = asyncio.Event()
-        return _JobSink(self, job_id)
+        return _JobSink(self)
 
     def forget(self, job_id: str) -> None:
         """A job that was given a sink but never submitted (the engine refused it)."""
