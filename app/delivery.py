@@ -52,7 +52,8 @@ class MessageStream(Protocol):
 
 
 class DeltaStream(Protocol):
-    """A job's own Serve stream of ``TokenDelta``s (the handle's ``generate`` call)."""
+    """A stream of one job's ``TokenDelta``s that can be cancelled: its own Serve stream (the
+    handle's ``generate`` call), or the ``JobStream`` over it that the ingress reads."""
 
     def __aiter__(self) -> AsyncIterator[TokenDelta]: ...
 

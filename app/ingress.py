@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.messages import SamplingParams
 from app.config import AppArgs, resolve_path
-from app.delivery import ChannelClient, MessageStream
+from app.delivery import ChannelClient, DeltaStream, MessageStream
 from app.errors import ErrorCode, RequestError, validate_request
 from app.logs import join_serve_logs
 from app.metrics import IngressMetrics
@@ -68,14 +68,9 @@ REFUSAL_MESSAGES = {ErrorCode.ADMISSION_QUEUE_FULL: "server busy: {}; retry late
                     ErrorCode.ENGINE_UNAVAILABLE: "the model is unavailable: {}; retry later"}
 
 
-class Stream(Protocol):
-    """A scheduler stream: async iterator of ``TokenDelta``s that can be cancelled."""
-
-    def __aiter__(self) -> AsyncIterator[TokenDelta]: ...
-
-    def __anext__(self) -> Awaitable[TokenDelta]: ...
-
-    def cancel(self) -> None: ...
+#: A scheduler stream: an async iterator of ``TokenDelta``s that can be cancelled (a job's own
+#: Serve stream, or ``app.delivery.JobStream`` reading it and its channel).
+Stream = DeltaStream
 
 
 class Backend(Protocol):

@@ -5,7 +5,9 @@ Owns the replica side of a request: ``SchedulerReplica.generate`` submits the in
 ingress's ``DeploymentHandle``; the first event says whether the job was accepted (or refused,
 with the ``ErrorCode`` that picks the HTTP answer: admission queue full → 429, invalid → 400), the
 last carries the finish reason and the job's stats (``JobStats``). A cancelled stream (client
-gone, stop string matched) aborts the job, which frees its KV blocks.
+gone, stop string matched) aborts the job, which frees its KV blocks. ``subscribe`` holds each
+ingress replica's delivery channel (``app.delivery``): its jobs' events after the accepted one
+travel there, one message per step, instead of on their own streams.
 
 It also owns executor construction (``build_executor``): in process (``ThreadedExecutor`` over
 ``InProcessExecutor``) for TP·PP = 1, else the Ray pipeline of stage-worker actors placed in this
@@ -36,7 +38,7 @@ from app.scheduler.profile import Profile
 from app.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
-#: How ``replica_id`` starts outside a Serve replica (offline runs, tests, Ray Serve LLM's engine).
+#: How ``replica_id`` starts outside a Serve replica (offline runs, tests).
 LOCAL_REPLICA = "local-"
 
 
