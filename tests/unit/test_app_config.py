@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def demo_args() -> dict[str, Any]:
-    raw = yaml.safe_load((ROOT / "config" / "demo.yaml").read_text())
+    raw = yaml.safe_load((ROOT / "config" / "opt125m-dummy.yaml").read_text())
     return copy.deepcopy(raw["applications"][0]["args"])
 
 
@@ -29,7 +29,7 @@ def error_of(args: dict[str, Any], **context: Any) -> str:
 
 def test_demo_config_validates_with_the_papers_settings() -> None:
     args = AppArgs.model_validate(demo_args())
-    assert args.scheduler.max_batch_size == 32   # measured on the CPU (config/demo.yaml says how)
+    assert args.scheduler.max_batch_size == 32   # measured on the CPU (config/opt125m-dummy.yaml says how)
     assert args.scheduler.max_num_batched_tokens == 2048
     assert args.kv_cache.block_size == 16
     assert args.model.device == "cpu" and args.model.load_format == "dummy"

@@ -19,7 +19,7 @@ KUBERAY = ROOT / "config" / "kuberay"
 MANIFESTS = ("rayservice-opt175b.yaml", "rayservice-demo.yaml")
 #: The Serve config each RayService embeds, and what may differ (a pod must listen beyond localhost).
 EMBEDS = {"rayservice-opt175b.yaml": ("opt175b.yaml", {}),
-          "rayservice-demo.yaml": ("demo.yaml", {"proxy_location": "EveryNode", "host": "0.0.0.0",
+          "rayservice-demo.yaml": ("opt125m-dummy.yaml", {"proxy_location": "EveryNode", "host": "0.0.0.0",
                                                  "require_api_key": True})}
 UNITS = {"": 1, "m": 1e-3, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9}
 
