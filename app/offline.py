@@ -19,10 +19,9 @@ from typing import Any
 import yaml
 
 from actors.messages import SamplingParams
-from app.config import AppArgs, resolve_path
+from app.config import AppArgs
 from app.engine import Engine
 from app.serving import build_scheduler, in_process_executor
-from app.tokenizer import Tokenizer
 
 DEFAULT_PROMPTS = (
     "Hello, my name is",
@@ -43,7 +42,7 @@ def load_app_args(config: str | Path, app_index: int = 0) -> AppArgs:
 
 
 async def generate_all(args: AppArgs, prompts: Sequence[str], sampling: SamplingParams) -> list[dict[str, Any]]:
-    tokenizer = Tokenizer.from_dir(resolve_path(args.model.tokenizer_path))
+    tokenizer = args.model.tokenizer()
     executor = await in_process_executor(args.engine_spec())
     engine = Engine(build_scheduler(args), executor, config=args.engine)
     await engine.start()
