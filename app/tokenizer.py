@@ -6,12 +6,13 @@ This module owns:
   applies what ``tokenizer_config.json`` / ``special_tokens_map.json`` say on top of it, as
   transformers' ``TokenizersBackend`` (what ``AutoTokenizer.from_pretrained(folder)`` returns for
   a ``tokenizer.json`` folder) does: the named special tokens (bos/eos/unk/pad/... and the
-  extra/additional ones) are registered as special, and the tokenizer.json's post-processor adds
-  the specials of a completion prompt (BOS for Llama-3, none for SmolLM2) unless the config sets
-  ``add_bos_token``/``add_eos_token`` explicitly (or the file has no post-processor), in which
-  case it is rebuilt from those flags. A folder with only ``vocab.json`` + ``merges.txt`` (OPT's
-  ``config/tokenizers/opt``) is read as byte-level BPE, GPT-2 style, with the same rules (OPT's
-  config says ``add_bos_token: true``: a leading ``</s>``).
+  extra/additional ones) are registered as special, and the tokenizer.json's post-processor alone
+  decides the specials of a completion prompt (BOS for Llama-3, none for SmolLM2): transformers
+  5.x drops the config's ``add_bos_token``/``add_eos_token`` when a tokenizer.json exists
+  (``PreTrainedTokenizerBase._from_pretrained``). A folder with only ``vocab.json`` +
+  ``merges.txt`` (OPT's ``config/tokenizers/opt``) is read as byte-level BPE, GPT-2 style, its
+  post-processor built from those flags (OPT's config says ``add_bos_token: true``: a leading
+  ``</s>``), as transformers' ``update_post_processor`` builds it.
 * which chat template the folder ships (``chat_template.jinja`` wins over ``tokenizer_config``'s
   ``chat_template``, as in transformers) — rendering lives in ``app.chat_template``;
 * `TokenizerLoadError`: a folder whose tokenizer cannot be loaded, naming the path and the reason.
@@ -164,11 +165,10 @@ def _byte_level_bpe(directory: Path, add_prefix_space: bool) -> _RustTokenizer:
 
 
 def _backend(directory: Path, settings: _Settings) -> tuple[_RustTokenizer, bool]:
-    """The Rust tokenizer and whether its post-processor must be rebuilt from the config's flags."""
+    """The Rust tokenizer and whether its post-processor must be built from the config's flags
+    (only without a tokenizer.json: transformers ignores the flags when one exists)."""
     if (directory / TOKENIZER_FILE).is_file():
-        rust = _RustTokenizer.from_file(str(directory / TOKENIZER_FILE))
-        explicit = settings.add_bos is not None or settings.add_eos is not None
-        return rust, explicit or rust.post_processor is None
+        return _RustTokenizer.from_file(str(directory / TOKENIZER_FILE)), False
     missing = [name for name in (VOCAB_FILE, MERGES_FILE) if not (directory / name).is_file()]
     if missing:
         raise TokenizerLoadError(directory, f"no {TOKENIZER_FILE}, and no {' + '.join(missing)} "
