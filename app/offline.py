@@ -41,7 +41,10 @@ def load_app_args(config: str | Path, app_index: int = 0) -> AppArgs:
     return AppArgs.model_validate(apps[app_index].get("args") or {})
 
 
-async def generate_all(args: AppArgs, prompts: Sequence[str], sampling: SamplingParams) -> list[dict[str, Any]]:
+async def generate_all(args: AppArgs, prompts: Sequence[str], sampling: SamplingParams,
+                       chat: bool = False) -> list[dict[str, Any]]:
+    """Each prompt as a completion, or with ``chat`` as one user message through the model's
+    chat template (as ``/v1/chat/completions`` renders it)."""
     tokenizer = args.model.tokenizer()
     executor = await in_process_executor(args.engine_spec())
     engine = Engine(build_scheduler(args), executor, config=args.engine)
@@ -49,7 +52,8 @@ async def generate_all(args: AppArgs, prompts: Sequence[str], sampling: Sampling
 
     async def one(i: int, prompt: str) -> dict[str, Any]:
         started = time.monotonic()
-        stream = engine.add_request(tokenizer.encode(prompt), sampling, job_id=f"offline-{i}")
+        ids = tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
+        stream = engine.add_request(ids, sampling, job_id=f"offline-{i}")
         ids: list[int] = []
         reason = None
         async for delta in stream:
@@ -71,13 +75,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--chat", action="store_true", help="send each prompt as a user chat message")
     opts = parser.parse_args(argv)
     args = load_app_args(opts.config)
     if args.parallel.uses_pipeline:
         print(f"note: {opts.config} asks for TP·PP = {args.parallel.world_size}; running one in-process copy")
     sampling = SamplingParams(max_tokens=opts.max_tokens, temperature=opts.temperature, seed=opts.seed)
     started = time.monotonic()
-    results = asyncio.run(generate_all(args, opts.prompt or DEFAULT_PROMPTS, sampling))
+    results = asyncio.run(generate_all(args, opts.prompt or DEFAULT_PROMPTS, sampling, opts.chat))
     for r in results:
         print(f"--- {r['prompt']!r} -> {r['tokens']} tokens ({r['finish_reason']}, {r['seconds']:.2f} s)")
         print(r["text"])
