@@ -52,8 +52,9 @@ async def generate_all(args: AppArgs, prompts: Sequence[str], sampling: Sampling
 
     async def one(i: int, prompt: str) -> dict[str, Any]:
         started = time.monotonic()
-        ids = tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
-        stream = engine.add_request(ids, sampling, job_id=f"offline-{i}")
+        prompt_ids = (tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat
+                      else tokenizer.encode(prompt))
+        stream = engine.add_request(prompt_ids, sampling, job_id=f"offline-{i}")
         ids: list[int] = []
         reason = None
         async for delta in stream:

@@ -9,12 +9,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from app.chat_template import ChatTemplateError
 from app.config import ModelArgs
 from app.detokenizer import IncrementalDecoder
-from app.tokenizer import Tokenizer, TokenizerLoadError
+from app.tokenizer import Tokenizer, TokenizerLoadError, load_tokenizer
 from tests.harness.tokenizers import (
     LLAMA3_BOS,
     LLAMA3_EOT,
@@ -82,7 +84,7 @@ def test_smollm2_special_tokens_and_no_bos_on_completions(smol: Tokenizer) -> No
     assert smol.encode("Hi") == [26843]   # SmolLM2's post-processor adds nothing
     assert smol.encode("<|im_end|>") == [SMOL_IM_END]
     assert {SMOL_ENDOFTEXT, SMOL_IM_START, SMOL_IM_END} <= smol.special_token_ids
-    assert smol.vocab_size == hf_tokenizer(smol.directory).vocab_size + 0 == 49152
+    assert smol.vocab_size == hf_tokenizer(smol.directory).vocab_size == SMOL_VOCAB
 
 
 def test_smollm2_chat_template_equals_transformers_with_system_and_three_turns(smol: Tokenizer) -> None:
@@ -124,6 +126,18 @@ def test_smollm2_emoji_split_over_tokens_is_held_back(smol: Tokenizer) -> None:
     assert decoder.step(ids[1]) == " 😀"
     assert not decoder.has_pending_bytes
     assert decoder.flush() == ""
+
+
+SMOL_VOCAB = 49152
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=SMOL_VOCAB - 1), max_size=30))
+def test_smollm2_stream_equals_decode_for_any_ids(ids: list[int]) -> None:
+    # Arbitrary ids: specials anywhere, invalid UTF-8 that the full decode renders as U+FFFD.
+    tok = load_tokenizer(require_smollm2())
+    for skip in (True, False):
+        assert "".join(_stream(tok, ids, skip)) == tok.decode(ids, skip_special_tokens=skip)
 
 
 # ---- a second template: the Llama-3-style fixture ------------------------------------------
