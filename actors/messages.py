@@ -61,9 +61,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def finish_reason(self, token_id: int, num_generated: int, eos_token_id: int) -> FinishReason | None:
-        """Whether generation stops after emitting ``token_id`` as the ``num_generated``-th token."""
-        if (not self.ignore_eos and token_id == eos_token_id) or token_id in self.stop_token_ids:
+    def finish_reason(self, token_id: int, num_generated: int,
+                      eos_token_ids: frozenset[int]) -> FinishReason | None:
+        """Whether generation stops after emitting ``token_id`` as the ``num_generated``-th token;
+        every id of the model's ``eos_token_ids`` stops it (unless ``ignore_eos``)."""
+        if (not self.ignore_eos and token_id in eos_token_ids) or token_id in self.stop_token_ids:
             return "stop"
         if num_generated >= self.max_tokens:
             return "length"

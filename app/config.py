@@ -31,8 +31,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from actors.messages import blocks_for
 from actors.model.config import ModelConfig, load_model_config
 from actors.spec import EngineSpec, ModelSpec, ParallelSpec, PipelineTimeouts
+from app.generation_config import CONFIG_FILE, eos_token_ids
 from app.scheduler.config import EngineConfig, KVCacheConfig, SchedulerConfig
 from app.scheduler.profile import Profile
+from app.tokenizer import Tokenizer, load_tokenizer
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 #: Environment variable that supplies (or overrides) the API key.
@@ -83,6 +85,13 @@ class ModelArgs(_Strict):
             raise ValueError(f"path {value!r} does not exist (resolved to {resolve_path(value)})")
         return value
 
+    @field_validator("tokenizer_path")
+    @classmethod
+    def _loads(cls, value: str) -> str:
+        """Refuse at start a folder whose tokenizer (or chat template) cannot be loaded."""
+        load_tokenizer(resolve_path(value))   # TokenizerLoadError names the path and reason
+        return value
+
     @model_validator(mode="after")
     def _weights(self) -> ModelArgs:
         if self.load_format == "auto" and not self.model_path:
@@ -92,6 +101,20 @@ class ModelArgs(_Strict):
     def hf_config(self) -> ModelConfig:
         """The model's config, of the architecture its ``config.json`` names (OPT or LLaMA)."""
         return load_model_config(resolve_path(self.config_path))
+
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (loaded once per process)."""
+        return load_tokenizer(resolve_path(self.tokenizer_path))
+
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id that ends a job: generation_config.json (in the config or model folder),
+        else config.json's eos_token_id, else the tokenizer's eos_token."""
+        config = resolve_path(self.config_path)
+        folders = [config] if config.is_dir() else ([config.parent] if config.name == CONFIG_FILE else [])
+        if self.model_path and resolve_path(self.model_path).is_dir():
+            folders.append(resolve_path(self.model_path))
+        config_file = config / CONFIG_FILE if config.is_dir() else config
+        return eos_token_ids(folders, config_file, self.tokenizer().eos_token_id)
 
     def context_len(self) -> int:
         """The longest prompt + output a request may have."""

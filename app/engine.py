@@ -159,8 +159,8 @@ class Engine:
         self._last_progress = time.perf_counter()   # a step finished, or the engine went idle
 
     @property
-    def eos_token_id(self) -> int:
-        return self.scheduler.eos_token_id
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.scheduler.eos_token_ids
 
     @property
     def running(self) -> bool:

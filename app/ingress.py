@@ -29,7 +29,8 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.messages import SamplingParams
-from app.config import AppArgs, resolve_path
+from app.chat_template import ChatTemplateError
+from app.config import AppArgs
 from app.delivery import ChannelClient, DeltaStream, MessageStream
 from app.errors import ErrorCode, RequestError, validate_request
 from app.logs import join_serve_logs
@@ -55,7 +56,7 @@ from app.protocol import (
 from app.request_limits import RequestLimits, read_body, timed_out, wait_for_disconnect
 from app.routing import PIN_KWARG
 from app.scheduler.job import JobRequest, TokenDelta
-from app.tokenizer import IncrementalDecoder, Tokenizer, apply_chat_template
+from app.tokenizer import IncrementalDecoder, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class ServerContext:
 
     @classmethod
     def from_args(cls, args: AppArgs) -> ServerContext:
-        tokenizer = Tokenizer.from_dir(resolve_path(args.model.tokenizer_path))
+        tokenizer = args.model.tokenizer()
         srv = args.server
         limits = RequestLimits(srv.max_request_bytes, srv.max_stop_strings, srv.max_stop_string_chars,
                                srv.request_timeout_s, srv.admission_timeout_s, srv.allow_priority,
@@ -191,11 +192,10 @@ class OpenAIServer:
     def prepare_chat(self, raw: bytes) -> Prepared:
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, raw)
         self._check_request(req)
-        try:
-            prompt = apply_chat_template([m.as_template_message() for m in req.messages])
-        except ValueError as exc:
+        try:   # the model's own template (its specials written by it), or the OPT fallback
+            ids = self.ctx.tokenizer.encode_chat([m.as_template_message() for m in req.messages])
+        except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from None
-        ids = self.ctx.tokenizer.encode(prompt)
         room = self.ctx.context_len - len(ids)
         if room < 1:
             raise bad_request(

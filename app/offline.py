@@ -19,10 +19,9 @@ from typing import Any
 import yaml
 
 from actors.messages import SamplingParams
-from app.config import AppArgs, resolve_path
+from app.config import AppArgs
 from app.engine import Engine
 from app.serving import build_scheduler, in_process_executor
-from app.tokenizer import Tokenizer
 
 DEFAULT_PROMPTS = (
     "Hello, my name is",
@@ -42,15 +41,20 @@ def load_app_args(config: str | Path, app_index: int = 0) -> AppArgs:
     return AppArgs.model_validate(apps[app_index].get("args") or {})
 
 
-async def generate_all(args: AppArgs, prompts: Sequence[str], sampling: SamplingParams) -> list[dict[str, Any]]:
-    tokenizer = Tokenizer.from_dir(resolve_path(args.model.tokenizer_path))
+async def generate_all(args: AppArgs, prompts: Sequence[str], sampling: SamplingParams,
+                       chat: bool = False) -> list[dict[str, Any]]:
+    """Each prompt as a completion, or with ``chat`` as one user message through the model's
+    chat template (as ``/v1/chat/completions`` renders it)."""
+    tokenizer = args.model.tokenizer()
     executor = await in_process_executor(args.engine_spec())
     engine = Engine(build_scheduler(args), executor, config=args.engine)
     await engine.start()
 
     async def one(i: int, prompt: str) -> dict[str, Any]:
         started = time.monotonic()
-        stream = engine.add_request(tokenizer.encode(prompt), sampling, job_id=f"offline-{i}")
+        prompt_ids = (tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat
+                      else tokenizer.encode(prompt))
+        stream = engine.add_request(prompt_ids, sampling, job_id=f"offline-{i}")
         ids: list[int] = []
         reason = None
         async for delta in stream:
@@ -72,13 +76,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--chat", action="store_true", help="send each prompt as a user chat message")
     opts = parser.parse_args(argv)
     args = load_app_args(opts.config)
     if args.parallel.uses_pipeline:
         print(f"note: {opts.config} asks for TP·PP = {args.parallel.world_size}; running one in-process copy")
     sampling = SamplingParams(max_tokens=opts.max_tokens, temperature=opts.temperature, seed=opts.seed)
     started = time.monotonic()
-    results = asyncio.run(generate_all(args, opts.prompt or DEFAULT_PROMPTS, sampling))
+    results = asyncio.run(generate_all(args, opts.prompt or DEFAULT_PROMPTS, sampling, opts.chat))
     for r in results:
         print(f"--- {r['prompt']!r} -> {r['tokens']} tokens ({r['finish_reason']}, {r['seconds']:.2f} s)")
         print(r["text"])

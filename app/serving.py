@@ -74,8 +74,7 @@ async def _pipeline_executor(spec: EngineSpec) -> Executor:
 
 def build_scheduler(args: AppArgs) -> Scheduler:
     profile = Profile.load(resolve_path(args.profile.path))
-    eos = args.model.hf_config().eos_token_id
-    return Scheduler(args.scheduler, args.kv_cache, profile, eos_token_id=eos)
+    return Scheduler(args.scheduler, args.kv_cache, profile, eos_token_ids=args.model.eos_token_ids())
 
 
 class SchedulerReplica:

@@ -61,7 +61,7 @@ def bench(policy: PolicyName, queued: int, iters: int, warmup: int, seed: int = 
     sched = Scheduler(SchedulerConfig(policy=policy, max_batch_size=BATCH),
                       KVCacheConfig(block_size=BLOCK, num_device_blocks=queued * per_job,
                                     num_host_blocks=queued * per_job),
-                      profile, eos_token_id=EOS)
+                      profile, eos_token_ids=frozenset({EOS}))
     executor = CostModelExecutor(profile, constant_tokens(FILLER_TOKEN))
     now = 0.0
     next_id = 0

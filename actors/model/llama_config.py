@@ -93,7 +93,8 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
     bos_token_id: int = 1
-    #: A config's list of end tokens is reduced to its first (the server stops on one id).
+    #: A config's list of end tokens is reduced to its first here; the server stops on all of
+    #: them (``app.generation_config.eos_token_ids``, which also reads generation_config.json).
     eos_token_id: int = 2
     model_type: str = "llama"
     name: str = "llama"

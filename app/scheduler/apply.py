@@ -217,7 +217,7 @@ class Applier:
         if stats.first_token_time is None:
             stats.first_token_time = now
         self._served(job, served, now)
-        reason = job.sampling.finish_reason(token, len(job.generated), self.s.eos_token_id)
+        reason = job.sampling.finish_reason(token, len(job.generated), self.s.eos_token_ids)
         if reason is not None:
             self.retire(job, JobState.FINISHED, reason, now)
             self.s.totals["finished"] += 1

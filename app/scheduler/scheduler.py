@@ -43,8 +43,8 @@ _PLAN_PASSES = 2
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_config: KVCacheConfig, profile: Profile,
-                 eos_token_id: int) -> None:
-        self.state = SchedulerState(config, kv_config, profile, eos_token_id)
+                 eos_token_ids: frozenset[int]) -> None:
+        self.state = SchedulerState(config, kv_config, profile, eos_token_ids)
         self.view = SchedulerView(self.state)
         self.applier = Applier(self.state)
         self.batcher = BatchPlanner(self.view)
@@ -56,7 +56,7 @@ class Scheduler:
         self.policy: Policy = self.state.policy
         self.kv: KVCacheManager = self.state.kv
         self.queues: LevelQueues = self.state.queues
-        self.eos_token_id: int = self.state.eos_token_id
+        self.eos_token_ids: frozenset[int] = self.state.eos_token_ids
         self.totals: Counter[str] = self.state.totals
 
     # ---- what callers read ---------------------------------------------------------------

@@ -56,11 +56,11 @@ class SchedulerState:
     """The scheduler's data; written only by ``Applier``."""
 
     def __init__(self, config: SchedulerConfig, kv_config: KVCacheConfig, profile: Profile,
-                 eos_token_id: int) -> None:
+                 eos_token_ids: frozenset[int]) -> None:
         self.config = config
         self.kv_config = kv_config
         self.profile = profile
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.policy: Policy = make_policy(config.policy, config, profile)
         self.kv = KVCacheManager(kv_config)
         self.queues = LevelQueues(self.policy.num_levels())

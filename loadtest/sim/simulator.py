@@ -50,7 +50,7 @@ class SimStalled(RuntimeError):
 
 @dataclass(frozen=True)
 class SimOptions:
-    eos_token_id: int = OPT_EOS_TOKEN_ID
+    eos_token_ids: frozenset[int] = frozenset({OPT_EOS_TOKEN_ID})
     token_id: int = FAKE_TOKEN_ID
     #: Re-ask the scheduler this often when it is idle with work queued (the engine's idle poll).
     idle_poll_s: float = EngineConfig().idle_poll_s
@@ -147,7 +147,7 @@ class Simulator:
         self.cost = cost
         self.options = options or SimOptions()
         self.scheduler = Scheduler(scheduler_config, kv_config, scheduler_profile or cost.profile,
-                                   self.options.eos_token_id)
+                                   self.options.eos_token_ids)
         self.pipeline = SimPipeline(cost, self.options.token_id)
         self._prompts: dict[int, tuple[int, ...]] = {}
 

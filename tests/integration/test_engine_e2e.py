@@ -46,7 +46,7 @@ async def generate(mode: SwapMode, device_blocks: int, batch: int = 16
         SchedulerConfig(max_batch_size=batch),
         KVCacheConfig(block_size=BLOCK_SIZE, num_device_blocks=device_blocks,
                       num_host_blocks=HOST_POOL, swap_mode=mode),
-        PROFILE, eos_token_id=TINY.eos_token_id)
+        PROFILE, eos_token_ids=frozenset({TINY.eos_token_id}))
     executor = InProcessExecutor(ModelSpec(TINY, device_blocks, HOST_POOL, BLOCK_SIZE, seed=SEED))
     engine = Engine(scheduler, ThreadedExecutor(executor))
     await engine.start()
@@ -103,7 +103,7 @@ def test_abort_mid_generation_frees_every_block() -> None:
             SchedulerConfig(), KVCacheConfig(block_size=BLOCK_SIZE,
                                              num_device_blocks=SMALL_DEVICE_POOL,
                                              num_host_blocks=HOST_POOL),
-            PROFILE, eos_token_id=TINY.eos_token_id)
+            PROFILE, eos_token_ids=frozenset({TINY.eos_token_id}))
         engine = Engine(scheduler, ThreadedExecutor(
             InProcessExecutor(ModelSpec(TINY, SMALL_DEVICE_POOL, HOST_POOL, BLOCK_SIZE, seed=SEED))))
         await engine.start()

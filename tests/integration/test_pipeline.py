@@ -447,7 +447,7 @@ def test_scheduler_engine_drives_the_pipeline(ray_local: None) -> None:
 
     async def generate(executor: Any) -> dict[str, list[int]]:
         kv = KVCacheConfig(block_size=BLOCK_SIZE, num_device_blocks=SMALL_DEVICE_POOL, num_host_blocks=HOST_POOL)
-        scheduler = Scheduler(SchedulerConfig(), kv, profile, eos_token_id=TINY.eos_token_id)
+        scheduler = Scheduler(SchedulerConfig(), kv, profile, eos_token_ids=frozenset({TINY.eos_token_id}))
         engine = engine_mod.Engine(scheduler, executor)
         await engine.start()
         try:

@@ -43,7 +43,8 @@ def scheduler() -> Scheduler:
     from app.scheduler.profile import Profile
 
     kv = KVCacheConfig(block_size=BLOCK_SIZE, num_device_blocks=DEVICE_POOL, num_host_blocks=HOST_POOL)
-    return Scheduler(SchedulerConfig(), kv, Profile.from_dict(PROFILE_DICT), eos_token_id=TINY.eos_token_id)
+    return Scheduler(SchedulerConfig(), kv, Profile.from_dict(PROFILE_DICT),
+                     eos_token_ids=frozenset({TINY.eos_token_id}))
 
 
 async def generate(engine: Engine, on_progress: Any = None) -> dict[str, list[int]]:

@@ -49,7 +49,7 @@ async def collect(engine: Engine, jobs: dict[str, tuple[list[int], SamplingParam
 
 def tiny_scheduler() -> Scheduler:
     kv = KVCacheConfig(block_size=BLOCK_SIZE, num_device_blocks=DEVICE_BLOCKS, num_host_blocks=HOST_BLOCKS)
-    return Scheduler(SchedulerConfig(), kv, PROFILE, eos_token_id=TINY.eos_token_id)
+    return Scheduler(SchedulerConfig(), kv, PROFILE, eos_token_ids=frozenset({TINY.eos_token_id}))
 
 
 def greedy(n: int) -> SamplingParams:

@@ -203,7 +203,7 @@ async def _serve(policy: PolicyName, mode: SwapMode, chunk: int | None,
                                                                chunk_tokens=chunk or 1))
     kv = KVCacheConfig(block_size=BLOCK, num_device_blocks=device_blocks, num_host_blocks=64,
                        swap_mode=mode)
-    scheduler = Scheduler(cfg, kv, PROFILE, TINY.eos_token_id)
+    scheduler = Scheduler(cfg, kv, PROFILE, frozenset({TINY.eos_token_id}))
     watch = WatchingExecutor(_executor(device_blocks))
     engine = Engine(scheduler, ThreadedExecutor(watch))
     tokens: dict[str, list[int]] = {}
@@ -262,7 +262,7 @@ def _drive(chunk: int | None) -> tuple[dict[str, list[int]], PricedExecutor]:
                           chunked_prefill=ChunkedPrefillConfig(enabled=chunk is not None,
                                                                chunk_tokens=chunk or 1))
     kv = KVCacheConfig(block_size=BLOCK, num_device_blocks=16, num_host_blocks=64)
-    s = Scheduler(cfg, kv, PROFILE, TINY.eos_token_id)
+    s = Scheduler(cfg, kv, PROFILE, frozenset({TINY.eos_token_id}))
     ex = PricedExecutor(_executor(16))
     arrivals = [(0.0, JobRequest("long", PROMPT, GREEDY))] + [
         (0.015 + 0.001 * i, JobRequest(f"s{i}", (2, 9 + i, 30 + i, 4), SamplingParams(
@@ -284,7 +284,7 @@ def test_chunks_are_service_in_the_level_the_whole_prompt_chose() -> None:
     cfg = SchedulerConfig(max_batch_size=4, max_num_batched_tokens=16,
                           chunked_prefill=ChunkedPrefillConfig(enabled=True, chunk_tokens=16))
     s = Scheduler(cfg, KVCacheConfig(block_size=4, num_device_blocks=64, num_host_blocks=64),
-                  PROFILE, eos_token_id=1)
+                  PROFILE, eos_token_ids=frozenset({1}))
     job = s.add(JobRequest("a", PROMPT, GREEDY), 0.0)
     assert job.level == s.policy.entry_level(job)      # skip-join from t_init(41), not of a chunk
     assert PROFILE.t_init(len(PROMPT)) <= s.policy.quanta()[job.level - 1]

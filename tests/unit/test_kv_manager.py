@@ -145,7 +145,7 @@ def _four_jobs(mode: SwapMode = "proactive", reserved: int = 9) -> Scheduler:
                                   quantum_basis="iteration"),
                   KVCacheConfig(block_size=8, num_device_blocks=16, num_host_blocks=32,
                                 reserved_blocks=reserved, swap_mode=mode),
-                  PROFILE, eos_token_id=2)
+                  PROFILE, eos_token_ids=frozenset({2}))
     for name, prompt in (("p", 8), ("q", 16), ("r", 32), ("s4", 64)):
         s.add(req(name, prompt, max_tokens=8), 0.0)
     plan, _ = step(s, 0.0, 0.5)
@@ -252,7 +252,7 @@ def test_a_promoted_job_on_the_host_takes_only_an_empty_batch_slot(
     s = Scheduler(SchedulerConfig(max_batch_size=batch, starvation_alpha_s=1000.0,
                                   quantum_basis="iteration"),
                   KVCacheConfig(block_size=8, num_device_blocks=16, num_host_blocks=32,
-                                reserved_blocks=7), PROFILE, eos_token_id=2)
+                                reserved_blocks=7), PROFILE, eos_token_ids=frozenset({2}))
     s.add(req("p", 64, max_tokens=8), 0.0)
     step(s, 0.0, 7.0)
     s.applier.apply(Decision(1, BatchDecision(), SwapDecision(swap_out=["p"])), 7.0, Applied())
@@ -273,7 +273,7 @@ def test_a_promoted_job_on_the_host_takes_only_an_empty_batch_slot(
 def test_adaptive_reserve_follows_recent_arrivals() -> None:
     s = Scheduler(SchedulerConfig(), KVCacheConfig(
         block_size=8, num_device_blocks=40, num_host_blocks=40, reserved_blocks=2,
-        adaptive_reserve=True, adaptive_window_s=1.0, adaptive_max_fraction=0.25), PROFILE, 2)
+        adaptive_reserve=True, adaptive_window_s=1.0, adaptive_max_fraction=0.25), PROFILE, frozenset({2}))
     for name, prompt in (("a", 8), ("b", 16), ("c", 24)):    # 1 + 2 + 3 prompt blocks
         s.add(req(name, prompt), 0.0)
     assert s.reserve_blocks(0.5) == 2 + 6

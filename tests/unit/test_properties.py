@@ -121,7 +121,7 @@ def check_random_load(policy: PolicyName, mode: SwapMode, case: Workload,
         KVCacheConfig(block_size=setup.block, num_device_blocks=setup.device,
                       num_host_blocks=setup.host, swap_mode=mode,
                       reserved_blocks=setup.reserved),
-        PROFILE, eos_token_id=EOS)
+        PROFILE, eos_token_ids=frozenset({EOS}))
     ever_admitted: set[str] = set()
     inflight: dict[int, BatchPlan] = {}
     full_before: list[bool] = [False]   # both tiers full when the next decision starts

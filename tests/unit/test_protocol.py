@@ -207,7 +207,7 @@ def sse_events(resp: httpx.Response) -> list[Any]:
     return out
 
 
-TEXT_IDS = TOK.encode(" Hello world. STOP here", add_bos=False)
+TEXT_IDS = TOK.encode(" Hello world. STOP here", add_special_tokens=False)
 
 
 def test_completion_response_has_text_usage_and_job_stats() -> None:

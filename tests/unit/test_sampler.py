@@ -60,11 +60,11 @@ def test_bad_params_name_the_value(params: SamplingParams, message: str) -> None
 
 def test_finish_reasons() -> None:
     p = SamplingParams(max_tokens=3, stop_token_ids=(7,))
-    assert p.finish_reason(2, 1, eos_token_id=2) == "stop"
-    assert p.finish_reason(7, 1, eos_token_id=2) == "stop"
-    assert p.finish_reason(5, 2, eos_token_id=2) is None
-    assert p.finish_reason(5, 3, eos_token_id=2) == "length"
-    assert SamplingParams(ignore_eos=True).finish_reason(2, 1, eos_token_id=2) is None
+    assert p.finish_reason(2, 1, eos_token_ids=frozenset({2})) == "stop"
+    assert p.finish_reason(7, 1, eos_token_ids=frozenset({2})) == "stop"
+    assert p.finish_reason(5, 2, eos_token_ids=frozenset({2})) is None
+    assert p.finish_reason(5, 3, eos_token_ids=frozenset({2})) == "length"
+    assert SamplingParams(ignore_eos=True).finish_reason(2, 1, eos_token_ids=frozenset({2})) is None
 
 
 def test_a_row_with_non_finite_logits_gets_none_and_the_others_are_unchanged() -> None:

@@ -60,7 +60,7 @@ def make(policy: PolicyName = "skip_join_mlfq", *, batch: int = 16, alpha: float
                         quantum_basis=basis, **extra),
         KVCacheConfig(block_size=block, num_device_blocks=device, num_host_blocks=host,
                       swap_mode=mode),
-        profile, eos_token_id=EOS)
+        profile, eos_token_ids=frozenset({EOS}))
 
 
 def step(s: Scheduler, now: float, total: float) -> tuple[BatchPlan, list[TokenDelta]]:
@@ -507,7 +507,7 @@ def test_engine_streams_tokens_and_abort_frees_blocks() -> None:
     async def run() -> None:
         s = make(device=256, block=4)
         engine = Engine(s, ThreadedExecutor(CostModelExecutor(PROFILE, constant_tokens(TOKEN))))
-        assert engine.eos_token_id == EOS
+        assert engine.eos_token_ids == frozenset({EOS})
         await engine.start()
         done = engine.add_request(range(3, 11), greedy(5), job_id="done")
         gone = engine.add_request(range(3, 11), greedy(900), job_id="gone")

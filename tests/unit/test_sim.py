@@ -134,7 +134,7 @@ def _sim_order(policy: PolicyName, batch: int) -> list[str]:
 
 async def _engine_order(policy: PolicyName, batch: int) -> list[str]:
     sched_cfg, kv_cfg = _order_configs(policy, batch)
-    scheduler = Scheduler(sched_cfg, kv_cfg, ORDER_PROFILE, TINY.eos_token_id)
+    scheduler = Scheduler(sched_cfg, kv_cfg, ORDER_PROFILE, frozenset({TINY.eos_token_id}))
     executor = InProcessExecutor(ModelSpec(TINY, num_device_blocks=ORDER_BLOCKS, num_host_blocks=ORDER_BLOCKS,
                                  block_size=ORDER_BLOCK))
     engine = Engine(scheduler, ThreadedExecutor(executor))

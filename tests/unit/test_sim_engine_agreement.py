@@ -91,7 +91,7 @@ def _simulate(policy: PolicyName) -> tuple[list[str], dict[str, JobStats], dict[
 
 async def _engine(policy: PolicyName) -> tuple[list[str], dict[str, JobStats], dict[str, int]]:
     sched_cfg, kv_cfg = _configs(policy)
-    scheduler = Scheduler(sched_cfg, kv_cfg, PROFILE, TINY.eos_token_id)
+    scheduler = Scheduler(sched_cfg, kv_cfg, PROFILE, frozenset({TINY.eos_token_id}))
     clock = VirtualClock()
     real = InProcessExecutor(ModelSpec(TINY, num_device_blocks=DEVICE_BLOCKS, num_host_blocks=HOST_BLOCKS,
                              block_size=BLOCK))

@@ -1,4 +1,5 @@
-"""The OPT tokenizer reproduces HF's ids offline; streaming text equals the full decode."""
+"""The OPT tokenizer (vocab.json + merges.txt, no tokenizer.json) reproduces HF's ids offline;
+streaming text equals the full decode; its chat format is the project's fallback."""
 
 from __future__ import annotations
 
@@ -10,12 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.tokenizer import (
-    DEFAULT_TOKENIZER_DIR,
-    IncrementalDecoder,
-    Tokenizer,
-    apply_chat_template,
-)
+from app.chat_template import ChatTemplateError, apply_chat_template
+from app.tokenizer import DEFAULT_TOKENIZER_DIR, IncrementalDecoder, Tokenizer, TokenizerLoadError
 
 VECTORS_FILE = DEFAULT_TOKENIZER_DIR.parent / "tokenizer_test_vectors.json"
 OPT_VOCAB_SIZE = 50265
@@ -61,7 +58,7 @@ def test_vectors_file_has_opt_vectors() -> None:
 
 @pytest.mark.parametrize("vector", OPT_VECTORS, ids=lambda v: v["text"][:24])
 def test_opt_vector_encode(tok: Tokenizer, vector: dict[str, Any]) -> None:
-    assert tok.encode(vector["text"], add_bos=False) == vector["ids"]
+    assert tok.encode(vector["text"], add_special_tokens=False) == vector["ids"]
     expected_with_bos = vector.get("ids_hf_with_bos", [BOS, *vector["ids"]])
     assert tok.encode(vector["text"]) == expected_with_bos
 
@@ -92,25 +89,26 @@ def test_default_is_cached_and_from_dir_matches(tok: Tokenizer) -> None:
 
 
 def test_from_dir_missing_files(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(TokenizerLoadError, match=f"{tmp_path}: no tokenizer.json, and no "
+                                                 "vocab.json \\+ merges.txt"):
         Tokenizer.from_dir(tmp_path)
 
 
 def test_add_prefix_space_is_false(tok: Tokenizer) -> None:
-    assert tok.encode("Hello", add_bos=False) != tok.encode(" Hello", add_bos=False)
-    assert tok.encode(" leading space", add_bos=False) == [981, 980]
+    assert tok.encode("Hello", add_special_tokens=False) != tok.encode(" Hello", add_special_tokens=False)
+    assert tok.encode(" leading space", add_special_tokens=False) == [981, 980]
 
 
 def test_eos_text_is_special_like_hf(tok: Tokenizer) -> None:
     # HF splits registered special tokens out of the text before BPE.
-    ids = tok.encode("a</s>b", add_bos=False)
-    assert ids == [tok.encode("a", add_bos=False)[0], EOS, tok.encode("b", add_bos=False)[0]]
+    ids = tok.encode("a</s>b", add_special_tokens=False)
+    assert ids == [tok.encode("a", add_special_tokens=False)[0], EOS, tok.encode("b", add_special_tokens=False)[0]]
     assert tok.decode(ids) == "ab"
     assert tok.decode(ids, skip_special_tokens=False) == "a</s>b"
 
 
 def test_decode_skips_specials_and_unknown_ids(tok: Tokenizer) -> None:
-    body = tok.encode("hello there", add_bos=False)
+    body = tok.encode("hello there", add_special_tokens=False)
     ids = [BOS, *body, EOS, PAD, MODEL_EMBEDDING_ROWS - 1]
     assert tok.decode(ids) == "hello there"
     assert tok.decode(ids, skip_special_tokens=False) == "</s>hello there</s><pad>"
@@ -136,38 +134,39 @@ def test_round_trip(tok: Tokenizer, text: str) -> None:
 def test_encode_batch_matches_encode(tok: Tokenizer) -> None:
     texts = ["one", "two words", *MULTIBYTE_TEXTS]
     assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
-    assert tok.encode_batch(texts, add_bos=False) == [tok.encode(t, add_bos=False) for t in texts]
+    assert tok.encode_batch(texts, add_special_tokens=False) == [tok.encode(t, add_special_tokens=False) for t in texts]
 
 
 @pytest.mark.parametrize("text", MULTIBYTE_TEXTS)
 def test_stream_holds_back_split_characters(tok: Tokenizer, text: str) -> None:
-    ids = tok.encode(text, add_bos=False)
+    ids = tok.encode(text, add_special_tokens=False)
     deltas = _stream(tok, ids)
     assert "".join(deltas) == tok.decode(ids) == text
     assert all("\ufffd" not in d for d in deltas)
 
 
 def test_stream_emoji_split_across_tokens(tok: Tokenizer) -> None:
-    # The 4 bytes of U+1F600 are spread over two tokens: the first yields only the space.
-    ids = tok.encode(" 😀", add_bos=False)
+    # The 4 bytes of U+1F600 are spread over two tokens (" \xf0\x9f", "\x98\x80"): DecodeStream
+    # holds the first token whole until the character completes.
+    ids = tok.encode(" 😀", add_special_tokens=False)
     assert len(ids) == 2
     decoder = IncrementalDecoder(tok, [BOS])
-    assert decoder.step(ids[0]) == " "
+    assert decoder.step(ids[0]) == ""
     assert decoder.has_pending_bytes
-    assert decoder.step(ids[1]) == "😀"
+    assert decoder.step(ids[1]) == " 😀"
     assert not decoder.has_pending_bytes
     assert decoder.flush() == ""
 
 
 def test_stream_truncated_character_flushes_replacement(tok: Tokenizer) -> None:
-    ids = tok.encode(" 😀", add_bos=False)[:1]
+    ids = tok.encode(" 😀", add_special_tokens=False)[:1]
     deltas = _stream(tok, ids)
-    assert deltas == [" ", "\ufffd"]
+    assert deltas == ["", " \ufffd"]
     assert "".join(deltas) == tok.decode(ids)
 
 
 def test_extend_matches_steps(tok: Tokenizer) -> None:
-    ids = tok.encode(MULTIBYTE_TEXTS[2], add_bos=False)
+    ids = tok.encode(MULTIBYTE_TEXTS[2], add_special_tokens=False)
     decoder = IncrementalDecoder(tok, [])
     assert decoder.extend(ids) + decoder.flush() == MULTIBYTE_TEXTS[2]
     assert decoder.output_ids == ids
@@ -186,7 +185,7 @@ def test_stream_equals_decode_for_any_ids(ids: list[int]) -> None:
 @given(st.text(max_size=60))
 def test_round_trip_any_text(text: str) -> None:
     tok = Tokenizer.default()
-    ids = tok.encode(text, add_bos=False)
+    ids = tok.encode(text, add_special_tokens=False)
     # Text containing "</s>"/"<pad>" is tokenized as specials, which decode() skips by default.
     assert tok.decode(ids, skip_special_tokens=False) == text
     assert "".join(_stream(tok, ids, skip_special_tokens=False)) == text
@@ -215,5 +214,11 @@ def test_chat_template_minimal_and_empty() -> None:
     [{"role": "tool", "content": "x"}, {"content": "x"}, {"role": "user"}],
 )
 def test_chat_template_rejects_bad_messages(message: dict[str, str]) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ChatTemplateError, match="message 0: "):
         apply_chat_template([message])
+
+
+def test_opt_ships_no_template_so_chat_uses_the_fallback_with_bos(tok: Tokenizer) -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    assert tok.encode_chat(messages) == tok.encode("User: Hi\nAssistant:") == \
+        [BOS, *tok.encode("User: Hi\nAssistant:", add_special_tokens=False)]

@@ -1,0 +1,1 @@
+"""Shared set-up for tests (no test functions here)."""

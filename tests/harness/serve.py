@@ -1,0 +1,179 @@
+"""Starting a real server for integration tests: a private Ray head (``ray start --head --block``,
+small object store, explicit CPUs and ports) and ``serve run`` on a copy of a config that differs
+only in ``http_options.port`` (a free port, so a test never collides with a server on 8000).
+Teardown stops exactly the processes it started, walking their process trees: ``ray stop`` would
+also kill every other Ray on the machine.
+
+Moved here from ``tests/integration/test_serve.py`` (which re-exports every name, so modules that
+import them from there keep working).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from app.config import API_KEY_ENV
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+MODEL = "opt-125m"
+API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+RAY_CPUS = "8"
+OBJECT_STORE_BYTES = "200000000"
+STARTUP_TIMEOUT_S = 240.0
+#: How often Ray's workers report metrics to their node's agent (Ray's default is 10 s).
+METRICS_REPORT_MS = "500"
+REQUEST_TIMEOUT_S = 180.0
+
+
+# ---- the server: ray start + serve run, torn down by process tree -----------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _proc_table() -> dict[int, tuple[int, str]]:
+    """pid -> (ppid, start time) of every process we can see."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        table[int(entry)] = (int(fields[1]), fields[19])
+    return table
+
+
+def _tree(root: int) -> dict[int, str]:
+    """``root`` and all its descendants: pid -> start time (to never signal a reused pid)."""
+    table = _proc_table()
+    out, frontier = {}, [root]
+    while frontier:
+        pid = frontier.pop()
+        if pid in table and pid not in out:
+            out[pid] = table[pid][1]
+            frontier += [p for p, (ppid, _) in table.items() if ppid == pid]
+    return out
+
+
+def _signal_all(pids: dict[int, str], sig: int) -> None:
+    table = _proc_table()
+    for pid, started in pids.items():
+        if table.get(pid, (0, ""))[1] == started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+
+def _alive(pids: dict[int, str]) -> list[int]:
+    table = _proc_table()
+    alive = []
+    for pid, started in pids.items():
+        if table.get(pid, (0, ""))[1] != started:
+            continue
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z":
+                alive.append(pid)
+        except OSError:
+            pass
+    return alive
+
+
+def stop_tree(proc: subprocess.Popen[bytes], grace_s: float) -> None:
+    """SIGTERM a process and all its descendants, SIGKILL what outlives ``grace_s``."""
+    pids = _tree(proc.pid)
+    _signal_all(pids, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids.update(_tree(proc.pid))   # anything started meanwhile
+    _signal_all(pids, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
+@dataclass
+class Server:
+    base: str
+    log: Path
+    ray_address: str
+
+    def url(self, path: str) -> str:
+        return self.base + path
+
+
+def _wait_for(what: str, check: Callable[[], bool], timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except (httpx.HTTPError, OSError):
+            pass
+        time.sleep(1.0)
+    tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""
+    raise AssertionError(f"{what} not within {timeout:.0f} s; log tail:\n{tail}")
+
+
+@contextlib.contextmanager
+def serve_app(tmp: Path, config: dict[str, Any], health_path: str = "/health", model: str = MODEL) -> Iterator[Server]:
+    """A private Ray head and ``serve run`` of ``config`` (on a free port), stopped afterwards;
+    ready once ``model`` answers a first completion."""
+    gcs, http = free_port(), free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", API_KEY_ENV: API_KEY, "RAY_ADDRESS": f"127.0.0.1:{gcs}",
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "RAY_metrics_report_interval_ms": METRICS_REPORT_MS}
+    config = copy.deepcopy(config)
+    config["http_options"]["port"] = http
+    config_path = tmp / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    ray_log, serve_log = tmp / "ray.log", tmp / "serve.log"
+    head = subprocess.Popen(
+        [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
+         "--num-cpus", RAY_CPUS, "--object-store-memory", OBJECT_STORE_BYTES, "--include-dashboard", "false",
+         "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port())],
+        cwd=ROOT, env=env, stdout=ray_log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    serve_run: subprocess.Popen[bytes] | None = None
+    try:
+        _wait_for("ray start", lambda: "--block" in ray_log.read_text(errors="replace"), 90, ray_log)
+        serve_run = subprocess.Popen([str(BIN / "serve"), "run", str(config_path)], cwd=ROOT, env=env,
+                                     stdout=serve_log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+        srv = Server(f"http://127.0.0.1:{http}", serve_log, f"127.0.0.1:{gcs}")
+        _wait_for(health_path, lambda: httpx.get(srv.url(health_path), timeout=5).status_code == 200,
+                  STARTUP_TIMEOUT_S, serve_log)
+
+        def scheduler_ready() -> bool:
+            resp = httpx.post(srv.url("/v1/completions"), headers=AUTH, timeout=REQUEST_TIMEOUT_S,
+                              json={"model": model, "prompt": "warm up", "max_tokens": 1})
+            return resp.status_code == 200
+        _wait_for("a first completion", scheduler_ready, STARTUP_TIMEOUT_S, serve_log)
+        yield srv
+    finally:
+        if serve_run is not None:
+            stop_tree(serve_run, grace_s=5)
+        stop_tree(head, grace_s=10)
+        # `ray start` recorded our head as this machine's current cluster; a later plain
+        # `serve run` would try to join it (what `ray stop` cleans up, for our cluster only).
+        current = Path("/tmp/ray/ray_current_cluster")
+        with contextlib.suppress(OSError):
+            if current.read_text().strip() == f"127.0.0.1:{gcs}":
+                current.unlink()
