@@ -199,3 +199,17 @@ def test_n_streaming_chat_every_choice_indexed_with_usage_at_the_end() -> None:
             finishes[choice["index"]] = choice["finish_reason"]
     assert roles == [0, 1] and finishes == {0: "length", 1: "length"}
     assert text == {i: TOK.decode([t + (3 + i) % 7 for t in IDS]) for i in range(2)}
+
+
+def test_stop_strings_are_not_checked_before_min_tokens() -> None:
+    assert len(IDS) == 2 and TOK.decode(IDS[:1]) == "Hello"
+    cut = post(script(), CMPL, body(False, stop="Hello")).json()["choices"][0]
+    assert (cut["text"], cut["finish_reason"]) == ("", "stop")
+    held = post(script(), CMPL, body(False, stop="Hello", min_tokens=1)).json()["choices"][0]
+    assert (held["text"], held["finish_reason"]) == ("Hello world", "length")
+
+
+def test_stop_string_cut_trims_the_logprobs_with_the_tokens() -> None:
+    choice = post(script(), CHAT, body(True, stop=" world", logprobs=True)).json()["choices"][0]
+    assert choice["message"]["content"] == "Hello"
+    assert [e["token"] for e in choice["logprobs"]["content"]] == ["Hello", " world"]
