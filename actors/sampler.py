@@ -143,30 +143,39 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
                     contexts: Sequence[SamplingContext]) -> torch.Tensor:
     """Rows of ``logits`` ([rows, vocab]) with vLLM's penalties: repetition first (over prompt
     and generated tokens: a positive logit divided by it, a negative one multiplied), then
-    ``- frequency * count - presence * [count > 0]`` over generated tokens."""
+    ``- frequency * count - presence * [count > 0]`` over generated tokens.
+
+    Sparse: only the (row, token) pairs a history names are read and written, so the cost grows
+    with the histories, not with rows x vocabulary."""
     rows, vocab = logits.shape
-    logits = logits.float()
-    counts = torch.zeros(rows, vocab, dtype=logits.dtype)
-    lengths = torch.tensor([len(c.output_ids) for c in contexts])
-    if int(lengths.sum()):
-        row_of = torch.repeat_interleave(torch.arange(rows), lengths)
-        ids = torch.tensor([t for c in contexts for t in c.output_ids], dtype=torch.long)
-        counts.index_put_((row_of, ids), torch.ones(len(ids), dtype=logits.dtype), accumulate=True)
-    seen = counts > 0
-    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype)
-    if bool((repetition != 1.0).any()):
-        in_prompt = torch.zeros(rows, vocab, dtype=torch.bool)
-        plens = torch.tensor([len(c.prompt_ids) for c in contexts])
-        if int(plens.sum()):
-            prow = torch.repeat_interleave(torch.arange(rows), plens)
-            pids = torch.tensor([t for c in contexts for t in c.prompt_ids], dtype=torch.long)
-            in_prompt[prow, pids] = True
-        r = repetition.unsqueeze(1)
-        penalized = torch.where(logits > 0, logits / r, logits * r)
-        logits = torch.where(seen | in_prompt, penalized, logits)
-    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype).unsqueeze(1)
-    presence = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype).unsqueeze(1)
-    return logits - frequency * counts - presence * seen.to(logits.dtype)
+    out = logits.float().clone()
+    flat = out.view(-1)
+    out_keys = _keys([c.output_ids for c in contexts], vocab)
+    all_keys = torch.cat([out_keys, _keys([c.prompt_ids for c in contexts], vocab)])
+    if not all_keys.numel():
+        return out
+    keys = torch.unique(all_keys)                      # sorted (row, token) pairs
+    counts = torch.zeros(keys.numel(), dtype=out.dtype)
+    if out_keys.numel():
+        named, times = torch.unique(out_keys, return_counts=True)
+        counts[torch.searchsorted(keys, named)] = times.to(out.dtype)
+    row_of = keys // vocab
+    values = flat[keys]
+    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=out.dtype)[row_of]
+    values = torch.where(values > 0, values / repetition, values * repetition)
+    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=out.dtype)[row_of]
+    presence = torch.tensor([p.presence_penalty for p in params], dtype=out.dtype)[row_of]
+    flat[keys] = values - frequency * counts - presence * (counts > 0).to(out.dtype)
+    return out
+
+
+def _keys(histories: Sequence[tuple[int, ...]], vocab: int) -> torch.Tensor:
+    """``row * vocab + token`` for every token of every row's history (flat-index keys)."""
+    lengths = torch.tensor([len(h) for h in histories], dtype=torch.long)
+    if not int(lengths.sum()):
+        return torch.zeros(0, dtype=torch.long)
+    tokens = torch.tensor([t for h in histories for t in h], dtype=torch.long)
+    return torch.repeat_interleave(torch.arange(len(histories)) * vocab, lengths) + tokens
 
 
 def gather_logprobs(raw: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams],
