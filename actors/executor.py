@@ -77,7 +77,7 @@ class InProcessExecutor:
     def execute(self, plan: BatchPlan) -> StepOutput:
         result = self.runner.run(plan, None, sample=True)
         self.steps += 1
-        return StepOutput(plan.step_id, result.tokens, result.timings)
+        return StepOutput(plan.step_id, result.tokens, result.timings, result.logprobs)
 
     def close(self) -> None:
         self.kv.close()

@@ -9,6 +9,7 @@ for its own layers and heads, so one plan addresses the whole pipeline.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -34,6 +35,15 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
     ``seed`` makes sampling reproducible: the same seed and prompt give the same tokens, whatever
     else shares the batch (each step draws from a generator seeded by ``(seed, step index)``).
+    ``min_p`` (0 disables it) drops tokens less likely than ``min_p`` times the most likely one.
+
+    ``min_tokens``: neither EOS nor a ``stop_token_ids`` token can end the job before it has
+    generated that many tokens (the sampler masks them, ``BatchEntry.context.suppress_ids``).
+    Penalties follow vLLM: ``presence_penalty`` / ``frequency_penalty`` (OpenAI, over generated
+    tokens) subtract ``presence * [count > 0] + frequency * count``; ``repetition_penalty`` (HF,
+    over prompt and generated tokens) divides positive logits by it and multiplies negative ones.
+    ``logprobs`` (None = not asked) returns the sampled token's log-probability and that many
+    most likely alternatives, of the model's raw distribution (before penalties and temperature).
     """
 
     max_tokens: int = 16
@@ -43,6 +53,12 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the offending value."""
@@ -56,20 +72,73 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.seed is not None and self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether sampling needs the job's token history (``SamplingContext``)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def context(self, prompt_ids: tuple[int, ...], generated: Sequence[int],
+                eos_token_ids: frozenset[int]) -> SamplingContext | None:
+        """What the next step's sampling needs beyond these params (None: nothing, the common
+        case): the history penalties read, and EOS and stop ids while short of ``min_tokens``."""
+        suppress: tuple[int, ...] = ()
+        if len(generated) < self.min_tokens:
+            suppress = self.stop_token_ids + (() if self.ignore_eos else tuple(sorted(eos_token_ids)))
+        if not suppress and not self.uses_penalties:
+            return None
+        return SamplingContext(tuple(generated) if self.uses_penalties else (),
+                               prompt_ids if self.repetition_penalty != 1.0 else (), suppress)
+
     def finish_reason(self, token_id: int, num_generated: int,
                       eos_token_ids: frozenset[int]) -> FinishReason | None:
         """Whether generation stops after emitting ``token_id`` as the ``num_generated``-th token;
-        every id of the model's ``eos_token_ids`` stops it (unless ``ignore_eos``)."""
-        if (not self.ignore_eos and token_id in eos_token_ids) or token_id in self.stop_token_ids:
+        every id of the model's ``eos_token_ids`` stops it (unless ``ignore_eos``).
+
+        Before ``min_tokens`` tokens nothing but ``max_tokens`` ends the job (as vLLM's stop check;
+        the sampler masks EOS and stop ids until then, so they are not sampled)."""
+        stop_token = (not self.ignore_eos and token_id in eos_token_ids) or token_id in self.stop_token_ids
+        if stop_token and num_generated >= self.min_tokens:
             return "stop"
         if num_generated >= self.max_tokens:
             return "length"
         return None
+
+
+@dataclass(frozen=True)
+class SamplingContext:
+    """What one row's sampling needs beyond its ``SamplingParams``; sent only for a row that uses it.
+
+    The data plane keeps no per-job state, so a job whose sampling uses penalties sends its
+    history each step: ``output_ids`` (generated so far: presence, frequency and repetition
+    penalties) and ``prompt_ids`` (repetition penalty only). ``suppress_ids`` are tokens masked
+    this step: EOS and ``stop_token_ids`` while the job has fewer than ``min_tokens`` tokens.
+    """
+
+    output_ids: tuple[int, ...] = ()
+    prompt_ids: tuple[int, ...] = ()
+    suppress_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The sampled token's log-probability and the ``top`` most likely ``(token id, logprob)``
+    pairs, most likely first (of the raw model distribution; see ``SamplingParams.logprobs``)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,6 +165,8 @@ class BatchEntry:
     #: Whether this entry's last position is sampled: False only for a prefill chunk that is not
     #: its first iteration's last (its logits are discarded; ``StepOutput.tokens`` omits it).
     samples: bool = True
+    #: Penalty history and masked tokens, only for an entry whose sampling needs them.
+    context: SamplingContext | None = None
 
     @property
     def context_len(self) -> int:
@@ -154,9 +225,12 @@ class StepOutput:
 
     ``timings`` holds seconds by phase: ``swap_wait`` (forward blocked on a swap touching its
     blocks), ``forward``, ``sample``, ``swap_tail`` (waiting for swaps after the forward), ``total``.
+    ``logprobs`` holds the sampled tokens' log-probabilities for the jobs that asked.
     """
 
     step_id: int
     tokens: dict[str, int]
     timings: dict[str, float] = field(default_factory=dict)
+    #: Only for the jobs whose sampling asked for logprobs (``SamplingParams.logprobs``).
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
 

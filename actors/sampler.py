@@ -1,8 +1,16 @@
-"""Token sampling for one batch: greedy, temperature, top-k, top-p and per-request seeds.
+"""Token sampling for one batch: penalties, min_tokens masking, greedy, temperature, min-p,
+top-k, top-p, per-request seeds, and logprobs.
 
-Greedy rows take the argmax. Other rows are scaled by temperature, filtered by top-k then top-p
-(the smallest set of tokens whose probability reaches ``top_p``; the most likely token always
-survives), and sampled. A request with a ``seed`` draws from a generator seeded by
+In vLLM's order: the logprobs a row asked for are taken from the raw logits (``log_softmax``
+before anything below changes them); then a row with a ``SamplingContext`` gets its repetition,
+frequency and presence penalties and its ``min_tokens`` mask (EOS and stop ids at -inf); then
+greedy rows take the argmax. Other rows are scaled by temperature, filtered by min-p, top-k then
+top-p (the smallest set of tokens whose probability reaches ``top_p``; the most likely token always
+survives), and sampled.
+
+A batch whose rows use none of these features pays nothing for them: the raw logits are neither
+copied nor normalised, and the adjustments and ``log_softmax`` run only over the rows that ask
+(one vectorised pass per group). A request with a ``seed`` draws from a generator seeded by
 ``(seed, step_index)``, so its tokens do not depend on what else shares the batch, on preemption,
 or on recomputation; requests without a seed share the worker's generator.
 
@@ -21,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from actors.messages import SamplingParams
+from actors.messages import SamplingContext, SamplingParams, TokenLogprobs
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio multiplier: spreads (seed, step) over 63 bits
 _SEED_BITS = (1 << 63) - 1
@@ -38,14 +46,28 @@ class Sampler:
         self._shared = torch.Generator().manual_seed(seed)
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-               step_indices: Sequence[int]) -> list[int | None]:
+               step_indices: Sequence[int],
+               contexts: Sequence[SamplingContext | None] | None = None) -> list[int | None]:
         """One token per row of ``logits`` ([batch, vocab], float32); ``None`` for a row that
         could not be sampled (its job alone fails)."""
+        return self.sample_with_logprobs(logits, params, step_indices, contexts)[0]
+
+    def sample_with_logprobs(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], step_indices: Sequence[int],
+        contexts: Sequence[SamplingContext | None] | None = None,
+    ) -> tuple[list[int | None], dict[int, TokenLogprobs]]:
+        """``sample``, plus the logprobs of the rows whose params ask for them, by row index."""
         if logits.shape[0] != len(params):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(params)} requests")
+        if contexts is not None and len(contexts) != len(params):
+            raise ValueError(f"{len(contexts)} sampling contexts for {len(params)} requests")
         # A row holds a NaN or an infinity exactly when its float64 sum is not finite (float32
         # values cannot overflow a float64 sum); one reduction instead of a mask over the vocabulary.
-        finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float64)).tolist()
+        finite: list[bool] = torch.isfinite(logits.sum(dim=-1, dtype=torch.float64)).tolist()
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None and finite[i]]
+        raw_logprobs = torch.log_softmax(logits[lp_rows].float(), dim=-1) if lp_rows else None
+        if contexts is not None:
+            logits = self._adjusted(logits, params, contexts, finite)
         greedy = logits.argmax(dim=-1).tolist()
         out: list[int | None] = []
         for row, (p, step) in enumerate(zip(params, step_indices, strict=True)):
@@ -55,7 +77,39 @@ class Sampler:
                 out.append(int(greedy[row]))
             else:
                 out.append(self._sample_row_or_none(logits[row], p, step))
-        return out
+        if raw_logprobs is None:
+            return out, {}
+        return out, gather_logprobs(raw_logprobs, lp_rows, [params[i] for i in lp_rows],
+                                    [out[i] for i in lp_rows])
+
+    def _adjusted(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                  contexts: Sequence[SamplingContext | None], finite: list[bool]) -> torch.Tensor:
+        """``logits`` with penalties and masks applied to the rows that have a context (a copy;
+        the same tensor when none has). A row whose context names a token outside the
+        vocabulary is marked not ``finite``: its job alone fails."""
+        vocab = logits.shape[-1]
+        rows = []
+        for i, c in enumerate(contexts):
+            if c is None or not finite[i]:
+                continue
+            ids = c.output_ids + c.prompt_ids + c.suppress_ids
+            if ids and (min(ids) < 0 or max(ids) >= vocab):
+                log.warning("sampling context names a token outside the vocabulary of %d", vocab)
+                finite[i] = False
+                continue
+            rows.append(i)
+        if not rows:
+            return logits
+        logits = logits.clone()
+        pen = [i for i in rows if params[i].uses_penalties]
+        if pen:
+            logits[pen] = apply_penalties(logits[pen], [params[i] for i in pen],
+                                          [contexts[i] for i in pen])  # type: ignore[misc]
+        for i in rows:
+            suppress = contexts[i].suppress_ids   # type: ignore[union-attr]
+            if suppress:
+                logits[i, list(suppress)] = float("-inf")
+        return logits
 
     def _sample_row_or_none(self, row: torch.Tensor, p: SamplingParams, step: int) -> int | None:
         try:
@@ -85,9 +139,71 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     return min(index, int(torch.count_nonzero(cdf < total)))
 
 
+def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
+                    contexts: Sequence[SamplingContext]) -> torch.Tensor:
+    """Rows of ``logits`` ([rows, vocab]) with vLLM's penalties: repetition first (over prompt
+    and generated tokens: a positive logit divided by it, a negative one multiplied), then
+    ``- frequency * count - presence * [count > 0]`` over generated tokens.
+
+    Sparse: only the (row, token) pairs a history names are read and written, so the cost grows
+    with the histories, not with rows x vocabulary."""
+    rows, vocab = logits.shape
+    out = logits.float().clone()
+    flat = out.view(-1)
+    out_keys = _keys([c.output_ids for c in contexts], vocab)
+    all_keys = torch.cat([out_keys, _keys([c.prompt_ids for c in contexts], vocab)])
+    if not all_keys.numel():
+        return out
+    keys = torch.unique(all_keys)                      # sorted (row, token) pairs
+    counts = torch.zeros(keys.numel(), dtype=out.dtype)
+    if out_keys.numel():
+        named, times = torch.unique(out_keys, return_counts=True)
+        counts[torch.searchsorted(keys, named)] = times.to(out.dtype)
+    row_of = keys // vocab
+    values = flat[keys]
+    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=out.dtype)[row_of]
+    values = torch.where(values > 0, values / repetition, values * repetition)
+    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=out.dtype)[row_of]
+    presence = torch.tensor([p.presence_penalty for p in params], dtype=out.dtype)[row_of]
+    flat[keys] = values - frequency * counts - presence * (counts > 0).to(out.dtype)
+    return out
+
+
+def _keys(histories: Sequence[tuple[int, ...]], vocab: int) -> torch.Tensor:
+    """``row * vocab + token`` for every token of every row's history (flat-index keys)."""
+    lengths = torch.tensor([len(h) for h in histories], dtype=torch.long)
+    if not int(lengths.sum()):
+        return torch.zeros(0, dtype=torch.long)
+    tokens = torch.tensor([t for h in histories for t in h], dtype=torch.long)
+    return torch.repeat_interleave(torch.arange(len(histories)) * vocab, lengths) + tokens
+
+
+def gather_logprobs(raw: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams],
+                    tokens: Sequence[int | None]) -> dict[int, TokenLogprobs]:
+    """Each asking row's sampled-token logprob and its ``params.logprobs`` most likely tokens
+    (``raw``: the ``log_softmax`` of those rows' raw logits, in ``rows`` order)."""
+    most = max(p.logprobs or 0 for p in params)
+    top_vals: list[list[float]] = []
+    top_ids: list[list[int]] = []
+    if most:
+        values, indices = raw.topk(min(most, raw.shape[-1]), dim=-1)
+        top_vals, top_ids = values.tolist(), indices.tolist()
+    out: dict[int, TokenLogprobs] = {}
+    for k, (row, p, token) in enumerate(zip(rows, params, tokens, strict=True)):
+        if token is None:
+            continue
+        n = p.logprobs or 0
+        top = tuple(zip(top_ids[k][:n], top_vals[k][:n], strict=True)) if n else ()
+        out[row] = TokenLogprobs(float(raw[k, token]), top)
+    return out
+
+
 def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Probabilities after temperature, top-k and top-p (renormalised)."""
+    """Probabilities after temperature, min-p, top-k and top-p (renormalised)."""
     scaled = logits / p.temperature
+    if p.min_p > 0.0:
+        first = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(first < p.min_p * first.max(), float("-inf"))
     if 0 < p.top_k < scaled.numel():
         kth = torch.topk(scaled, p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

@@ -9,12 +9,12 @@ is what lets the control plane treat a plan's output as "its swaps are settled".
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from actors.kv_store import KVStore, SwapHandle
-from actors.messages import BatchPlan
+from actors.messages import BatchPlan, TokenLogprobs
 from actors.model.batch import ForwardBatch
 from actors.model.registry import Stage
 from actors.sampler import Sampler
@@ -23,11 +23,13 @@ from actors.sampler import Sampler
 @dataclass
 class StepResult:
     """What one worker's step produced: the sampled tokens (last stage), the hidden states for
-    the next stage (None if the plan had no entries), and seconds by phase."""
+    the next stage (None if the plan had no entries), seconds by phase, and the logprobs of the
+    jobs that asked."""
 
     tokens: dict[str, int]
     hidden: torch.Tensor | None
     timings: dict[str, float]
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
 
 
 class StageRunner:
@@ -45,17 +47,18 @@ class StageRunner:
         timings: dict[str, float] = {}
         handles = self.begin_swaps(plan)
         tokens: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprobs] = {}
         out: torch.Tensor | None = None
         try:
             if plan.entries:
                 batch = self.build_batch(plan, timings)
                 out = self.forward(batch, hidden, timings)
                 if sample:
-                    tokens = self.sample(plan, batch, out, timings)
+                    tokens, logprobs = self.sample(plan, batch, out, timings)
         finally:
             self.finish_swaps(handles, timings)
         timings["total"] = time.perf_counter() - start
-        return StepResult(tokens, out, timings)
+        return StepResult(tokens, out, timings, logprobs)
 
     def begin_swaps(self, plan: BatchPlan) -> list[SwapHandle]:
         return [self.kv.swap(cmd) for cmd in (*plan.swap_out, *plan.swap_in)]
@@ -78,22 +81,25 @@ class StageRunner:
 
     @torch.inference_mode()
     def sample(self, plan: BatchPlan, batch: ForwardBatch, hidden: torch.Tensor,
-               timings: dict[str, float]) -> dict[str, int]:
+               timings: dict[str, float]) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
         start = time.perf_counter()
         # A prefill chunk short of its first iteration's last samples nothing (its logits would
         # be discarded), so its row is not even projected to the vocabulary.
         rows = [i for i, e in enumerate(plan.entries) if e.samples]
         if not rows:
             timings["sample"] = time.perf_counter() - start
-            return {}
+            return {}, {}
         entries = [plan.entries[i] for i in rows]
         index = batch.sample_index if len(rows) == len(plan.entries) else batch.sample_index[rows]
         logits = self.model.logits(hidden[index])
-        tokens = self.sampler.sample(logits, [e.sampling for e in entries],
-                                     [e.step_index for e in entries])
+        contexts = [e.context for e in entries]
+        tokens, by_row = self.sampler.sample_with_logprobs(
+            logits, [e.sampling for e in entries], [e.step_index for e in entries],
+            contexts if any(c is not None for c in contexts) else None)
         timings["sample"] = time.perf_counter() - start
         # A row that could not be sampled is left out: the scheduler fails that job alone.
-        return {e.job_id: t for e, t in zip(entries, tokens, strict=True) if t is not None}
+        return ({e.job_id: t for e, t in zip(entries, tokens, strict=True) if t is not None},
+                {entries[row].job_id: lp for row, lp in by_row.items()})
 
     def finish_swaps(self, handles: list[SwapHandle], timings: dict[str, float]) -> None:
         start = time.perf_counter()

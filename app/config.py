@@ -226,6 +226,8 @@ class ServerArgs(_Strict):
     #: OpenAI ``stop``: how many strings a request may send, and how long each may be.
     max_stop_strings: int = Field(default=16, ge=1)
     max_stop_string_chars: int = Field(default=256, ge=1)
+    #: OpenAI ``n``: most choices one request may ask for (each is its own job).
+    max_choices: int = Field(default=16, ge=1)
     #: A request still generating after this long ends with a timeout error (and its job is
     #: aborted), whatever the client asked for.
     request_timeout_s: float = Field(default=600.0, gt=0)

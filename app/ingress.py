@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.messages import SamplingParams
 from app.chat_template import ChatTemplateError
+from app.choices import LogprobFormatter, choice_job_id, choice_sampling, merge_logprobs, merged
 from app.config import AppArgs
 from app.delivery import ChannelClient, DeltaStream, MessageStream
 from app.errors import ErrorCode, RequestError, validate_request
@@ -103,7 +104,7 @@ class ServerContext:
         srv = args.server
         limits = RequestLimits(srv.max_request_bytes, srv.max_stop_strings, srv.max_stop_string_chars,
                                srv.request_timeout_s, srv.admission_timeout_s, srv.allow_priority,
-                               srv.health_timeout_s)
+                               srv.health_timeout_s, srv.max_choices)
         return cls(args.model.name, tokenizer, args.model.hf_config().vocab_size,
                    args.model.context_len(), srv.resolved_api_key(), srv.retry_after_s, limits)
 
@@ -146,15 +147,22 @@ class _DeliveryDelay:
 
 @dataclass
 class Prepared:
-    """A parsed HTTP request (what the response needs) and the ``JobRequest`` it asks for."""
+    """A parsed HTTP request (what the response needs) and the ``JobRequest`` it asks for: one
+    per choice (``n``), ``job`` being the first."""
 
     req: CompletionRequest | ChatCompletionRequest
     job: JobRequest
     chat: bool
+    jobs: tuple[JobRequest, ...] = ()
+    rid: str = ""
 
     @property
     def request_id(self) -> str:
-        return self.job.job_id
+        return self.rid or self.job.job_id
+
+    @property
+    def choices(self) -> tuple[JobRequest, ...]:
+        return self.jobs or (self.job,)
 
     @property
     def prompt_ids(self) -> tuple[int, ...]:
@@ -207,7 +215,7 @@ class OpenAIServer:
     def _check_request(self, req: CompletionRequest | ChatCompletionRequest) -> None:
         self._check_model(req.model)
         limits = self.ctx.limits
-        req.check_limits(limits.max_stop_strings, limits.max_stop_string_chars)
+        req.check_limits(limits.max_stop_strings, limits.max_stop_string_chars, limits.max_choices)
         if not limits.allow_priority:
             req.priority = 0   # any caller could jump the queue (server.allow_priority is off)
 
@@ -223,7 +231,14 @@ class OpenAIServer:
             validate_request(ids, sampling, self.ctx.vocab_size, self.ctx.context_len)
         except RequestError as exc:
             raise self.refusal(exc.code, str(exc), "messages" if chat else "prompt") from None
-        return Prepared(req, JobRequest(request_id, tuple(ids), sampling, priority=req.priority), chat)
+        bad = [t for t in sampling.stop_token_ids if not 0 <= t < self.ctx.vocab_size]
+        if bad:
+            raise bad_request(f"stop token id {bad[0]} is outside the vocabulary [0, {self.ctx.vocab_size})",
+                              "stop_token_ids")
+        n = req.num_choices
+        jobs = tuple(JobRequest(choice_job_id(request_id, i, n), tuple(ids), choice_sampling(sampling, i),
+                                priority=req.priority) for i in range(n))
+        return Prepared(req, jobs[0], chat, jobs, request_id)
 
     def refusal(self, code: ErrorCode, message: str, param: str | None) -> APIError:
         """The HTTP answer to a refused request: status, type and code come from ``code``."""
@@ -234,9 +249,23 @@ class OpenAIServer:
 
     # ---- generation ------------------------------------------------------------------------
 
-    async def start(self, prep: Prepared) -> Stream:
+    async def start_all(self, prep: Prepared) -> list[Stream]:
+        """Every choice's job handed to a scheduler; if one is refused, the others are cancelled."""
+        if len(prep.choices) == 1:
+            return [await self.start(prep)]
+        started = await asyncio.gather(*(self.start(prep, job) for job in prep.choices),
+                                       return_exceptions=True)
+        failed = [r for r in started if isinstance(r, BaseException)]
+        if failed:
+            for r in started:
+                if not isinstance(r, BaseException):
+                    r.cancel()
+            raise failed[0]
+        return [r for r in started if not isinstance(r, BaseException)]
+
+    async def start(self, prep: Prepared, job: JobRequest | None = None) -> Stream:
         """Hand the job to a scheduler; raise 429/400 if it refuses."""
-        stream = self.backend.generate(prep.job)
+        stream = self.backend.generate(prep.job if job is None else job)
         try:
             first = await stream.__anext__()
         except BaseException:
@@ -273,8 +302,10 @@ class OpenAIServer:
         ``delivery_s``: the mean delay from the scheduler emitting an event to this replica
         reading it.
         """
-        decoder = IncrementalDecoder(self.ctx.tokenizer, prep.prompt_ids)
+        decoder = IncrementalDecoder(self.ctx.tokenizer, prep.prompt_ids, prep.req.skip_special_tokens)
         matcher = StopStringMatcher(prep.req.stop_strings())
+        min_tokens = prep.req.min_tokens
+        count = 0
         done = False
         outcome = "abort"   # unless it finishes: the client went away, or the stream broke (error)
         delay = _DeliveryDelay()
@@ -284,13 +315,21 @@ class OpenAIServer:
                     continue   # the accepted event
                 delay.observe(delta.emitted_at)
                 text, ids = [], []
-                for token_id in delta.token_ids:
+                # A job the scheduler stopped on EOS or a stop token id: that token counts as
+                # generated but is not text (vLLM).
+                last_silent = delta.finish_reason == "stop"
+                for k, token_id in enumerate(delta.token_ids):
                     ids.append(token_id)
-                    text.append(matcher.push(decoder.step(token_id)))
+                    count += 1
+                    if last_silent and k == len(delta.token_ids) - 1:
+                        break
+                    # vLLM checks stop strings only once min_tokens tokens were generated.
+                    text.append(matcher.push(decoder.step(token_id), check=count > min_tokens))
                     if matcher.stopped:
                         done, outcome = True, "stop"
                         stream.cancel()   # the scheduler aborts the job and frees its blocks
-                        yield TokenDelta(delta.job_id, tuple(ids), "stop"), "".join(text)
+                        yield TokenDelta(delta.job_id, tuple(ids), "stop",
+                                         logprobs=delta.logprobs[:len(ids)]), "".join(text)
                         return
                 if not delta.finished:
                     yield delta, "".join(text)
@@ -319,31 +358,68 @@ class OpenAIServer:
             if self.metrics is not None:
                 self.metrics.request_finished(outcome)
 
-    async def complete(self, prep: Prepared, stream: Stream) -> dict[str, Any]:
+    async def complete(self, prep: Prepared, streams: Stream | list[Stream]) -> dict[str, Any]:
+        """The non-streaming response: every choice read to its end, usage summed over choices
+        (the prompt counted once, as vLLM)."""
+        streams = streams if isinstance(streams, list) else [streams]
+        results = await asyncio.gather(*(self._choice(prep, s, i) for i, s in enumerate(streams)))
+        build = chat_response if prep.chat else completion_response
+        first_extra: dict[str, Any] = {}
+        if prep.req.return_token_ids:
+            first_extra["prompt_token_ids"] = list(prep.prompt_ids)
+        text, ids, last, choice_extra = results[0]
+        body = build(prep.request_id, self.ctx.model_name, text, last.finish_reason,
+                     usage(len(prep.prompt_ids), sum(len(r[1]) for r in results)),
+                     {"job_stats": job_stats(last), "choice": choice_extra, **first_extra})
+        template = body["choices"][0]
+        for index, (text, _, last, extra) in enumerate(results[1:], start=1):
+            choice = dict(template, index=index, finish_reason=last.finish_reason, **extra)
+            if prep.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            body["choices"].append(choice)
+        return body
+
+    async def _choice(self, prep: Prepared, stream: Stream,
+                      index: int) -> tuple[str, list[int], TokenDelta, dict[str, Any]]:
+        """One choice read to its end: its text, token ids, finishing event, and the choice's
+        extra fields (logprobs, token ids)."""
         text: list[str] = []
         ids: list[int] = []
+        logprobs: list[dict[str, Any]] = []
+        fmt = LogprobFormatter(self.ctx.tokenizer, prep.chat) if prep.req.logprob_count() is not None else None
         last = TokenDelta(prep.request_id)
         async for delta, delta_text in self.events(stream, prep):
             text.append(delta_text)
             ids += delta.token_ids
+            if fmt is not None:
+                logprobs.append(fmt.format(delta.token_ids, delta.logprobs))
             last = delta
-        extra: dict[str, Any] = {"job_stats": job_stats(last)}
+        extra: dict[str, Any] = {}
+        if fmt is not None:
+            extra["logprobs"] = merge_logprobs(logprobs, prep.chat)
         if prep.req.return_token_ids:
-            extra["choice"] = {"token_ids": ids}
-            extra["prompt_token_ids"] = list(prep.prompt_ids)
-        build = chat_response if prep.chat else completion_response
-        return build(prep.request_id, self.ctx.model_name, "".join(text), last.finish_reason,
-                     usage(len(prep.prompt_ids), len(ids)), extra)
+            extra["token_ids"] = ids
+        return "".join(text), ids, last, extra
 
-    async def sse(self, prep: Prepared, stream: Stream) -> AsyncIterator[bytes]:
+    async def sse(self, prep: Prepared, streams: Stream | list[Stream]) -> AsyncIterator[bytes]:
+        streams = streams if isinstance(streams, list) else [streams]
         created, model, rid = now_s(), self.ctx.model_name, prep.request_id
         want_usage, want_ids = prep.req.include_usage, prep.req.return_token_ids
         base: dict[str, Any] = {"usage": None} if want_usage else {}
+        fmts = [LogprobFormatter(self.ctx.tokenizer, prep.chat) for _ in streams] \
+            if prep.req.logprob_count() is not None else None
 
-        def chunk(text: str, reason: str | None, ids: list[int], extra: dict[str, Any]) -> bytes:
+        def chunk(index: int, text: str, reason: str | None, delta_: TokenDelta, extra: dict[str, Any]) -> bytes:
             more = {**base, **extra}
+            ids = list(delta_.token_ids)
+            choice: dict[str, Any] = {"index": index}
             if want_ids:
-                more["choice"] = {"token_ids": ids}
+                choice["token_ids"] = ids
+            if fmts is not None:
+                choice["logprobs"] = fmts[index].format(ids, delta_.logprobs)
+            more["choice"] = choice
             if prep.chat:
                 delta = {"content": text} if text or reason is None else {}
                 body = chat_chunk(rid, model, created, delta, reason, more)
@@ -352,18 +428,19 @@ class OpenAIServer:
             return b"data: " + json.dumps(body).encode() + b"\n\n"
 
         if prep.chat:
-            first = chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None, dict(base))
-            yield b"data: " + json.dumps(first).encode() + b"\n\n"
+            for index in range(len(streams)):
+                first = chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None,
+                                   {**base, "choice": {"index": index}})
+                yield b"data: " + json.dumps(first).encode() + b"\n\n"
         n = 0
         try:
             async with asyncio.timeout(self.ctx.limits.request_timeout_s):
-                async for delta, text in self.events(stream, prep):
+                async for index, (delta, text) in merged([self.events(s, prep) for s in streams]):
                     n += len(delta.token_ids)
-                    ids = list(delta.token_ids)
                     if delta.finish_reason is not None:
-                        yield chunk(text, delta.finish_reason, ids, {"job_stats": job_stats(delta)})
-                    elif text or want_ids:
-                        yield chunk(text, None, ids, {})
+                        yield chunk(index, text, delta.finish_reason, delta, {"job_stats": job_stats(delta)})
+                    elif text or want_ids or (fmts is not None and delta.token_ids):
+                        yield chunk(index, text, None, delta, {})
         except TimeoutError:   # ``events`` cancelled the stream on its way out: the job is aborted
             yield b"data: " + json.dumps(timed_out(self.ctx.limits.request_timeout_s).body()).encode() + b"\n\n"
             yield SSE_DONE
@@ -393,13 +470,13 @@ class OpenAIServer:
         both are ours to enforce, whatever headers the client sent the proxy."""
         prepare = self.prepare_chat if chat else self.prepare_completion
         prep = await asyncio.to_thread(prepare, raw)
-        stream = await self.start(prep)
+        stream = await self.start_all(prep)
         if prep.req.stream:
             return StreamingResponse(self.sse(prep, stream), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return JSONResponse(await self._complete_unless_gone(prep, stream, disconnected))
 
-    async def _complete_unless_gone(self, prep: Prepared, stream: Stream,
+    async def _complete_unless_gone(self, prep: Prepared, stream: list[Stream],
                                     disconnected: Callable[[], Awaitable[Any]] | None) -> dict[str, Any]:
         work = asyncio.ensure_future(self.complete(prep, stream))
         gone = asyncio.ensure_future(disconnected()) if disconnected is not None else None

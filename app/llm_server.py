@@ -139,26 +139,27 @@ class FastServeEngine(LLMEngine):
     async def _generate(self, request: Any, chat: bool) -> AsyncGenerator[Any, None]:
         """Our validation and scheduling on the client's fields; SSE strings or one response."""
         assert self.server is not None, "start() first"
-        # Only the fields the client sent (and Ray's request_id, which our models ignore).
-        raw = request.model_dump_json(exclude_unset=True).encode()
+        # Only the fields the client sent: Ray's own request_id is not the client's (our models
+        # refuse a client's request_id, app.request_fields).
+        raw = request.model_dump_json(exclude_unset=True, exclude={"request_id"}).encode()
         server = self.server
         try:
             prep = server.prepare_chat(raw) if chat else server.prepare_completion(raw)
-            stream = await server.start(prep)
+            streams = await server.start_all(prep)
             if not prep.req.stream:
-                body = await server.complete(prep, stream)
+                body = await server.complete(prep, streams)
         except APIError as exc:
             yield error_response(exc)
             return
         if prep.req.stream:
-            async for chunk in self._sse(prep, stream):
+            async for chunk in self._sse(prep, streams):
                 yield chunk
             return
         yield (ChatCompletionResponse if chat else CompletionResponse).model_validate(body)
 
-    async def _sse(self, prep: Prepared, stream: Stream) -> AsyncGenerator[str, None]:
+    async def _sse(self, prep: Prepared, streams: list[Stream]) -> AsyncGenerator[str, None]:
         assert self.server is not None
-        async for chunk in self.server.sse(prep, stream):
+        async for chunk in self.server.sse(prep, streams):
             yield chunk.decode()
 
     # ---- the rest of the engine protocol: not offered by this engine ------------------------

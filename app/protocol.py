@@ -17,6 +17,10 @@ clients fix output lengths with it), ``return_token_ids`` (the generated ids bes
 ``priority`` (an integer, lower = more urgent: the MLFQ policies shift the job's entry level by it,
 clamped to the existing levels; single-level policies ignore it). Responses carry ``job_stats``: the scheduler's
 per-job accounting (queueing, execution and swap-blocked seconds, demotions, promotions, swaps).
+
+Every other field a client may send is honoured or refused by the table in ``app.request_fields``
+(vLLM's sampling extras ``min_p``, ``min_tokens``, ``stop_token_ids``, ``repetition_penalty``,
+``skip_special_tokens`` are honoured; ``n`` fans out into one job per choice at the ingress).
 """
 
 from __future__ import annotations
@@ -28,11 +32,16 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from actors.messages import SamplingParams
+from app.request_fields import refused_field
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's legacy completions default
 #: Temperatures below this are greedy (as vLLM): dividing logits by ~0 would overflow softmax.
 GREEDY_BELOW_TEMPERATURE = 1e-5
 INVALID_REQUEST = "invalid_request_error"
+#: OpenAI's limit on ``top_logprobs`` (chat) and what vLLM allows by default (``max_logprobs``).
+MAX_LOGPROBS = 20
+#: OpenAI's range for ``presence_penalty`` and ``frequency_penalty``.
+MAX_ABS_PENALTY = 2.0
 
 
 class APIError(Exception):
@@ -69,42 +78,53 @@ class StreamOptions(BaseModel):
 
 
 class _GenerationRequest(BaseModel):
-    """Fields both endpoints share. Unknown fields are ignored, as OpenAI clients send extras
-    (``user``, ...); fields we recognise but cannot honour are rejected in ``check_unsupported``."""
+    """Fields both endpoints share. Undeclared fields are kept (``extra="allow"``) only to be
+    judged by ``app.request_fields``: harmless ones pass, every other one is refused."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     n: int | None = None
+    best_of: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0
     return_token_ids: bool = False
-    # Recognised so that asking for them fails loudly instead of being silently ignored.
-    logprobs: Any = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def num_choices(self) -> int:
+        return 1 if self.n is None else self.n
+
+    def logprob_count(self) -> int | None:
+        """How many top alternatives per token the client asked for (None: no logprobs)."""
+        raise NotImplementedError
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-    def check_limits(self, max_stop_strings: int, max_stop_chars: int) -> None:
-        """The server's limits on what a client may send (``server.max_stop_*``)."""
+    def check_limits(self, max_stop_strings: int, max_stop_chars: int, max_choices: int | None = None) -> None:
+        """The server's limits on what a client may send (``server.max_stop_*``, ``server.max_choices``)."""
         stops = self.stop_strings()
         if len(stops) > max_stop_strings:
             raise bad_request(f"stop has {len(stops)} strings; at most {max_stop_strings} are allowed "
@@ -113,19 +133,21 @@ class _GenerationRequest(BaseModel):
         if longest > max_stop_chars:
             raise bad_request(f"a stop string of {longest} characters is longer than the "
                               f"{max_stop_chars} allowed (server.max_stop_string_chars)", "stop")
+        if max_choices is not None and self.num_choices > max_choices:
+            raise bad_request(f"n must be at most {max_choices} (server.max_choices), got {self.n}", "n")
 
     def check_unsupported(self) -> None:
-        if self.n is not None and self.n != 1:
-            raise bad_request(f"n must be 1, got {self.n}: only one choice per request is supported", "n")
-        if self.best_of is not None and self.best_of != 1:
-            raise bad_request(f"best_of must be 1, got {self.best_of}", "best_of")
-        if self.logprobs not in (None, False):
-            raise bad_request("logprobs are not supported", "logprobs")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0.0):
-                raise bad_request(f"{name} is not supported (must be 0)", name)
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
+        refused = refused_field(self.model_extra or {})
+        if refused is not None:
+            raise bad_request(refused[1], refused[0])
+        if self.num_choices < 1:
+            raise bad_request(f"n must be >= 1, got {self.n}", "n")
+        if self.best_of is not None and self.best_of not in (1, self.num_choices):
+            raise bad_request(f"best_of must be 1 or equal to n ({self.num_choices}), got {self.best_of}: "
+                              "choosing the best of several samples is not supported", "best_of")
+        if not self.spaces_between_special_tokens:
+            raise bad_request("spaces_between_special_tokens=false is not supported (special tokens "
+                              "are decoded as the fast tokenizer does)", "spaces_between_special_tokens")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
         for s in self.stop_strings():
@@ -139,6 +161,10 @@ class _GenerationRequest(BaseModel):
         temperature = 1.0 if self.temperature is None else self.temperature
         top_p = 1.0 if self.top_p is None else self.top_p
         top_k = 0 if self.top_k is None or self.top_k == -1 else self.top_k
+        min_p = 0.0 if self.min_p is None else self.min_p
+        presence = 0.0 if self.presence_penalty is None else self.presence_penalty
+        frequency = 0.0 if self.frequency_penalty is None else self.frequency_penalty
+        repetition = 1.0 if self.repetition_penalty is None else self.repetition_penalty
         if max_tokens < 1:
             raise bad_request(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
         if not temperature >= 0.0:
@@ -147,18 +173,36 @@ class _GenerationRequest(BaseModel):
             raise bad_request(f"top_p must be in (0, 1], got {top_p}", "top_p")
         if top_k < 0:
             raise bad_request(f"top_k must be >= 0 (0 or -1 disables it), got {top_k}", "top_k")
+        if not 0.0 <= min_p <= 1.0:
+            raise bad_request(f"min_p must be in [0, 1], got {min_p}", "min_p")
         if self.seed is not None and self.seed < 0:
             raise bad_request(f"seed must be >= 0, got {self.seed}", "seed")
+        if not 0 <= self.min_tokens <= max_tokens:
+            raise bad_request(f"min_tokens must be in [0, max_tokens={max_tokens}], got {self.min_tokens}",
+                              "min_tokens")
+        for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+            if not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
+                raise bad_request(f"{name} must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}], got {value}", name)
+        if not repetition > 0.0:
+            raise bad_request(f"repetition_penalty must be > 0, got {repetition}", "repetition_penalty")
         if temperature < GREEDY_BELOW_TEMPERATURE:
             temperature = 0.0
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                              top_k=top_k, seed=self.seed, ignore_eos=self.ignore_eos)
+                              top_k=top_k, seed=self.seed, stop_token_ids=tuple(self.stop_token_ids or ()),
+                              ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, min_p=min_p,
+                              presence_penalty=presence, frequency_penalty=frequency,
+                              repetition_penalty=repetition, logprobs=self.logprob_count())
 
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[int]
-    echo: bool = False
-    suffix: str | None = None
+    #: Legacy completions: how many top alternatives per token (0 = only the sampled token's).
+    logprobs: int | None = None
+
+    def logprob_count(self) -> int | None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -170,13 +214,6 @@ class CompletionRequest(_GenerationRequest):
         if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
             raise ValueError("a list of token-id prompts (batched request) is not supported")
         return value
-
-    def check_unsupported(self) -> None:
-        super().check_unsupported()
-        if self.echo:
-            raise bad_request("echo is not supported", "echo")
-        if self.suffix:
-            raise bad_request("suffix is not supported", "suffix")
 
 
 class TextPart(BaseModel):
@@ -206,6 +243,19 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def logprob_count(self) -> int | None:
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                                  "top_logprobs")
+            if not self.logprobs:
+                raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -283,12 +333,14 @@ class StopStringMatcher:
         """All text accepted so far (trimmed at a matched stop string)."""
         return self._text
 
-    def push(self, delta: str) -> str:
+    def push(self, delta: str, check: bool = True) -> str:
+        """``check=False``: accept the text without looking for stop strings (before
+        ``min_tokens``); a later check still sees the held-back tail."""
         if self.stopped or not delta:
             return ""
         start = max(0, len(self._text) - self._hold)
         self._text += delta
-        if self._stop:
+        if self._stop and check:
             hits = [i for i in (self._text.find(s, start) for s in self._stop) if i >= 0]
             if hits:
                 self._text = self._text[: min(hits)]

@@ -28,6 +28,7 @@ class RequestLimits:
     admission_timeout_s: float = ServerArgs.model_fields["admission_timeout_s"].default
     allow_priority: bool = ServerArgs.model_fields["allow_priority"].default
     health_timeout_s: float = ServerArgs.model_fields["health_timeout_s"].default
+    max_choices: int = ServerArgs.model_fields["max_choices"].default
 
 
 def timed_out(seconds: float) -> APIError:

@@ -62,6 +62,9 @@ SPECIAL_TOKENS_FILE = "special_tokens_map.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 #: A ``chat_template`` list's entry used when no name is asked (transformers' rule).
 DEFAULT_TEMPLATE_NAME = "default"
+_UTF8 = "utf-8"
+#: Byte-level BPE spells each of the 256 byte values as one printable character.
+_BYTE_VALUES = 256
 
 #: transformers' ``SPECIAL_TOKENS_ATTRIBUTES``: the named special tokens, passed to chat templates.
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
@@ -199,8 +202,10 @@ class Tokenizer:
         if rebuild:
             self._rust.post_processor = self._template_processor(bool(settings.add_bos),
                                                                  bool(settings.add_eos))
-        self._special_ids = frozenset(
-            i for i, t in self._rust.get_added_tokens_decoder().items() if t.special)
+        added = self._rust.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, t in added.items() if t.special)
+        #: Added tokens are stored as their text, not in the byte-level alphabet.
+        self._added_ids = frozenset(added)
         self.chat_template = OPT_FALLBACK
         if settings.chat_template is not None:
             try:
@@ -302,10 +307,37 @@ class Tokenizer:
         text = self.chat_template.render(messages, add_generation_prompt=True)
         return self.encode(text, add_special_tokens=self.chat_template.add_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes one id contributes to the text (OpenAI logprobs' ``bytes``): exact for
+        byte-level BPE (a token may hold part of a character), else the id's decoded text; b''
+        for an id the tokenizer does not know."""
+        token = self._rust.id_to_token(token_id)
+        if token is None:
+            return b""
+        if token_id in self._added_ids or not isinstance(self._rust.decoder, decoders.ByteLevel):
+            return self.decode([token_id], skip_special_tokens=False).encode(_UTF8)
+        alphabet = _byte_level_alphabet()
+        return bytes(alphabet[ch] for ch in token if ch in alphabet)
+
     def id_to_token(self, token_id: int) -> str | None:
         """The token string (byte-level alphabet, e.g. 'Ġthe'), or None for unknown ids."""
         token = self._rust.id_to_token(token_id)
         return None if token is None else str(token)
+
+
+@lru_cache(maxsize=1)
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's printable stand-in character for each byte, inverted (space is 'Ġ', newline 'Ċ'):
+    the inverse of GPT-2's ``bytes_to_unicode``."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(_BYTE_VALUES):
+        if b not in printable:
+            printable.append(b)
+            chars.append(_BYTE_VALUES + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
 
 
 @lru_cache(maxsize=8)

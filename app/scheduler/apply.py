@@ -133,16 +133,19 @@ class Applier:
         # A first iteration in chunks takes the blocks of all of it with its first chunk.
         whole = job.next_context_len if run.prefill and not run.wasted else run.num_tokens
         table = s.kv.allocate(job.job_id, whole, step)
+        context = job.sampling.context(job.prompt_ids, job.generated, s.eos_token_ids)
         if not run.prefill:
             out.entries.append(BatchEntry(job.job_id, (job.generated[-1],), run.num_tokens - 1,
-                                          table, False, job.sampling, len(job.generated)))
+                                          table, False, job.sampling, len(job.generated),
+                                          context=context))
         else:
             tokens = (job.prompt_ids + tuple(job.generated))[run.start:run.num_tokens]
             # A chunk short of the whole first iteration samples nothing (chunked prefill); a
             # cut prefix (naive MLFQ) samples a token that is discarded.
             samples = run.wasted or run.num_tokens == job.next_context_len
             out.entries.append(BatchEntry(job.job_id, tokens, run.start, table, True,
-                                          job.sampling, len(job.generated), samples))
+                                          job.sampling, len(job.generated), samples,
+                                          context if samples else None))
             if not samples:
                 out.chunks[job.job_id] = run.num_tokens
         if run.wasted:

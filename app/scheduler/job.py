@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from actors.messages import FinishReason, SamplingParams
+from actors.messages import FinishReason, SamplingParams, TokenLogprobs
 from app.errors import ErrorCode
 
 
@@ -36,7 +36,8 @@ class TokenDelta:
     neither tokens nor a finish says the job was accepted; it names the scheduler replica
     (``replica_id``) and, when the job's later events travel on that replica's delivery channel
     to the caller's ingress replica (``app.delivery``), the channel (``channel_id``).
-    ``emitted_at`` (wall clock) lets the reader measure the delivery delay.
+    ``emitted_at`` (wall clock) lets the reader measure the delivery delay. ``logprobs`` (only
+    for a job that asked) has one entry per token of ``token_ids`` and merges the same way.
     """
 
     job_id: str
@@ -48,11 +49,13 @@ class TokenDelta:
     emitted_at: float = 0.0
     replica_id: str = ""
     channel_id: str = ""
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
     @classmethod
     def token(cls, job_id: str, token_id: int, finish_reason: FinishReason | None = None,
-              stats: JobStats | None = None) -> TokenDelta:
-        return cls(job_id, (token_id,), finish_reason, stats)
+              stats: JobStats | None = None, logprobs: TokenLogprobs | None = None) -> TokenDelta:
+        return cls(job_id, (token_id,), finish_reason, stats,
+                   logprobs=() if logprobs is None else (logprobs,))
 
     @property
     def finished(self) -> bool:
@@ -70,7 +73,8 @@ class TokenDelta:
         last = deltas[-1]
         if len(deltas) == 1:
             return last
-        return replace(last, token_ids=tuple(t for d in deltas for t in d.token_ids))
+        return replace(last, token_ids=tuple(t for d in deltas for t in d.token_ids),
+                       logprobs=tuple(lp for d in deltas for lp in d.logprobs))
 
 
 @dataclass(frozen=True)

@@ -222,7 +222,8 @@ class Scheduler:
                 self.applier.waste(job, served, now)
                 continue
             reason = self.applier.advance(job, token, served, now)
-            deltas.append(TokenDelta.token(job_id, token, reason, job.stats if reason else None))
+            deltas.append(TokenDelta.token(job_id, token, reason, job.stats if reason else None,
+                                           output.logprobs.get(job_id)))
         self.applier.settle(settled)
         return deltas
 

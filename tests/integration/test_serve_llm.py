@@ -74,15 +74,15 @@ def test_completions_chat_and_streams_through_ray_serve_llm(llm_server: Server) 
 
 
 def test_our_validation_errors_arrive_in_ray_serve_llms_error_format(llm_server: Server) -> None:
-    # vLLM's request model accepts n=2; our scheduler serves one choice per request.
+    # vLLM's request model accepts any n; our server allows at most server.max_choices (16).
     resp = httpx.post(llm_server.url("/v1/completions"), timeout=60,
-                      json={"model": MODEL, "prompt": "x", "max_tokens": 4, "n": 2})
+                      json={"model": MODEL, "prompt": "x", "max_tokens": 4, "n": 17})
     assert resp.status_code == 400, resp.text
     # Ray's ingress re-raises our error as its OpenAIHTTPException: the status survives (as
     # error.code), our message is wrapped with the request id, our param and code name are lost.
     err = resp.json()["error"]
     assert err["code"] == 400 and err["type"] == "OpenAIHTTPException" and err["param"] is None
-    assert err["message"].startswith("Message: n must be 1, got 2: only one choice per request is supported")
+    assert err["message"].startswith("Message: n must be at most 16 (server.max_choices), got 17")
 
 
 def test_full_admission_queue_is_a_429_error_response_without_retry_after() -> None:

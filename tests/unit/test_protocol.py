@@ -86,11 +86,17 @@ def test_wrong_types_name_the_field() -> None:
     ("top_p", 1.5, "top_p must be in (0, 1], got 1.5"),
     ("top_k", -3, "top_k must be >= 0 (0 or -1 disables it), got -3"),
     ("seed", -1, "seed must be >= 0, got -1"),
-    ("n", 2, "n must be 1, got 2: only one choice per request is supported"),
-    ("logprobs", 3, "logprobs are not supported"),
-    ("presence_penalty", 0.5, "presence_penalty is not supported (must be 0)"),
+    ("n", 0, "n must be >= 1, got 0"),
+    ("logprobs", 21, "logprobs must be in [0, 20], got 21"),
+    ("presence_penalty", 2.5, "presence_penalty must be in [-2, 2], got 2.5"),
+    ("frequency_penalty", -3.0, "frequency_penalty must be in [-2, 2], got -3.0"),
+    ("repetition_penalty", 0.0, "repetition_penalty must be > 0, got 0.0"),
+    ("min_p", 1.5, "min_p must be in [0, 1], got 1.5"),
+    ("min_tokens", 17, "min_tokens must be in [0, max_tokens=16], got 17"),
+    ("best_of", 3, "best_of must be 1 or equal to n (1), got 3: choosing the best of several samples "
+                   "is not supported"),
     ("stop", [""], "stop strings must be non-empty"),
-    ("echo", True, "echo is not supported"),
+    ("echo", True, 'echo is not supported by this server (only null or false is accepted)'),
 ])
 def test_bad_sampling_values(field: str, value: Any, message: str) -> None:
     req = parse_request(CompletionRequest, json.dumps({"model": MODEL, "prompt": "x", field: value}).encode())
@@ -310,8 +316,8 @@ def test_http_errors_have_openai_bodies() -> None:
     assert err["message"] == f"token id {VOCAB} is outside the vocabulary [0, {VOCAB})"
     err = error(post(b, "/v1/completions", {"model": MODEL, "prompt": []}), 400)
     assert err["message"] == "prompt is empty: at least one token id is required"
-    err = error(post(b, "/v1/completions", {"model": MODEL, "prompt": "x", "n": 3}), 400)
-    assert err["param"] == "n"
+    err = error(post(b, "/v1/completions", {"model": MODEL, "prompt": "x", "n": 17}), 400)
+    assert err["param"] == "n" and err["message"] == "n must be at most 16 (server.max_choices), got 17"
     err = error(post(b, "/v1/chat/completions", {"model": MODEL, "messages": []}), 400)
     assert err["param"] == "messages"
     assert b.requests == []   # nothing invalid ever reached the scheduler
