@@ -14,10 +14,10 @@ one with an emoji) and two completion prompts, up to ``MAX_NEW_TOKENS`` or EOS:
   model (9 query heads; vLLM refuses it too), and is refused naming the heads; TP 3 splits it
   evenly — 3 query heads and 1 of the 3 KV heads per rank — and gives HF's tokens.
 
-Prompt ids come from ``transformers.AutoTokenizer`` on the folder, so these tests do not depend on
-our tokenizer module. HF runs once per module (each prompt alone, batch 1) and keeps its top-2
-logit gap at every token: a difference where HF was tied in fp32 is reported as a tie, and
-``test_reference_has_no_ties`` keeps the prompts tie-free so every expectation is exact.
+Prompt ids (``tests/harness/smollm2.py``) come from ``transformers.AutoTokenizer`` on the folder,
+so these tests do not depend on our tokenizer module. HF runs once per module (each prompt alone,
+batch 1) and keeps its top-2 logit gap at every token: a difference where HF was tied in fp32 is
+reported as a tie, and ``test_reference_has_no_ties`` keeps the prompts tie-free so every expectation is exact.
 """
 
 from __future__ import annotations
@@ -27,15 +27,11 @@ import functools
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
-import transformers
 
 from actors.executor import InProcessExecutor
 from actors.messages import BatchPlan, SamplingParams, StepOutput
-from actors.model.config import as_model_config
 from actors.model.llama_config import LlamaConfig
 from actors.spec import ModelSpec
 from app.engine import Engine, ThreadedExecutor
@@ -44,28 +40,18 @@ from app.scheduler.profile import Profile
 from app.scheduler.scheduler import Scheduler
 from tests.harness.greedy import SwapMidway, greedy_until_stop
 from tests.harness.hf_reference import Reference, assert_same_tokens, hf_greedy_reference
+from tests.harness.smollm2 import (
+    EXPECTED_FINISH,
+    MAX_NEW_TOKENS,
+    PROFILE,
+    TIE_GAP,
+    hf_model,
+    prompt_ids,
+    smollm2_config,
+)
 from tests.harness.tensor_parallel import RankPools, run_tensor_parallel
 from tests.unit.engine_driver import Driver
 
-CHATS: list[list[dict[str, str]]] = [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You are a pirate. Answer every question in pirate speak."},
-     {"role": "user", "content": "How do I boil an egg?"}],
-    [{"role": "user", "content": "Give me three names for a cat."},
-     {"role": "assistant", "content": "Whiskers, Luna and Oliver."},
-     {"role": "user", "content": "Now three for a dog."}],
-    [{"role": "user", "content": "Traduis en anglais : « Le chat dort sur le canapé. » 😺"}],
-    [{"role": "user", "content": "Write a haiku about the sea."}],
-    [{"role": "user", "content": "Explain in one sentence what a hash table is."}],
-]
-COMPLETIONS = ["The history of the Roman Empire began", "def fibonacci(n):\n    "]
-MAX_NEW_TOKENS = 32
-#: Jobs "0".."3" answer within the limit and stop at EOS; the others run to it. Pinned so a
-#: change of model or template shows here first.
-EXPECTED_FINISH = {"0": "stop", "1": "stop", "2": "stop", "3": "stop",
-                   "4": "length", "5": "length", "6": "length", "7": "length"}
-#: HF's top two logits closer than this are a tie in fp32: either token is a right answer.
-TIE_GAP = 1e-4
 BLOCK_SIZE = 16
 #: 8 jobs of at most 63 + 32 tokens take 6 blocks each; room left for a swap-in.
 NUM_DEVICE_BLOCKS = 64
@@ -74,7 +60,6 @@ NUM_HOST_BLOCKS = 16
 CHUNK_TOKENS = 5
 #: Job 5 (a 40-token prompt, 32 new tokens) leaves after 8 tokens, misses three steps, returns.
 SWAP = SwapMidway("5", out_step=8, in_step=11)
-PROFILE = Path(__file__).resolve().parents[2] / "config/profiles/smollm2-135m-instruct-cpu-tp1-pp1.json"
 ENGINE_TIMEOUT_S = 300
 #: The smallest TP size that splits 9 query heads and 3 KV heads: (3, 1) heads per rank.
 TP_SIZE = 3
@@ -85,23 +70,18 @@ TP_TIMEOUT_S = 300
 
 @pytest.fixture(scope="module")
 def config(smollm2_folder: Path) -> LlamaConfig:
-    cfg = as_model_config(smollm2_folder)
-    assert isinstance(cfg, LlamaConfig)
-    return cfg
+    return smollm2_config(smollm2_folder)
 
 
 @pytest.fixture(scope="module")
 def prompts(smollm2_folder: Path) -> list[list[int]]:
-    tok = transformers.AutoTokenizer.from_pretrained(str(smollm2_folder))
-    chats: list[Any] = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)
-                        for c in CHATS]
-    return [list(c["input_ids"]) for c in chats] + [list(tok(t)["input_ids"]) for t in COMPLETIONS]
+    return prompt_ids(smollm2_folder)
 
 
 @pytest.fixture(scope="module")
 def references(smollm2_folder: Path, prompts: list[list[int]], config: LlamaConfig) -> dict[str, Reference]:
     """HF's greedy tokens for every prompt, generated once for every variant."""
-    hf = transformers.LlamaForCausalLM.from_pretrained(str(smollm2_folder), dtype=torch.float32).eval()
+    hf = hf_model(smollm2_folder)
     return {str(i): hf_greedy_reference(hf, p, MAX_NEW_TOKENS, config.eos_token_id)
             for i, p in enumerate(prompts)}
 
