@@ -1,1 +1,1 @@
-"""Shared set-up for tests (no test functions here)."""
+"""Shared test set-up that more than one test module uses (no tests live here)."""

@@ -10,7 +10,6 @@ KV heads are split (2 KV heads) or replicated (1 KV head). Nothing is downloaded
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,9 +19,10 @@ import torch
 import transformers
 
 from actors.executor import InProcessExecutor
-from actors.messages import BatchEntry, BatchPlan, SamplingParams, StepOutput
+from actors.messages import BatchEntry, BatchPlan, SamplingParams
 from actors.model.llama_config import LlamaConfig, RopeScaling
 from actors.spec import ModelSpec
+from tests.harness.tensor_parallel import RankPools, run_tensor_parallel
 from tests.unit.engine_driver import Driver
 
 LLAMA3_ROPE = RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -52,7 +52,8 @@ SHARD_SIZE = "40KB"
 WEIGHT_STD = 0.08
 NORM_STD = 0.1
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
-TP_TIMEOUT_S = 120
+#: Each TP rank's KV store: the same pools as ``executor_for``'s.
+TP_POOLS = RankPools(BLOCK_SIZE, num_device_blocks=96, num_host_blocks=48)
 
 
 def hf_model(config: LlamaConfig) -> transformers.PreTrainedModel:
@@ -192,61 +193,9 @@ def test_greedy_matches_with_swap_out_and_in_midway(pair: tuple[LlamaConfig, Any
 # ---------------------------------------------------------------- tensor parallel (gloo, 2 processes)
 
 
-class _RankExecutor:
-    """One TP rank's stage, KV store and runner, shaped like ``InProcessExecutor`` for ``Driver``."""
-
-    def __init__(self, config: LlamaConfig, path: Path, rank: int, tp_size: int, port: int) -> None:
-        from actors.executor import build_stage
-        from actors.kv_store import KVStore
-        from actors.model.shard import StageShard
-        from actors.parallel import TensorParallelGroup
-        from actors.sampler import Sampler
-        from actors.stage import StageRunner
-
-        group = TensorParallelGroup("cpu")
-        group.init("127.0.0.1", port, tp_size, rank, TP_TIMEOUT_S)
-        shard = StageShard(0, config.num_hidden_layers, config.num_hidden_layers, rank, tp_size)
-        stage = build_stage(config, shard, "float32", "cpu", "auto", str(path), 0, all_reduce=group.all_reduce())
-        self.kv = KVStore(config.num_hidden_layers, stage.num_local_kv_heads, config.head_dim, BLOCK_SIZE,
-                          96, 48)
-        self.runner = StageRunner(stage, self.kv, Sampler(0))
-
-    def execute(self, plan: BatchPlan) -> StepOutput:
-        result = self.runner.run(plan, None, sample=True)
-        return StepOutput(plan.step_id, result.tokens, result.timings)
-
-
-def _tp_rank_main(config: LlamaConfig, path: Path, rank: int, tp_size: int, port: int, queue: Any) -> None:
-    """Child process: one rank generates (every rank samples the same all-reduced logits)."""
-    try:
-        torch.set_num_threads(1)   # two ranks on a 2-core box
-        ex = _RankExecutor(config, path, rank, tp_size, port)
-        local = (ex.runner.model.num_local_heads, ex.runner.model.num_local_kv_heads)
-        queue.put((rank, local, generate(Driver(ex), swap_events()), None))  # type: ignore[arg-type]
-    except Exception as exc:  # reported to the parent, which fails the test with it
-        queue.put((rank, None, None, repr(exc)))
-
-
-def run_tensor_parallel(config: LlamaConfig, path: Path, tp_size: int = 2) -> dict[int, tuple[Any, Any]]:
-    from actors.parallel import free_port
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_tp_rank_main, args=(config, path, r, tp_size, port, queue))
-             for r in range(tp_size)]
-    for p in procs:
-        p.start()
-    try:
-        results = [queue.get(timeout=TP_TIMEOUT_S) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(timeout=TP_TIMEOUT_S)
-            if p.is_alive():
-                p.kill()
-    errors = [e for _, _, _, e in results if e]
-    assert not errors, errors
-    return {rank: (local, tokens) for rank, local, tokens, _ in results}
+def _generate_with_swaps(driver: Driver) -> dict[str, list[int]]:
+    """A TP rank's work (module level, so it pickles into the spawned rank processes)."""
+    return generate(driver, swap_events())
 
 
 @pytest.mark.parametrize(("config", "local_heads"), [(TINY_LLAMA, (2, 1)), (TINY_QWEN2, (2, 1)), (TINY_MQA, (2, 1))],
@@ -255,10 +204,10 @@ def test_tensor_parallel_2_matches_generate_with_swaps(config: LlamaConfig, loca
                                                        tmp_path: Path) -> None:
     hf = hf_model(config)
     expected = {str(i): hf_greedy(hf, p, NEW_TOKENS) for i, p in enumerate(PROMPTS)}
-    ranks = run_tensor_parallel(config, save_checkpoint(hf, tmp_path))
-    for rank, (local, tokens) in ranks.items():
-        assert tuple(local) == local_heads, f"rank {rank}"
-        assert tokens == expected, f"rank {rank}"
+    ranks = run_tensor_parallel(config, save_checkpoint(hf, tmp_path), _generate_with_swaps, TP_POOLS)
+    for rank, result in ranks.items():
+        assert result.local_heads == local_heads, f"rank {rank}"
+        assert result.result == expected, f"rank {rank}"
 
 
 def test_chunked_prefill_matches_hf_logits_and_greedy_tokens(pair: tuple[LlamaConfig, Any, Path],
