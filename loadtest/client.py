@@ -1,12 +1,16 @@
 """HTTP load client: replays a workload against any OpenAI-compatible server, streaming.
 
 Owns the client side of a real run: for each ``loadtest.workloads.Request`` it waits until the
-request's arrival time, POSTs ``/v1/completions`` with ``stream: true``, ``max_tokens`` = the
-output length and ``ignore_eos`` (vLLM's extension; fixed output lengths make runs comparable),
-and a prompt of exactly ``prompt_len`` tokens — a token-id list (vLLM and our server accept
-``prompt: [ids]``) or the synthesized text of ``loadtest.workloads``. It timestamps every streamed
-chunk and keeps the server's per-job accounting when the final chunk carries it (our server's
-``job_stats``). Records are ``loadtest.metrics.RequestRecord``-compatible dicts, saved as JSONL.
+request's arrival time, then, in the default ``completions`` mode (the paper's experiments on the
+dummy model), POSTs ``/v1/completions`` with ``stream: true``, ``max_tokens`` = the output length
+and ``ignore_eos`` (vLLM's extension; fixed output lengths make runs comparable), and a prompt of
+exactly ``prompt_len`` tokens — a token-id list (vLLM and our server accept ``prompt: [ids]``) or
+the synthesized text of ``loadtest.workloads``. In ``chat`` mode (a real model) it POSTs
+``/v1/chat/completions`` with the prompt text as one user message and no ``ignore_eos``, so the
+output ends at the model's EOS or at ``max_tokens`` (``loadtest.chat`` owns that body and the cap
+rule). It timestamps every streamed chunk, keeps ``completion_tokens`` from the usage chunk and
+the ``finish_reason``, and the server's per-job accounting when the final chunk carries it (our
+server's ``job_stats``). Records are ``loadtest.metrics.RequestRecord``-compatible dicts, saved as JSONL.
 
 Safety: only loopback hosts unless ``allow_remote``; the whole run is bounded by ``max_total_s``.
 ``python -m loadtest.client --help`` for the CLI; its last output line is one JSON summary.
@@ -30,6 +34,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from loadtest import chat as C
+from loadtest import prompts as P
 from loadtest import workloads as W
 from loadtest.metrics import STATUS_OK, RequestRecord, summarize
 
@@ -50,6 +56,8 @@ SERVER_STATS_KEY = "job_stats"
 STATS_FIELDS = {"queue_s": "queue_s", "exec_s": "exec_s", "swap_s": "swap_blocked_s"}
 
 PromptMode = Literal["ids", "text"]
+RequestMode = Literal["completions", "chat"]
+REQUEST_MODES: tuple[RequestMode, ...] = ("completions", "chat")
 
 
 class RemoteHostRefused(ValueError):
@@ -81,6 +89,8 @@ class ClientConfig:
     base_url: str = DEFAULT_BASE_URL
     model: str | None = None            # None: the first id /v1/models lists
     prompt_mode: PromptMode = "ids"
+    mode: RequestMode = "completions"   # "chat": real EOS, prompt text as one user message
+    system_prompt: str | None = None    # chat mode only
     allow_remote: bool = False
     max_total_s: float = DEFAULT_MAX_TOTAL_S
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
@@ -126,8 +136,14 @@ def _maybe_float(value: Any) -> float | None:
 
 
 def request_body(req: W.Request, model: str, config: ClientConfig) -> dict[str, Any]:
+    """The body for ``req``; in chat mode ``req.output_len`` is already the cap (``loadtest.chat``)."""
     # A stable per-request seed (str hashes are salted per process).
     seed = config.seed + zlib.crc32(req.request_id.encode())
+    if config.mode == "chat":
+        text = req.prompt_text or W.synthesize_prompt_text(req.prompt_len, seed=seed)
+        body = C.chat_body(text, model, req.output_len, config.temperature, config.system_prompt, seed)
+        body.update(config.extra_body)
+        return body
     if config.prompt_mode == "ids":
         prompt: str | list[int] = W.synthesize_prompt_ids(req.prompt_len, seed=seed)
     else:
@@ -148,9 +164,11 @@ def _chunk_tokens(chunk: dict[str, Any]) -> int:
 
 
 async def _stream_one(client: httpx.AsyncClient, obs: _Observed, body: dict[str, Any],
-                      clock: Callable[[], float]) -> None:
+                      clock: Callable[[], float], mode: RequestMode = "completions") -> None:
     obs.arrival = clock()
-    async with client.stream("POST", COMPLETIONS_PATH, json=body) as resp:
+    path, count_tokens = ((C.CHAT_COMPLETIONS_PATH, C.chat_chunk_tokens) if mode == "chat"
+                          else (COMPLETIONS_PATH, _chunk_tokens))
+    async with client.stream("POST", path, json=body) as resp:
         obs.http_status = resp.status_code
         if resp.status_code != httpx.codes.OK:
             obs.status, obs.error, obs.end = STATUS_HTTP_ERROR, (await resp.aread()).decode(errors="replace"), clock()
@@ -165,7 +183,7 @@ async def _stream_one(client: httpx.AsyncClient, obs: _Observed, body: dict[str,
                 break
             chunk = json.loads(data)
             now = clock()
-            n = _chunk_tokens(chunk)
+            n = count_tokens(chunk)
             if n:
                 obs.token_times.append(now)
                 obs.tokens += n
@@ -182,6 +200,8 @@ async def _stream_one(client: httpx.AsyncClient, obs: _Observed, body: dict[str,
             obs.tokens = int(usage_tokens)
         if obs.error is not None:
             obs.status = STATUS_STREAM_ERROR
+        elif mode == "chat":   # ending before max_tokens is the point: the model stopped
+            obs.status = STATUS_OK if obs.tokens > 0 and obs.finish_reason is not None else STATUS_SHORT
         else:
             obs.status = STATUS_OK if obs.tokens >= obs.request.output_len else STATUS_SHORT
 
@@ -243,7 +263,7 @@ async def run_requests(requests: Sequence[W.Request], config: ClientConfig,
         async def one(obs: _Observed) -> None:
             try:
                 await asyncio.sleep(max(obs.request.arrival_s - clock(), 0.0))
-                await _stream_one(client, obs, request_body(obs.request, model, config), clock)
+                await _stream_one(client, obs, request_body(obs.request, model, config), clock, config.mode)
             except (httpx.HTTPError, json.JSONDecodeError) as exc:
                 obs.status, obs.error, obs.end = STATUS_HTTP_ERROR, repr(exc), clock()
             finally:
@@ -266,6 +286,10 @@ def save_jsonl(records: Sequence[dict[str, Any]], path: Path) -> None:
 
 
 def _requests_from_args(args: argparse.Namespace) -> list[W.Request]:
+    if args.mode == "chat":   # real prompt texts; max_tokens capped from the reference length
+        samples = P.load_prompts(args.dataset)
+        reqs = P.text_requests(samples, args.num_requests, args.rate, args.seed)
+        return C.cap_requests(reqs, C.eos_cap_from_args(args))
     source = W.load_alpaca_lengths() if args.dataset == "alpaca" else W.load_sharegpt_lengths()
     reqs = W.workload(source, args.num_requests, args.rate, seed=args.seed)
     return W.scale_lengths(reqs, args.length_scale) if args.length_scale != 1.0 else reqs
@@ -281,18 +305,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rate", type=float, default=1.0, help="Poisson arrival rate (req/s)")
     parser.add_argument("--length-scale", type=float, default=1.0, help="scale every length (slow CPUs)")
     parser.add_argument("--prompt-mode", choices=("ids", "text"), default="ids")
+    C.add_mode_args(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-total-s", type=float, default=DEFAULT_MAX_TOTAL_S)
     parser.add_argument("--slo", type=float, default=None, help="per-token latency SLO (s)")
     parser.add_argument("--out", type=Path, default=Path("loadtest/results/client.jsonl"))
     args = parser.parse_args(argv)
     config = ClientConfig(base_url=args.base_url, model=args.model, prompt_mode=args.prompt_mode,
-                          allow_remote=args.allow_remote, max_total_s=args.max_total_s, seed=args.seed)
+                          allow_remote=args.allow_remote, max_total_s=args.max_total_s, seed=args.seed,
+                          mode=args.mode, temperature=args.temperature, system_prompt=args.system_prompt)
     records = asyncio.run(run_requests(_requests_from_args(args), config))
     save_jsonl(records, args.out)
     summary = summarize([RequestRecord.from_dict(r) for r in records], slo=args.slo)
+    lengths = C.output_lengths(records)
     print(f"wrote {len(records)} records to {args.out}")
-    print(json.dumps(summary.to_dict()))
+    print(C.format_output_lengths(lengths))
+    print(json.dumps({**summary.to_dict(), "output_lengths": lengths.to_dict()}))
 
 
 if __name__ == "__main__":

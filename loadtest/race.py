@@ -9,6 +9,13 @@ its mean per-token latency crosses the SLO between two rates, or a bound) and th
 ours ÷ peer. The SLO is given (``--slo``) or set to ``--slo-factor`` × the peer's mean per-token
 latency at the lowest rate, as the issue's race defines it.
 
+``--mode completions`` (default: the paper's setting, a dummy model) sends ``ignore_eos`` completions
+of exactly the scaled reference lengths; ``--mode chat`` (a real model) sends each prompt as one user
+message without ``ignore_eos``, ``max_tokens`` capped from the reference length (``loadtest.chat``),
+so outputs end at the model's EOS; both servers get the same bodies apart from ``model``. Every
+point reports the output lengths actually received (``completion_tokens``: count, mean,
+P50/P90/P99, max, share finished by ``stop`` / ``length``) beside the latencies.
+
 Run both servers on this machine, one at a time busy (the other idles), on loopback only. Prints a
 table and, last, one JSON object with every figure and the CPU model.
 """
@@ -21,12 +28,15 @@ import json
 import math
 import platform
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from loadtest import chat as C
 from loadtest import prompts as P
+from loadtest import workloads as W
 from loadtest.client import ClientConfig, check_base_url, run_requests, save_jsonl
 from loadtest.metrics import RequestRecord, RunSummary, summarize, throughput_at_slo
 
@@ -45,21 +55,35 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def run_point(base_url: str, model: str | None, requests: Sequence[Any], max_total_s: float,
-              records_out: Path | None, transport: httpx.AsyncBaseTransport | None = None) -> RunSummary:
-    config = ClientConfig(base_url=base_url, model=model, prompt_mode="text", max_total_s=max_total_s,
-                          progress=False)
+def client_config(args: argparse.Namespace, base_url: str, model: str | None) -> ClientConfig:
+    """The same client settings for both servers; only the URL and the model name differ."""
+    return ClientConfig(base_url=base_url, model=model, prompt_mode="text", max_total_s=args.max_total_s,
+                        progress=False, mode=args.mode, temperature=args.temperature,
+                        system_prompt=args.system_prompt, seed=args.seed)
+
+
+def run_point(config: ClientConfig, requests: Sequence[Any], records_out: Path | None,
+              transport: httpx.AsyncBaseTransport | None = None) -> tuple[RunSummary, list[dict[str, Any]]]:
     records = asyncio.run(run_requests(requests, config, transport))
     if records_out is not None:
         save_jsonl(records, records_out)
-    return summarize([RequestRecord.from_dict(r) for r in records])
+    return summarize([RequestRecord.from_dict(r) for r in records]), records
 
 
-def point_row(s: RunSummary) -> dict[str, Any]:
+def point_row(s: RunSummary, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {"completed": s.num_completed, "failed": s.num_failed,
             "per_token_mean_s": s.per_token.mean, "per_token_p95_s": s.per_token.p95,
             "ttft_mean_s": s.ttft.mean, "tpot_mean_s": s.tpot.mean,
-            "output_tok_s": s.output_token_throughput, "request_throughput": s.request_throughput}
+            "output_tok_s": s.output_token_throughput, "request_throughput": s.request_throughput,
+            "output_lengths": C.output_lengths(records).to_dict()}
+
+
+def point_requests(args: argparse.Namespace, samples: list[P.PromptSample], rate: float,
+                   part: int) -> list[W.Request]:
+    if args.mode == "chat":   # reference lengths, capped: the model decides where to stop
+        reqs = P.text_requests(samples, args.num_prompts, rate, args.seed, 1.0, part)
+        return C.cap_requests(reqs, C.eos_cap_from_args(args))
+    return P.text_requests(samples, args.num_prompts, rate, args.seed, args.output_scale, part)
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -70,6 +94,10 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def _fmt(value: float | None, digits: int = 3) -> str:
     return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def _pct(share: float | None) -> str:
+    return "–" if share is None else f"{100 * share:.0f} %"
 
 
 def race(args: argparse.Namespace,
@@ -85,12 +113,12 @@ def race(args: argparse.Namespace,
     for part, rate in enumerate(rates):
         # Each rate its own prompts: the same prompts again would be served from vLLM's prefix
         # cache (measured: a 930-token prompt's TTFT 0.17 s at the second rate), which we lack.
-        requests = P.text_requests(samples, args.num_prompts, rate, args.seed, args.output_scale, part)
+        requests = point_requests(args, samples, rate, part)
         for name in SYSTEMS:
             out = None if args.out is None else args.out / f"{name}-rate{rate:g}.jsonl"
-            summary = run_point(urls[name], models[name], requests, args.max_total_s, out,
-                                (transports or {}).get(name))
-            points[name][rate] = point_row(summary)
+            summary, records = run_point(client_config(args, urls[name], models[name]), requests, out,
+                                         (transports or {}).get(name))
+            points[name][rate] = point_row(summary, records)
             row = points[name][rate]
             print(f"  {name:4} rate {rate:g}: per-token {_fmt(row['per_token_mean_s'])} s, "
                   f"TTFT {_fmt(row['ttft_mean_s'])} s, TPOT {_fmt(1e3 * row['tpot_mean_s'], 1)} ms, "
@@ -105,7 +133,10 @@ def race(args: argparse.Namespace,
         "tpot_mean": ratio(points["ours"][r]["tpot_mean_s"], points["peer"][r]["tpot_mean_s"]),
         "output_tok_s": ratio(points["ours"][r]["output_tok_s"], points["peer"][r]["output_tok_s"]),
     } for r in rates}
-    return {"cpu": cpu_model(), "dataset": args.dataset, "num_prompts": args.num_prompts,
+    mode: dict[str, Any] = {"mode": args.mode, "temperature": args.temperature}
+    if args.mode == "chat":
+        mode.update(system_prompt=args.system_prompt, eos_cap=asdict(C.eos_cap_from_args(args)))
+    return {"cpu": cpu_model(), "dataset": args.dataset, "num_prompts": args.num_prompts, **mode,
             "output_scale": args.output_scale, "seed": args.seed, "rates": rates, "slo_s": slo,
             "points": {name: {str(r): row for r, row in pts.items()} for name, pts in points.items()},
             "throughput_at_slo": {name: t.to_dict() for name, t in at_slo.items()},
@@ -114,8 +145,10 @@ def race(args: argparse.Namespace,
 
 
 def print_table(result: dict[str, Any]) -> None:
-    print(f"\n{result['dataset']}, {result['num_prompts']} prompts per rate, outputs × {result['output_scale']}, "
-          f"seed {result['seed']}, CPU: {result['cpu']}")
+    outputs = (f"chat, real EOS, max_tokens cap {result['eos_cap']}" if result["mode"] == "chat"
+               else f"completions with ignore_eos, outputs × {result['output_scale']}")
+    print(f"\n{result['dataset']}, {result['num_prompts']} prompts per rate, {outputs}, "
+          f"temperature {result['temperature']}, seed {result['seed']}, CPU: {result['cpu']}")
     print(f"{'system':6} {'rate':>5} | {'per-token mean':>14} {'p95':>7} | {'TTFT':>7} | {'TPOT ms':>8} | "
           f"{'tok/s':>7} | failed")
     for name in SYSTEMS:
@@ -124,6 +157,15 @@ def print_table(result: dict[str, Any]) -> None:
             print(f"{name:6} {rate:>5g} | {_fmt(row['per_token_mean_s']):>14} {_fmt(row['per_token_p95_s']):>7} | "
                   f"{_fmt(row['ttft_mean_s']):>7} | {_fmt(1e3 * row['tpot_mean_s'], 1):>8} | "
                   f"{_fmt(row['output_tok_s'], 1):>7} | {row['failed']}")
+    print(f"\noutput tokens received (completion_tokens){'':9} | finished by")
+    print(f"{'system':6} {'rate':>5} | {'n':>4} {'mean':>7} {'P50':>6} {'P90':>6} {'P99':>6} {'max':>6} | "
+          f"{'stop':>5} {'length':>6}")
+    for name in SYSTEMS:
+        for rate in result["rates"]:
+            lengths = result["points"][name][str(rate)]["output_lengths"]
+            print(f"{name:6} {rate:>5g} | {lengths['count']:>4} {_fmt(lengths['mean'], 1):>7} "
+                  f"{_fmt(lengths['p50'], 0):>6} {_fmt(lengths['p90'], 0):>6} {_fmt(lengths['p99'], 0):>6} "
+                  f"{lengths['max']:>6} | {_pct(lengths['stop_share']):>5} {_pct(lengths['length_share']):>6}")
     print("\nratios ours ÷ peer (lower is better for latencies, higher for tok/s):")
     for rate, r in result["ratios_ours_over_peer"].items():
         print(f"  rate {rate}: per-token {_fmt(r['per_token_mean'], 2)} (p95 {_fmt(r['per_token_p95'], 2)}), "
@@ -140,7 +182,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ours-model", default=None, help="model name; default: the first /v1/models lists")
     parser.add_argument("--peer-model", default=None)
     parser.add_argument("--dataset", choices=P.DATASETS, default="sharegpt")
-    parser.add_argument("--output-scale", type=float, default=0.25, help="scale reference output lengths")
+    parser.add_argument("--output-scale", type=float, default=0.25,
+                        help="completions mode: scale reference output lengths")
+    C.add_mode_args(parser)
     parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=list(DEFAULT_RATES),
                         help="comma-separated Poisson arrival rates (req/s)")
     parser.add_argument("--num-prompts", type=int, default=50)
