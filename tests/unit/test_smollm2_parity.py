@@ -149,7 +149,7 @@ async def _serve(ex: InProcessExecutor, prompts: list[list[int]], eos: int, chun
                                                                chunk_tokens=chunk_tokens or 1))
     kv = KVCacheConfig(block_size=BLOCK_SIZE, num_device_blocks=NUM_DEVICE_BLOCKS, num_host_blocks=NUM_HOST_BLOCKS)
     watch = _ChunkWatch(ex)
-    engine = Engine(Scheduler(cfg, kv, Profile.load(PROFILE), eos), ThreadedExecutor(watch))
+    engine = Engine(Scheduler(cfg, kv, Profile.load(PROFILE), frozenset({eos})), ThreadedExecutor(watch))
     tokens: dict[str, list[int]] = {}
     reasons: dict[str, str | None] = {}
 
