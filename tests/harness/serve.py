@@ -4,8 +4,8 @@ only in ``http_options.port`` (a free port, so a test never collides with a serv
 Teardown stops exactly the processes it started, walking their process trees: ``ray stop`` would
 also kill every other Ray on the machine.
 
-Moved here from ``tests/integration/test_serve.py`` (which re-exports every name, so modules that
-import them from there keep working).
+Also the dummy-OPT config most integration tests serve (``dummy_opt_yaml``), its tokenizer and
+the Scheduler's deployment options: no test module imports another.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import httpx
 import yaml
 
 from app.config import API_KEY_ENV
+from app.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -177,3 +178,19 @@ def serve_app(tmp: Path, config: dict[str, Any], health_path: str = "/health", m
         with contextlib.suppress(OSError):
             if current.read_text().strip() == f"127.0.0.1:{gcs}":
                 current.unlink()
+
+
+#: The OPT tokenizer the dummy-OPT servers use (``config/opt125m-dummy.yaml``).
+TOK = Tokenizer.default()
+
+
+def dummy_opt_yaml() -> dict[str, Any]:
+    """``config/opt125m-dummy.yaml`` parsed: the dummy-OPT server most integration tests run."""
+    raw: dict[str, Any] = yaml.safe_load((ROOT / "config" / "opt125m-dummy.yaml").read_text())
+    return raw
+
+
+def scheduler_options(config: dict[str, Any]) -> dict[str, Any]:
+    """The Scheduler's entry in the config's Serve ``deployments:`` section."""
+    (options,) = [d for d in config["applications"][0]["deployments"] if d["name"] == "Scheduler"]
+    return options

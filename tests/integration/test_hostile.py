@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.test_serve import AUTH, MODEL, REQUEST_TIMEOUT_S, Server, demo_yaml, serve_app
+from tests.harness.serve import AUTH, MODEL, REQUEST_TIMEOUT_S, Server, dummy_opt_yaml, serve_app
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -70,7 +70,7 @@ def good_body(prompt: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with serve_app(tmp_path_factory.mktemp("hostile"), demo_yaml()) as srv:
+    with serve_app(tmp_path_factory.mktemp("hostile"), dummy_opt_yaml()) as srv:
         yield srv
 
 

@@ -26,8 +26,7 @@ import pytest
 import yaml
 
 from app.config import API_KEY_ENV, AppArgs
-from tests.integration import metrics_view
-from tests.integration.test_serve import (
+from tests.harness.serve import (
     API_KEY,
     AUTH,
     BIN,
@@ -38,11 +37,12 @@ from tests.integration.test_serve import (
     REQUEST_TIMEOUT_S,
     ROOT,
     STARTUP_TIMEOUT_S,
-    demo_yaml,
+    dummy_opt_yaml,
     free_port,
     scheduler_options,
     stop_tree,
 )
+from tests.integration import metrics_view
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -165,7 +165,7 @@ def quiet_metrics(cluster: Cluster) -> metrics_view.Scrape:
 # ---- the tests, in order: each starts from the deployment the previous one left ----------------
 
 def test_ingress_count_and_scheduler_max_ongoing_are_lightweight_updates(cluster: Cluster) -> None:
-    config = demo_yaml()
+    config = dummy_opt_yaml()
     cluster.deploy(config, "v1")
     wait_until("v1 running", lambda: settled("Scheduler", 1) and settled("Ingress", 1), STARTUP_TIMEOUT_S)
     complete(cluster, "Hello", 4)
@@ -261,7 +261,7 @@ def test_scheduler_autoscales_to_two_model_copies_and_both_serve(cluster: Cluste
     compiled graph's idle threads would take a core of this 2-core box)."""
     from ray.util import placement_group_table
 
-    config = demo_yaml()
+    config = dummy_opt_yaml()
     args = config["applications"][0]["args"]
     args["parallel"].update(use_ray_pipeline=True, transport="actor")
     bundles = AppArgs.model_validate(args).placement_group_bundles()

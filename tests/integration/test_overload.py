@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from loadtest import overload
-from tests.integration.test_serve import API_KEY, Server, demo_yaml, serve_app
+from tests.harness.serve import API_KEY, Server, dummy_opt_yaml, serve_app
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -25,7 +25,7 @@ RECOVERED_WITHIN = 2.0
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    config = demo_yaml()
+    config = dummy_opt_yaml()
     args = config["applications"][0]["args"]
     args["scheduler"]["admission_queue_limit"] = ADMISSION_QUEUE_LIMIT
     args["server"]["admission_timeout_s"] = ADMISSION_TIMEOUT_S

@@ -28,34 +28,24 @@ import yaml
 from actors.messages import SamplingParams
 from app.config import AppArgs
 from app.scheduler.job import JobRequest
-from app.tokenizer import Tokenizer
-from tests.harness.serve import (  # noqa: F401  (re-exported: other modules import them from here)
+from tests.harness.serve import (
     API_KEY,
     AUTH,
-    BIN,
     METRICS_REPORT_MS,
     MODEL,
-    OBJECT_STORE_BYTES,
-    RAY_CPUS,
     REQUEST_TIMEOUT_S,
     ROOT,
-    STARTUP_TIMEOUT_S,
+    TOK,
     Server,
-    free_port,
+    dummy_opt_yaml,
+    scheduler_options,
     serve_app,
-    stop_tree,
 )
 from tests.integration import metrics_view
 from tests.integration.metrics_view import Scrape
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-TOK = Tokenizer.default()
-
-
-def demo_yaml() -> dict[str, Any]:
-    raw: dict[str, Any] = yaml.safe_load((ROOT / "config" / "opt125m-dummy.yaml").read_text())
-    return raw
 
 
 # ---- configs (no Ray) ------------------------------------------------------------------------
@@ -111,7 +101,7 @@ def test_full_admission_queue_answers_429_and_aborts_free_blocks() -> None:
     from app.serving import SchedulerReplica
     from tests.unit.test_serve_metrics import FakeSink
 
-    raw = demo_yaml()["applications"][0]["args"]
+    raw = dummy_opt_yaml()["applications"][0]["args"]
     # FCFS, one job per batch, one job may wait: the third concurrent request is refused.
     raw["scheduler"].update(policy="fcfs", max_batch_size=1, admission_queue_limit=1)
 
@@ -182,7 +172,7 @@ def test_delivery_channel_carries_exact_tokens_one_message_per_step_and_breaking
     from app.ingress import APIError, OpenAIServer, ServerContext
     from app.serving import SchedulerReplica
 
-    raw = demo_yaml()["applications"][0]["args"]
+    raw = dummy_opt_yaml()["applications"][0]["args"]
     prompts = ["The capital of France", "Once upon a time", "def main():", "Hello"]
 
     async def run() -> None:
@@ -264,7 +254,7 @@ def test_two_model_copies_each_with_a_ray_pipeline(tmp_path: Path) -> None:
     in-process model. Runs before the demo server starts, so the two never share the box."""
     from app.serving import SchedulerReplica
 
-    args = demo_yaml()["applications"][0]["args"]
+    args = dummy_opt_yaml()["applications"][0]["args"]
 
     async def reference() -> list[list[int]]:
         replica = await SchedulerReplica.create(args)
@@ -280,7 +270,7 @@ def test_two_model_copies_each_with_a_ray_pipeline(tmp_path: Path) -> None:
             await replica.close()
 
     expected = asyncio.run(reference())
-    config = demo_yaml()
+    config = dummy_opt_yaml()
     app_args = config["applications"][0]["args"]
     app_args["parallel"].update(pipeline_parallel_size=2, worker_cpus=0.01)
     scheduler_options(config)["num_replicas"] = 2
@@ -291,15 +281,9 @@ def test_two_model_copies_each_with_a_ray_pipeline(tmp_path: Path) -> None:
         assert len(m.replicas("fastserve:num_requests_running")) == 2   # both model copies record
 
 
-def scheduler_options(config: dict[str, Any]) -> dict[str, Any]:
-    """The Scheduler's entry in the config's Serve ``deployments:`` section."""
-    (options,) = [d for d in config["applications"][0]["deployments"] if d["name"] == "Scheduler"]
-    return options
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with serve_app(tmp_path_factory.mktemp("serve"), demo_yaml()) as srv:
+    with serve_app(tmp_path_factory.mktemp("serve"), dummy_opt_yaml()) as srv:
         yield srv
 
 

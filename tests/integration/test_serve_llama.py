@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.integration.test_serve import API_KEY, REQUEST_TIMEOUT_S, ROOT, TOK, serve_app
+from tests.harness.serve import API_KEY, REQUEST_TIMEOUT_S, ROOT, TOK, serve_app
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

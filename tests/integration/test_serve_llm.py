@@ -16,7 +16,7 @@ import yaml
 
 pytest.importorskip("ray.serve.llm", reason="needs the serve-llm extra: pip install -e '.[serve-llm]'")
 
-from tests.integration.test_serve import (  # noqa: E402  (after the skip)
+from tests.harness.serve import (  # noqa: E402  (after the skip)
     MODEL,
     REQUEST_TIMEOUT_S,
     ROOT,
