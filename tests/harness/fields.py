@@ -8,6 +8,7 @@ makes ``token`` the argmax of every row (a model that always wants to stop).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -86,6 +87,9 @@ def boost(ex: InProcessExecutor, token: int, by: float = 100.0) -> None:
 
 
 class FakeStream:
+    """A backend stream of scripted deltas; it yields to the loop before each item, as a real
+    stream does, and ends once cancelled."""
+
     def __init__(self, items: list[TokenDelta]) -> None:
         self.items = list(items)
         self.cancelled = False
@@ -94,7 +98,8 @@ class FakeStream:
         return self
 
     async def __anext__(self) -> TokenDelta:
-        if not self.items:
+        await asyncio.sleep(0)
+        if self.cancelled or not self.items:
             raise StopAsyncIteration
         return self.items.pop(0)
 

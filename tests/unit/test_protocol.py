@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -26,6 +25,7 @@ from app.protocol import (
 from app.request_limits import RequestLimits
 from app.scheduler.job import JobRequest, JobStats, TokenDelta
 from app.tokenizer import Tokenizer
+from tests.harness.fields import FakeStream
 
 MODEL = "opt-125m"
 VOCAB = 50272
@@ -136,24 +136,6 @@ def test_stop_string_matcher_holds_back_split_stops() -> None:
 
 
 # ---- the HTTP layer over a scripted backend --------------------------------------------------
-
-class FakeStream:
-    def __init__(self, items: list[TokenDelta]) -> None:
-        self.items = list(items)
-        self.cancelled = False
-
-    def __aiter__(self) -> AsyncIterator[TokenDelta]:
-        return self
-
-    async def __anext__(self) -> TokenDelta:
-        await asyncio.sleep(0)
-        if self.cancelled or not self.items:
-            raise StopAsyncIteration
-        return self.items.pop(0)
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
 
 class FakeBackend:
     """Answers every request with ``tokens`` then ``reason``, or refuses with ``first``."""

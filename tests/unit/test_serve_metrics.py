@@ -25,7 +25,8 @@ from app.metrics import (
 )
 from app.metrics_export import our_families, render
 from app.scheduler.job import JobStats, TokenDelta
-from tests.unit.test_protocol import CONTEXT, MODEL, TEXT_IDS, TOK, VOCAB, FakeBackend, FakeStream
+from tests.harness.fields import FakeStream
+from tests.unit.test_protocol import CONTEXT, MODEL, TEXT_IDS, TOK, VOCAB, FakeBackend
 
 
 class FakeSink:
