@@ -2,8 +2,11 @@
 
     ENST(i) = min(α − starve_time(i),  (1/B) · Σ_{j above i} Σ_{k = level(j)}^{level(i)−1} q_k)
 
-The second term depends on job i only through its level, so it is computed once per decision
-for every level from per-level job counts (O(levels)); ENST of any job is then O(1).
+The quanta are service (``app.scheduler.accounting``: a decode is charged one decode iteration,
+q1), so the sum is the work ahead in service-seconds; B jobs advance together in one iteration,
+hence the one division by B, and ``wall_per_service`` (measured step time ÷ q1) turns it into
+wall time. The second term depends on job i only through its level, so it is computed once per
+decision for every level from per-level job counts (O(levels)); ENST of any job is then O(1).
 """
 
 from __future__ import annotations
@@ -42,8 +45,10 @@ class EnstTable:
     """ENST of every job at one decision instant ``now``, O(1) per job."""
 
     def __init__(self, counts: Sequence[int], quanta: Sequence[float], batch_size: int,
-                 alpha: float, now: float) -> None:
-        self.waits = level_waits(counts, quanta, batch_size)
+                 alpha: float, now: float, wall_per_service: float = 1.0) -> None:
+        if wall_per_service <= 0:
+            raise ValueError(f"wall_per_service must be > 0, got {wall_per_service}")
+        self.waits = [w * wall_per_service for w in level_waits(counts, quanta, batch_size)]
         self.alpha = alpha
         self.now = now
 

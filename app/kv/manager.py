@@ -156,9 +156,12 @@ class KVCacheManager:
         self._record(step).busy.append(job_id)
         return tuple(kv.blocks)
 
-    def swap_out(self, job_id: str, step: int) -> SwapCommand:
+    def swap_out(self, job_id: str, step: int, reuse_now: bool = False) -> SwapCommand:
         """Move an idle resident job's KV to the host with ``step``; the device blocks are
-        reusable once that step completes."""
+        reusable once that step completes — or, with ``reuse_now`` (reactive preemption), by
+        ``step`` itself: the data plane issues a plan's swaps before its forward, in order on
+        one copy thread or stream, and the forward waits for swaps touching its blocks
+        (``actors.stage.StageRunner``), so the copy reads them before anything overwrites them."""
         kv = self._settled(job_id, Tier.DEVICE)
         if len(kv.blocks) > self.host.num_free:
             raise OutOfBlocks(f"swap out {job_id}: {len(kv.blocks)} host blocks wanted, "
@@ -166,9 +169,12 @@ class KVCacheManager:
         dst = self.host.allocate(len(kv.blocks))
         src, kv.blocks, kv.tier, kv.swap_step = kv.blocks, dst, Tier.HOST, step
         rec = self._record(step)
-        rec.device.extend(src)
         rec.swaps.append(job_id)
-        self.device_releasing += len(src)
+        if reuse_now:
+            self.device.release(src)
+        else:
+            rec.device.extend(src)
+            self.device_releasing += len(src)
         self.swapped_out_blocks += len(src)
         return SwapCommand("out", job_id, tuple(src), tuple(dst))
 

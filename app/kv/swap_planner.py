@@ -6,11 +6,12 @@ batch has its blocks, the host blocks free, the device blocks in-flight steps re
 scheduler's ``apply`` runs it). Candidates come in the order the scheduler supplies (by ENST for
 MLFQ: smallest first for swap-in, largest first for swap-out).
 
-* Swap in the jobs the next batch wants (on the host, would have run) first, then prefetch in
-  ENST order, each while the device keeps ``keep_free`` blocks free afterwards (prefetch also
-  ``prefetch_headroom`` more, so what it brings is not pushed out again by the next growth). A job that does
-  not fit is passed over, not the end of the walk (a smaller one behind it may fit); the walk
-  gives up after ``max_skips`` such jobs so a decision never scans every queued job.
+* Swap in the jobs the next batch wants (on the host, would have run) first, then — only when
+  all of them came in — prefetch in ENST order, each while the device keeps ``keep_free``
+  blocks free afterwards (prefetch also ``prefetch_headroom`` more, so what it brings is not
+  pushed out again by the next growth). A job that does not fit is passed over, not the end of
+  the walk (a smaller one behind it may fit); the walk gives up after ``max_skips`` such jobs
+  so a decision never scans every queued job.
 * Then swap out (or drop, in recompute mode) until the blocks free by the next decision — free
   now, plus those in-flight steps release — reach ``keep_free`` plus what wanted jobs still on
   the host need. Swapped-out blocks come back only when this plan completes.
@@ -66,7 +67,7 @@ def plan_swaps(
 
     ``keep_free``: device blocks to keep free for the next iteration (reserve + known needs).
     ``wanted``: jobs on the host the next batch would run, in batch order, and the device blocks
-    each needs; they are brought in before any prefetch.
+    each needs (its table and its next growth); they are brought in before any prefetch.
     ``drop``: evict by dropping KV (recompute) instead of swapping out.
     ``drop_when_host_full``: a victim that does not fit the host is dropped rather than
     skipped (only the stall breaker uses it: progress over keeping the KV).
@@ -82,7 +83,8 @@ def plan_swaps(
         for job_id in job_ids:
             if job_id in brought:
                 continue
-            n = kv.num_blocks(job_id)
+            # A wanted job runs next: set aside its table and the growth of that run.
+            n = max(kv.num_blocks(job_id), wanted.get(job_id, 0))
             if free - n < keep:
                 skips += 1
                 if skips > max_skips or free <= keep:
@@ -93,7 +95,10 @@ def plan_swaps(
             free -= n
 
     bring(wanted, keep_free)
-    bring(prefetch, keep_free + prefetch_headroom)
+    if all(j in brought for j in wanted):
+        # Prefetch only into memory no wanted job is waiting for: else what it brings in is
+        # evicted again for the wanted job, plan after plan.
+        bring(prefetch, keep_free + prefetch_headroom)
     target = keep_free + sum(n for j, n in wanted.items() if j not in brought)
     free_soon = free + pools.device_releasing
     host_free = pools.free_host

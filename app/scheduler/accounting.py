@@ -1,38 +1,29 @@
-"""Service accounting: how much of a step each of its entries is charged (paper §4.1).
+"""Service accounting: what each entry of a step is charged toward its level's quantum (paper §4.1).
 
-The quantum MLFQ enforces is a job's own service, so each entry of a plan is charged its own
-share of the step, never the other entries' work: its profiled cost — ``t_init`` of its own
-tokens for a first iteration (or recompute), an equal share of ``t_dec(#decodes)`` for a decode —
-scaled so that the shares sum to the step's measured compute time. Time the forward waited for a
-swap (``swap_wait``) or the plan waited for its swaps after the forward (``swap_tail``) is no
-one's service. Skip-join placement (the first quantum covers the job's ``t_init``) and ENST's
-division by the batch size both assume exactly this.
+The quantum MLFQ enforces is a job's own work, in the profile's units, so that "how many
+tokens a level gives" is a property of the level, not of how full the batch was or how slow the
+machine ran that step:
+
+* a decode is charged one decode iteration, ``q1`` (the profile's smallest ``t_dec``, which is
+  also the first quantum) — whatever the batch size, so a job in level i gets ~2^(i−1) tokens
+  whether it decodes alone or in a full batch, even on a CPU whose ``t_dec`` grows with the batch;
+* a first iteration (or a recompute, or one prefill chunk) is charged ``t_init`` of the tokens it
+  feeds, the very quantity skip-join placed it by.
+
+Nothing is split among the batch's jobs, and nothing is charged for another job's prefill or
+for time spent waiting on swaps. ENST (``app.kv.enst``) turns this service back into wall time
+with the measured step time, dividing by the batch size once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from actors.messages import BatchEntry
 from app.scheduler.profile import Profile
 
 
-def compute_seconds(timings: Mapping[str, float], fallback_total: float) -> float:
-    """The step's measured time minus what it spent waiting for swaps."""
-    total = timings.get("total", fallback_total)
-    waited = timings.get("swap_wait", 0.0) + timings.get("swap_tail", 0.0)
-    return max(total - waited, 0.0)
-
-
-def service_shares(entries: Sequence[BatchEntry], compute_s: float,
-                   profile: Profile) -> dict[str, float]:
-    """Seconds of service each entry's job attained in a step that computed ``compute_s``."""
-    decodes = sum(1 for e in entries if not e.is_prefill)
-    per_decode = profile.t_dec(decodes) / decodes if decodes else 0.0
-    cost = {e.job_id: profile.t_init(len(e.token_ids)) if e.is_prefill else per_decode
+def service_charges(entries: Sequence[BatchEntry], profile: Profile) -> dict[str, float]:
+    """Seconds of service (profile units) each entry's job attained in one step."""
+    return {e.job_id: profile.t_init(len(e.token_ids)) if e.is_prefill else profile.q1
             for e in entries}
-    profiled = sum(cost.values())
-    if profiled <= 0.0:
-        return dict.fromkeys(cost, 0.0)
-    scale = compute_s / profiled
-    return {job_id: c * scale for job_id, c in cost.items()}

@@ -25,7 +25,7 @@ class Served:
 
     share_s: float        # its service (quantum accounting, ``app.scheduler.accounting``)
     wall_s: float         # the step's duration, which the job spent in it (latency breakdown)
-    swap_wait_s: float    # of which its forward waited for its own reactive swap-in
+    swap_wait_s: float    # of which the step's forward waited for swaps (the whole batch stalled)
 
 
 @dataclass
@@ -35,7 +35,6 @@ class Applied:
     entries: list[BatchEntry] = field(default_factory=list)
     swap_out: list[SwapCommand] = field(default_factory=list)
     swap_in: list[SwapCommand] = field(default_factory=list)
-    reactive: set[str] = field(default_factory=set)
     wasted: set[str] = field(default_factory=set)
     chunks: dict[str, int] = field(default_factory=dict)   # non-final prefill chunks: their end
 
@@ -72,7 +71,7 @@ class Applier:
         else:
             return
         if policy.may_be_promoted(job):
-            s.queues.starving.add(job.job_id, job.last_served)
+            s.queues.starving.add(job.job_id, job.last_served, job.stats.promotions)
 
     def unplace(self, job: Job) -> None:
         self.s.queues.discard(job.level, job.job_id)
@@ -109,9 +108,7 @@ class Applier:
         step, table = decision.step, decision.table
         for action in decision.batch.actions:
             if isinstance(action, Evict):
-                victim = SwapDecision(drop=[action.job_id]) if action.drop \
-                    else SwapDecision(swap_out=[action.job_id])
-                self._swap(victim, step, None, out)
+                self._evict(action, step, table, out)
             else:
                 self._run(action, step, now, out)
         for job_id in decision.batch.wanted_host:
@@ -128,7 +125,6 @@ class Applier:
         job = s.jobs[run.job_id]
         if run.swap_in_first:
             out.swap_in.append(s.kv.swap_in(job.job_id, step))
-            out.reactive.add(job.job_id)
             self.count(job, "swaps_in")
         # A first iteration in chunks takes the blocks of all of it with its first chunk.
         whole = job.next_context_len if run.prefill and not run.wasted else run.num_tokens
@@ -172,31 +168,44 @@ class Applier:
 
     def _swap(self, decision: SwapDecision, step: int, table: EnstTable | None,
               out: Applied) -> None:
-        s = self.s
         # Drops first: their blocks are free at once, and a swap-in may be planned into them.
         for job_id in decision.drop:
-            job = self._predict(job_id, table)
-            self.unplace(job)
-            s.kv.drop(job_id)
-            job.state = JobState.WAITING    # recompute: its next iteration is a prefill
-            job.prefilled = 0
-            job.pinned_until = None
-            self.count(job, "recomputes")
-            self.place(job)
+            self._drop(job_id, table)
         for job_id in decision.swap_in:
             job = self._predict(job_id, table)
             self.unplace(job)
-            out.swap_in.append(s.kv.swap_in(job_id, step))
-            job.pinned_until = step + s.kv_config.swap_pin_plans
+            out.swap_in.append(self.s.kv.swap_in(job_id, step))
+            job.pinned_until = step + self.s.kv_config.swap_pin_plans
             self.count(job, "swaps_in")
             self.place(job)   # in transit: only the starvation clock keeps running
         for job_id in decision.swap_out:
-            job = self._predict(job_id, table)
-            self.unplace(job)
-            out.swap_out.append(s.kv.swap_out(job_id, step))
-            job.pinned_until = None
-            self.count(job, "swaps_out")
-            self.place(job)
+            self._swap_out(job_id, step, table, out, reuse_now=False)
+
+    def _evict(self, action: Evict, step: int, table: EnstTable | None, out: Applied) -> None:
+        self.s.totals["preemptions"] += 1    # for a job the batch wants (the rest: the swap plan)
+        if action.drop:
+            self._drop(action.job_id, table)
+        else:
+            self._swap_out(action.job_id, step, table, out, action.reuse_now)
+
+    def _drop(self, job_id: str, table: EnstTable | None) -> None:
+        job = self._predict(job_id, table)
+        self.unplace(job)
+        self.s.kv.drop(job_id)
+        job.state = JobState.WAITING    # recompute: its next iteration is a prefill
+        job.prefilled = 0
+        job.pinned_until = None
+        self.count(job, "recomputes")
+        self.place(job)
+
+    def _swap_out(self, job_id: str, step: int, table: EnstTable | None, out: Applied,
+                  reuse_now: bool) -> None:
+        job = self._predict(job_id, table)
+        self.unplace(job)
+        out.swap_out.append(self.s.kv.swap_out(job_id, step, reuse_now=reuse_now))
+        job.pinned_until = None
+        self.count(job, "swaps_out")
+        self.place(job)
 
     def _predict(self, job_id: str, table: EnstTable | None) -> Job:
         """Record the ENST predicted at a swap decision (checked when the job next runs)."""
@@ -234,11 +243,13 @@ class Applier:
         job.prefilled = end
         self._served(job, served, now)
         self.s.totals["prefill_chunks"] += 1
-        self._idle_after_run(job)
+        # Skip-join placed the job where its whole first iteration fits the quantum; a chunk
+        # boundary is not the end of it, so no demotion before its first token.
+        self._idle_after_run(job, may_demote=False)
 
-    def _idle_after_run(self, job: Job) -> None:
+    def _idle_after_run(self, job: Job, may_demote: bool = True) -> None:
         job.state = JobState.RUNNABLE
-        level = self.s.policy.demotion_level(job)
+        level = self.s.policy.demotion_level(job) if may_demote else None
         if level is not None:
             self.set_level(job, level)
             self.count(job, "demotions")

@@ -9,20 +9,31 @@ passes over at most ``max_batch_size`` jobs that need memory or budget it does n
 decision costs O(B log n), not O(queued jobs). The result is a ``BatchDecision``;
 ``Applier.apply`` takes the blocks.
 
+**Memory preemption by priority** (DESIGN "Scheduling"; the paper's answer to its Strawman 1).
+A job the walk reaches that lacks KV room — new, growing, or on the host — takes it from idle
+resident jobs it strictly outranks (``Policy.rank``: for MLFQ a lower level; for one-level
+policies later in their order), lowest priority first, also from jobs that would otherwise fit in this very
+batch; never from a job of equal or higher rank, one in an in-flight plan, one already picked,
+or one swapped in for its turn and not yet run. Victims are dropped under ``recompute`` (the
+job runs in this plan), swapped out with their blocks reused by this plan under ``reactive``
+(its forward stalls for the copy, as the paper's reactive baseline does), and swapped out one
+plan ahead under ``proactive`` (the job claims the blocks and runs at the next decision, with
+nothing stalled). Victims are taken only when they cover the whole need, so every eviction buys
+its job an iteration. Why two jobs cannot evict each other forever (the paper's deadlock):
+``rank`` is a strict order at each decision, an eviction goes only down it, and it is followed
+by the evicting job's iteration — a pair can swap places only after each made progress, and
+only when demotion or promotion (α, bounded below by the backlog) reordered them.
+
 With chunked prefill (``scheduler.chunked_prefill``) a first iteration's chunk feeds what is
 left of the token budget, at most ``chunk_tokens``; a job whose earlier chunks ran is resident
 (or swapped out) and its next run is its next chunk, not a decode. As in vLLM, the blocks of the
 whole first iteration are taken with its first chunk, so a job part-way through its prompt never
 waits for memory to go on: two such jobs cannot hold each other's blocks hostage.
-
-A job promoted for starvation whose KV is on the host is wanted (so swapped in, evicting
-others) only into batch slots that resident work left empty: a promotion must not push out the
-jobs that would run anyway, or each promotion drags a swap-out and a swap-in behind it (under
-overload, promotions would then be the schedule). Until then proactive prefetch brings it in
-first (its ENST is the smallest) whenever blocks are free.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from app.kv.manager import Tier
 from app.scheduler.decision import BatchDecision, Evict, Run
@@ -56,6 +67,8 @@ class _Walk:
         self.tokens = 0
         self.picked: set[str] = set()
         self.evicted: set[str] = set()
+        #: Proactive preemption: blocks this walk's swap-outs release that no job claimed yet.
+        self.spare_release = 0
 
     def full(self) -> bool:
         cfg = self.view.config
@@ -68,7 +81,6 @@ class _Walk:
         passed_over = 0
         first_waiting: str | None = None
         res = self.res
-        deferred: list[str] = []
         for level in self.view.queues.levels:
             ready, pending = level.ready, level.pending
             while not self.full():
@@ -90,7 +102,7 @@ class _Walk:
                     continue
                 before = len(self.picked)
                 if self.view.kv.tier(job_id) is Tier.HOST:
-                    self._try_host(job, deferred)
+                    self._try_host(job)
                 elif self.admit_new or job.admitted:
                     # As vLLM: a batch that preempted a job to let an older one grow admits no
                     # new job into what the preemption freed.
@@ -105,7 +117,6 @@ class _Walk:
                         take_pending = False
             if self.full():
                 break
-        self._want_promoted(deferred)
         for s, key, job_id in popped:
             s.add(job_id, key)
         if res.focus is None:
@@ -150,54 +161,131 @@ class _Walk:
         need = self.view.kv.device_blocks_needed(job.job_id, run.num_tokens)
         if need > self.res.free_device and self.view.policy.evicts_during_batch:
             self._preempt_latest(job)
-        if need > self.res.free_device:
+        room = self._make_room(job, need)
+        if room == "now":
+            self._pick(run, need)
+        elif room is None:
             self.res.growth_needs[job.job_id] = need
             if self.res.focus is None:
                 self.res.focus = job.job_id
-            return
-        self._pick(run, need)
 
-    def _try_host(self, job: Job, deferred: list[str]) -> None:
+    def _try_host(self, job: Job) -> None:
         run = self._resident_run(job, swap_in_first=True)
-        need = self.view.kv.device_blocks_needed(job.job_id, run.num_tokens)
-        if self.p.reactive and need <= self.res.free_device:
+        if self.p.reactive:
             # Reactive: swap in with this very plan; the entry's forward waits for the copy.
-            self._pick(run, need)
+            need = self.view.kv.device_blocks_needed(job.job_id, run.num_tokens)
+            room = self._make_room(job, need)
+            if room == "now":
+                self._pick(run, need)
+            elif room is None and self.res.focus is None:
+                self.res.focus = job.job_id
             return
-        if job.promoted:
-            deferred.append(job.job_id)
-            return
-        self._want(job.job_id, self.view.kv.device_blocks_needed(job.job_id, job.next_context_len))
+        need = self.view.kv.device_blocks_needed(job.job_id, job.next_context_len)
+        room = self._make_room(job, need)
+        if room == "now":
+            self._want(job.job_id, need)
+        elif room is None and self.res.focus is None:
+            self.res.focus = job.job_id
 
     def _want(self, job_id: str, need: int) -> None:
+        """Proactive: the swap plan brings this host job in now (it runs at the next decision);
+        its blocks are set aside so that lower-priority picks of this walk cannot take them."""
         self.res.wanted_host[job_id] = need
+        self.res.free_device -= need
         if self.res.focus is None:
             self.res.focus = job_id
-
-    def _want_promoted(self, deferred: list[str]) -> None:
-        """Promoted host jobs are wanted only into the slots the batch's resident work left."""
-        room = self.view.config.max_batch_size - len(self.picked) - len(self.res.wanted_host)
-        for job_id in deferred[:max(room, 0)]:
-            job = self.view.jobs[job_id]
-            self._want(job_id, self.view.kv.device_blocks_needed(job_id, job.next_context_len))
 
     def _try_admit(self, job: Job, admission_open: bool) -> bool:
         """Admit ``job`` into the batch if it fits; True when memory (or closed admission) kept
         it out, False when it was picked or only the token budget was short."""
         prefix = self.view.policy.preempted_prefix(job)
         n = job.next_context_len if prefix is None else prefix
-        room = self._chunk_room()
-        if room is not None and prefix is None:
-            n = min(n, room)   # chunked prefill: the first chunk
+        chunk = self._chunk_room()
+        if chunk is not None and prefix is None:
+            n = min(n, chunk)   # chunked prefill: the first chunk
         if not self._fits_budget(n):
             return False  # not a memory problem: it simply waits for a batch with room
         # A first iteration in chunks takes the blocks of all of it with its first chunk.
         need = self.view.kv.blocks_for(n if prefix is not None else job.next_context_len)
-        if not admission_open or need > self.res.free_device:
+        room = self._make_room(job, need) if admission_open else None
+        if room == "later":
+            return False    # runs at the next decision, in the blocks it claimed
+        if room is None:
             self.res.waiting_needs[job.job_id] = need
             return True
         self._pick(Run(job.job_id, n, prefill=True, wasted=prefix is not None), need)
         return False
+
+    def _make_room(self, job: Job, need: int) -> Literal["now", "later"] | None:
+        """Device room for ``need`` blocks of ``job``: ``"now"`` when free (or freed at once by
+        drops, or by swap-outs this plan stalls for under reactive), ``"later"`` when proactive
+        swap-outs free it for the next decision (claimed here), None when the jobs it outranks
+        cannot cover it (nothing is evicted then)."""
+        res = self.res
+        short = need - res.free_device
+        if short <= 0:
+            return "now"
+        if not self.view.policy.preempts_for_priority:
+            return None
+        deferred = not (self.p.recompute or self.p.reactive)
+        # Proactive: blocks this walk's earlier swap-outs release beyond what was claimed.
+        spare = self.spare_release if deferred else 0
+        if short > spare:
+            victims = self._victims_below(job, short - spare)
+            if victims is None:
+                return None
+            for victim, n in victims:
+                self.evicted.add(victim)
+                res.actions.append(Evict(victim, drop=self.p.recompute,
+                                         reuse_now=self.p.reactive))
+                if not self.p.recompute:
+                    res.free_host -= n
+            freed = sum(n for _, n in victims)
+            if not deferred:
+                res.free_device += freed
+                return "now"
+            self.spare_release += freed
+        self.spare_release -= short
+        res.claimed_release += short
+        res.claimants.append(job.job_id)
+        res.free_device = 0      # the job takes every free block and ``short`` of the released
+        return "later"
+
+    def _victims_below(self, job: Job, short: int) -> list[tuple[str, int]] | None:
+        """Idle resident jobs strictly below ``job`` in rank, lowest priority first, whose blocks
+        cover ``short``; None when they cannot (then none is taken)."""
+        view = self.view
+        policy, kv = view.policy, view.kv
+        rank = policy.rank(job)
+        host_free = self.res.free_host
+        chosen: list[tuple[str, int]] = []
+        freed = skipped = 0
+        # Levels from the lowest priority up; within a level, the policy's swap-out order.
+        with view.queues.ordered("evictable", lambda level, _job: -float(level)) as order:
+            for cand in order:
+                if freed >= short:
+                    break
+                victim = view.jobs[cand]
+                if victim.level < job.level:
+                    break      # every job left in the walk is of a higher level
+                if not rank < policy.rank(victim) or cand in self.picked or cand in self.evicted:
+                    continue
+                if (kv.busy_step(cand) is not None or view.pinned(cand, self.step)
+                        or (self.p.recompute and victim.mid_prefill)):
+                    # (A first iteration part-way through its chunks is not dropped: two long
+                    # prompts could otherwise drop each other's chunks forever.)
+                    skipped += 1
+                    if skipped > view.config.max_batch_size:
+                        break
+                    continue
+                n = kv.num_blocks(cand)
+                if not self.p.recompute:
+                    if n > host_free:
+                        continue
+                    host_free -= n
+                chosen.append((cand, n))
+                freed += n
+        return chosen if freed >= short else None
 
     def _preempt_latest(self, job: Job) -> None:
         """vLLM-style: decode growth does not fit, so preempt the most recently admitted idle

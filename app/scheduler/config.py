@@ -13,7 +13,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from actors.messages import DEFAULT_BLOCK_SIZE
 
-QuantumBasis = Literal["decode_share", "iteration"]
 PolicyName = Literal["skip_join_mlfq", "naive_mlfq", "fixed_priority", "fcfs", "srpt_oracle"]
 SwapMode = Literal["proactive", "reactive", "recompute"]
 
@@ -77,6 +76,13 @@ class SchedulerConfig(_Strict):
     #: each decision and MLFQ becomes FIFO). 10 is the paper's own ratio: α = 300 ms over a
     #: ~30 ms OPT-13B decode iteration at B = 16, and its SLO of "10x a decode iteration".
     starvation_min_iterations: float = Field(default=10.0, ge=0)
+    #: A job's α is multiplied by this for every promotion it already had. Under sustained
+    #: overload a starving job is otherwise promoted every α, runs its level-1 quantum, sinks
+    #: and starves again: MLFQ degenerates to round-robin with quantum α (the paper's own
+    #: limitation) and each round trip may drag a swap-out and a swap-in. With 2, a job is
+    #: promoted at most log2(its wait / α) + 1 times; its first promotion still comes after
+    #: α, so at normal load the paper's α is what holds. 1 = the paper's fixed α.
+    starvation_backoff: float = Field(default=2.0, ge=1)
     #: Weight of the newest step in the running mean of measured step times (α's floor).
     step_time_ewma_weight: float = Field(default=0.1, gt=0, le=1)
     #: naive_mlfq only. True (paper Figure 7(b)): a first iteration longer than the level's
@@ -86,11 +92,6 @@ class SchedulerConfig(_Strict):
     naive_preempts_first_iteration: bool = True
     #: η: levels a job moves down when it exhausts its quantum (paper: the next queue).
     demotion_eta: int = Field(default=1, ge=1)
-    #: q1, on the scale of the service a job is charged (its own share of each step):
-    #: ``decode_share`` = one decode's share of a full batch, t_dec(B)/B, so a job in level i
-    #: gets ~2^(i-1) tokens of a full batch, as in the paper's §4.1 example; ``iteration`` =
-    #: t_dec(1), a whole decode iteration — with per-job shares that is ~B tokens per level 1.
-    quantum_basis: QuantumBasis = "decode_share"
     #: q(i+1) = growth · q(i) (paper: 2, after classic MLFQ).
     quantum_growth: float = Field(default=2.0, gt=1)
     #: Number of MLFQ levels; None = enough that q_n ≥ the largest profiled t_init.

@@ -37,10 +37,14 @@ class Run:
 
 @dataclass(frozen=True)
 class Evict:
-    """FCFS growth preemption: an idle resident job leaves the device for a running one."""
+    """An idle resident job leaves the device for a job the batch wants: a strictly
+    higher-priority one (memory preemption by priority), or FCFS's decode growth."""
 
     job_id: str
     drop: bool          # dropped (blocks free at once) rather than swapped out
+    #: Swapped out with its blocks reused by this very plan (reactive: the forward stalls for
+    #: the copy); otherwise they are free once the plan completes.
+    reuse_now: bool = False
 
 
 @dataclass
@@ -52,8 +56,13 @@ class BatchDecision:
     wanted_host: dict[str, int] = field(default_factory=dict)    # would run, KV on the host
     next_growth: int = 0          # blocks the selected jobs need for their next decode
     focus: str | None = None      # highest-priority job deferred for memory (stall breaker)
-    free_device: int = 0          # device blocks free once the runs have theirs
+    free_device: int = 0          # device blocks free once the runs (and claims) have theirs
     free_host: int = 0            # host blocks free once evictions have theirs
+    #: Blocks that this plan's swap-outs release and that jobs of this walk already claimed
+    #: (proactive preemption: the job runs at the next decision, when they are free).
+    claimed_release: int = 0
+    #: The jobs that claimed them: no swap plan of this decision evicts them.
+    claimants: list[str] = field(default_factory=list)
 
     @property
     def runs(self) -> list[Run]:
@@ -61,9 +70,10 @@ class BatchDecision:
 
     @property
     def protected(self) -> set[str]:
-        """The highest-priority job whose decode growth did not fit: never evicted for the
-        others this step (lower-priority growth-blocked jobs may be, which frees room for it)."""
-        return set(list(self.growth_needs)[:1])
+        """Jobs the swap plan must not evict: those that claimed blocks this decision frees, and
+        the highest-priority job whose decode growth did not fit (lower-priority growth-blocked
+        jobs may be evicted, which frees room for it)."""
+        return set(self.claimants) | set(list(self.growth_needs)[:1])
 
 
 @dataclass

@@ -1,9 +1,10 @@
 """``MemoryPlanner``: the swap side of a decision (paper §4.2, "Proactive KV cache management").
 
-A pure planner. Turns what a batch could not get (and, in proactive mode, the reserve of burst
-slots) into a ``SwapDecision`` via ``app.kv.swap_planner`` — ENST-ordered across levels for MLFQ
-policies, policy order otherwise — against the block counts the batch left. Also plans the stall
-breaker that guarantees progress. ``Applier.apply`` runs what it returns.
+A pure planner. In proactive mode turns the batch's host jobs, its next growth and the reserve
+of burst slots into a ``SwapDecision`` via ``app.kv.swap_planner`` — ENST-ordered across levels
+for MLFQ policies, policy order otherwise — against the block counts the batch left. (Eviction
+*for* a job the batch wants is the batch walk's, by priority: ``app.scheduler.batcher``.) Also
+plans the stall breaker that guarantees progress. ``Applier.apply`` runs what it returns.
 """
 
 from __future__ import annotations
@@ -22,21 +23,31 @@ class MemoryPlanner:
 
     def plan(self, batch: BatchDecision, step: int, now: float,
              table: EnstTable | None) -> SwapDecision:
-        """Swaps for this plan: proactive prefetch/offload by ENST around the reserve, or
-        on-demand eviction (reactive, recompute) for what this batch could not get."""
+        """Swaps for this plan. Proactive: prefetch and offload by ENST around the reserve (burst
+        slots) and the batch's next growth, in the background of the plan. Reactive and
+        recompute swap nothing here: a job's KV moves only when the batch wants it (the batch
+        walk's own swap-in or preemption). FCFS, which never preempts for priority, evicts here
+        for the decode growth its batch could not get."""
         view = self.view
         mode = view.kv_config.swap_mode
         policy = view.policy
-        keep = sum(batch.growth_needs.values())
+        unmet = sum(batch.growth_needs.values())
         if policy.evicts_for_admission:
-            keep += sum(batch.waiting_needs.values())
+            unmet += sum(batch.waiting_needs.values())
+        if mode != "proactive" and policy.preempts_for_priority:
+            return SwapDecision()
+        # Needs the walk could not meet from jobs it outranks are not met from anyone else's
+        # KV (never from equal or higher priority); prefetch still leaves them free.
+        keep = 0 if policy.preempts_for_priority else unmet
         if mode == "proactive":
             keep += batch.next_growth
             if policy.evicts_for_admission:
                 keep += view.reserve_blocks(now)
+        headroom = view.kv_config.prefetch_headroom_iterations * batch.next_growth
+        if policy.preempts_for_priority:
+            headroom += unmet
         taken = self._taken(batch)
         protected = batch.protected
-
         drop = mode == "recompute"
 
         def can_evict(job_id: str) -> bool:
@@ -56,8 +67,7 @@ class MemoryPlanner:
                               victims=victims, can_evict=can_evict,
                               drop=drop,
                               max_skips=view.config.max_batch_size,
-                              prefetch_headroom=view.kv_config.prefetch_headroom_iterations
-                              * batch.next_growth)
+                              prefetch_headroom=headroom)
 
     def plan_unstick(self, batch: BatchDecision, swaps: SwapDecision,
                      table: EnstTable | None) -> SwapDecision:
@@ -77,7 +87,8 @@ class MemoryPlanner:
         moved_out = sum(kv.num_blocks(j) for j in swaps.swap_out)
         pools = PoolCounts(pools.free_device - moved_in + dropped, pools.free_host - moved_out,
                            pools.device_releasing + moved_out)
-        taken = self._taken(batch) | set(swaps.swap_out) | set(swaps.drop) | set(swaps.swap_in)
+        taken = self._taken(batch) | set(swaps.swap_out) | set(swaps.drop) | set(swaps.swap_in) \
+            | set(batch.claimants)
         need = kv.device_blocks_needed(focus, job.next_context_len)
         with view.queues.ordered("evictable", self._score(table, -1.0)) as victims:
             decision = plan_swaps(kv, pools, keep_free=need, wanted={}, prefetch=(),
@@ -94,10 +105,15 @@ class MemoryPlanner:
         return decision
 
     def _pools(self, batch: BatchDecision) -> PoolCounts:
+        """Free blocks as the swap plan sees them: what the walk left plus what it set aside for
+        the host jobs it wants (the swap plan brings them in); releasing soon, less what jobs of
+        the walk already claimed."""
         kv = self.view.kv
-        releasing = kv.device_releasing + sum(
-            kv.num_blocks(a.job_id) for a in batch.actions if isinstance(a, Evict) and not a.drop)
-        return PoolCounts(batch.free_device, batch.free_host, releasing)
+        releasing = kv.device_releasing - batch.claimed_release + sum(
+            kv.num_blocks(a.job_id) for a in batch.actions
+            if isinstance(a, Evict) and not a.drop and not a.reuse_now)
+        free = batch.free_device + sum(batch.wanted_host.values())
+        return PoolCounts(free, batch.free_host, releasing)
 
     @staticmethod
     def _taken(batch: BatchDecision) -> set[str]:

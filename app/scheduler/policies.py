@@ -4,9 +4,11 @@ A policy is a small set of rules over a ``Job``; the mechanism (queues, batches,
 ``Scheduler``'s and is shared, so every policy is compared on the same machinery (paper §5).
 
 * ``skip_join_mlfq`` — the paper's scheduler (§4.1, Algorithm 1): levels with quanta
-  q1 = a decode's share of a full batch, t_dec(B)/B (or t_dec(1): ``quantum_basis``),
-  q(i+1) = growth·q(i); a job joins the highest level whose quantum covers its
-  first iteration; demoted η levels when it exhausts its quantum; promoted to level 1 after α.
+  q1 = one decode iteration (the profile's smallest, t_dec(1)), q(i+1) = growth·q(i); a job
+  joins the highest level whose quantum covers its first iteration; demoted η levels once the
+  service it attained in its level exceeds the quantum (service is its own work, charged in
+  ``app.scheduler.accounting``: a decode is one decode iteration, so a job in level i gets
+  ~2^(i−1) tokens however full its batches are); promoted to level 1 after α.
 * ``naive_mlfq`` — classic MLFQ: every job joins level 1; a first iteration longer than the
   level's quantum is preempted at the quantum and its work lost (paper Figure 7(b)), unless
   ``naive_preempts_first_iteration`` is off (then it runs to completion and is demoted after).
@@ -38,6 +40,9 @@ class Policy:
     strict_admission = False      # stop admitting at the first job that does not fit
     evicts_for_admission = True   # may swap out / drop idle jobs to admit waiting ones
     evicts_during_batch = False   # preempts the latest admitted job when growth does not fit
+    #: A job the batch wants that lacks KV room takes it from jobs it strictly outranks
+    #: (``rank``): swapped out, or dropped under recompute (DESIGN "Scheduling").
+    preempts_for_priority = True
 
     def __init__(self, config: SchedulerConfig, profile: Profile) -> None:
         self.config = config
@@ -61,6 +66,11 @@ class Policy:
         """Swap-out order within a level (smaller first): the lowest priority first."""
         return -self.order_key(job)
 
+    def rank(self, job: Job) -> tuple[int, Key]:
+        """Priority as a strict order at one decision (smaller = more urgent): level first, then
+        the order within it. Memory preemption takes KV only from a strictly larger rank."""
+        return job.level, self.order_key(job)
+
     def prefetch_key(self, job: Job) -> Key:
         """Swap-in order within a level (smaller first)."""
         return self.order_key(job)
@@ -81,10 +91,19 @@ class Policy:
         """The level a job not served for ``waited_s`` moves to, or None (no promotion)."""
         return None
 
+    def starvation_wait(self, promotions: int, alpha_s: float) -> float:
+        """How long a job that was promoted ``promotions`` times may wait unserved before it is
+        promoted again: α, times the backoff for each (``SchedulerConfig.starvation_backoff``)."""
+        return alpha_s * self.config.starvation_backoff ** promotions
+
     def preempted_prefix(self, job: Job) -> int | None:
         """Prompt tokens a first iteration gets through before its quantum preempts it (the
         work is then lost), or None when it runs whole."""
         return None
+
+
+#: Relative slack when comparing attained service with a quantum (float sums of q1).
+_SERVICE_RTOL = 1e-9
 
 
 class SkipJoinMLFQ(Policy):
@@ -95,8 +114,7 @@ class SkipJoinMLFQ(Policy):
 
     def __init__(self, config: SchedulerConfig, profile: Profile) -> None:
         super().__init__(config, profile)
-        q1 = profile.q1 if config.quantum_basis == "iteration" \
-            else profile.decode_share(config.max_batch_size)
+        q1 = profile.q1
         n = config.num_levels or profile.num_levels(config.quantum_growth, q1)
         self._quanta = [q1 * config.quantum_growth**i for i in range(n)]
 
@@ -120,6 +138,12 @@ class SkipJoinMLFQ(Policy):
     def order_key(self, job: Job) -> Key:
         return job.level_seq
 
+    def rank(self, job: Job) -> tuple[int, Key]:
+        """By level alone: memory preemption goes only across levels. Within a level the order
+        is FIFO by entering it, which every demotion reshuffles; taking KV on that order would
+        swap two jobs of one level back and forth at each demotion."""
+        return job.level, 0.0
+
     def victim_key(self, job: Job) -> Key:
         # Within a level ENST = min(α − starve, wait(level)) is largest for the job served most
         # recently, and smallest for the one served longest ago.
@@ -129,8 +153,11 @@ class SkipJoinMLFQ(Policy):
         return job.last_served
 
     def demotion_level(self, job: Job) -> int | None:
-        """η levels down once the service attained in the level exceeds its quantum."""
-        if job.attained_s > self.quantum(job.level) and job.level < len(self._quanta):
+        """η levels down once the service attained in the level exceeds its quantum. Service is
+        a sum of q1-multiples, so the compare allows for its rounding: k decodes of q1 each
+        never count as more than k·q1."""
+        quantum = self.quantum(job.level)
+        if job.attained_s > quantum * (1 + _SERVICE_RTOL) and job.level < len(self._quanta):
             return self.level_after_quantum(job)
         return None
 
@@ -141,8 +168,9 @@ class SkipJoinMLFQ(Policy):
         return job.level > 1
 
     def promotion_level(self, job: Job, waited_s: float, alpha_s: float) -> int | None:
-        """Starvation prevention: level 1 once not served for longer than α."""
-        return 1 if waited_s > alpha_s and job.level > 1 else None
+        """Starvation prevention: level 1 once not served for longer than its α."""
+        wait = self.starvation_wait(job.stats.promotions, alpha_s)
+        return 1 if waited_s > wait and job.level > 1 else None
 
 
 class NaiveMLFQ(SkipJoinMLFQ):
@@ -193,6 +221,7 @@ class FCFS(Policy):
     strict_admission = True
     evicts_for_admission = False
     evicts_during_batch = True
+    preempts_for_priority = False   # run to completion: only growth preempts (vLLM)
 
     def order_key(self, job: Job) -> Key:
         return job.seq

@@ -119,10 +119,6 @@ class Profile:
     def max_t_init(self) -> float:
         return max(self.init_seconds)
 
-    def decode_share(self, batch_size: int) -> float:
-        """One decode entry's share of a decode iteration of ``batch_size`` jobs."""
-        return self.t_dec(batch_size) / batch_size
-
     def num_levels(self, growth: float, q1: float | None = None) -> int:
         """Fewest levels such that q_n = q1·growth^(n-1) ≥ the largest profiled t_init
         (``q1`` defaults to the decode-iteration time)."""

@@ -9,7 +9,7 @@ decision touches only the few jobs it can use:
 * ``onhost``    — KV settled on the host, by swap-in preference (smallest ENST first);
 
 plus per-level job counts (running and in-transit jobs included: they stay in their queue, paper
-§4.3) for ENST, and a starvation set keyed by last-served time. Which set a job belongs in is
+§4.3) for ENST, and the starvation clocks (``StarvationClocks``). Which set a job belongs in is
 decided by the scheduler; this module only keeps the sets.
 """
 
@@ -26,6 +26,37 @@ from app.scheduler.prioset import Key, PrioritySet
 SetName = Literal["ready", "pending", "evictable", "onhost"]
 #: Score of a level's best candidate when merging levels (lower comes first).
 LevelScore = Callable[[int, str], float]
+
+
+class StarvationClocks:
+    """Idle jobs watched for starvation, by last-served time, one set per number of promotions
+    a job already had: its wait before promotion depends on that number (α times a backoff), so
+    each set's oldest job is the first of that set to starve, whatever α is now."""
+
+    def __init__(self) -> None:
+        self._sets: dict[int, PrioritySet] = {}
+        self._count: dict[str, int] = {}
+
+    def __contains__(self, job_id: object) -> bool:
+        return job_id in self._count
+
+    def add(self, job_id: str, last_served: float, promotions: int) -> None:
+        self.discard(job_id)
+        self._sets.setdefault(promotions, PrioritySet()).add(job_id, last_served)
+        self._count[job_id] = promotions
+
+    def discard(self, job_id: str) -> None:
+        count = self._count.pop(job_id, None)
+        if count is not None:
+            self._sets[count].discard(job_id)
+
+    def first_overdue(self, now: float, wait: Callable[[int], float]) -> str | None:
+        """A job not served for longer than ``wait(its promotions)``, or None."""
+        for count, watched in self._sets.items():
+            top = watched.peek()
+            if top is not None and now - top[0] > wait(count):
+                return top[1]
+        return None
 
 
 @dataclass
@@ -48,7 +79,7 @@ class LevelQueues:
             raise ValueError(f"num_levels must be >= 1, got {num_levels}")
         self.levels = [Level() for _ in range(num_levels)]
         self.counts = [0] * num_levels
-        self.starving = PrioritySet()
+        self.starving = StarvationClocks()
 
     @property
     def num_levels(self) -> int:

@@ -24,7 +24,7 @@ from typing import Any
 from actors.messages import BatchPlan, StepOutput
 from app.errors import AdmissionQueueFull, InvalidRequest
 from app.kv.manager import KVCacheManager
-from app.scheduler.accounting import compute_seconds, service_shares
+from app.scheduler.accounting import service_charges
 from app.scheduler.apply import Applied, Applier, Served
 from app.scheduler.batcher import BatchPlanner
 from app.scheduler.checks import check_scheduler, scheduler_stats
@@ -167,7 +167,7 @@ class Scheduler:
         s.next_step += 1
         plan = BatchPlan(step, tuple(out.entries), tuple(out.swap_out), tuple(out.swap_in))
         s.inflight[step] = InFlight(now, tuple(e.job_id for e in out.entries),
-                                    frozenset(out.reactive), frozenset(out.wasted), out.chunks)
+                                    frozenset(out.wasted), out.chunks)
         s.totals["steps"] += 1
         return plan
 
@@ -180,14 +180,14 @@ class Scheduler:
         return Decision(step, batch, swaps, unstick, table)
 
     def _promote_starved(self, now: float) -> None:
-        """Starvation prevention: the policy moves a job not served for longer than α."""
+        """Starvation prevention: the policy moves a job not served for longer than its α."""
         alpha = self.view.alpha()
-        queues, jobs, policy = self.queues, self.state.jobs, self.policy
-        while (top := queues.starving.peek()) is not None:
-            job = jobs[top[1]]
-            level = policy.promotion_level(job, now - top[0], alpha)
-            if level is None:
-                return
+        jobs, policy = self.state.jobs, self.policy
+        wait = lambda promotions: policy.starvation_wait(promotions, alpha)  # noqa: E731
+        while (job_id := self.queues.starving.first_overdue(now, wait)) is not None:
+            job = jobs[job_id]
+            level = policy.promotion_level(job, now - job.last_served, alpha)
+            assert level is not None, f"{job_id} is overdue but the policy does not promote it"
             self.applier.promote(job, level, now)
 
     # ---- results -------------------------------------------------------------------------
@@ -201,15 +201,16 @@ class Scheduler:
         swap_wait = timings.get("swap_wait", 0.0)
         if plan.entries:
             self.applier.note_step_time(duration)
-        shares = service_shares(plan.entries, compute_seconds(timings, duration), s.profile)
+        shares = service_charges(plan.entries, s.profile)
         deltas: list[TokenDelta] = []
         for job_id in rec.job_ids:
             job = s.jobs[job_id]
             if job.state is JobState.ABORTED:
                 self.applier.forget_aborted(job)
                 continue
-            served = Served(shares[job_id], duration,
-                            swap_wait if job_id in rec.reactive else 0.0)
+            # A forward that waited for a swap (a reactive swap-in, or blocks a swap-out of this
+            # plan frees for it) stalled every entry of the batch: each was blocked by swapping.
+            served = Served(shares[job_id], duration, swap_wait)
             chunk_end = rec.chunks.get(job_id)
             if chunk_end is not None:   # a prefill chunk short of the last: no token (by design)
                 self.applier.chunk_done(job, chunk_end, served, now)

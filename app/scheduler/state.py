@@ -29,7 +29,6 @@ from app.scheduler.reserve import ArrivalReserve
 class InFlight:
     scheduled_at: float
     job_ids: tuple[str, ...]
-    reactive: frozenset[str]     # jobs swapped in by this very plan (their forward waited)
     wasted: frozenset[str]       # naive MLFQ: first iterations cut at the quantum (discarded)
     #: Chunked prefill: jobs running a chunk that is not their last -> where the chunk ends.
     chunks: dict[str, int] = field(default_factory=dict)
@@ -78,6 +77,15 @@ class SchedulerState:
         #: Running mean of measured step durations (None until the first step returns).
         self.step_time_s: float | None = None
 
+    def alpha(self) -> float:
+        """α in effect: the configured one, but never under ``starvation_min_iterations``
+        measured iterations (paper: α is tuned to the SLO; the SLO is 10 iterations). A job
+        already promoted waits longer (``Policy.starvation_deadline``)."""
+        cfg = self.config
+        measured = self.step_time_s
+        floor = 0.0 if measured is None else cfg.starvation_min_iterations * measured
+        return max(cfg.starvation_alpha_s, floor)
+
 
 class SchedulerView:
     """Read-only access for the planners."""
@@ -97,18 +105,23 @@ class SchedulerView:
         return len(self._s.inflight)
 
     def alpha(self) -> float:
-        """α in effect: the configured one, but never under ``starvation_min_iterations``
-        measured iterations (paper: α is tuned to the SLO; the SLO is 10 iterations)."""
-        cfg = self.config
-        measured = self._s.step_time_s
-        floor = 0.0 if measured is None else cfg.starvation_min_iterations * measured
-        return max(cfg.starvation_alpha_s, floor)
+        return self._s.alpha()
 
     def enst_table(self, now: float) -> EnstTable | None:
         if not self.policy.uses_enst:
             return None
         return EnstTable(self.queues.counts, self._s.quanta, self.config.max_batch_size,
-                         self.alpha(), now)
+                         self.alpha(), now, self.wall_per_service())
+
+    def wall_per_service(self) -> float:
+        """Wall seconds per second of service: one iteration gives each of its jobs q1 of
+        service (``app.scheduler.accounting``) and takes the measured step time (before any
+        step returned, the profile's full-batch decode)."""
+        profile = self.profile
+        step = self._s.step_time_s
+        if step is None:
+            step = profile.t_dec(self.config.max_batch_size)
+        return step / profile.q1
 
     def reserve_blocks(self, now: float) -> int:
         return self._s.reserve.blocks(now)

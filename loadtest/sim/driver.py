@@ -30,7 +30,7 @@ def constant_tokens(token_id: int) -> TokenScript:
 
 class CostModelExecutor:
     """Plan time = the cost model's compute, plus the swap copies its forward must wait for
-    (reactive swap-ins of its own entries); background swaps overlap the forward and only
+    (``CostModel.blocking_swap_seconds``); background swaps overlap the forward and only
     stretch the step when they take longer."""
 
     max_inflight = 1
@@ -41,10 +41,8 @@ class CostModelExecutor:
         self.plans = 0
 
     def timings(self, plan: BatchPlan) -> dict[str, float]:
-        running = {e.job_id for e in plan.entries}
-        blocking = sum(len(c.src_blocks) for c in plan.swap_in if c.job_id in running)
         swapped = sum(len(c.src_blocks) for c in (*plan.swap_in, *plan.swap_out))
-        wait = self.cost.swap_seconds(blocking)
+        wait = self.cost.blocking_swap_seconds(plan)
         forward_done = wait + self.cost.compute_seconds(plan)
         total = max(forward_done, self.cost.swap_seconds(swapped))
         return {"total": total, "swap_wait": wait, "swap_tail": total - forward_done}

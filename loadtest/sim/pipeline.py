@@ -2,8 +2,8 @@
 
 Owns *when* a dispatched ``BatchPlan`` completes, given the ``CostModel``: the plan's swaps run
 on one PCIe resource (FIFO across plans, swap-outs then swap-ins as ``actors/stage.py`` issues
-them) overlapped with compute; its forward waits only for same-plan swap-ins of its own entries
-(the reactive case) and then visits the ``pp`` stages in order, each a server that takes
+them) overlapped with compute; its forward waits only for same-plan swaps touching its entries'
+blocks (the reactive cases) and then visits the ``pp`` stages in order, each a server that takes
 compute / pp and handles one plan at a time. The output returns at max(last stage, swaps) — the
 ``StepOutput`` contract — with the executor's timing keys, so the scheduler's accounting (its
 quantum charge is ``timings["total"]``) sees what it would see from real workers.
@@ -35,15 +35,18 @@ class SimPipeline:
         self.busy_pcie_s = 0.0
 
     def _swaps(self, plan: BatchPlan, now: float) -> tuple[float, float]:
-        """Run the plan's swaps on the link; returns (all done, reactive swap-ins done)."""
-        entry_ids = {e.job_id for e in plan.entries}
+        """Run the plan's swaps on the link; returns (all done, the forward may start): the
+        forward waits for every swap touching its entries' blocks (a reactive swap-in, or a
+        swap-out whose blocks it reuses), as ``actors/stage.py`` does."""
+        used = {b for e in plan.entries for b in e.block_table}
         clock = max(now, self.pcie_free)
         reactive_ready = now
         for cmd in (*plan.swap_out, *plan.swap_in):
             seconds = self.cost.swap_seconds(len(cmd.src_blocks))
             clock += seconds
             self.busy_pcie_s += seconds
-            if cmd.direction == "in" and cmd.job_id in entry_ids:
+            device = cmd.src_blocks if cmd.direction == "out" else cmd.dst_blocks
+            if used.intersection(device):
                 reactive_ready = clock
         self.pcie_free = clock
         return clock, reactive_ready

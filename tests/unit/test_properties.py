@@ -159,9 +159,10 @@ def check_random_load(policy: PolicyName, mode: SwapMode, case: Workload,
                 cut = policy == "naive_mlfq" and not job.generated and chunk_tokens is None
                 if job.state in (JobState.WAITING, JobState.RUNNABLE) and job.level > 1 \
                         and not cut:
-                    assert now - job.last_served <= alpha, (
-                        f"{job.job_id} waited {now - job.last_served} > α={alpha} "
-                        f"and is still in level {job.level}")
+                    wait = sched.policy.starvation_wait(job.stats.promotions, alpha)
+                    assert now - job.last_served <= wait, (
+                        f"{job.job_id} waited {now - job.last_served} > {wait} (α={alpha}, "
+                        f"{job.stats.promotions} promotions) and is still in level {job.level}")
 
     total_tokens = sum(r.sampling.max_tokens for _, r in jobs)
     if chunk_tokens is not None:   # every first iteration may take one plan per chunk

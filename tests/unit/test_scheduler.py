@@ -21,7 +21,6 @@ from app.kv.enst import enst, level_waits
 from app.scheduler.config import (
     KVCacheConfig,
     PolicyName,
-    QuantumBasis,
     SchedulerConfig,
     SwapMode,
     alpha_from_slo,
@@ -52,12 +51,10 @@ def req(job_id: str, prompt_len: int, max_tokens: int = 4) -> JobRequest:
 
 def make(policy: PolicyName = "skip_join_mlfq", *, batch: int = 16, alpha: float = 1000.0,
          device: int = 256, host: int = 256, block: int = 4, mode: SwapMode = "proactive",
-         profile: Profile = PROFILE, basis: QuantumBasis = "iteration", **extra: Any) -> Scheduler:
-    """Rule tests take q1 = t_dec(1) (``iteration``) so the quanta are 1, 2, 4, 8 whatever the
-    batch size; ``basis="decode_share"`` (the default config) scales q1 to t_dec(B)/B."""
+         profile: Profile = PROFILE, **extra: Any) -> Scheduler:
+    """q1 = t_dec(1) = 1, so the quanta are 1, 2, 4, 8 whatever the batch size."""
     return Scheduler(
-        SchedulerConfig(policy=policy, max_batch_size=batch, starvation_alpha_s=alpha,
-                        quantum_basis=basis, **extra),
+        SchedulerConfig(policy=policy, max_batch_size=batch, starvation_alpha_s=alpha, **extra),
         KVCacheConfig(block_size=block, num_device_blocks=device, num_host_blocks=host,
                       swap_mode=mode),
         profile, eos_token_ids=frozenset({EOS}))
@@ -129,15 +126,6 @@ def test_priority_shifts_the_entry_level_within_the_levels(priority: int, level:
     assert make("fcfs").add(request, 0.0).level == 1
 
 
-def test_decode_share_basis_puts_q1_on_the_scale_of_a_decode_share() -> None:
-    # B = 4: t_dec(4) = 1 + 3/15 = 1.2, so q1 = 0.3 and levels reach t_init(64) = 7 at
-    # 0.3 * 2^5 = 9.6 (6 levels). A prompt of 8 (t_init 0.5) now skips to level 2 (0.6).
-    s = make(batch=4, basis="decode_share")
-    assert s.policy.quanta() == pytest.approx([0.3, 0.6, 1.2, 2.4, 4.8, 9.6])
-    assert s.add(req("j", 8), 0.0).level == 2
-    assert SchedulerConfig().quantum_basis == "decode_share"
-
-
 def test_num_levels_override_extends_the_quanta() -> None:
     s = make(num_levels=6)
     assert s.policy.quanta() == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
@@ -149,63 +137,82 @@ def test_demotion_after_the_quantum_is_exceeded() -> None:
     s = make(batch=1)
     job = s.add(req("a", 8, max_tokens=20), 0.0)
     levels = []
-    for k in range(8):
+    for k in range(10):
         step(s, 0.5 * k, 0.5)
         levels.append(job.level)
-    # attained in level: 0.5, 1.0 (= q1, not exceeded), 1.5 > q1 -> L2 (reset),
-    # 0.5, 1.0, 1.5, 2.0 (= q2), 2.5 > q2 -> L3
-    assert levels == [1, 1, 2, 2, 2, 2, 2, 3]
-    assert job.stats.demotions == 2
+    # Charged its own work, whatever the step measured: prefill t_init(8) = 0.5, then q1 = 1 per
+    # decode. Level 1: 0.5, 1.5 > q1 -> L2; level 2: 1, 2 (= q2, not exceeded), 3 -> L3;
+    # level 3: 1 .. 4, 5 > q3 -> L4.
+    assert levels == [1, 2, 2, 2, 3, 3, 3, 3, 3, 4]
+    assert job.stats.demotions == 3
 
 
 def test_demotion_by_eta_levels_stops_at_the_lowest() -> None:
     s = make(batch=1, demotion_eta=2)
     job = s.add(req("a", 8, max_tokens=20), 0.0)
-    step(s, 0.0, 1.5)           # 1.5 > q1: down 2 levels
+    step(s, 0.0, 1.0)           # prefill: 0.5
+    step(s, 1.0, 1.0)           # 1.5 > q1: down 2 levels
     assert job.level == 3
-    step(s, 1.5, 4.5)           # 4.5 > q3 = 4: down 2 more, clamped to level 4
+    for k in range(5):          # 5 decodes: 5 > q3 = 4, down 2 more, clamped to level 4
+        step(s, 2.0 + k, 1.0)
     assert job.level == 4
     assert job.stats.demotions == 2
 
 
-# ---- service accounting -------------------------------------------------------------------
-def test_each_entry_is_charged_its_own_share_of_the_step() -> None:
-    """One long first iteration (t_init(32) = 3) batched with two decodes (t_dec(2) = 1, so 0.5
-    each): profiled 3 + 0.5 + 0.5 = 4. The step measures 8 s (a machine twice as slow), so the
-    shares scale by 2: the prefill is charged 6, each decode 1 — exactly q1, not more, so the
-    decode jobs stay in level 1; before, each was charged the whole 8 s and demoted."""
-    flat_decode = Profile.from_dict({
-        "t_init": {"prompt_lens": [8, 16, 32, 64], "seconds": [0.5, 1.5, 3.0, 7.0]},
-        "t_dec": {"batch_sizes": [1, 2], "seconds": [1.0, 1.0]},
-    })
-    s = make(batch=3, profile=flat_decode)
+def test_each_entry_is_charged_its_own_work_not_the_step() -> None:
+    """One long first iteration (t_init(32) = 3) batched with two decodes; the step measures 8 s.
+    Each decode is charged one decode iteration (q1 = 1), the prefill t_init of its own 32
+    tokens (3): nothing is split, nothing of another job's prefill is anyone else's."""
+    s = make(batch=3)
     a = s.add(req("a", 8, max_tokens=9), 0.0)
     b = s.add(req("b", 8, max_tokens=9), 0.0)
-    step(s, 0.0, 1.0)                 # a and b prefill together: 0.5 s each, level 1 stays
+    step(s, 0.0, 1.0)                 # a and b prefill together: t_init(8) = 0.5 each
     assert (a.attained_s, b.attained_s, a.level, b.level) == (0.5, 0.5, 1, 1)
-    a.attained_s = b.attained_s = 0.0  # start the decodes' level service from zero
-    long = s.add(req("long", 32, max_tokens=9), 1.0)      # t_init 3: joins level 3
+    long = s.add(req("long", 32, max_tokens=9), 1.0)      # t_init 3: joins level 3 (q3 = 4)
     plan, _ = step(s, 1.0, 8.0)
     assert ids(plan) == ["a", "b", "long"]
     assert [e.is_prefill for e in plan.entries] == [False, False, True]
-    assert (a.attained_s, b.attained_s) == (1.0, 1.0)
-    assert (a.level, b.level) == (1, 1) and a.stats.demotions == b.stats.demotions == 0
-    assert long.level == 4 and long.stats.demotions == 1   # 6 > q3 = 4: its own prefill
-    assert long.attained_s == 0.0                           # a fresh level
-    assert a.stats.execution_s == 0.5 * 2 + 8.0            # latency: the whole step it sat in
+    # a and b: 0.5 + 1 > q1 -> level 2 with a fresh quantum; long: 3 <= q3, stays.
+    assert (a.level, b.level, a.attained_s, b.attained_s) == (2, 2, 0.0, 0.0)
+    assert (long.level, long.attained_s, long.stats.demotions) == (3, 3.0, 0)
+    assert a.stats.execution_s == 1.0 + 8.0                # latency: the whole steps it sat in
 
 
-def test_swap_time_is_no_ones_service() -> None:
-    # A step of 1.5 s of which 1 s waiting for swaps after the forward: the lone decode is
-    # charged 0.5, reaching q1 = 1 exactly, so it stays in level 1 (charged 1.5 it would not).
+def test_a_job_gets_the_same_tokens_per_level_alone_or_in_a_full_batch() -> None:
+    """The tokens a level gives do not depend on how full the batch is (t_dec here grows from 1
+    s at batch 1 to 2 s at batch 16, and the steps are charged what the profile says)."""
+    def tokens_per_level(batch: int) -> list[int]:
+        s = make(batch=batch, num_levels=6)
+        jobs = [s.add(req(f"j{i}", 8, max_tokens=40), 0.0) for i in range(batch)]
+        per_level = [0] * 6
+        now = 0.0
+        while jobs[0].num_generated < 40:
+            level = jobs[0].level
+            plan, _ = step(s, now, PROFILE.t_dec(batch))
+            assert len(plan.entries) == batch           # every job runs every step
+            per_level[level - 1] += 1
+            now += PROFILE.t_dec(batch)
+        return per_level
+
+    alone = tokens_per_level(1)
+    assert alone == tokens_per_level(16)
+    # level 1: the prefill (0.5) and one decode; then 2^(i-1) + 1 decodes until exceeded.
+    assert alone == [2, 3, 5, 9, 17, 4]
+
+
+def test_swap_time_and_step_time_are_no_ones_service() -> None:
+    # Level 4 (t_init(41) = 4.125 <= q4 = 8, the lowest: no demotion to hide the charge). A decode
+    # measured at 100 s, 90 of them waiting for swaps, is charged q1 = 1 all the same; the
+    # wait is swap-blocked time in the job's latency breakdown.
     s = make(batch=1)
-    a = s.add(req("a", 8, max_tokens=9), 0.0)
+    a = s.add(req("a", 41, max_tokens=9), 0.0)
     step(s, 0.0, 0.5)
     plan = s.schedule(0.5)
     assert plan is not None
-    s.update(plan, StepOutput(plan.step_id, {"a": TOKEN}, {"total": 1.5, "swap_tail": 1.0}), 2.0)
-    assert a.attained_s == 0.5 + 0.5 and a.level == 1
-    assert a.stats.execution_s == 0.5 + 1.5
+    s.update(plan, StepOutput(plan.step_id, {"a": TOKEN},
+                              {"total": 100.0, "swap_wait": 90.0, "swap_tail": 9.0}), 100.5)
+    assert a.level == 4 and a.attained_s == 4.125 + 1.0
+    assert a.stats.swap_blocked_s == 90.0 and a.stats.execution_s == 0.5 + 10.0
 
 
 def test_alpha_is_floored_at_k_measured_iterations() -> None:
@@ -228,14 +235,14 @@ def test_alpha_is_floored_at_k_measured_iterations() -> None:
 
 # ---- starvation ---------------------------------------------------------------------------
 def test_promotion_to_level_one_after_alpha() -> None:
-    s = make(batch=1, alpha=5.0)
+    s = make(batch=1, alpha=5.0, num_levels=6)
     a = s.add(req("a", 8, max_tokens=40), 0.0)     # level 1
-    b = s.add(req("b", 64, max_tokens=2), 0.0)     # level 4, last served = arrival = 0
+    b = s.add(req("b", 200, max_tokens=2), 0.0)    # level 6 (t_init 24), last served = arrival = 0
     for k in range(11):                            # a runs alone, 0.5 s per step
         plan, _ = step(s, 0.5 * k, 0.5)
         assert ids(plan) == ["a"]
-    # At t = 5.0 b had waited exactly α: not yet "longer than α"; a (now level 3) ran.
-    assert b.level == 4 and a.level == 3 and b.stats.promotions == 0
+    # At t = 5.0 b had waited exactly α: not yet "longer than α"; a (now level 4) ran.
+    assert b.level == 6 and a.level == 4 and b.stats.promotions == 0
     promoted = s.schedule(5.5)                     # waited 5.5 > α: promoted, runs at once
     assert promoted is not None and ids(promoted) == ["b"]
     assert b.level == 1 and b.stats.promotions == 1
@@ -348,15 +355,16 @@ def test_token_budget_limits_the_batch_but_a_long_prompt_can_run_alone() -> None
 
 def test_a_demoted_job_goes_to_the_back_of_its_new_level() -> None:
     s = make(batch=1)
-    s.add(req("x", 16, max_tokens=9), 0.0)       # level 2
-    step(s, 0.0, 2.5)                             # x: 2.5 > q2 -> level 3
-    s.add(req("y", 32, max_tokens=9), 2.5)       # level 3, entered after x
-    s.add(req("z", 32, max_tokens=9), 2.5)
-    plan, _ = step(s, 2.5, 1.0)
-    assert ids(plan) == ["x"]                     # x entered level 3 first
-    plan, _ = step(s, 3.5, 4.5)                   # x again: 1 + 4.5 > q3 -> level 4
-    assert ids(plan) == ["x"] and s.jobs()["x"].level == 4
-    assert [ids(step(s, 8.0 + k, 1.0)[0]) for k in range(2)] == [["y"], ["y"]]
+    x = s.add(req("x", 16, max_tokens=12), 0.0)   # level 2 (t_init 1.5)
+    step(s, 0.0, 1.0)
+    step(s, 1.0, 1.0)                             # 1.5 + 1 > q2 -> level 3
+    assert x.level == 3
+    s.add(req("y", 32, max_tokens=9), 2.0)       # level 3, entered after x
+    s.add(req("z", 32, max_tokens=9), 2.0)
+    runs = [ids(step(s, 2.0 + k, 1.0)[0]) for k in range(7)]
+    # x first (it entered level 3 first) until 5 > q3; then level 4, behind y and z.
+    assert runs == [["x"]] * 5 + [["y"], ["y"]]
+    assert x.level == 4
 
 
 # ---- the paper's Figure 7 -----------------------------------------------------------------
@@ -538,3 +546,29 @@ def test_engine_fails_only_the_jobs_of_a_failing_plan_and_keeps_serving() -> Non
         assert engine.plans_failed == 1 and s.totals["errors"] == 1
 
     asyncio.run(run())
+
+
+# ---- entry levels on the paper's profiles (quanta as the paper means them) -----------------
+@pytest.mark.parametrize(("prompt_len", "level"), [
+    (1, 1), (8, 1), (16, 1),      # t_init(16) = t_dec(1) = q1: a short prompt's first iteration
+    (17, 2), (64, 2), (128, 3), (256, 4),
+    (512, 5),                     # t_init 0.223 s ÷ q1 0.0255 s = 8.7 <= 2^4: level 5
+    (1024, 6), (2048, 7),
+])
+def test_entry_levels_on_the_opt13b_paper_profile(prompt_len: int, level: int) -> None:
+    prof = Profile.load(ROOT / "config" / "profiles" / "opt-13b-a100-tp1-pp1.json")
+    s = make(profile=prof, device=1024)
+    assert s.policy.quanta()[0] == prof.t_dec(1)
+    assert s.add(req("j", prompt_len), 0.0).level == level
+
+
+def test_the_papers_section_4_1_example() -> None:
+    # OPT-2.7B: t_init(512) ≈ 0.05 s, q1 = 0.002 s (a decode iteration): 0.032 < 0.05 <= 0.064,
+    # so the job skips queues 1–5 and joins Q6.
+    prof = Profile.from_dict({
+        "t_init": {"prompt_lens": [1, 512], "seconds": [0.002, 0.05]},
+        "t_dec": {"batch_sizes": [1, 16], "seconds": [0.002, 0.004]},
+    })
+    s = make(profile=prof)
+    assert s.policy.quanta()[:6] == pytest.approx([0.002, 0.004, 0.008, 0.016, 0.032, 0.064])
+    assert s.add(req("j", 512), 0.0).level == 6

@@ -106,10 +106,10 @@ def test_swap_modes_replay_under_memory_pressure() -> None:
 # ---- the simulator and the real engine loop agree on completion order -------------------------
 TINY = OPTConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                  ffn_dim=64, max_position_embeddings=128, name="tiny")
-# Quanta of minutes and α of days dwarf the tiny model's steps (milliseconds, seconds on a loaded
-# CI box), so no demotion or promotion happens in either run: the order is fixed by each policy's
-# rules, not by timing. t_init(s) = 50 + 750·(s−1)/63 s puts prompts of 5/10/20/40 tokens on
-# levels 1/2/3/4 (q1 = 100 s).
+# Service is charged in the profile's units (a decode = q1 = 100 s, a first iteration t_init),
+# never the measured step, and α of days means no promotion: the order is fixed by each policy's
+# rules, not by timing, demotions included. t_init(s) = 50 + 750·(s−1)/63 s puts prompts of
+# 5/10/20/40 tokens on levels 1/2/3/4 (q1 = 100 s).
 ORDER_PROFILE = Profile(model="tiny", hardware="sim", init_lens=(1, 64), init_seconds=(50.0, 800.0),
                         dec_batch_sizes=(1, 16), dec_seconds=(100.0, 100.0))
 #: The simulated hardware is as quick as the tiny model (milliseconds), like the real run.
@@ -167,9 +167,13 @@ def test_sim_and_engine_agree_on_completion_order(policy: PolicyName, batch: int
     assert sorted(sim) == sorted(j for j, _, _ in ORDER_JOBS)
 
 
-def test_skip_join_order_is_by_entry_level() -> None:
-    # Batch 1, no demotion: levels 1 (d, f), 2 (b, e), 3 (c), 4 (a), FIFO within a level.
-    assert _sim_order("skip_join_mlfq", 1) == ["d", "f", "b", "e", "c", "a"]
+def test_skip_join_order_by_entry_level_and_quanta() -> None:
+    # Batch 1. Entry levels 1 (d, f), 2 (b, e), 3 (c), 4 (a); t_init(5) = 97.6, t_init(10) =
+    # 157.1, t_init(20) = 276.2. d: prefill + 1 decode (197.6 > q1) -> L2; f likewise; b: prefill
+    # + 1 decode (257.1 > q2) -> L3; e's prefill is its only token: e done first. d (L2, fresh):
+    # 2 decodes, done. f: 3 decodes (300 > q2) -> L3 behind c, b. c: prefill + decode, done.
+    # b: 3 decodes, done. f: its 6th token, done. a last.
+    assert _sim_order("skip_join_mlfq", 1) == ["e", "d", "c", "b", "f", "a"]
 
 
 # ---- paper-scale profiles -----------------------------------------------------------------------

@@ -1,0 +1,125 @@
+"""Memory preemption by priority (issue: the paper's Strawman 1, "priority inversion for memory").
+
+Two long jobs of a low level hold every device block of a tiny real model's KV pool; a short
+job arrives. It must take KV from them — swapped out one plan ahead (proactive), swapped out in
+its own plan with the forward stalled for the copy (reactive), or dropped (recompute) — and not
+wait for them to finish. The long jobs then finish with exactly the tokens they produce alone.
+
+Hand-computed set-up (block size 4, profile below: q1 = 0.01 s, q2..q5 = 0.02 .. 0.16 s):
+* the long jobs' 16-token prompts cost t_init(16) = 0.01 + 0.09·15/63 ≈ 0.0314 s: level 3;
+  the prefill and one decode (0.0414 > q3) put them in level 4 after step 1;
+* step j ≥ 1 is a decode with j tokens generated, taking blocks_for(16 + j): 6 blocks each from
+  step 7 on, so 12 device blocks are all taken; step 8 needs no growth (24 positions), step 9
+  would need a 7th block each;
+* the short job (a 1-token prompt, t_init 0.01 = q1) arrives before decision 8 in level 1.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.executor import InProcessExecutor
+from actors.messages import BatchPlan, SamplingParams, StepOutput
+from actors.spec import ModelSpec
+from app.scheduler.config import KVCacheConfig, SchedulerConfig, SwapMode
+from app.scheduler.job import JobRequest
+from app.scheduler.scheduler import Scheduler
+from tests.harness.fields import PROFILE, TINY
+
+BLOCK = 4
+LONG_PROMPTS = {"longA": tuple(range(5, 21)), "longB": tuple(range(30, 46))}
+SHORT_PROMPT = (7,)
+LONG_TOKENS = 20
+ARRIVES_AT_STEP = 8
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def run(mode: SwapMode, device_blocks: int, with_short: bool) -> tuple[
+        dict[str, list[int]], dict[str, int], list[BatchPlan], Scheduler]:
+    """Every job to its end; returns tokens, the step of each job's first token, the plans."""
+    ex = InProcessExecutor(ModelSpec(TINY, num_device_blocks=device_blocks, num_host_blocks=16,
+                                     block_size=BLOCK, seed=3))
+    s = Scheduler(SchedulerConfig(starvation_alpha_s=1000.0),
+                  KVCacheConfig(block_size=BLOCK, num_device_blocks=device_blocks,
+                                num_host_blocks=16, swap_mode=mode),
+                  PROFILE, frozenset({TINY.eos_token_id}))
+    for job_id, prompt in LONG_PROMPTS.items():
+        s.add(JobRequest(job_id, prompt, greedy(LONG_TOKENS)), 0.0)
+    tokens: dict[str, list[int]] = {}
+    first: dict[str, int] = {}
+    plans: list[BatchPlan] = []
+    now = 0.0
+    for k in range(200):
+        if with_short and k == ARRIVES_AT_STEP:
+            s.add(JobRequest("short", SHORT_PROMPT, greedy(2)), now)
+        if not s.has_work():
+            break
+        plan = s.schedule(now)
+        assert plan is not None, f"nothing to run at step {k}"
+        s.check_invariants()
+        plans.append(plan)
+        now += 0.01
+        for d in s.update(plan, ex.execute(plan), now):
+            tokens.setdefault(d.job_id, []).extend(d.token_ids)
+            first.setdefault(d.job_id, k)
+        s.check_invariants()
+    assert not s.has_work()
+    ex.close()
+    return tokens, first, plans, s
+
+
+@pytest.mark.parametrize("mode", ["proactive", "reactive", "recompute"])
+def test_a_short_job_takes_kv_from_lower_priority_jobs_that_hold_every_block(
+        mode: SwapMode) -> None:
+    alone, _, _, _ = run(mode, device_blocks=64, with_short=False)
+    tokens, first, plans, s = run(mode, device_blocks=12, with_short=True)
+    # Before the short job came, both long jobs ran every step and filled the pool.
+    assert all(sorted(e.job_id for e in p.entries) == ["longA", "longB"] for p in plans[:8])
+    at = plans[ARRIVES_AT_STEP]
+    victim = "longA"      # level 4 both, served together: the first in the swap-out order
+    if mode == "proactive":
+        # Plan 8 swaps longA out (its blocks are free when the plan completes) and runs longB,
+        # which needs no growth; the short job runs at plan 9: its first token in 2 iterations.
+        assert [c.job_id for c in at.swap_out] == [victim]
+        assert [e.job_id for e in at.entries] == ["longB"]
+        assert first["short"] == ARRIVES_AT_STEP + 1
+        assert s.totals["swaps_out"] >= 1 and s.totals["recomputes"] == 0
+    elif mode == "reactive":
+        # Plan 8 swaps longA out and reuses its blocks at once: the forward waits for the copy.
+        assert [c.job_id for c in at.swap_out] == [victim]
+        assert [e.job_id for e in at.entries] == ["short", "longB"]
+        assert set(at.entries[0].block_table) <= set(at.swap_out[0].src_blocks)
+        assert first["short"] == ARRIVES_AT_STEP
+    else:
+        # Plan 8 drops longA (free at once) and runs the short job in its blocks.
+        assert not at.swap_out and [e.job_id for e in at.entries] == ["short", "longB"]
+        assert first["short"] == ARRIVES_AT_STEP
+        assert s.totals["recomputes"] >= 1
+    # The long jobs finish later, with exactly the tokens they produce alone.
+    assert tokens["longA"] == alone["longA"] and tokens["longB"] == alone["longB"]
+    assert len(tokens["short"]) == 2
+
+
+@pytest.mark.parametrize(("prompt_len", "evicts"), [(15, False), (14, True)])
+def test_only_a_strictly_higher_rank_takes_kv(prompt_len: int, evicts: bool) -> None:
+    """Fixed priority (one level, shorter prompt first, then arrival): two 15-token jobs hold
+    all 8 device blocks (4 each; their first decode stays within them). A newcomer of the same length ranks
+    below them (it came later) and waits with nothing evicted; one token shorter, it ranks
+    above them and takes the blocks of the later of the two (lowest rank first)."""
+    s = Scheduler(SchedulerConfig(policy="fixed_priority"),
+                  KVCacheConfig(block_size=BLOCK, num_device_blocks=8, num_host_blocks=16),
+                  PROFILE, frozenset({TINY.eos_token_id}))
+    for job_id, prompt in LONG_PROMPTS.items():
+        s.add(JobRequest(job_id, prompt[:15], greedy(4)), 0.0)
+    plan = s.schedule(0.0)
+    assert plan is not None and s.kv.num_free_device == 0
+    s.update(plan, StepOutput(plan.step_id, {"longA": 9, "longB": 9}, {"total": 0.01}), 0.01)
+    s.add(JobRequest("new", tuple(range(60, 60 + prompt_len)), greedy(2)), 0.01)
+    plan = s.schedule(0.01)
+    assert plan is not None
+    s.check_invariants()
+    assert [e.job_id for e in plan.entries] == (["longA"] if evicts else ["longA", "longB"])
+    assert [c.job_id for c in plan.swap_out] == (["longB"] if evicts else [])
