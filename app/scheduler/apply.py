@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from actors.messages import BatchEntry, FinishReason, SwapCommand
+from actors.messages import BatchEntry, BatchPlan, FinishReason, SwapCommand
 from app.kv.enst import EnstTable
 from app.kv.manager import Residency
 from app.kv.swap_planner import SwapDecision
 from app.scheduler.decision import Decision, Evict, Run
 from app.scheduler.job import Job, JobState
-from app.scheduler.state import SchedulerState
+from app.scheduler.state import InFlight, SchedulerState
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,15 @@ class Applier:
             s.totals["stall_breaks"] += 1
         self._swap(decision.unstick, step, table, out)
 
+    def dispatch(self, step: int, now: float, out: Applied) -> BatchPlan:
+        """The applied decision becomes plan ``step``, in flight until ``complete`` or a fail."""
+        s = self.s
+        s.next_step = step + 1
+        s.inflight[step] = InFlight(now, tuple(e.job_id for e in out.entries),
+                                    frozenset(out.wasted), out.chunks)
+        s.totals["steps"] += 1
+        return BatchPlan(step, tuple(out.entries), tuple(out.swap_out), tuple(out.swap_in))
+
     def _run(self, run: Run, step: int, now: float, out: Applied) -> None:
         s = self.s
         job = s.jobs[run.job_id]
@@ -156,10 +165,10 @@ class Applier:
             job.admit_seq = next(s.admit_seq)
             s.num_unadmitted -= 1
         job.state = JobState.RUNNING
-        blocked = 0.0 if job.blocked_since is None else now - job.blocked_since
-        job.stats.swap_blocked_s += blocked
-        job.stats.queueing_s += max(now - job.idle_since - blocked, 0.0)
-        job.blocked_since = None
+        self._end_blocked(job, now)
+        job.stats.swap_blocked_s += job.blocked_s
+        job.stats.queueing_s += max(now - job.idle_since - job.blocked_s, 0.0)
+        job.blocked_s = 0.0
         job.pinned_until = None
         job.promoted = False
         for made_at, predicted in job.predictions:
@@ -175,6 +184,7 @@ class Applier:
             job = self._predict(job_id, table)
             self.unplace(job)
             out.swap_in.append(self.s.kv.swap_in(job_id, step))
+            # Pinned while in transit; ``settle`` sets how long it stays pinned once it landed.
             job.pinned_until = step + self.s.kv_config.swap_pin_plans
             self.count(job, "swaps_in")
             self.place(job)   # in transit: only the starvation clock keeps running
@@ -274,12 +284,51 @@ class Applier:
         job.last_served = now
         job.idle_since = now
 
-    def settle(self, job_ids: list[str]) -> None:
-        """Swaps that completed: re-file the idle jobs they moved (now resident or on host)."""
+    def complete(self, step: int) -> tuple[InFlight, list[str]]:
+        """Plan ``step`` returned: its record, and the jobs whose swaps it settled."""
+        return self.s.inflight.pop(step), self.s.kv.complete(step)
+
+    def fail_step(self, step: int) -> InFlight:
+        """Plan ``step`` failed: the jobs it was swapping lose their KV (unknown contents)."""
+        rec = self.s.inflight.pop(step)
+        self.lose_kv(self.s.kv.fail(step))
+        return rec
+
+    def void_inflight(self) -> None:
+        """Every plan in flight is void (the data plane is gone for good): nothing they touch
+        stays busy, and their jobs are idle again, so retiring them frees their KV at once."""
+        s = self.s
+        for step in list(s.inflight):
+            s.inflight.pop(step)
+            s.kv.fail(step)
+        for job in s.jobs.values():
+            if job.state is JobState.RUNNING:
+                job.state = JobState.RUNNABLE
+
+    def fail_job(self, job: Job, now: float) -> None:
+        self.retire(job, JobState.FINISHED, "error", now)
+        self.s.totals["errors"] += 1
+
+    def settle(self, job_ids: list[str], now: float) -> None:
+        """Swaps that completed: re-file the idle jobs they moved (now resident or on host). A
+        job swapped in for its turn is pinned from here (not from the swap's issue: at PP >= 3
+        the copy outlasts the pin) for ``swap_pin_plans`` decisions, and its wait for device
+        space ends here: from now on it waits in the queue, not for a swap."""
+        s = self.s
         for job_id in job_ids:
-            idle = self.s.jobs.get(job_id)
-            if idle is not None and idle.state is JobState.RUNNABLE:
-                self.place(idle)
+            idle = s.jobs.get(job_id)
+            if idle is None or idle.state is not JobState.RUNNABLE:
+                continue
+            if s.kv.residency(job_id) is Residency.RESIDENT:
+                if idle.pinned_until is not None:
+                    idle.pinned_until = s.next_step + s.kv_config.swap_pin_plans - 1
+                self._end_blocked(idle, now)
+            self.place(idle)
+
+    def _end_blocked(self, job: Job, now: float) -> None:
+        if job.blocked_since is not None:
+            job.blocked_s += now - job.blocked_since
+            job.blocked_since = None
 
     def lose_kv(self, job_ids: list[str]) -> None:
         """A failed plan was swapping these jobs: their KV is gone, they will recompute."""

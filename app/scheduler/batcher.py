@@ -75,8 +75,15 @@ class _Walk:
         return len(self.picked) >= cfg.max_batch_size or self.tokens >= cfg.max_num_batched_tokens
 
     def run(self) -> BatchDecision:
-        max_jobs = self.view.config.max_batch_size
         popped: list[tuple[PrioritySet, Key, str]] = []
+        try:
+            return self._walk(popped)
+        finally:    # the walk leaves the candidate sets as they were, even if it raised
+            for s, key, job_id in popped:
+                s.add(job_id, key)
+
+    def _walk(self, popped: list[tuple[PrioritySet, Key, str]]) -> BatchDecision:
+        max_jobs = self.view.config.max_batch_size
         take_pending = True
         passed_over = 0
         first_waiting: str | None = None
@@ -90,7 +97,7 @@ class _Walk:
                     break
                 use_pending = p is not None and (r is None or p[0] < r[0])
                 source = pending if use_pending else ready
-                top = source.pop()      # restored below: the walk leaves the sets as they were
+                top = source.pop()      # restored by ``run``
                 assert top is not None   # peeked above
                 key, job_id = top
                 popped.append((source, key, job_id))
@@ -117,8 +124,6 @@ class _Walk:
                         take_pending = False
             if self.full():
                 break
-        for s, key, job_id in popped:
-            s.add(job_id, key)
         if res.focus is None:
             res.focus = first_waiting
         return res

@@ -82,7 +82,13 @@ class SchedulerConfig(_Strict):
     #: limitation) and each round trip may drag a swap-out and a swap-in. With 2, a job is
     #: promoted at most log2(its wait / α) + 1 times; its first promotion still comes after
     #: α, so at normal load the paper's α is what holds. 1 = the paper's fixed α.
-    starvation_backoff: float = Field(default=2.0, ge=1)
+    starvation_backoff: float = Field(default=8.0, ge=1)
+    #: α is also never below this many batches of the jobs held (jobs held ÷ B × the measured
+    #: step time): the time one round of every held job takes. Under sustained overload the
+    #: backlog grows and so does every job's wait; a fixed α would promote each starving job
+    #: again and again (round-robin with quantum α). At normal load this term is a few steps,
+    #: far below the paper's 300 ms. 0 turns it off.
+    starvation_backlog_batches: float = Field(default=4.0, ge=0)
     #: Weight of the newest step in the running mean of measured step times (α's floor).
     step_time_ewma_weight: float = Field(default=0.1, gt=0, le=1)
     #: naive_mlfq only. True (paper Figure 7(b)): a first iteration longer than the level's

@@ -170,6 +170,7 @@ class Job:
     admit_seq: int = -1              # admission order (FCFS preempts the latest admitted)
     idle_since: float = 0.0          # when it last stopped running (queueing time accounting)
     blocked_since: float | None = None   # first decision it was passed over for not being resident
+    blocked_s: float = 0.0           # of its current idle spell, seconds blocked on a swap
     pinned_until: int | None = None  # swapped in for its turn: no swap-out victim up to this step
     promoted: bool = False           # promoted for starvation and not run since
     #: Chunked prefill: positions of the first iteration in progress whose KV earlier chunks

@@ -32,7 +32,7 @@ class ArrivalReserve:
     def blocks(self, now: float) -> int:
         """The configured count plus, optionally, blocks sized from the arrivals of the last
         ``adaptive_window_s`` (their prompts, or a configured blocks-per-arrival), capped at
-        ``adaptive_max_fraction`` of the device pool."""
+        ``adaptive_max_fraction`` of the device pool — and the sum below the whole pool."""
         cfg = self.config
         if not cfg.adaptive_reserve:
             return cfg.reserved_blocks
@@ -42,4 +42,5 @@ class ArrivalReserve:
         else:
             adaptive = len(self._arrivals) * cfg.adaptive_blocks_per_arrival
         cap = math.floor(cfg.adaptive_max_fraction * cfg.num_device_blocks)
-        return cfg.reserved_blocks + min(math.ceil(adaptive), cap)
+        # Never the whole pool: a reserve of every block would keep the device empty.
+        return min(cfg.reserved_blocks + min(math.ceil(adaptive), cap), cfg.num_device_blocks - 1)

@@ -35,7 +35,7 @@ from app.scheduler.memory import MemoryPlanner
 from app.scheduler.policies import Policy
 from app.scheduler.profile import Profile
 from app.scheduler.queues import LevelQueues
-from app.scheduler.state import InFlight, SchedulerState, SchedulerView
+from app.scheduler.state import SchedulerState, SchedulerView
 
 #: A plan that only dropped KV is re-planned at once (the drops freed blocks); once is enough.
 _PLAN_PASSES = 2
@@ -164,12 +164,7 @@ class Scheduler:
             admit_new = not stall_dropped
         if not out.entries and not out.swap_out and not out.swap_in:
             return None
-        s.next_step += 1
-        plan = BatchPlan(step, tuple(out.entries), tuple(out.swap_out), tuple(out.swap_in))
-        s.inflight[step] = InFlight(now, tuple(e.job_id for e in out.entries),
-                                    frozenset(out.wasted), out.chunks)
-        s.totals["steps"] += 1
-        return plan
+        return self.applier.dispatch(step, now, out)
 
     def _plan(self, step: int, now: float, admit_new: bool) -> Decision:
         """Batch, then the swaps around it, then the stall breaker: pure, on one snapshot."""
@@ -194,8 +189,7 @@ class Scheduler:
     def update(self, plan: BatchPlan, output: StepOutput, now: float) -> list[TokenDelta]:
         """Apply one plan's output: tokens, finishes, quanta, demotions, settled swaps."""
         s = self.state
-        rec = s.inflight.pop(plan.step_id)
-        settled = s.kv.complete(plan.step_id)
+        rec, settled = self.applier.complete(plan.step_id)
         timings = output.timings
         duration = timings.get("total", now - rec.scheduled_at)
         swap_wait = timings.get("swap_wait", 0.0)
@@ -225,15 +219,14 @@ class Scheduler:
             reason = self.applier.advance(job, token, served, now)
             deltas.append(TokenDelta.token(job_id, token, reason, job.stats if reason else None,
                                            output.logprobs.get(job_id)))
-        self.applier.settle(settled)
+        self.applier.settle(settled, now)
         return deltas
 
     def fail(self, plan: BatchPlan, now: float) -> list[TokenDelta]:
         """The executor failed ``plan``: its jobs finish with ``error``; jobs it was swapping
         lose their KV (unknown contents) and will recompute."""
         s = self.state
-        rec = s.inflight.pop(plan.step_id)
-        self.applier.lose_kv(s.kv.fail(plan.step_id))
+        rec = self.applier.fail_step(plan.step_id)
         deltas = []
         for job_id in rec.job_ids:
             job = s.jobs[job_id]
@@ -251,20 +244,15 @@ class Scheduler:
     def fail_all(self, now: float) -> list[TokenDelta]:
         """End every job with ``error`` (the data plane could not be rebuilt in time)."""
         s = self.state
-        for step in list(s.inflight):
-            s.inflight.pop(step)
-            s.kv.fail(step)
+        self.applier.void_inflight()
         deltas = []
         for job in list(s.jobs.values()):
             if job.state is JobState.ABORTED:
                 self.applier.forget_aborted(job)
             else:
-                if job.state is JobState.RUNNING:
-                    job.state = JobState.RUNNABLE   # its step is void: retire frees at once
                 deltas.append(self._fail_job(job, now))
         return deltas
 
     def _fail_job(self, job: Job, now: float) -> TokenDelta:
-        self.applier.retire(job, JobState.FINISHED, "error", now)
-        self.state.totals["errors"] += 1
+        self.applier.fail_job(job, now)
         return TokenDelta(job.job_id, finish_reason="error", stats=job.stats)

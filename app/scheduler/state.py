@@ -8,6 +8,7 @@ walks, KV counts, the current α and ENST. Planners return decisions; they chang
 
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -79,12 +80,16 @@ class SchedulerState:
 
     def alpha(self) -> float:
         """α in effect: the configured one, but never under ``starvation_min_iterations``
-        measured iterations (paper: α is tuned to the SLO; the SLO is 10 iterations). A job
-        already promoted waits longer (``Policy.starvation_deadline``)."""
+        measured iterations (paper: α is tuned to the SLO; the SLO is 10 iterations) nor under
+        ``starvation_backlog_batches`` rounds of the jobs held. A job already promoted waits
+        longer (``Policy.starvation_wait``)."""
         cfg = self.config
         measured = self.step_time_s
-        floor = 0.0 if measured is None else cfg.starvation_min_iterations * measured
-        return max(cfg.starvation_alpha_s, floor)
+        if measured is None:
+            return cfg.starvation_alpha_s
+        floor = cfg.starvation_min_iterations * measured
+        backlog = cfg.starvation_backlog_batches * math.ceil(len(self.jobs) / cfg.max_batch_size) * measured
+        return max(cfg.starvation_alpha_s, floor, backlog)
 
 
 class SchedulerView:

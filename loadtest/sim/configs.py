@@ -7,8 +7,8 @@ and ``simulate``, the one-call entry point the experiments and tests use.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.scheduler.config import KVCacheConfig, PolicyName, SchedulerConfig, SwapMode
@@ -46,6 +46,8 @@ class SimSetup:
     naive_preempts_first_iteration: bool = True
     #: Chunked prefill with chunks of this many tokens (None: off, first iterations run whole).
     chunk_tokens: int | None = None
+    #: Any other ``SchedulerConfig`` field, by name (e.g. starvation_backoff).
+    scheduler_options: Mapping[str, object] = field(default_factory=dict)
 
 
 def build_configs(cost: CostModel, setup: SimSetup) -> tuple[SchedulerConfig, KVCacheConfig]:
@@ -59,6 +61,7 @@ def build_configs(cost: CostModel, setup: SimSetup) -> tuple[SchedulerConfig, KV
             sched_kwargs[key] = value
     if setup.chunk_tokens is not None:
         sched_kwargs["chunked_prefill"] = {"enabled": True, "chunk_tokens": setup.chunk_tokens}
+    sched_kwargs.update(setup.scheduler_options)
     device = setup.num_device_blocks or serving.num_device_blocks
     if device is None:
         raise ValueError("the profile has no serving.num_device_blocks; pass num_device_blocks")

@@ -16,7 +16,7 @@ from app.scheduler.config import KVCacheConfig, SchedulerConfig, SwapMode
 from app.scheduler.decision import BatchDecision, Decision
 from app.scheduler.queues import LevelQueues
 from app.scheduler.scheduler import Scheduler
-from tests.unit.test_scheduler import PROFILE, TOKEN, ids, make, req, step
+from tests.harness.scheduling import PROFILE, TOKEN, ids, make, req, step
 
 
 def manager(device: int = 8, host: int = 8, block: int = 4) -> KVCacheManager:
@@ -229,8 +229,9 @@ def test_planner_brings_wanted_jobs_first_and_passes_over_what_does_not_fit() ->
 
 
 def test_a_swap_in_pin_expires_after_swap_pin_plans() -> None:
-    # Swapped in by step 2, "a" is no swap-out victim for the next swap_pin_plans (2) decisions,
-    # steps 3 and 4, whether or not it ran; from step 5 it is an ordinary candidate again.
+    # Swapped in by step 2 (settled when it returns, before decision 3), "a" is no swap-out
+    # victim for the next swap_pin_plans (2) decisions, steps 3 and 4, whether or not it ran;
+    # from step 5 it is an ordinary candidate again.
     s = make(device=16, host=16)
     assert s.kv_config.swap_pin_plans == 2
     s.add(req("a", 8), 0.0)
@@ -238,7 +239,8 @@ def test_a_swap_in_pin_expires_after_swap_pin_plans() -> None:
     a = s.jobs()["a"]
     for k, swaps in ((1, SwapDecision(swap_out=["a"])), (2, SwapDecision(swap_in=["a"]))):
         s.applier.apply(Decision(k, BatchDecision(), swaps), 0.5, Applied())
-        s.applier.settle(s.kv.complete(k))
+        s.state.next_step = k + 1
+        s.applier.settle(s.kv.complete(k), 0.5)
         s.check_invariants()
     assert a.pinned_until == 4
     assert [s.view.pinned("a", k) for k in (3, 4, 5)] == [True, True, False]
@@ -256,7 +258,7 @@ def test_a_promoted_job_on_the_host_is_wanted_at_its_rank(batch: int) -> None:
     s.add(req("p", 64, max_tokens=8), 0.0)
     step(s, 0.0, 7.0)
     s.applier.apply(Decision(1, BatchDecision(), SwapDecision(swap_out=["p"])), 7.0, Applied())
-    s.applier.settle(s.kv.complete(1))
+    s.applier.settle(s.kv.complete(1), 7.0)
     s.state.next_step = 2
     s.add(req("r1", 8, max_tokens=8), 7.0)
     s.add(req("r2", 16, max_tokens=8), 7.0)

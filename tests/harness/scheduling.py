@@ -1,0 +1,61 @@
+"""Shared set-up for the scheduler's rule tests: a hand-made profile with binary-exact times, a
+``Scheduler`` factory, and one-step driving with a fake data plane that charges exactly the
+``total`` a test passes.
+
+q1 = t_dec(1) = 1.0, so the quanta are 1, 2, 4, 8 and the largest t_init (7.0) needs 4 levels.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from actors.messages import BatchPlan, SamplingParams, StepOutput
+from app.scheduler.config import KVCacheConfig, PolicyName, SchedulerConfig, SwapMode
+from app.scheduler.job import JobRequest, TokenDelta
+from app.scheduler.profile import Profile
+from app.scheduler.scheduler import Scheduler
+
+ROOT = Path(__file__).resolve().parents[2]
+EOS = 2
+TOKEN = 9  # what the fake data plane "generates" (never EOS)
+
+# q1 = t_dec(1) = 1.0, so quanta are 1, 2, 4, 8 and the largest t_init (7.0) needs 4 levels.
+PROFILE = Profile.from_dict({
+    "t_init": {"prompt_lens": [8, 16, 32, 64], "seconds": [0.5, 1.5, 3.0, 7.0]},
+    "t_dec": {"batch_sizes": [1, 16], "seconds": [1.0, 2.0]},
+})
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def req(job_id: str, prompt_len: int, max_tokens: int = 4) -> JobRequest:
+    return JobRequest(job_id, tuple(range(3, 3 + prompt_len)), greedy(max_tokens))
+
+
+def make(policy: PolicyName = "skip_join_mlfq", *, batch: int = 16, alpha: float = 1000.0,
+         device: int = 256, host: int = 256, block: int = 4, mode: SwapMode = "proactive",
+         profile: Profile = PROFILE, **extra: Any) -> Scheduler:
+    """q1 = t_dec(1) = 1, so the quanta are 1, 2, 4, 8 whatever the batch size."""
+    return Scheduler(
+        SchedulerConfig(policy=policy, max_batch_size=batch, starvation_alpha_s=alpha, **extra),
+        KVCacheConfig(block_size=block, num_device_blocks=device, num_host_blocks=host,
+                      swap_mode=mode),
+        profile, eos_token_ids=frozenset({EOS}))
+
+
+def step(s: Scheduler, now: float, total: float) -> tuple[BatchPlan, list[TokenDelta]]:
+    """One iteration charged ``total`` seconds: schedule at ``now``, update at now+total."""
+    plan = s.schedule(now)
+    assert plan is not None
+    s.check_invariants()
+    out = StepOutput(plan.step_id, {e.job_id: TOKEN for e in plan.entries}, {"total": total})
+    deltas = s.update(plan, out, now + total)
+    s.check_invariants()
+    return plan, deltas
+
+
+def ids(plan: BatchPlan) -> list[str]:
+    return [e.job_id for e in plan.entries]
