@@ -28,6 +28,8 @@ def scheduler_stats(s: SchedulerState) -> dict[str, Any]:
         "host_blocks": {"total": kv.host.capacity, "free": kv.num_free_host},
         "swapped_out_blocks": kv.swapped_out_blocks,
         "swapped_in_blocks": kv.swapped_in_blocks,
+        "starvation_alpha_s": s.alpha(),
+        "step_time_s": s.step_time_s,
         **dict(s.totals),
     }
 

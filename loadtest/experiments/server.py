@@ -1,6 +1,7 @@
 """Starting and stopping our Serve application for the real (HTTP) experiments.
 
-Owns one ``serve run`` of a YAML derived from ``config/opt125m-dummy.yaml``: one application per policy,
+Owns one ``serve run`` of a YAML derived from ``config/opt125m-dummy.yaml`` (or another base, such as
+the real-model ``config/demo.yaml``): one application per policy,
 each under its own route prefix (``/fcfs``, ``/skip_join_mlfq``), so a single Ray start serves every
 baseline; on a free loopback port (never the demo's 8000, which other runs may hold), with a
 private Ray instance (``--address local``) and Ray temp dir. The process is started in its own
@@ -67,8 +68,9 @@ class ServeApps:
     """Context manager: ``serve run`` of one app per policy; ``url(policy)`` is its base URL."""
 
     def __init__(self, policies: Sequence[str], log_path: Path, ready_timeout_s: float = READY_TIMEOUT_S,
-                 args_overrides: dict[str, dict[str, Any]] | None = None) -> None:
+                 args_overrides: dict[str, dict[str, Any]] | None = None, base: Path = DEMO_YAML) -> None:
         self.policies = list(policies)
+        self.base = base
         self.args_overrides = args_overrides
         self.log_path = log_path
         self.ready_timeout_s = ready_timeout_s
@@ -82,7 +84,7 @@ class ServeApps:
     def __enter__(self) -> ServeApps:
         self._tmp = tempfile.TemporaryDirectory(prefix=RAY_TMP_PREFIX, ignore_cleanup_errors=True)
         config = Path(self._tmp.name) / "serve.yaml"
-        raw = multi_policy_config(self.policies, self.port, args_overrides=self.args_overrides)
+        raw = multi_policy_config(self.policies, self.port, self.base, self.args_overrides)
         config.write_text(yaml.safe_dump(raw, sort_keys=False))
         env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": self._tmp.name,
                "RAY_USAGE_STATS_ENABLED": "0"}

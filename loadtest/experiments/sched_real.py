@@ -1,0 +1,165 @@
+"""The scheduler on the real server under memory pressure: skip-join MLFQ against FCFS, per job.
+
+One ``serve run`` of ``config/demo.yaml`` (the real SmolLM2 model, its own chat template and EOS)
+with two applications, ``skip_join_mlfq`` and ``fcfs``, whose device KV pool is shrunk so that it
+binds (``--device-blocks``; every request admitted, as in the paper). For each rate the same
+ShareGPT chat prompts (one user message, greedy, ``max_tokens`` capped from the reference length,
+so outputs end at the model's EOS or the cap) go to one policy and then the other. While a point
+runs, ``/debug/engine`` is read every second for the α in effect and the measured step time.
+
+Reported per policy and rate: per-token latency (mean, P95), TTFT, output tokens/s, and per job
+(from each response's ``job_stats``): demotions, promotions, swap-outs, and the time it was
+blocked on KV — the mean, the largest, and that largest against the bound the scheduler means to
+keep: the largest α in effect plus one batch's worth of iterations (B × the measured step).
+A readable table, then one JSON object.
+
+    python -m loadtest.experiments.sched_real --rates 0.5,1,2,3 --num-prompts 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from loadtest import chat as C
+from loadtest import prompts as P
+from loadtest.client import ClientConfig, run_requests, save_jsonl
+from loadtest.experiments.common import RESULTS_DIR
+from loadtest.experiments.server import ROOT, ServeApps
+from loadtest.metrics import RequestRecord, summarize
+from loadtest.race import cpu_model
+
+POLICIES = ("skip_join_mlfq", "fcfs")
+DEMO = ROOT / "config" / "demo.yaml"
+POLL_S = 1.0
+
+
+class EngineWatch:
+    """Reads ``/debug/engine`` every second in a thread: the largest α and the step times seen."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url + "/debug/engine"
+        self.alpha_max = 0.0
+        self.steps: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=POLL_S) as client:
+            while not self._stop.wait(POLL_S):
+                try:
+                    stats = client.get(self.url).json()
+                except (httpx.HTTPError, ValueError):
+                    continue
+                self.alpha_max = max(self.alpha_max, float(stats.get("starvation_alpha_s") or 0.0))
+                if stats.get("step_time_s"):
+                    self.steps.append(float(stats["step_time_s"]))
+
+    def __enter__(self) -> EngineWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def per_job(records: Sequence[dict[str, Any]]) -> dict[str, float]:
+    stats = [r["server"] for r in records if r.get("server")]
+    if not stats:
+        return {}
+
+    def mean(key: str) -> float:
+        return statistics.fmean(float(s.get(key) or 0.0) for s in stats)
+
+    return {"jobs": len(stats), "demotions": mean("demotions"), "promotions": mean("promotions"),
+            "swaps_out": mean("swaps_out"), "kv_wait_mean_s": mean("swap_blocked_s"),
+            "kv_wait_max_s": max(float(s.get("swap_blocked_s") or 0.0) for s in stats)}
+
+
+def run_point(url: str, requests: Sequence[Any], args: argparse.Namespace, batch: int,
+              out: Path) -> dict[str, Any]:
+    config = ClientConfig(base_url=url, prompt_mode="text", mode="chat", max_total_s=args.max_total_s,
+                          progress=False, temperature=args.temperature, seed=args.seed,
+                          system_prompt=args.system_prompt)
+    with EngineWatch(url) as watch:
+        records = asyncio.run(run_requests(requests, config))
+    save_jsonl(records, out)
+    summary = summarize([RequestRecord.from_dict(r) for r in records])
+    step = statistics.fmean(watch.steps) if watch.steps else float("nan")
+    jobs = per_job(records)
+    bound = watch.alpha_max + batch * step
+    return {"completed": summary.num_completed, "failed": summary.num_failed,
+            "per_token_mean_s": summary.per_token.mean, "per_token_p95_s": summary.per_token.p95,
+            "ttft_mean_s": summary.ttft.mean, "output_tok_s": summary.output_token_throughput,
+            "alpha_max_s": watch.alpha_max, "step_mean_s": step, "kv_wait_bound_s": bound,
+            "within_bound": jobs.get("kv_wait_max_s", 0.0) <= bound,
+            "output_lengths": C.output_lengths(records).to_dict(), **jobs}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.5, 1.0, 2.0, 3.0])
+    parser.add_argument("--num-prompts", type=int, default=40)
+    parser.add_argument("--dataset", choices=("sharegpt", "alpaca"), default="sharegpt")
+    parser.add_argument("--device-blocks", type=int, default=128, help="device KV pool (16-token blocks)")
+    parser.add_argument("--host-blocks", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-total-s", type=float, default=300.0, help="bound on each point")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "sched-real")
+    C.add_mode_args(parser)
+    parser.set_defaults(mode="chat")
+    args = parser.parse_args(argv)
+    if args.mode != "chat":
+        parser.error("--mode: this experiment sends chat requests to the real model (real EOS)")
+    overrides = {"kv_cache": {"num_device_blocks": args.device_blocks, "num_host_blocks": args.host_blocks},
+                 "scheduler": {"max_batch_size": args.batch, "admission_queue_limit": 100_000},
+                 "engine": {"max_jobs": 100_000}}
+    samples = P.load_prompts(args.dataset)
+    points: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
+    args.out.mkdir(parents=True, exist_ok=True)
+    with ServeApps(POLICIES, args.out / "serve.log", args_overrides=overrides, base=DEMO) as apps:
+        for k, rate in enumerate(args.rates):
+            reqs = C.cap_requests(P.text_requests(samples, args.num_prompts, rate, args.seed, 1.0, k),
+                                  C.eos_cap_from_args(args))
+            for policy in POLICIES:
+                started = time.monotonic()
+                point = run_point(apps.url(policy), reqs, args, args.batch, args.out / f"{policy}-{rate:g}.jsonl")
+                point.update(rate=rate, wall_s=time.monotonic() - started)
+                points[policy].append(point)
+                print(f"{policy:15s} {rate:5.2f} req/s  s/token {point['per_token_mean_s']:.3f} "
+                      f"(P95 {point['per_token_p95_s']:.3f})  demotions {point.get('demotions', 0):.2f}  "
+                      f"promotions {point.get('promotions', 0):.2f}  swap-outs {point.get('swaps_out', 0):.2f}  "
+                      f"KV wait max {point.get('kv_wait_max_s', 0):.2f} s (bound {point['kv_wait_bound_s']:.2f})",
+                      flush=True)
+    print()
+    print(f"Real server, {cpu_model()}: SmolLM2-135M fp32, {args.dataset} chat (real EOS), "
+          f"{args.num_prompts} prompts per rate, {args.device_blocks} device blocks, batch {args.batch}")
+    header = ("| policy | req/s | s/token mean | P95 | TTFT | tok/s | demotions/job | promotions/job | "
+              "swap-outs/job | KV wait mean / max (s) | bound α + B·step (s) |")
+    print(header)
+    print("|" + "---|" * 11)
+    for policy in POLICIES:
+        for p in points[policy]:
+            print(f"| {policy} | {p['rate']:g} | {p['per_token_mean_s']:.3f} | {p['per_token_p95_s']:.3f} | "
+                  f"{p['ttft_mean_s']:.2f} | {p['output_tok_s']:.1f} | {p.get('demotions', 0):.2f} | "
+                  f"{p.get('promotions', 0):.2f} | {p.get('swaps_out', 0):.2f} | "
+                  f"{p.get('kv_wait_mean_s', 0):.2f} / {p.get('kv_wait_max_s', 0):.2f} | {p['kv_wait_bound_s']:.2f} |")
+    result = {"experiment": "sched_real", "cpu": cpu_model(), "device_blocks": args.device_blocks,
+              "batch": args.batch, "points": points}
+    (args.out / "sched_real.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
