@@ -143,17 +143,18 @@ def prefill_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens: torch.Tensor | Sequence[int],
     scale: float,
 ) -> torch.Tensor:
     """Varlen causal self-attention over the new tokens of packed sequences.
 
     ``query``: ``[num_tokens, num_heads, head_dim]``; ``key``/``value``: ``[num_tokens,
     num_kv_heads, head_dim]`` (grouped-query attention when ``num_kv_heads < num_heads``: query
-    head h reads KV head ``h // (num_heads // num_kv_heads)``); ``cu_seqlens``: int ``[B + 1]``
-    cumulative starts. Token t of a sequence attends to tokens 0..t of the same
-    sequence; scores are ``scale * q.k``, softmax in float32. Returns ``[num_tokens, num_heads,
-    head_dim]`` in the input dtype.
+    head h reads KV head ``h // (num_heads // num_kv_heads)``); ``cu_seqlens``: ``[B + 1]``
+    cumulative starts, host-side ints (a device tensor works but costs a host sync per call).
+    Token t of a sequence attends to tokens 0..t of the same sequence; scores are
+    ``scale * q.k``, softmax in float32. Returns ``[num_tokens, num_heads, head_dim]`` in the
+    input dtype.
     """
     return reference.prefill_attention(query, key, value, cu_seqlens, scale)
 
@@ -164,7 +165,7 @@ def context_prefill_attention(
     value: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens: torch.Tensor | Sequence[int],
     start_positions: Sequence[int],
     block_tables: torch.Tensor,
     scale: float,

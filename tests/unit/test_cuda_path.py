@@ -1,0 +1,119 @@
+"""The parts of the CUDA path whose logic runs on a CPU (issue #25): what reaches torch's SDPA, and
+that the forward never reads a device tensor back to the host.
+
+- SDPA's fused kernels take 4-D inputs only; a 3-D call falls back to the math path, which
+  materialises the ``[H, L, L]`` scores. The CPU has a fused kernel with the same rule (flash), so
+  forcing it with ``sdpa_kernel`` here fails exactly where a GPU would take the math path.
+- A host read of a tensor's values (``.tolist()``, ``.item()``, ``int(t)``, ``bool(t)``) stalls
+  the host on a GPU until the device catches up. A torch-function mode sees every such call on
+  any device; prefill attention, run on the host-side bounds the batch keeps, makes none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
+
+import kernels
+from actors.messages import BatchEntry, SamplingParams
+from actors.model.batch import ForwardBatch
+
+HEAD_DIM = 16
+BLOCK_SIZE = 4
+SCALE = HEAD_DIM ** -0.5
+GQA_SHAPES = [(4, 4), (4, 2), (6, 1)]   # (query heads, KV heads)
+LENGTHS = (5, 1, 9)                     # prefill sequences packed in one batch
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the tensor methods that read a tensor's values back to the host."""
+
+    READS = frozenset({"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "numpy", "cpu"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(func, "__name__", "") in self.READS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def host_reads(fn: Callable[[], Any]) -> int:
+    with HostReads() as mode:
+        fn()
+    return mode.count
+
+
+def packed(num_heads: int, num_kv_heads: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    total = sum(LENGTHS)
+    q = torch.randn(total, num_heads, HEAD_DIM, generator=gen)
+    k = torch.randn(total, num_kv_heads, HEAD_DIM, generator=gen)
+    v = torch.randn(total, num_kv_heads, HEAD_DIM, generator=gen)
+    return q, k, v
+
+
+def bounds() -> tuple[int, ...]:
+    out = [0]
+    for n in LENGTHS:
+        out.append(out[-1] + n)
+    return tuple(out)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA_SHAPES)
+def test_prefill_attention_runs_on_a_fused_sdpa_kernel(num_heads: int, num_kv_heads: int) -> None:
+    gen = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads)
+    q, k, v = packed(num_heads, num_kv_heads, gen)
+    with sdpa_kernel([SDPBackend.MATH]):
+        expected = kernels.prefill_attention(q, k, v, bounds(), SCALE)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):   # raises "No available kernel" on 3-D inputs
+        fused = kernels.prefill_attention(q, k, v, bounds(), SCALE)
+    torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA_SHAPES)
+def test_context_prefill_attention_runs_on_a_fused_sdpa_kernel(num_heads: int, num_kv_heads: int) -> None:
+    """A chunk continuing a cached prefix (lower-right causal mask) and a fresh sequence."""
+    gen = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads)
+    q, k, v = packed(num_heads, num_kv_heads, gen)
+    num_blocks = 8
+    cache = torch.randn(num_blocks, 2, BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=gen)
+    starts = (6, 0, 3)
+    tables = torch.tensor([[1, 2, 0, 0], [0, 0, 0, 0], [5, 0, 0, 0]], dtype=torch.int32)
+    args = (q, k, v, cache[:, 0], cache[:, 1], bounds(), starts, tables, SCALE)
+    with sdpa_kernel([SDPBackend.MATH]):
+        expected = kernels.context_prefill_attention(*args)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        fused = kernels.context_prefill_attention(*args)
+    torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_batch_keeps_prefill_bounds_on_the_host() -> None:
+    greedy = SamplingParams(temperature=0.0)
+    entries = [
+        BatchEntry("a", (3, 4, 5), 0, (0,), is_prefill=True, sampling=greedy),
+        BatchEntry("b", (7,), 5, (1, 2), is_prefill=False, sampling=greedy),
+        BatchEntry("c", (8, 9), 0, (3,), is_prefill=True, sampling=greedy),
+    ]
+    batch = ForwardBatch.build(entries, BLOCK_SIZE)
+    assert batch.prefill_cu_seqlens == (0, 3, 5)
+    assert all(type(b) is int for b in batch.prefill_cu_seqlens)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA_SHAPES)
+def test_prefill_attention_reads_nothing_back_from_the_device(num_heads: int, num_kv_heads: int) -> None:
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = packed(num_heads, num_kv_heads, gen)
+    cache = torch.randn(8, 2, BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=gen)
+    tables = torch.tensor([[1, 2, 0, 0], [0, 0, 0, 0], [5, 0, 0, 0]], dtype=torch.int32)
+    assert host_reads(lambda: kernels.prefill_attention(q, k, v, bounds(), SCALE)) == 0
+    assert host_reads(lambda: kernels.context_prefill_attention(
+        q, k, v, cache[:, 0], cache[:, 1], bounds(), (6, 0, 3), tables, SCALE)) == 0
+    # The counter counts: bounds handed over as a tensor are read back, once per call.
+    assert host_reads(lambda: kernels.prefill_attention(q, k, v, torch.tensor(bounds()), SCALE)) == 1
