@@ -20,8 +20,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 import kernels
+from actors.kv_store import KVStore, pinned_allocator_bytes, register_host_memory
 from actors.messages import BatchEntry, SamplingParams
 from actors.model.batch import ForwardBatch
+from actors.parallel import TensorParallelGroup, cuda_device_index
 
 HEAD_DIM = 16
 BLOCK_SIZE = 4
@@ -117,3 +119,58 @@ def test_prefill_attention_reads_nothing_back_from_the_device(num_heads: int, nu
         q, k, v, cache[:, 0], cache[:, 1], bounds(), (6, 0, 3), tables, SCALE)) == 0
     # The counter counts: bounds handed over as a tensor are read back, once per call.
     assert host_reads(lambda: kernels.prefill_attention(q, k, v, torch.tensor(bounds()), SCALE)) == 1
+
+
+# ---------------------------------------------------------------- pinned host pool sizes
+
+
+def test_torchs_pinned_allocator_would_round_llama3_70b_swap_space_to_a_power_of_two() -> None:
+    """The host pool of one llama3-70b.yaml rank: 60,000 blocks of 640 KiB (80 layers x K/V x 1 KV
+    head x 128 x 16 tokens x bf16) = 36.6 GiB, which ``pin_memory=True`` would make 64 GiB; the
+    KV store registers exactly the pool instead."""
+    layers, kv_heads, head_dim, block_size, blocks = 80, 1, 128, 16, 60_000
+    pool = blocks * layers * 2 * block_size * kv_heads * head_dim * torch.bfloat16.itemsize
+    assert pool == 39_321_600_000
+    assert pinned_allocator_bytes(pool) == 64 * 2**30
+    assert [pinned_allocator_bytes(n) for n in (0, 1, 2, 3, 4096, 4097)] == [0, 1, 2, 4, 4096, 8192]
+
+
+def test_the_host_pool_is_exactly_its_blocks() -> None:
+    kv = KVStore(num_layers=3, num_heads=2, head_dim=8, block_size=4, num_device_blocks=5,
+                 num_host_blocks=7, dtype=torch.bfloat16)
+    try:
+        assert kv.host_pool.untyped_storage().nbytes() == 7 * kv.bytes_per_block
+        assert kv.host_pool.is_contiguous() and not kv._registered   # only a CUDA store registers
+    finally:
+        kv.close()
+
+
+def test_registering_refuses_what_cuda_cannot_pin_in_place() -> None:
+    with pytest.raises(ValueError, match="only a contiguous CPU tensor can be registered"):
+        register_host_memory(torch.zeros(4, 6)[:, ::2])
+    assert register_host_memory(torch.zeros(0, 6)) is False   # nothing to pin, no CUDA call
+
+
+# ---------------------------------------------------------------- the TP group's device
+
+
+@pytest.mark.parametrize(("gpu_ids", "visible", "index"), [
+    ([3], "3", 0),              # Ray hid the other GPUs: the one visible is device 0
+    ([5], "4,5,6", 1),          # several visible: the assigned one's place in the list
+    (["2"], None, 2),           # nothing hides them: the id is the index
+])
+def test_the_worker_finds_its_cuda_index(gpu_ids: list[int | str], visible: str | None, index: int) -> None:
+    assert cuda_device_index(gpu_ids, visible) == index
+
+
+def test_a_gpu_missing_from_the_visible_list_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"GPU 7 assigned by Ray is not in CUDA_VISIBLE_DEVICES='0,1'"):
+        cuda_device_index([7], "0,1")
+    with pytest.raises(ValueError, match="no GPU is assigned"):
+        cuda_device_index([], "0")
+
+
+def test_the_gloo_group_takes_no_device_and_a_bad_index_is_refused() -> None:
+    assert TensorParallelGroup("cpu").process_group_options() == {}
+    with pytest.raises(ValueError, match="device_index must be >= 0, got -1"):
+        TensorParallelGroup("cpu", -1)
