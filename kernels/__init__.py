@@ -78,18 +78,33 @@ PAGED_ATTENTION_MAX_HEAD_DIM = 256
 _log = logging.getLogger(__name__)
 
 
+#: The probe ``_cupy_usable`` compiles (NVRTC) and runs before choosing the CuPy kernels.
+_PROBE_SOURCE = r'''
+extern "C" __global__ void fastserve_probe(int* out) { out[threadIdx.x] = 2 * threadIdx.x + 1; }
+'''
+_PROBE_THREADS = 32
+
+
 @functools.cache
 def _cupy_usable() -> bool:
-    """Whether cupy imports and sees at least one device (probed once per process)."""
+    """Whether cupy imports, sees a device, and can compile and run a kernel (probed once per
+    process). Compiling matters: a broken NVRTC or a driver too old for the toolkit passes the
+    device count and would fail the first forward instead of falling back here."""
     try:
         import cupy
 
-        usable = bool(cupy.cuda.runtime.getDeviceCount() > 0)
-    except Exception as exc:  # any import/driver/runtime failure means "no CUDA path"
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return False
+        probe = cupy.RawKernel(_PROBE_SOURCE, "fastserve_probe")
+        out = cupy.zeros(_PROBE_THREADS, dtype=cupy.int32)
+        probe((1,), (_PROBE_THREADS,), (out,))
+        if out.tolist() != [2 * i + 1 for i in range(_PROBE_THREADS)]:
+            raise RuntimeError(f"the probe kernel computed {out.tolist()}")
+    except Exception as exc:  # any import/driver/compiler/runtime failure means "no CUDA path"
         if torch.cuda.is_available():
             _log.warning("cupy unusable (%s); CUDA tensors use the torch reference kernels", exc)
         return False
-    return usable
+    return True
 
 
 def backend_for(tensor: torch.Tensor) -> str:

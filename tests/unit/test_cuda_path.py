@@ -174,3 +174,26 @@ def test_the_gloo_group_takes_no_device_and_a_bad_index_is_refused() -> None:
     assert TensorParallelGroup("cpu").process_group_options() == {}
     with pytest.raises(ValueError, match="device_index must be >= 0, got -1"):
         TensorParallelGroup("cpu", -1)
+
+
+# ---------------------------------------------------------------- building the model in place
+
+
+def test_the_model_is_built_in_its_dtype_and_equals_a_cast_of_the_fp32_build() -> None:
+    """Built in bf16 directly (no fp32 copy first), the weights are exactly the fp32 build's cast."""
+    from actors.executor import build_stage
+    from actors.model.config import OPTConfig
+    from actors.model.shard import StageShard
+
+    tiny = OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     ffn_dim=64, max_position_embeddings=64, name="tiny")
+    whole = StageShard.whole(tiny)
+    fp32 = build_stage(tiny, whole, "float32", "cpu", "dummy", None, seed=3)
+    bf16 = build_stage(tiny, whole, "bfloat16", "cpu", "dummy", None, seed=3)
+    assert torch.get_default_dtype() == torch.float32   # restored
+    cast = {n: p.to(torch.bfloat16) for n, p in fp32.named_parameters()}
+    params = dict(bf16.named_parameters())
+    assert params.keys() == cast.keys()
+    for name, p in params.items():
+        assert p.dtype == torch.bfloat16, name
+        assert torch.equal(p, cast[name]), name
