@@ -5,52 +5,28 @@ that the forward never reads a device tensor back to the host.
   materialises the ``[H, L, L]`` scores. The CPU has a fused kernel with the same rule (flash), so
   forcing it with ``sdpa_kernel`` here fails exactly where a GPU would take the math path.
 - A host read of a tensor's values (``.tolist()``, ``.item()``, ``int(t)``, ``bool(t)``) stalls
-  the host on a GPU until the device catches up. A torch-function mode sees every such call on
-  any device; prefill attention, run on the host-side bounds the batch keeps, makes none.
+  the host on a GPU until the device catches up (``tests.harness.host_reads`` counts them on any
+  device); prefill attention, run on the host-side bounds the batch keeps, makes none.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.overrides import TorchFunctionMode
 
 import kernels
 from actors.kv_store import KVStore, pinned_allocator_bytes, register_host_memory
 from actors.messages import BatchEntry, SamplingParams
 from actors.model.batch import ForwardBatch
 from actors.parallel import TensorParallelGroup, cuda_device_index
+from tests.harness.host_reads import host_reads
 
 HEAD_DIM = 16
 BLOCK_SIZE = 4
 SCALE = HEAD_DIM ** -0.5
 GQA_SHAPES = [(4, 4), (4, 2), (6, 1)]   # (query heads, KV heads)
 LENGTHS = (5, 1, 9)                     # prefill sequences packed in one batch
-
-
-class HostReads(TorchFunctionMode):
-    """Counts the tensor methods that read a tensor's values back to the host."""
-
-    READS = frozenset({"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "numpy", "cpu"})
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if getattr(func, "__name__", "") in self.READS:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
-def host_reads(fn: Callable[[], Any]) -> int:
-    with HostReads() as mode:
-        fn()
-    return mode.count
 
 
 def packed(num_heads: int, num_kv_heads: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
