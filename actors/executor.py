@@ -7,6 +7,9 @@ plan names every block and swap, so the executor never decides anything.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from actors.kv_store import KVStore
@@ -30,14 +33,29 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
 
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default floating dtype set to ``dtype`` for the block (new parameters take it)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def build_stage(config: ModelConfig, shard: StageShard, dtype: str, device: str,
                 load_format: str, model_path: str | None, seed: int,
                 all_reduce: AllReduce | None = None) -> Stage:
     """Build one stage of ``config``'s architecture on ``device`` and load its weights (dummy or
     checkpoint)."""
-    stage = build_model(config, shard, all_reduce)
+    target = torch_dtype(dtype)
+    # Built where it runs and in its dtype: an 8B model is not first made in fp32 on the CPU
+    # (32 GB, then copied). The weights (dummy or checkpoint) are cast as they are copied in.
+    with torch.device(device), default_dtype(target):
+        stage = build_model(config, shard, all_reduce)
     load_stage_weights(stage, load_format, model_path, seed)
-    stage = stage.to(device=device, dtype=torch_dtype(dtype)).eval()
+    stage = stage.to(device=device, dtype=target).eval()
     stage.pack_linear_weights()   # CPU float32 only; a no-op elsewhere
     return stage
 

@@ -5,7 +5,8 @@ so one block of every layer is one contiguous region and a swap of a block is a 
 GPU, one DMA per run of consecutive blocks). Layer ``l`` reads the strided view ``pool[:, l]``.
 ``num_heads`` is the worker's *KV* heads (fewer than its query heads under grouped-query attention).
 
-Swaps are asynchronous. On a GPU they run on a side CUDA stream into pinned host memory and are
+Swaps are asynchronous. On a GPU they run on a side CUDA stream into page-locked host memory
+(registered in place, exactly the pool's size: ``register_host_memory``) and are
 tracked by events; on CPU a single copy thread runs them. Either way they complete in issue order
 (one stream, one thread), so a swap-in issued after a swap-out that frees the same host block
 reads the right data. A step waits only on the in-flight swaps that touch the blocks it uses
@@ -27,6 +28,41 @@ import torch
 
 import kernels
 from actors.messages import SwapCommand
+
+#: cudaHostRegisterDefault: page-locked, usable by the current device's copies.
+CUDA_HOST_REGISTER_DEFAULT = 0
+
+
+def register_host_memory(pool: torch.Tensor) -> bool:
+    """Page-lock ``pool`` (a contiguous CPU tensor) in place, exactly its own size; whether
+    anything was registered (an empty pool is not).
+
+    Not ``pin_memory=True``: torch's pinned allocator rounds every allocation up to a power of two
+    (``pinned_allocator_bytes``), which for a large swap space pins up to twice the memory asked
+    for (llama3-70b.yaml's 37.5 GiB per rank would pin 64). ``cudaHostRegister`` pins the pageable
+    allocation as it is; ``unregister_host_memory`` releases it before the tensor is freed."""
+    nbytes = pool.untyped_storage().nbytes()
+    if not nbytes:
+        return False
+    if not pool.is_contiguous() or pool.device.type != "cpu":
+        raise ValueError(f"only a contiguous CPU tensor can be registered, got {pool.device} "
+                         f"contiguous={pool.is_contiguous()}")
+    err = int(torch.cuda.cudart().cudaHostRegister(pool.data_ptr(), nbytes, CUDA_HOST_REGISTER_DEFAULT))
+    if err:
+        raise RuntimeError(f"cudaHostRegister of the {nbytes}-byte host KV pool failed (CUDA error {err})")
+    return True
+
+
+def unregister_host_memory(pool: torch.Tensor) -> None:
+    err = int(torch.cuda.cudart().cudaHostUnregister(pool.data_ptr()))
+    if err:
+        raise RuntimeError(f"cudaHostUnregister of the host KV pool failed (CUDA error {err})")
+
+
+def pinned_allocator_bytes(nbytes: int) -> int:
+    """What torch's pinned allocator (``pin_memory=True``) reserves for ``nbytes``: the next power
+    of two. What ``register_host_memory`` avoids."""
+    return 1 << max(nbytes - 1, 0).bit_length() if nbytes > 0 else 0
 
 
 @dataclass
@@ -70,8 +106,8 @@ class KVStore:
         self.device = torch.device(device)
         shape = (num_layers, 2, block_size, num_heads, head_dim)
         self.device_pool = torch.zeros((num_device_blocks, *shape), dtype=dtype, device=self.device)
-        pin = self.device.type == "cuda"
-        self.host_pool = torch.zeros((num_host_blocks, *shape), dtype=dtype, pin_memory=pin)
+        self.host_pool = torch.zeros((num_host_blocks, *shape), dtype=dtype)
+        self._registered = self.device.type == "cuda" and register_host_memory(self.host_pool)
         self._inflight: list[SwapHandle] = []
         self._lock = threading.Lock()
         if self.device.type == "cuda":
@@ -134,6 +170,9 @@ class KVStore:
         self.wait_all()
         if self._copier is not None:
             self._copier.shutdown(wait=True)
+        if self._registered:
+            unregister_host_memory(self.host_pool)
+            self._registered = False
 
     def _wait(self, handles: list[SwapHandle]) -> float:
         start = time.perf_counter()

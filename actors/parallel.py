@@ -13,9 +13,9 @@ must not pay for torch.
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -46,15 +46,53 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class TensorParallelGroup:
-    """One stage's tensor-parallel process group, seen from one rank."""
+def cuda_device_index(gpu_ids: Sequence[int | str], visible_devices: str | None) -> int:
+    """This process's CUDA device index for the first GPU Ray assigned it (``ray.get_gpu_ids()``).
 
-    def __init__(self, device: str) -> None:
+    Ray normally hides the other GPUs (``CUDA_VISIBLE_DEVICES`` lists the assigned ones), so the
+    index is the assigned id's place in that list; where nothing hides them (unset), it is the
+    id itself."""
+    if not gpu_ids:
+        raise ValueError("no GPU is assigned to this process (ray.get_gpu_ids() is empty)")
+    first = str(gpu_ids[0])
+    if visible_devices is None:
+        return int(first)
+    visible = [d.strip() for d in visible_devices.split(",") if d.strip()]
+    if first not in visible:
+        raise ValueError(f"GPU {first} assigned by Ray is not in CUDA_VISIBLE_DEVICES={visible_devices!r}")
+    return visible.index(first)
+
+
+class TensorParallelGroup:
+    """One stage's tensor-parallel process group, seen from one rank.
+
+    On CUDA the rank's device is made current (``torch.cuda.set_device``) when the group object is
+    made, before the worker builds its model, and is handed to ``init_process_group`` as
+    ``device_id``: NCCL then binds the communicator to that device at once instead of guessing
+    it from the current device later (which, with every GPU visible, is device 0 for all ranks)."""
+
+    def __init__(self, device: str, device_index: int = 0) -> None:
         if device not in BACKENDS:
             raise ValueError(f"device must be one of {sorted(BACKENDS)}, got {device!r}")
+        if device_index < 0:
+            raise ValueError(f"device_index must be >= 0, got {device_index}")
         self.backend = BACKENDS[device]
+        self.device = device
+        self.device_index = device_index
         self.world_size = 1
         self.rank = 0
+        if device == "cuda":
+            import torch
+
+            torch.cuda.set_device(device_index)
+
+    def process_group_options(self) -> dict[str, Any]:
+        """Extra ``init_process_group`` arguments: the rank's device on CUDA, none on CPU."""
+        if self.device != "cuda":
+            return {}
+        import torch
+
+        return {"device_id": torch.device("cuda", self.device_index)}
 
     @property
     def initialized(self) -> bool:
@@ -73,7 +111,8 @@ class TensorParallelGroup:
             return  # a single rank reduces nothing: no group, no rendezvous
         # timeout= matters: gloo's default is 30 minutes, so a rank whose peer died would hang.
         dist.init_process_group(self.backend, init_method=f"tcp://{master_addr}:{port}",
-                                world_size=world_size, rank=rank, timeout=timedelta(seconds=timeout_s))
+                                world_size=world_size, rank=rank, timeout=timedelta(seconds=timeout_s),
+                                **self.process_group_options())
 
     def all_reduce(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """The callable the model's row-parallel layers use: sum in place over the group."""

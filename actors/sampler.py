@@ -69,14 +69,22 @@ class Sampler:
         if contexts is not None:
             logits = self._adjusted(logits, params, contexts, finite)
         greedy = logits.argmax(dim=-1).tolist()
+        rows = [i for i, p in enumerate(params) if finite[i] and not p.greedy]
+        drawn: dict[int, int | None] = {}
+        if rows:
+            try:
+                drawn = self._sample_rows(logits, rows, params, step_indices)
+            except (RuntimeError, ValueError) as exc:   # torch reports bad distributions this way
+                log.warning("batched sampling failed (%s); sampling its rows one by one", exc)
+                drawn = {i: self._sample_row_or_none(logits[i], params[i], step_indices[i]) for i in rows}
         out: list[int | None] = []
-        for row, (p, step) in enumerate(zip(params, step_indices, strict=True)):
+        for row, p in enumerate(params):
             if not finite[row]:
                 out.append(None)
             elif p.greedy:
                 out.append(int(greedy[row]))
             else:
-                out.append(self._sample_row_or_none(logits[row], p, step))
+                out.append(drawn[row])
         if raw_logprobs is None:
             return out, {}
         return out, gather_logprobs(raw_logprobs, lp_rows, [params[i] for i in lp_rows],
@@ -111,17 +119,39 @@ class Sampler:
                 logits[i, list(suppress)] = float("-inf")
         return logits
 
+    def _sample_rows(self, logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams],
+                     step_indices: Sequence[int]) -> dict[int, int | None]:
+        """The sampled rows, all at once where the logits are (one host read for all of them);
+        ``None`` for a row whose filtered distribution has no finite positive mass. Each row's
+        uniform variate comes from the same generator, in the same row order, as
+        ``sample_row`` draws it, so both give the same tokens."""
+        picked = [params[i] for i in rows]
+        probs = batched_filtered_probs(logits[rows].float(), picked)
+        uniforms = torch.cat([torch.rand(1, generator=self._generator(params[i], step_indices[i]),
+                                         dtype=torch.float64) for i in rows])
+        tokens, ok = draw_rows(probs, uniforms.to(probs.device))
+        out: dict[int, int | None] = {}
+        for i, token, good in zip(rows, tokens.tolist(), ok.tolist(), strict=True):
+            if not good:
+                log.warning("sampling failed for one request (%s): no finite positive probability", params[i])
+            out[i] = int(token) if good else None
+        return out
+
     def _sample_row_or_none(self, row: torch.Tensor, p: SamplingParams, step: int) -> int | None:
         try:
-            return self._sample_row(row, p, step)
-        except (RuntimeError, ValueError) as exc:   # torch reports bad distributions this way
+            return self.sample_row(row, p, step)
+        except (RuntimeError, ValueError) as exc:
             log.warning("sampling failed for one request (%s): %s", p, exc)
             return None
 
-    def _sample_row(self, row: torch.Tensor, p: SamplingParams, step: int) -> int:
+    def _generator(self, p: SamplingParams, step: int) -> torch.Generator:
+        return self._shared if p.seed is None else torch.Generator().manual_seed(step_seed(p.seed, step))
+
+    def sample_row(self, row: torch.Tensor, p: SamplingParams, step: int) -> int:
+        """One row on its own, on the CPU: the per-row definition the batched path is held to
+        (tests). Raises ``ValueError`` where the batched path gives ``None``."""
         probs = filtered_probs(row.float().cpu(), p)
-        gen = self._shared if p.seed is None else torch.Generator().manual_seed(step_seed(p.seed, step))
-        return draw(probs, gen)
+        return draw(probs, self._generator(p, step))
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
@@ -137,6 +167,44 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     index = int(torch.searchsorted(cdf, point, right=True))
     # Rounding can put the point at the total itself: the last index with mass is the limit.
     return min(index, int(torch.count_nonzero(cdf < total)))
+
+
+def draw_rows(probs: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``draw`` for every row of ``probs`` ([rows, vocab]) at once, with row r's uniform variate
+    ``uniforms[r]`` (float64): the drawn indices, and whether each row had finite positive mass
+    (a row without gets an arbitrary index)."""
+    cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1]
+    ok = (total > 0) & torch.isfinite(total)
+    index = torch.searchsorted(cdf, (uniforms * total)[:, None], right=True)[:, 0]
+    return torch.minimum(index, torch.count_nonzero(cdf < total[:, None], dim=-1)), ok
+
+
+def batched_filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``filtered_probs`` of every row of ``logits`` ([rows, vocab]) with its own params, in one
+    pass per filter (a filter no row uses is skipped)."""
+    rows, vocab = logits.shape
+    column = {"dtype": logits.dtype, "device": logits.device}
+    scaled = logits / torch.tensor([p.temperature for p in params], **column)[:, None]  # type: ignore[arg-type]
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], **column)[:, None]  # type: ignore[arg-type]
+        first = torch.softmax(scaled, dim=-1)
+        cut = (first < min_p * first.max(dim=-1, keepdim=True).values) & (min_p > 0)
+        scaled = scaled.masked_fill(cut, float("-inf"))
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(top_k):
+        k = torch.tensor(top_k, dtype=torch.long, device=logits.device)[:, None]
+        kth = scaled.sort(dim=-1, descending=True).values.gather(-1, (k - 1).clamp(min=0))
+        scaled = scaled.masked_fill((scaled < kth) & (k > 0), float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], **column)[:, None]  # type: ignore[arg-type]
+        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+        drop[:, 0] = False
+        kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+        probs = torch.where(top_p < 1.0, kept / kept.sum(dim=-1, keepdim=True), probs)
+    return probs
 
 
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -209,7 +277,7 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     if p.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
+        sorted_probs, order = probs.sort(descending=True, stable=True)
         before = sorted_probs.cumsum(0) - sorted_probs  # mass strictly above each token
         drop = before >= p.top_p
         drop[0] = False   # the most likely token survives any top_p, even one that underflows

@@ -17,6 +17,7 @@ collectives. torch is imported inside the actor, so the driver can import this m
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ import ray
 
 from actors.messages import BatchPlan, StepOutput
 from actors.model.config import ModelConfig
-from actors.parallel import TensorParallelGroup, free_port
+from actors.parallel import TensorParallelGroup, cuda_device_index, free_port
 from actors.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -96,6 +97,13 @@ def _add_timings(upstream: dict[str, float], own: dict[str, float]) -> dict[str,
     return summed
 
 
+def _device_index(device: str) -> int:
+    """The CUDA index of the GPU Ray assigned this worker (0 on CPU)."""
+    if device != "cuda":
+        return 0
+    return cuda_device_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
 def _build_runner(spec: WorkerSpec, tp: TensorParallelGroup) -> StageRunner:
     from actors.executor import build_runner
     from actors.model.shard import StageShard
@@ -111,7 +119,7 @@ class StageWorker:
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
-        self.tp = TensorParallelGroup(spec.model.device)
+        self.tp = TensorParallelGroup(spec.model.device, _device_index(spec.model.device))
         self.runner = _build_runner(spec, self.tp)
         self._steps = 0
         self._timeline: deque[StepRecord] = deque(maxlen=TIMELINE_CAPACITY)

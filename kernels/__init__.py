@@ -78,18 +78,33 @@ PAGED_ATTENTION_MAX_HEAD_DIM = 256
 _log = logging.getLogger(__name__)
 
 
+#: The probe ``_cupy_usable`` compiles (NVRTC) and runs before choosing the CuPy kernels.
+_PROBE_SOURCE = r'''
+extern "C" __global__ void fastserve_probe(int* out) { out[threadIdx.x] = 2 * threadIdx.x + 1; }
+'''
+_PROBE_THREADS = 32
+
+
 @functools.cache
 def _cupy_usable() -> bool:
-    """Whether cupy imports and sees at least one device (probed once per process)."""
+    """Whether cupy imports, sees a device, and can compile and run a kernel (probed once per
+    process). Compiling matters: a broken NVRTC or a driver too old for the toolkit passes the
+    device count and would fail the first forward instead of falling back here."""
     try:
         import cupy
 
-        usable = bool(cupy.cuda.runtime.getDeviceCount() > 0)
-    except Exception as exc:  # any import/driver/runtime failure means "no CUDA path"
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return False
+        probe = cupy.RawKernel(_PROBE_SOURCE, "fastserve_probe")
+        out = cupy.zeros(_PROBE_THREADS, dtype=cupy.int32)
+        probe((1,), (_PROBE_THREADS,), (out,))
+        if out.tolist() != [2 * i + 1 for i in range(_PROBE_THREADS)]:
+            raise RuntimeError(f"the probe kernel computed {out.tolist()}")
+    except Exception as exc:  # any import/driver/compiler/runtime failure means "no CUDA path"
         if torch.cuda.is_available():
             _log.warning("cupy unusable (%s); CUDA tensors use the torch reference kernels", exc)
         return False
-    return usable
+    return True
 
 
 def backend_for(tensor: torch.Tensor) -> str:
@@ -143,17 +158,18 @@ def prefill_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens: torch.Tensor | Sequence[int],
     scale: float,
 ) -> torch.Tensor:
     """Varlen causal self-attention over the new tokens of packed sequences.
 
     ``query``: ``[num_tokens, num_heads, head_dim]``; ``key``/``value``: ``[num_tokens,
     num_kv_heads, head_dim]`` (grouped-query attention when ``num_kv_heads < num_heads``: query
-    head h reads KV head ``h // (num_heads // num_kv_heads)``); ``cu_seqlens``: int ``[B + 1]``
-    cumulative starts. Token t of a sequence attends to tokens 0..t of the same
-    sequence; scores are ``scale * q.k``, softmax in float32. Returns ``[num_tokens, num_heads,
-    head_dim]`` in the input dtype.
+    head h reads KV head ``h // (num_heads // num_kv_heads)``); ``cu_seqlens``: ``[B + 1]``
+    cumulative starts, host-side ints (a device tensor works but costs a host sync per call).
+    Token t of a sequence attends to tokens 0..t of the same sequence; scores are
+    ``scale * q.k``, softmax in float32. Returns ``[num_tokens, num_heads, head_dim]`` in the
+    input dtype.
     """
     return reference.prefill_attention(query, key, value, cu_seqlens, scale)
 
@@ -164,7 +180,7 @@ def context_prefill_attention(
     value: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens: torch.Tensor | Sequence[int],
     start_positions: Sequence[int],
     block_tables: torch.Tensor,
     scale: float,

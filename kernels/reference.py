@@ -64,32 +64,58 @@ def check_kv_heads(num_heads: int, num_kv_heads: int) -> None:
 
 
 def _sequence_bounds(cu_seqlens: torch.Tensor | Sequence[int]) -> list[tuple[int, int]]:
-    """[(start, end)] per sequence from cumulative starts [B+1]."""
+    """[(start, end)] per sequence from cumulative starts [B+1].
+
+    The forward passes them host-side (``ForwardBatch.prefill_bounds``): reading a device
+    tensor here would stall the host on the GPU once per layer."""
     starts = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
     return [(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:], strict=True)]
+
+
+def _heads_first(tokens: torch.Tensor, dtype: torch.dtype, repeat: int = 1) -> torch.Tensor:
+    """``[L, heads, D]`` as SDPA's 4-D ``[1, heads * repeat, L, D]`` (a view unless cast or
+    repeated). Torch's fused SDPA kernels (flash, memory-efficient, cuDNN; CPU flash) take 4-D
+    inputs only: a 3-D call falls back to the math path, which materialises ``[H, L, L]`` scores."""
+    out = tokens.to(dtype).transpose(0, 1).unsqueeze(0)
+    return out.repeat_interleave(repeat, dim=1) if repeat > 1 else out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float,
+            dtype: torch.dtype) -> torch.Tensor:
+    """One sequence: q ``[L, H, D]`` at positions ``past ..``, k/v ``[past + L, KV, D]`` →
+    ``[L, H, D]``; causal with the query rows aligned to the end (lower-right)."""
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    # On CUDA the KV heads are repeated to the query's: GQA is not taken by every fused kernel
+    # (e.g. the memory-efficient one, which fp32 needs), and the copy is [L, H, D], like q's.
+    # Elsewhere SDPA's enable_gqa reads the shared heads in place.
+    repeat = num_heads // num_kv_heads if q.is_cuda else 1
+    grouped = num_heads != num_kv_heads and repeat == 1
+    q4, k4, v4 = _heads_first(q, dtype), _heads_first(k, dtype, repeat), _heads_first(v, dtype, repeat)
+    if past:
+        # Query row i sits at position past + i and sees keys 0 .. past + i. A boolean [L, past + L]
+        # mask, shared by every head: the fused kernels that take masks (CUDA memory-efficient,
+        # CPU flash) accept it.
+        allowed = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).tril(diagonal=past)
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=allowed, scale=scale, enable_gqa=grouped)
+    else:
+        out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=grouped)
+    return out[0].transpose(0, 1)
 
 
 def prefill_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens: torch.Tensor | Sequence[int],
     scale: float,
 ) -> torch.Tensor:
     """Varlen causal self-attention over packed sequences: q [T, H, D], k/v [T, KV, D] -> [T, H, D]."""
     out = torch.empty_like(query)
     compute_dtype = _compute_dtype(query)
     check_kv_heads(query.shape[1], key.shape[1])
-    grouped = query.shape[1] != key.shape[1]
     for start, end in _sequence_bounds(cu_seqlens):
-        if end <= start:
-            continue
-        # SDPA wants [..., L, D]: heads become the batch dimension.
-        q = query[start:end].transpose(0, 1).to(compute_dtype)
-        k = key[start:end].transpose(0, 1).to(compute_dtype)
-        v = value[start:end].transpose(0, 1).to(compute_dtype)
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=grouped)
-        out[start:end] = attended.transpose(0, 1).to(query.dtype)
+        if end > start:
+            out[start:end] = _attend(query[start:end], key[start:end], value[start:end], 0, scale, compute_dtype)
     return out
 
 
@@ -99,7 +125,7 @@ def context_prefill_attention(
     value: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens: torch.Tensor | Sequence[int],
     start_positions: Sequence[int],
     block_tables: torch.Tensor,
     scale: float,
@@ -115,33 +141,19 @@ def context_prefill_attention(
     out = torch.empty_like(query)
     compute_dtype = _compute_dtype(query)
     check_kv_heads(query.shape[1], key.shape[1])
-    grouped = query.shape[1] != key.shape[1]
     block_size = key_cache.shape[1]
     for b, (start, end) in enumerate(_sequence_bounds(cu_seqlens)):
         if end <= start:
             continue
         past = int(start_positions[b])
-        q = query[start:end].transpose(0, 1).to(compute_dtype)
-        k = key[start:end].to(compute_dtype)
-        v = value[start:end].to(compute_dtype)
-        if not past:
-            attended = F.scaled_dot_product_attention(
-                q, k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=grouped)
-            out[start:end] = attended.transpose(0, 1).to(query.dtype)
-            continue
-        blocks = block_tables[b, : -(-past // block_size)].to(device=key_cache.device, dtype=torch.long)
-        heads, dim = key.shape[1], key.shape[2]
-        past_k = key_cache[blocks].reshape(-1, heads, dim)[:past].to(device=q.device, dtype=compute_dtype)
-        past_v = value_cache[blocks].reshape(-1, heads, dim)[:past].to(device=q.device, dtype=compute_dtype)
-        keys = torch.cat([past_k, k]).transpose(0, 1)        # [H, past + L, D]
-        values = torch.cat([past_v, v]).transpose(0, 1)
-        n = end - start
-        key_pos = torch.arange(past + n, device=q.device)
-        query_pos = past + torch.arange(n, device=q.device)
-        allowed = key_pos[None, :] <= query_pos[:, None]     # [L, past + L]
-        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scale,
-                                                  enable_gqa=grouped)
-        out[start:end] = attended.transpose(0, 1).to(query.dtype)
+        k, v = key[start:end], value[start:end]
+        if past:
+            blocks = block_tables[b, : -(-past // block_size)].to(device=key_cache.device, dtype=torch.long)
+            heads, dim = key.shape[1], key.shape[2]
+            past_k = key_cache[blocks].reshape(-1, heads, dim)[:past].to(device=k.device, dtype=k.dtype)
+            past_v = value_cache[blocks].reshape(-1, heads, dim)[:past].to(device=v.device, dtype=v.dtype)
+            k, v = torch.cat([past_k, k]), torch.cat([past_v, v])
+        out[start:end] = _attend(query[start:end], k, v, past, scale, compute_dtype)
     return out
 
 

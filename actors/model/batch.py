@@ -27,7 +27,10 @@ class ForwardBatch:
     positions: torch.Tensor  # int64 [num_tokens], 0-based (OPT's offset is the model's business)
     slot_mapping: torch.Tensor  # int64 [num_tokens], block_id * block_size + offset
     num_prefill_tokens: int
-    prefill_cu_seqlens: torch.Tensor  # int64 [num_prefill_seqs + 1]
+    #: Cumulative starts [num_prefill_seqs + 1] of the prefill sequences, kept on the host:
+    #: attention slices by them in every layer, and reading them from a device tensor would
+    #: stall the host on the GPU once per layer.
+    prefill_cu_seqlens: tuple[int, ...]
     decode_block_tables: torch.Tensor  # int32 [num_decode_seqs, max_blocks]
     decode_context_lens: torch.Tensor  # int32 [num_decode_seqs]
     sample_index: torch.Tensor  # int64 [num_entries], in entry order
@@ -84,7 +87,7 @@ class ForwardBatch:
             positions=torch.tensor(positions, **as_long),  # type: ignore[arg-type]
             slot_mapping=torch.tensor(slots, **as_long),  # type: ignore[arg-type]
             num_prefill_tokens=cu[-1],
-            prefill_cu_seqlens=torch.tensor(cu, **as_long),  # type: ignore[arg-type]
+            prefill_cu_seqlens=tuple(cu),
             decode_block_tables=torch.tensor(tables, **as_int).reshape(len(decode), max_blocks),  # type: ignore[arg-type]
             decode_context_lens=torch.tensor([e.context_len for _, e in decode], **as_int),  # type: ignore[arg-type]
             sample_index=torch.tensor(sample_index, **as_long),  # type: ignore[arg-type]

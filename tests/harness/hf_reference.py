@@ -31,7 +31,7 @@ class Reference:
 
 def hf_greedy_reference(model: transformers.PreTrainedModel, prompt: list[int], max_new_tokens: int,
                         eos_token_id: int | None) -> Reference:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)   # the model's device (CPU or a GPU)
     with torch.inference_mode():
         out = model.generate(  # type: ignore[operator]
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,

@@ -29,10 +29,13 @@ POISON_SEED = 666
 
 
 class FailingSampler(Sampler):
-    def _sample_row(self, row: torch.Tensor, p: SamplingParams, step: int) -> int:
+    """Fails inside sampling for one seed: the batched draw fails as a whole, then the row-by-row
+    fallback fails that row alone."""
+
+    def _generator(self, p: SamplingParams, step: int) -> torch.Generator:
         if p.seed == POISON_SEED:
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return super()._sample_row(row, p, step)
+        return super()._generator(p, step)
 
 
 async def collect(engine: Engine, jobs: dict[str, tuple[list[int], SamplingParams]]

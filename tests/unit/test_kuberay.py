@@ -188,3 +188,33 @@ def test_every_pod_gets_the_api_key_from_a_secret(name: str) -> None:
         (container,) = spec["template"]["spec"]["containers"]
         (env,) = [e for e in container["env"] if e["name"] == API_KEY_ENV]
         assert env["valueFrom"]["secretKeyRef"] == {"name": "fastserve-api-key", "key": "key"}, group
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_upgrades_never_build_a_second_full_cluster(name: str) -> None:
+    """KubeRay's default upgrade (NewCluster) brings up a whole second cluster before switching;
+    an incremental one may surge by at most its maxSurgePercent of the cluster."""
+    strategy = documents(name)["RayService"]["spec"]["upgradeStrategy"]
+    if strategy["type"] == "NewClusterWithIncrementalUpgrade":
+        assert strategy["clusterUpgradeOptions"]["maxSurgePercent"] < 100
+    else:
+        assert strategy == {"type": "None"}
+
+
+def test_dockerfile_has_a_c_compiler_and_builds_the_cpu_kernel() -> None:
+    """Without a compiler the CPU decode attention silently falls back to the torch reference."""
+    from kernels import cpu_ops
+
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    (apt,) = re.findall(r"^RUN apt-get update && apt-get install .*$", dockerfile, flags=re.M)
+    assert " gcc " in apt and "libgomp1" in apt
+    build = 'RUN python -c "from kernels import cpu_ops; cpu_ops.build(cpu_ops.PAGED_ATTENTION_SOURCE)"'
+    assert build in dockerfile.splitlines()
+    assert dockerfile.index(apt) < dockerfile.index(build)
+    assert cpu_ops.build(cpu_ops.PAGED_ATTENTION_SOURCE).exists()   # the step's own command works here
+
+
+def test_dockerfile_installs_the_no_deps_requirements_with_serve_llm() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert ("RUN case \",${EXTRAS},\" in *,serve-llm,*) pip install --no-cache-dir --no-deps "
+            "-r config/requirements-nodeps.txt;; esac") in dockerfile.splitlines()

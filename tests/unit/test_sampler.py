@@ -91,3 +91,41 @@ def test_draw_follows_the_distribution_and_never_picks_zero_mass() -> None:
     assert draw(torch.tensor([0.0, 0.0, 2.5]), gen) == 2
     with pytest.raises(ValueError, match="probabilities sum to 0.0"):
         draw(torch.zeros(3), gen)
+
+
+#: Every filter, alone and combined, seeded and not: rows of one batch with different params.
+MIXED_PARAMS = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=5, seed=3),
+    SamplingParams(temperature=1.3, top_p=0.8),
+    SamplingParams(temperature=1.0, min_p=0.05, seed=11),
+    SamplingParams(temperature=0.9, top_k=50, top_p=0.9, min_p=0.01),
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=1.0, top_p=1e-9, seed=5),
+    SamplingParams(temperature=2.0, top_k=1),
+]
+
+
+@pytest.mark.parametrize("vocab", [7, 1000])
+def test_the_batched_draw_equals_the_row_by_row_one(vocab: int) -> None:
+    """One batched pass gives exactly the tokens of sampling each row on its own (same generators,
+    same order), over many steps and random logits with ties."""
+    gen = torch.Generator().manual_seed(vocab)
+    batched, per_row = Sampler(9), Sampler(9)
+    for step in range(40):
+        logits = torch.randn(len(MIXED_PARAMS), vocab, generator=gen) * 3
+        logits[:, vocab // 2] = logits[:, 0]          # ties, for the stable sort
+        steps = [step] * len(MIXED_PARAMS)
+        got = batched.sample(logits, MIXED_PARAMS, steps)
+        want = [int(logits[i].argmax()) if p.greedy else per_row.sample_row(logits[i], p, step)
+                for i, p in enumerate(MIXED_PARAMS)]
+        assert got == want, f"step {step}"
+
+
+def test_a_row_without_mass_fails_alone_in_the_batched_draw() -> None:
+    """Temperature so small that the scaled logits overflow: that row is None, the others sampled."""
+    logits = torch.tensor([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]])
+    tiny = SamplingParams(temperature=1e-45, seed=1)
+    seeded = SamplingParams(temperature=1.0, seed=2)
+    tokens = Sampler().sample(logits, [tiny, seeded], [0, 0])
+    assert tokens == [None, Sampler().sample_row(logits[1], seeded, 0)]

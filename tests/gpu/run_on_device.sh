@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The one-call device check (issue #25): environment, the GPU tests, then the measurements against
+# the hardware's limits. No Ray needed; runs under the device image's python3 from the repo root:
+#
+#     bash tests/gpu/run_on_device.sh            # logs and the JSON under $OUT (or ./gpu-check-out)
+#
+# Budget: ~8 minutes on one H100/H200 (pytest ≤ 4 min, the benchmark ≤ 3 min, each under its own
+# timeout so one hang cannot eat the lease). The last line printed is bench_gpu's JSON object.
+set -u
+cd "$(dirname "$0")/../.."
+OUT="${OUT:-./gpu-check-out}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+{
+  echo "== environment"; date -u; uname -a
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv || true
+  command -v nvcc >/dev/null && nvcc --version | tail -2
+  "$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
+  "$PY" -c "import cupy; print('cupy', cupy.__version__)" || echo "cupy: not importable"
+  "$PY" -c "import transformers; print('transformers', transformers.__version__)"
+} 2>&1 | tee "$OUT/env.txt"
+
+echo "== pytest tests/gpu"
+timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/gpu -rs --junitxml="$OUT/pytest.xml" 2>&1 | tee "$OUT/pytest.txt" | tail -25
+PYTEST_RC=${PIPESTATUS[0]}
+echo "pytest exit status: $PYTEST_RC"
+
+echo "== loadtest.bench_gpu"
+timeout 200 "$PY" -m loadtest.bench_gpu 2>&1 | tee "$OUT/bench_gpu.txt"
+BENCH_RC=${PIPESTATUS[0]}
+tail -1 "$OUT/bench_gpu.txt" > "$OUT/bench_gpu.json"
+echo "pytest=$PYTEST_RC bench=$BENCH_RC"
+tail -1 "$OUT/bench_gpu.txt"
+exit $(( PYTEST_RC != 0 || BENCH_RC != 0 ))
