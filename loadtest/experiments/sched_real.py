@@ -11,7 +11,8 @@ Reported per policy and rate: per-token latency (mean, P95), TTFT, output tokens
 (from each response's ``job_stats``): demotions, promotions, swap-outs, and the time it was
 blocked on KV — the mean, the largest, and that largest against the bound the scheduler means to
 keep: the largest α in effect plus one batch's worth of iterations (B × the measured step).
-A readable table, then one JSON object.
+Then each policy's throughput at the SLO (mean and P95 per-token latency; the SLO is 10 decode
+iterations of the demo's profile unless ``--slo`` says). A readable table, then one JSON object.
 
     python -m loadtest.experiments.sched_real --rates 0.5,1,2,3 --num-prompts 40
 """
@@ -25,22 +26,27 @@ import statistics
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
+from app.scheduler.profile import Profile
 from loadtest import chat as C
 from loadtest import prompts as P
 from loadtest.client import ClientConfig, run_requests, save_jsonl
 from loadtest.experiments.common import RESULTS_DIR
 from loadtest.experiments.server import ROOT, ServeApps
-from loadtest.metrics import RequestRecord, summarize
+from loadtest.metrics import RequestRecord, summarize, throughput_at_slo
 from loadtest.race import cpu_model
 
 POLICIES = ("skip_join_mlfq", "fcfs")
 DEMO = ROOT / "config" / "demo.yaml"
 POLL_S = 1.0
+#: The SLO: this many decode iterations of the demo's profile per token (the paper's 10×).
+SLO_ITERATIONS = 10.0
 
 
 class EngineWatch:
@@ -106,6 +112,12 @@ def run_point(url: str, requests: Sequence[Any], args: argparse.Namespace, batch
             "output_lengths": C.output_lengths(records).to_dict(), **jobs}
 
 
+def demo_q1() -> float:
+    """q1 of the profile ``config/demo.yaml`` names (one decode iteration)."""
+    raw = yaml.safe_load(DEMO.read_text(encoding="utf-8"))
+    return Profile.load(ROOT / raw["applications"][0]["args"]["profile"]["path"]).q1
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.5, 1.0, 2.0, 3.0])
@@ -117,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-total-s", type=float, default=300.0, help="bound on each point")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "sched-real")
+    parser.add_argument("--slo", type=float, default=None, help="per-token SLO (s); default: 10 × q1")
     C.add_mode_args(parser)
     parser.set_defaults(mode="chat")
     args = parser.parse_args(argv)
@@ -155,8 +168,16 @@ def main(argv: Sequence[str] | None = None) -> None:
                   f"{p['ttft_mean_s']:.2f} | {p['output_tok_s']:.1f} | {p.get('demotions', 0):.2f} | "
                   f"{p.get('promotions', 0):.2f} | {p.get('swaps_out', 0):.2f} | "
                   f"{p.get('kv_wait_mean_s', 0):.2f} / {p.get('kv_wait_max_s', 0):.2f} | {p['kv_wait_bound_s']:.2f} |")
+    slo = args.slo or SLO_ITERATIONS * demo_q1()
+    at_slo = {policy: {stat: asdict(throughput_at_slo([p["rate"] for p in points[policy]],
+                                               [p[f"per_token_{stat}_s"] for p in points[policy]], slo))
+                       for stat in ("mean", "p95")} for policy in POLICIES}
+    print(f"\nThroughput at the SLO ({slo:.3f} s/token):")
+    for policy in POLICIES:
+        print(f"  {policy}: mean {at_slo[policy]['mean']['rate']:.2f} req/s ({at_slo[policy]['mean']['status']}), "
+              f"P95 {at_slo[policy]['p95']['rate']:.2f} req/s ({at_slo[policy]['p95']['status']})")
     result = {"experiment": "sched_real", "cpu": cpu_model(), "device_blocks": args.device_blocks,
-              "batch": args.batch, "points": points}
+              "batch": args.batch, "slo_s": slo, "throughput_at_slo": at_slo, "points": points}
     (args.out / "sched_real.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
 
