@@ -14,7 +14,7 @@ import pytest
 
 from actors.model.llama_config import LlamaConfig, RopeScaling
 from actors.spec import EngineSpec, ModelSpec, ParallelSpec
-from tests.integration.test_pipeline import (
+from tests.harness.pipeline import (
     BLOCK_SIZE,
     HOST_POOL,
     SEED,

@@ -18,7 +18,7 @@ from actors.spec import ModelSpec
 from app.engine import Engine, Executor, ThreadedExecutor
 from app.scheduler.config import EngineConfig, KVCacheConfig, SchedulerConfig
 from app.scheduler.scheduler import Scheduler
-from tests.integration.test_pipeline import (
+from tests.harness.pipeline import (
     BLOCK_SIZE,
     HOST_POOL,
     SEED,

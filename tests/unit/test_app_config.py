@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -12,19 +10,9 @@ from pydantic import ValidationError
 
 from actors.spec import PipelineTimeouts
 from app.config import AppArgs, ProfileMismatchWarning
+from tests.harness.app_config import demo_args, error_of
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def demo_args() -> dict[str, Any]:
-    raw = yaml.safe_load((ROOT / "config" / "opt125m-dummy.yaml").read_text())
-    return copy.deepcopy(raw["applications"][0]["args"])
-
-
-def error_of(args: dict[str, Any], **context: Any) -> str:
-    with pytest.raises(ValidationError) as info:
-        AppArgs.model_validate(args, context=context or None)
-    return str(info.value)
 
 
 def test_demo_config_validates_with_the_papers_settings() -> None:

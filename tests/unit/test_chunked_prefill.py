@@ -40,7 +40,7 @@ from app.scheduler.scheduler import Scheduler
 from loadtest import workloads as W
 from loadtest.sim import PAPER_PROFILES, SimOptions, SimSetup, simulate
 from loadtest.sim.driver import CostModelExecutor, constant_tokens, drive
-from tests.unit.test_app_config import demo_args, error_of
+from tests.harness.app_config import demo_args, error_of
 
 TINY = OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                  ffn_dim=64, max_position_embeddings=256, name="tiny")
