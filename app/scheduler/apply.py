@@ -327,7 +327,9 @@ class Applier:
 
     def _end_blocked(self, job: Job, now: float) -> None:
         if job.blocked_since is not None:
-            job.blocked_s += now - job.blocked_since
+            waited = now - job.blocked_since
+            job.blocked_s += waited
+            job.stats.longest_swap_blocked_s = max(job.stats.longest_swap_blocked_s, waited)
             job.blocked_since = None
 
     def lose_kv(self, job_ids: list[str]) -> None:

@@ -261,7 +261,6 @@ class _Walk:
         cover ``short``; None when they cannot (then none is taken)."""
         view = self.view
         policy, kv = view.policy, view.kv
-        rank = policy.rank(job)
         host_free = self.res.free_host
         chosen: list[tuple[str, int]] = []
         freed = skipped = 0
@@ -273,7 +272,8 @@ class _Walk:
                 victim = view.jobs[cand]
                 if victim.level < job.level:
                     break      # every job left in the walk is of a higher level
-                if not rank < policy.rank(victim) or cand in self.picked or cand in self.evicted:
+                if (not policy.outranks_for_memory(job, victim) or cand in self.picked
+                        or cand in self.evicted):
                     continue
                 if (kv.busy_step(cand) is not None or view.pinned(cand, self.step)
                         or (self.p.recompute and victim.mid_prefill)):

@@ -96,6 +96,10 @@ class SchedulerConfig(_Strict):
     #: token are discarded, the job is demoted and starts over. False: the variant we had, which
     #: runs the first iteration to completion and demotes afterwards.
     naive_preempts_first_iteration: bool = True
+    #: Memory preemption takes KV only from jobs at least this many levels below the job that
+    #: wants it (1 = any strictly lower level, the paper's priority order). 2 leaves neighbours
+    #: alone: a job demoted just below another does not trade its KV for it at once.
+    preemption_level_gap: int = Field(default=1, ge=1)
     #: η: levels a job moves down when it exhausts its quantum (paper: the next queue).
     demotion_eta: int = Field(default=1, ge=1)
     #: q(i+1) = growth · q(i) (paper: 2, after classic MLFQ).

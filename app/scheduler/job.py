@@ -114,6 +114,8 @@ class JobStats:
     queueing_s: float = 0.0
     execution_s: float = 0.0
     swap_blocked_s: float = 0.0
+    #: The longest single wait for device space (from being wanted on the host to landing).
+    longest_swap_blocked_s: float = 0.0
     demotions: int = 0
     promotions: int = 0
     swaps_in: int = 0
@@ -131,7 +133,8 @@ class JobStats:
         e2e = None if self.finish_time is None else self.finish_time - self.arrival
         out: dict[str, Any] = {
             "queue_s": self.queueing_s, "exec_s": self.execution_s,
-            "swap_blocked_s": self.swap_blocked_s, "ttft_s": ttft, "e2e_s": e2e,
+            "swap_blocked_s": self.swap_blocked_s,
+            "longest_swap_blocked_s": self.longest_swap_blocked_s, "ttft_s": ttft, "e2e_s": e2e,
             "demotions": self.demotions, "promotions": self.promotions,
             "swaps_in": self.swaps_in, "swaps_out": self.swaps_out, "recomputes": self.recomputes,
             "num_generated": self.num_generated, "prompt_len": self.prompt_len,

@@ -71,6 +71,10 @@ class Policy:
         the order within it. Memory preemption takes KV only from a strictly larger rank."""
         return job.level, self.order_key(job)
 
+    def outranks_for_memory(self, job: Job, victim: Job) -> bool:
+        """Whether ``job`` may take ``victim``'s KV (memory preemption): a strictly larger rank."""
+        return self.rank(job) < self.rank(victim)
+
     def prefetch_key(self, job: Job) -> Key:
         """Swap-in order within a level (smaller first)."""
         return self.order_key(job)
@@ -143,6 +147,9 @@ class SkipJoinMLFQ(Policy):
         is FIFO by entering it, which every demotion reshuffles; taking KV on that order would
         swap two jobs of one level back and forth at each demotion."""
         return job.level, 0.0
+
+    def outranks_for_memory(self, job: Job, victim: Job) -> bool:
+        return victim.level - job.level >= self.config.preemption_level_gap
 
     def victim_key(self, job: Job) -> Key:
         # Within a level ENST = min(α − starve, wait(level)) is largest for the job served most

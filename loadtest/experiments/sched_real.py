@@ -9,8 +9,8 @@ runs, ``/debug/engine`` is read every second for the α in effect and the measur
 
 Reported per policy and rate: per-token latency (mean, P95), TTFT, output tokens/s, and per job
 (from each response's ``job_stats``): demotions, promotions, swap-outs, and the time it was
-blocked on KV — the mean, the largest, and that largest against the bound the scheduler means to
-keep: the largest α in effect plus one batch's worth of iterations (B × the measured step).
+blocked on KV — the mean of its total, the longest single wait, and that longest against the
+bound the scheduler means to keep: the largest α in effect plus one batch's worth of iterations (B × the measured step).
 Then each policy's throughput at the SLO (mean and P95 per-token latency; the SLO is 10 decode
 iterations of the demo's profile unless ``--slo`` says). A readable table, then one JSON object.
 
@@ -89,7 +89,7 @@ def per_job(records: Sequence[dict[str, Any]]) -> dict[str, float]:
 
     return {"jobs": len(stats), "demotions": mean("demotions"), "promotions": mean("promotions"),
             "swaps_out": mean("swaps_out"), "kv_wait_mean_s": mean("swap_blocked_s"),
-            "kv_wait_max_s": max(float(s.get("swap_blocked_s") or 0.0) for s in stats)}
+            "kv_wait_max_s": max(float(s.get("longest_swap_blocked_s") or 0.0) for s in stats)}
 
 
 def run_point(url: str, requests: Sequence[Any], args: argparse.Namespace, batch: int,
@@ -159,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"Real server, {cpu_model()}: SmolLM2-135M fp32, {args.dataset} chat (real EOS), "
           f"{args.num_prompts} prompts per rate, {args.device_blocks} device blocks, batch {args.batch}")
     header = ("| policy | req/s | s/token mean | P95 | TTFT | tok/s | demotions/job | promotions/job | "
-              "swap-outs/job | KV wait mean / max (s) | bound α + B·step (s) |")
+              "swap-outs/job | KV wait mean / longest (s) | bound α + B·step (s) |")
     print(header)
     print("|" + "---|" * 11)
     for policy in POLICIES:

@@ -25,6 +25,7 @@ from app.scheduler.config import KVCacheConfig, SchedulerConfig, SwapMode
 from app.scheduler.job import JobRequest
 from app.scheduler.scheduler import Scheduler
 from tests.harness.fields import PROFILE, TINY
+from tests.harness.scheduling import make, req, step
 
 BLOCK = 4
 LONG_PROMPTS = {"longA": tuple(range(5, 21)), "longB": tuple(range(30, 46))}
@@ -123,3 +124,23 @@ def test_only_a_strictly_higher_rank_takes_kv(prompt_len: int, evicts: bool) -> 
     s.check_invariants()
     assert [e.job_id for e in plan.entries] == (["longA"] if evicts else ["longA", "longB"])
     assert [c.job_id for c in plan.swap_out] == (["longB"] if evicts else [])
+
+
+@pytest.mark.parametrize(("gap", "evicts"), [(1, True), (2, False)])
+def test_preemption_level_gap(gap: int, evicts: bool) -> None:
+    """Two level-4 jobs (63-token prompts, t_init 6.875; their first decode stays in 16 blocks)
+    hold all 32 device blocks; a 32-token job (t_init 3, level 3) arrives. With the default gap
+    of 1 it takes the blocks of the first of them in the swap-out order (served as recently as
+    the other, added first), swapped out one plan ahead; with a gap of 2 a job one level below
+    is no victim, and both keep decoding."""
+    s = make(device=32, host=64, preemption_level_gap=gap)
+    s.add(req("a", 63, max_tokens=8), 0.0)
+    s.add(req("b", 63, max_tokens=8), 0.0)
+    step(s, 0.0, 1.0)
+    assert s.kv.num_free_device == 0 and {j.level for j in s.jobs().values()} == {4}
+    s.add(req("new", 32, max_tokens=2), 1.0)
+    plan = s.schedule(1.0)
+    assert plan is not None
+    s.check_invariants()
+    assert [c.job_id for c in plan.swap_out] == (["a"] if evicts else [])
+    assert [e.job_id for e in plan.entries] == (["b"] if evicts else ["a", "b"])

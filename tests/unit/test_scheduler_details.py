@@ -36,7 +36,7 @@ def test_swap_blocked_time_ends_when_the_swap_in_lands() -> None:
     s.update(plan, StepOutput(plan.step_id, {}, {"total": 1.0}), 11.0)
     s.add(req("c", 8, max_tokens=2), 11.0)
     assert [ids(step(s, 11.0 + k, 1.0)[0]) for k in range(3)] == [["c"], ["c"], ["b"]]
-    assert b.stats.swap_blocked_s == 1.0
+    assert b.stats.swap_blocked_s == b.stats.longest_swap_blocked_s == 1.0
     assert b.stats.queueing_s == (10.0 - 1.0) + (13.0 - 11.0)
 
 
