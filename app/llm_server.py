@@ -167,7 +167,7 @@ class FastServeEngine(LLMEngine):
             return
         yield (ChatCompletionResponse if chat else CompletionResponse).model_validate(body)
 
-    async def tokenize(  # type: ignore[override]
+    async def tokenize(
             self, request: Any, raw_request_info: Any = None) -> AsyncGenerator[Any, None]:
         """``/tokenize`` as our own server answers it (``app.tokenize_api``). Ray's router parses
         the body as vLLM's ``TokenizeCompletionRequest`` first: a chat (``messages``) body is
@@ -178,7 +178,7 @@ class FastServeEngine(LLMEngine):
         except APIError as exc:
             yield error_response(exc)
 
-    async def detokenize(  # type: ignore[override]
+    async def detokenize(
             self, request: Any, raw_request_info: Any = None) -> AsyncGenerator[Any, None]:
         assert self.server is not None, "start() first"
         try:

@@ -9,7 +9,7 @@ import pytest
 
 from app.config import INGRESS_DEFAULTS, AppArgs, resolve_path
 from app.scheduler.profile import Profile
-from tests.unit.test_app_config import demo_args, error_of
+from tests.harness.app_config import demo_args, error_of
 
 
 def args(**drain: Any) -> AppArgs:
