@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from actors.messages import blocks_for
 from actors.model.config import ModelConfig, load_model_config
 from actors.spec import EngineSpec, ModelSpec, ParallelSpec, PipelineTimeouts
+from app.drain import DrainArgs, graceful_shutdown_timeout_s
 from app.generation_config import CONFIG_FILE, eos_token_ids
 from app.scheduler.config import EngineConfig, KVCacheConfig, SchedulerConfig
 from app.scheduler.profile import Profile
@@ -270,6 +271,7 @@ class AppArgs(_Strict):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     pipeline: PipelineArgs = Field(default_factory=PipelineArgs)
     server: ServerArgs = Field(default_factory=ServerArgs)
+    drain: DrainArgs = Field(default_factory=DrainArgs)
 
     @model_validator(mode="after")
     def _consistent(self) -> AppArgs:
@@ -370,7 +372,12 @@ class AppArgs(_Strict):
         if not self.parallel.uses_pipeline and self.parallel.num_gpus:
             actor_options["num_gpus"] = self.parallel.num_gpus   # the in-process model's GPUs
         return {**SCHEDULER_DEFAULTS, "ray_actor_options": actor_options,
-                "placement_group_bundles": self.placement_group_bundles()}
+                "placement_group_bundles": self.placement_group_bundles(),
+                "graceful_shutdown_timeout_s": graceful_shutdown_timeout_s(self)}
+
+    def ingress_deployment_defaults(self) -> dict[str, Any]:
+        """Serve options of the ``Ingress`` deployment: it drains a stream as long as the Scheduler."""
+        return {**INGRESS_DEFAULTS, "graceful_shutdown_timeout_s": graceful_shutdown_timeout_s(self)}
 
 
 #: Serve options the builder gives the ``Ingress`` deployment; the YAML's ``deployments:``
@@ -391,6 +398,4 @@ SCHEDULER_DEFAULTS: dict[str, Any] = {
     "max_ongoing_requests": 1024,
     "ray_actor_options": {"num_cpus": 0},
     "placement_group_strategy": "PACK",
-    # The model and its engine hold the replica; only requests in flight gate shutdown.
-    "graceful_shutdown_timeout_s": 5,
 }

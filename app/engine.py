@@ -21,6 +21,7 @@ from typing import Protocol
 
 from actors.messages import BatchPlan, SamplingParams, StepOutput
 from app.errors import AdmissionQueueFull, EngineUnavailable
+from app.request_timing import RequestTimer
 from app.scheduler.config import EngineConfig
 from app.scheduler.job import JobRequest, TokenDelta
 from app.scheduler.scheduler import Scheduler
@@ -154,6 +155,8 @@ class Engine:
         self._inflight: dict[asyncio.Task[StepOutput], _Submitted] = {}
         self.plans_failed = 0
         self.step_stats = StepStats()
+        #: Per-request timestamps for vLLM's latency and token metrics (drained by the replica).
+        self.timing = RequestTimer()
         self._pass = 0                           # loop passes, to tell back-to-back steps
         self._last_finish: tuple[int, float] | None = None   # (pass, time) of the last result
         self._last_progress = time.perf_counter()   # a step finished, or the engine went idle
@@ -229,13 +232,15 @@ class Engine:
                                      f"(engine.max_jobs={self.config.max_jobs})")
         if not (self._inflight or self.scheduler.has_work()):
             self._last_progress = time.perf_counter()   # the watchdog counts from the first work
-        self.scheduler.add(req, self.clock())
+        job = self.scheduler.add(req, self.clock())
+        self.timing.added(req.job_id, job.arrival, job.prompt_len)
         self._sinks[req.job_id] = sink
         self._wake.set()
 
     def abort(self, job_id: str) -> None:
         """Cancel a job (e.g. its client went away): frees its blocks, ends its stream."""
         sink = self._sinks.pop(job_id, None)
+        self.timing.forget(job_id)
         self.scheduler.abort(job_id, self.clock())
         if sink is not None:
             sink.put_nowait(TokenDelta(job_id, finish_reason="abort"))
@@ -253,6 +258,7 @@ class Engine:
             for job_id, sink in list(self._sinks.items()):
                 sink.put_nowait(TokenDelta(job_id, finish_reason="error"))
             self._sinks.clear()
+            self.timing = RequestTimer()
             raise
 
     async def _loop(self) -> None:
@@ -278,9 +284,11 @@ class Engine:
     def _submit(self) -> None:
         while len(self._inflight) < self.executor.max_inflight:
             started = time.perf_counter()
-            plan = self.scheduler.schedule(self.clock())
+            now = self.clock()
+            plan = self.scheduler.schedule(now)
             if plan is None:
                 return
+            self.timing.scheduled((e.job_id for e in plan.entries), now)
             submitted = time.perf_counter()
             task = asyncio.ensure_future(self.executor.execute(plan))
             # A step submitted in the pass right after a result ran back to back with it.
@@ -315,9 +323,10 @@ class Engine:
                 None if busy_since is None else finished - busy_since)
         self._last_finish = (self._pass, finished)
         self._last_progress = finished
-        self._deliver(deltas)
+        self._deliver(deltas, now)
 
-    def _deliver(self, deltas: Sequence[TokenDelta]) -> None:
+    def _deliver(self, deltas: Sequence[TokenDelta], now: float) -> None:
+        self.timing.step(deltas, now)
         for delta in deltas:
             sink = self._sinks.get(delta.job_id)
             if sink is None:
@@ -351,7 +360,8 @@ class Engine:
                 break
             except Exception as exc:   # a failed or overdue rebuild: retry until the deadline
                 if time.perf_counter() + self.config.rebuild_retry_s >= deadline:
-                    self._deliver(self.scheduler.fail_all(self.clock()))
+                    now = self.clock()
+                    self._deliver(self.scheduler.fail_all(now), now)
                     raise EngineUnavailable(
                         f"the executor could not be rebuilt within {self.config.rebuild_deadline_s:g} s "
                         f"(engine.rebuild_deadline_s): {exc!r}") from exc

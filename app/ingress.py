@@ -1,4 +1,4 @@
-"""The ``Ingress`` deployment: the OpenAI-compatible HTTP API (FastAPI on Starlette).
+"""The OpenAI-compatible server's request logic (the HTTP app is ``app.http_api``).
 
 Owns the request path in front of the schedulers: authentication, parsing and validation
 (``app.protocol``), tokenization and chat templating (``app.tokenizer``), the call to a
@@ -6,9 +6,9 @@ Owns the request path in front of the schedulers: authentication, parsing and va
 SSE streaming, turning every failure into an OpenAI error body with the right status, and
 recording how each request ended for its client (``request_success{finished_reason}``).
 
-``OpenAIServer`` holds the logic and talks to a ``Backend`` (the Serve handles in production, a
-fake in unit tests); ``make_api`` builds the FastAPI app over it; ``Ingress`` is the Serve
-deployment class (its app is built per replica by ``__serve_build_asgi_app__``).
+``OpenAIServer`` holds the logic and talks to a ``Backend`` (the Serve handles in production,
+``app.ingress_deployment.ServeBackend``; a fake in unit tests); ``app.http_api.make_api`` builds
+the FastAPI app over it; ``app.ingress_deployment.Ingress`` is the Serve deployment class.
 """
 
 from __future__ import annotations
@@ -17,26 +17,21 @@ import asyncio
 import json
 import logging
 import secrets
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from ray import serve
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from actors.messages import SamplingParams
 from app.chat_template import ChatTemplateError
 from app.choices import LogprobFormatter, choice_job_id, choice_sampling, merge_logprobs, merged
 from app.config import AppArgs
-from app.delivery import ChannelClient, DeltaStream, MessageStream
+from app.delivery import DeltaStream
 from app.errors import ErrorCode, RequestError, validate_request
-from app.logs import join_serve_logs
+from app.ingress_streams import DeliveryDelay, Replayed
 from app.metrics import IngressMetrics
-from app.metrics_export import CONTENT_TYPE, AgentMetrics
 from app.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     APIError,
@@ -49,13 +44,11 @@ from app.protocol import (
     completion_chunk,
     completion_response,
     error_body,
-    models_response,
     now_s,
     parse_request,
     usage,
 )
-from app.request_limits import RequestLimits, read_body, timed_out, wait_for_disconnect
-from app.routing import PIN_KWARG
+from app.request_limits import RequestLimits, timed_out
 from app.scheduler.job import JobRequest, TokenDelta
 from app.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -107,42 +100,6 @@ class ServerContext:
                                srv.health_timeout_s, srv.max_choices)
         return cls(args.model.name, tokenizer, args.model.hf_config().vocab_size,
                    args.model.context_len(), srv.resolved_api_key(), srv.retry_after_s, limits)
-
-
-class _Replayed:
-    """A stream whose first item was already read: yields it again, then the rest."""
-
-    def __init__(self, first: TokenDelta, rest: Stream) -> None:
-        self._first: TokenDelta | None = first
-        self._rest = rest
-
-    def __aiter__(self) -> _Replayed:
-        return self
-
-    async def __anext__(self) -> TokenDelta:
-        if self._first is not None:
-            item, self._first = self._first, None
-            return item
-        return await self._rest.__anext__()
-
-    def cancel(self) -> None:
-        self._rest.cancel()
-
-
-@dataclass
-class _DeliveryDelay:
-    """Mean seconds from a scheduler emitting a stream item to the ingress reading it."""
-
-    total: float = 0.0
-    count: int = 0
-
-    def observe(self, emitted_at: float) -> None:
-        if emitted_at > 0:
-            self.total += max(time.time() - emitted_at, 0.0)
-            self.count += 1
-
-    def mean(self) -> float | None:
-        return self.total / self.count if self.count else None
 
 
 @dataclass
@@ -291,7 +248,7 @@ class OpenAIServer:
         except BaseException:
             stream.cancel()
             raise
-        return _Replayed(first, stream)
+        return Replayed(first, stream)
 
     async def events(self, stream: Stream, prep: Prepared) -> AsyncIterator[tuple[TokenDelta, str]]:
         """The stream's events with their text (stop strings applied); the last has the finish.
@@ -308,7 +265,7 @@ class OpenAIServer:
         count = 0
         done = False
         outcome = "abort"   # unless it finishes: the client went away, or the stream broke (error)
-        delay = _DeliveryDelay()
+        delay = DeliveryDelay()
         try:
             async for delta in stream:
                 if not delta.token_ids and not delta.finished:
@@ -493,133 +450,3 @@ class OpenAIServer:
             for task in (work, gone):
                 if task is not None and not task.done():
                     task.cancel()   # cancelling ``complete`` cancels the stream: the job is aborted
-
-
-def make_api(server: OpenAIServer) -> FastAPI:
-    """The FastAPI app over ``server`` (used by the Serve deployment and by unit tests)."""
-    api = FastAPI(title="FastServe on Ray", docs_url=None, redoc_url=None)
-
-    @api.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-    @api.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = "not_found" if exc.status_code == 404 else None
-        return JSONResponse(error_body(str(exc.detail), code=code), status_code=exc.status_code)
-
-    @api.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "internal_error"),
-                            status_code=500)
-
-    def guarded(chat: bool) -> Callable[[Request], Awaitable[Response]]:
-        async def endpoint(request: Request) -> Response:
-            server.check_auth(request.headers.get("authorization"))
-            raw = await read_body(request, server.ctx.limits.max_request_bytes)
-            return await server.handle(raw, chat, lambda: wait_for_disconnect(request.receive))
-        return endpoint
-
-    api.add_api_route("/v1/completions", guarded(False), methods=["POST"])
-    api.add_api_route("/v1/chat/completions", guarded(True), methods=["POST"])
-
-    @api.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        server.check_auth(request.headers.get("authorization"))
-        return JSONResponse(models_response(server.ctx.model_name, server.ctx.created))
-
-    @api.get("/health")
-    async def health() -> Response:
-        """200 while a scheduler replica answers healthy; 503 naming the problem otherwise (load
-        balancers and KubeRay probes need no API key for it)."""
-        try:
-            state = await asyncio.wait_for(server.backend.health(), server.ctx.limits.health_timeout_s)
-        except Exception as exc:   # no replica answered: unhealthy, whatever the cause
-            state = {"healthy": False, "problem": f"no scheduler replica answered: {type(exc).__name__}"}
-        if state.get("healthy"):
-            return PlainTextResponse("ok")
-        return JSONResponse(error_body(f"unhealthy: {state.get('problem')}", "service_unavailable", None,
-                                       "unhealthy"), status_code=503)
-
-    @api.get("/debug/engine")
-    async def engine_stats(request: Request) -> JSONResponse:
-        """One scheduler replica's counters and step breakdown (``loadtest.breakdown`` reads it)."""
-        server.check_auth(request.headers.get("authorization"))
-        return JSONResponse(await server.backend.engine_stats())
-
-    @api.get("/metrics")
-    async def metrics() -> Response:
-        return Response(await server.backend.metrics_text(), media_type=CONTENT_TYPE)
-
-    return api
-
-
-class ServeBackend:
-    """The production ``Backend``: the Scheduler deployment's handle, Ray's metrics agents.
-
-    With ``channels`` (``server.delivery_channels``), jobs' tokens come on this ingress replica's
-    delivery channels (one message per step per scheduler replica, ``app.delivery``) once one is
-    open to the replica a job landed on; without, each job's tokens come on its own stream."""
-
-    def __init__(self, scheduler: Any, metrics: AgentMetrics, channels: ChannelClient | None = None) -> None:
-        self._generate = scheduler.options(stream=True).generate
-        self._stats = scheduler.stats
-        self._health = scheduler.health
-        self._metrics = metrics
-        self.channels = channels
-
-    def generate(self, req: JobRequest) -> Stream:
-        channels = self.channels
-        if channels is None:
-            stream: Stream = self._generate.remote(req)
-            return stream
-        return channels.submit(req.job_id, lambda: self._generate.remote(req, channels.ingress_id))
-
-    async def metrics_text(self) -> str:
-        return await self._metrics.text()
-
-    async def engine_stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = await self._stats.remote()
-        return stats
-
-    async def health(self) -> dict[str, Any]:
-        state: dict[str, Any] = await self._health.remote()
-        return state
-
-
-def channel_client(scheduler: Any, ingress_id: str, open_timeout_s: float) -> ChannelClient:
-    """This ingress replica's delivery channels over the Scheduler deployment's handle."""
-    subscribe = scheduler.options(stream=True).subscribe
-
-    def open_channel(ingress: str, replica_id: str, channel_id: str) -> MessageStream:
-        stream: MessageStream = subscribe.remote(ingress_id=ingress, channel_id=channel_id,
-                                                 **{PIN_KWARG: replica_id})
-        return stream
-
-    return ChannelClient(ingress_id, open_channel, open_timeout_s)
-
-
-@serve.ingress()
-class Ingress:
-    """The HTTP entry point; ``app.main`` applies its Serve options (autoscaling, ...)."""
-
-    def __init__(self, scheduler: Any, args: dict[str, Any]) -> None:
-        join_serve_logs()
-        started = time.monotonic()
-        app_args = AppArgs.model_validate(args)
-        ctx = ServerContext.from_args(app_args)
-        srv = app_args.server
-        channels = channel_client(scheduler, _ingress_replica_id(), srv.channel_open_timeout_s) \
-            if srv.delivery_channels else None
-        backend = ServeBackend(scheduler, AgentMetrics(srv.metrics_agent_timeout_s), channels)
-        self.server = OpenAIServer(ctx, backend, IngressMetrics(ctx.model_name))
-        log.info("ingress ready in %.1f s for model %s", time.monotonic() - started, ctx.model_name)
-
-    def __serve_build_asgi_app__(self) -> FastAPI:
-        return make_api(self.server)
-
-
-def _ingress_replica_id() -> str:
-    """This Serve replica's unique id: the scheduler replicas key its delivery channel by it."""
-    return str(serve.get_replica_context().replica_id.unique_id)

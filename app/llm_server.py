@@ -28,7 +28,9 @@ from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
 from ray.llm._internal.serve.core.configs.openai_api_models import (
     ChatCompletionResponse,
     CompletionResponse,
+    DetokenizeResponse,
     ErrorResponse,
+    TokenizeResponse,
 )
 from ray.llm._internal.serve.core.engine.protocol import LLMEngine
 from ray.serve.llm import LLMServer
@@ -39,6 +41,7 @@ from app.metrics import IngressMetrics
 from app.protocol import APIError
 from app.scheduler.job import JobRequest, TokenDelta
 from app.serving import SchedulerReplica
+from app.tokenize_api import detokenize_response, tokenize_response
 
 
 def app_args(llm_config: LLMConfig) -> AppArgs:
@@ -91,6 +94,13 @@ class LocalBackend:
         return await self.replica.health()
 
 
+def _client_fields(request: Any) -> bytes:
+    """Only the fields the client sent (vLLM's model filled defaults in; Ray's own request_id
+    is not the client's, and our models refuse a client's request_id, app.request_fields)."""
+    raw: bytes = request.model_dump_json(exclude_unset=True, exclude={"request_id"}).encode()
+    return raw
+
+
 def error_response(exc: APIError) -> ErrorResponse:
     """Ray Serve LLM's error shape: the HTTP status travels in ``error.code``."""
     err = exc.body()["error"]
@@ -141,7 +151,7 @@ class FastServeEngine(LLMEngine):
         assert self.server is not None, "start() first"
         # Only the fields the client sent: Ray's own request_id is not the client's (our models
         # refuse a client's request_id, app.request_fields).
-        raw = request.model_dump_json(exclude_unset=True, exclude={"request_id"}).encode()
+        raw = _client_fields(request)
         server = self.server
         try:
             prep = server.prepare_chat(raw) if chat else server.prepare_completion(raw)
@@ -156,6 +166,25 @@ class FastServeEngine(LLMEngine):
                 yield chunk
             return
         yield (ChatCompletionResponse if chat else CompletionResponse).model_validate(body)
+
+    async def tokenize(
+            self, request: Any, raw_request_info: Any = None) -> AsyncGenerator[Any, None]:
+        """``/tokenize`` as our own server answers it (``app.tokenize_api``). Ray's router parses
+        the body as vLLM's ``TokenizeCompletionRequest`` first: a chat (``messages``) body is
+        refused there with a 400 before it reaches us."""
+        assert self.server is not None, "start() first"
+        try:
+            yield TokenizeResponse.model_validate(tokenize_response(self.server.ctx, _client_fields(request)))
+        except APIError as exc:
+            yield error_response(exc)
+
+    async def detokenize(
+            self, request: Any, raw_request_info: Any = None) -> AsyncGenerator[Any, None]:
+        assert self.server is not None, "start() first"
+        try:
+            yield DetokenizeResponse.model_validate(detokenize_response(self.server.ctx, _client_fields(request)))
+        except APIError as exc:
+            yield error_response(exc)
 
     async def _sse(self, prep: Prepared, streams: list[Stream]) -> AsyncGenerator[str, None]:
         assert self.server is not None

@@ -11,7 +11,8 @@ Both record their metrics into Ray's metrics pipeline (``app.metrics``); the ing
 ``args`` carry the model, scheduler and KV settings only. Replica counts, ``autoscaling_config``,
 ``max_ongoing_requests`` and ``ray_actor_options`` go in the YAML's standard ``deployments:``
 section, which Serve applies over the defaults set here (``app.config.INGRESS_DEFAULTS`` and
-``SCHEDULER_DEFAULTS``) as a lightweight update. Each Scheduler replica reserves its whole model
+``SCHEDULER_DEFAULTS``, with ``graceful_shutdown_timeout_s`` sized by ``app.drain``) as a
+lightweight update. Each Scheduler replica reserves its whole model
 copy with ``placement_group_bundles`` (bundle 0 for the replica, one per pipeline stage with its
 TP ranks' GPUs), so when Serve's autoscaler adds a replica, the KubeRay autoscaler behind it sees
 what one more model copy needs.
@@ -22,8 +23,8 @@ from __future__ import annotations
 from ray import serve
 from ray.serve import Application
 
-from app.config import INGRESS_DEFAULTS, AppArgs
-from app.ingress import Ingress
+from app.config import AppArgs
+from app.ingress_deployment import Ingress
 from app.routing import ROUTER_CLASS
 from app.serving import SchedulerReplica
 
@@ -39,4 +40,4 @@ def build_app(args: AppArgs) -> Application:
     scheduler = serve.deployment(name="Scheduler", **args.scheduler_deployment_defaults(),
                                  request_router_config={"request_router_class": ROUTER_CLASS})(
         SchedulerReplica).bind(raw)
-    return serve.deployment(name="Ingress", **INGRESS_DEFAULTS)(Ingress).bind(scheduler, raw)
+    return serve.deployment(name="Ingress", **args.ingress_deployment_defaults())(Ingress).bind(scheduler, raw)

@@ -19,10 +19,11 @@ the last recording (``CounterMirror``), so an exported counter never decreases.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
 from app.kv.manager import Tier
+from app.request_timing import COMPLETED, TimingBatch
 from app.scheduler.job import JobState, JobStats
 from app.scheduler.scheduler import Scheduler
 
@@ -43,6 +44,9 @@ REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
     240.0, 480.0, 960.0, 1920.0, 7680.0,
 )
+#: Buckets of the token-length histograms when the context length is not known (vLLM builds
+#: them with ``length_buckets(max_model_len)``; ``SchedulerMetrics`` does too).
+DEFAULT_MAX_MODEL_LEN = 2048
 #: ENST prediction error (ours; no vLLM counterpart): from one decode step to a long wait.
 ENST_ERROR_BUCKETS: tuple[float, ...] = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -60,11 +64,24 @@ class Family:
         return PREFIX + self.suffix
 
 
+def length_buckets(max_value: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's buckets for token counts)."""
+    out: list[float] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(out)
+            out.append(float(mantissa * scale))
+        scale *= 10
+
+
 def _families(*items: Family) -> dict[str, Family]:
     return {f.suffix: f for f in items}
 
 
 #: Recorded in each Scheduler replica. vLLM's families first, then the scheduler's own.
+#: Buckets of the two token-length families are rebuilt for the model's context length.
 SCHEDULER_FAMILIES = _families(
     Family("num_requests_running", "gauge", "Number of requests in model execution batches."),
     Family("num_requests_waiting", "gauge", "Number of requests waiting to be processed."),
@@ -76,14 +93,24 @@ SCHEDULER_FAMILIES = _families(
     Family("generation_tokens", "counter", "Number of generation tokens processed."),
     Family("time_to_first_token_seconds", "histogram", "Histogram of time to first token in seconds.",
            buckets=TTFT_BUCKETS),
-    Family("inter_token_latency_seconds", "histogram", "Histogram of inter-token latency in seconds "
-           "(per request: the mean gap between its output tokens).", buckets=TOKEN_LATENCY_BUCKETS),
+    Family("inter_token_latency_seconds", "histogram", "Histogram of inter-token latency in seconds.",
+           buckets=TOKEN_LATENCY_BUCKETS),
     Family("request_time_per_output_token_seconds", "histogram",
            "Histogram of time_per_output_token_seconds per request.", buckets=TOKEN_LATENCY_BUCKETS),
     Family("e2e_request_latency_seconds", "histogram", "Histogram of e2e request latency in seconds.",
            buckets=REQUEST_LATENCY_BUCKETS),
     Family("request_queue_time_seconds", "histogram",
            "Histogram of time spent in WAITING phase for request.", buckets=REQUEST_LATENCY_BUCKETS),
+    Family("request_inference_time_seconds", "histogram",
+           "Histogram of time spent in RUNNING phase for request.", buckets=REQUEST_LATENCY_BUCKETS),
+    Family("request_prefill_time_seconds", "histogram",
+           "Histogram of time spent in PREFILL phase for request.", buckets=REQUEST_LATENCY_BUCKETS),
+    Family("request_decode_time_seconds", "histogram",
+           "Histogram of time spent in DECODE phase for request.", buckets=REQUEST_LATENCY_BUCKETS),
+    Family("request_prompt_tokens", "histogram", "Number of prefill tokens processed.",
+           buckets=length_buckets(DEFAULT_MAX_MODEL_LEN)),
+    Family("request_generation_tokens", "histogram", "Number of generation tokens processed.",
+           buckets=length_buckets(DEFAULT_MAX_MODEL_LEN)),
     # ---- the scheduler's own (FastServe) ----
     Family("mlfq_jobs", "gauge", "Active jobs per MLFQ level, by state (running: in an in-flight "
            "iteration; waiting: not).", ("level", "state")),
@@ -97,6 +124,10 @@ SCHEDULER_FAMILIES = _families(
     Family("demotions", "counter", "MLFQ demotions after a quantum was used up."),
     Family("scheduler_steps", "counter", "Iterations the engine ran."),
     Family("requests_rejected", "counter", "Requests refused because the admission queue was full."),
+    Family("request_wait_time_seconds", "histogram", "Time a request's job was active but in no iteration, "
+           "summed over its life (its first queueing and every MLFQ wait or preemption after it), "
+           "less the time it was blocked on a swap (request_swap_blocked_time_seconds).",
+           buckets=REQUEST_LATENCY_BUCKETS),
     Family("request_swap_blocked_time_seconds", "histogram",
            "Time a request was picked to run but its KV was still on the host.", buckets=REQUEST_LATENCY_BUCKETS),
     Family("enst_error_seconds", "histogram", "Absolute error of ENST predictions made at swap decisions: "
@@ -108,6 +139,8 @@ SCHEDULER_FAMILIES = _families(
 INGRESS_FAMILIES = _families(
     Family("request_success", "counter", "Count of successfully processed requests.", ("finished_reason",)),
 )
+
+LENGTH_FAMILIES = ("request_prompt_tokens", "request_generation_tokens")
 
 ALL_FAMILIES: dict[str, Family] = {**SCHEDULER_FAMILIES, **INGRESS_FAMILIES}
 
@@ -184,33 +217,51 @@ class IngressMetrics(Recorder):
         self.inc("request_success", finished_reason=finished_reason)
 
 
-class SchedulerMetrics(Recorder):
-    """What one Scheduler replica records: per finished job, and its state every sampling tick."""
+def scheduler_families(max_model_len: int) -> dict[str, Family]:
+    """``SCHEDULER_FAMILIES`` with the token-length buckets of a ``max_model_len`` context."""
+    buckets = length_buckets(max_model_len)
+    return {suffix: replace(f, buckets=buckets) if suffix in LENGTH_FAMILIES else f
+            for suffix, f in SCHEDULER_FAMILIES.items()}
 
-    def __init__(self, model_name: str, sink_factory: SinkFactory = ray_sink) -> None:
-        super().__init__(SCHEDULER_FAMILIES, model_name, sink_factory)
+
+class SchedulerMetrics(Recorder):
+    """What one Scheduler replica records every sampling tick: the engine's per-step and
+    per-request timing since the last tick (``record_timing``), the scheduler's accounting of
+    finished jobs (``job_finished``), and its state (``sample``)."""
+
+    def __init__(self, model_name: str, sink_factory: SinkFactory = ray_sink,
+                 max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> None:
+        super().__init__(scheduler_families(max_model_len), model_name, sink_factory)
         self._mirror = CounterMirror()
 
+    def record_timing(self, batch: TimingBatch) -> None:
+        """vLLM's token counters and latency histograms from the engine (``app.request_timing``)."""
+        self.inc("prompt_tokens", batch.prompt_tokens)
+        self.inc("generation_tokens", batch.generation_tokens)
+        for ttft in batch.ttfts:
+            self.observe("time_to_first_token_seconds", ttft)
+        for itl in batch.itls:
+            self.observe("inter_token_latency_seconds", itl)
+        for f in batch.finished:
+            self.observe("e2e_request_latency_seconds", f.e2e_s)
+            self.observe("request_queue_time_seconds", f.queue_s)
+            self.observe("request_inference_time_seconds", f.inference_s)
+            self.observe("request_prefill_time_seconds", f.prefill_s)
+            self.observe("request_decode_time_seconds", f.decode_s)
+            self.observe("request_prompt_tokens", f.prompt_len)
+            self.observe("request_generation_tokens", f.num_generated)
+            if f.time_per_output_token_s is not None:
+                self.observe("request_time_per_output_token_seconds", f.time_per_output_token_s)
+
     def job_finished(self, s: JobStats) -> None:
-        """One finished (or aborted) job's accounting: tokens and, when it completed, latencies."""
-        self.inc("prompt_tokens", s.prompt_len)
-        self.inc("generation_tokens", s.num_generated)
+        """The scheduler's own accounting of one finished (or aborted) job: its ENST predictions'
+        errors and, when it completed, its total wait and swap-blocked time."""
         for predicted, actual in s.enst_pairs:
             self.observe("enst_error_seconds", abs(predicted - actual))
-        if s.finish_reason not in ("stop", "length") or s.finish_time is None:
+        if s.finish_reason not in COMPLETED or s.finish_time is None:
             return
-        e2e = s.finish_time - s.arrival
-        self.observe("e2e_request_latency_seconds", e2e)
-        self.observe("request_queue_time_seconds", s.queueing_s)
+        self.observe("request_wait_time_seconds", s.queueing_s)
         self.observe("request_swap_blocked_time_seconds", s.swap_blocked_s)
-        if s.first_token_time is None:
-            return
-        ttft = s.first_token_time - s.arrival
-        self.observe("time_to_first_token_seconds", ttft)
-        if s.num_generated > 1:
-            per_token = (e2e - ttft) / (s.num_generated - 1)
-            self.observe("request_time_per_output_token_seconds", per_token)
-            self.observe("inter_token_latency_seconds", per_token)
 
     def rejected(self) -> None:
         self.inc("requests_rejected")

@@ -269,7 +269,7 @@ class ChatCompletionRequest(_GenerationRequest):
         return super().to_sampling(default_max_tokens)
 
 
-def parse_request(model: type[_GenerationRequest], raw: bytes) -> Any:
+def parse_request(model: type[BaseModel], raw: bytes) -> Any:
     """Parse a JSON body; malformed JSON or a schema violation becomes a 400 naming the field."""
     try:
         return model.model_validate_json(raw)
@@ -408,8 +408,3 @@ def chat_chunk(req_id: str, model: str, created: int, delta: dict[str, str] | No
         choices.append(choice)
     return {"id": req_id, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": choices, **extra}
-
-
-def models_response(model: str, created: int) -> dict[str, Any]:
-    return {"object": "list",
-            "data": [{"id": model, "object": "model", "created": created, "owned_by": "fastserve"}]}

@@ -12,8 +12,9 @@ travel there, one message per step, instead of on their own streams.
 It also owns executor construction (``build_executor``): in process (``ThreadedExecutor`` over
 ``InProcessExecutor``) for TP·PP = 1, else the Ray pipeline of stage-worker actors placed in this
 replica's own placement group (bundle 0 is the replica, bundle 1 + s is stage s), and the
-replica's metrics (``app.metrics.SchedulerMetrics``): per job when it finishes, and the
-scheduler's state every ``metrics_sample_interval_s``, recorded into Ray's metrics pipeline.
+replica's metrics (``app.metrics.SchedulerMetrics``): every ``metrics_sample_interval_s``, the
+engine's per-step token counts and per-request timing since the last tick, finished jobs'
+accounting and the scheduler's state, recorded into Ray's metrics pipeline.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class SchedulerReplica:
         if not self.replica_id.startswith(LOCAL_REPLICA):
             join_serve_logs()
         self.args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
-        self.metrics = SchedulerMetrics(self.args.model.name)
+        self.metrics = SchedulerMetrics(self.args.model.name, max_model_len=self.args.model.context_len())
         self.spec = self.args.engine_spec()
         executor = await build_executor(self.spec)
         # A lost pipeline (a stage worker died) is rebuilt in this replica's placement group.
@@ -189,7 +190,10 @@ class SchedulerReplica:
             self.engine.abort(job_id)
 
     def _record_finished(self) -> None:
-        """Record the finished jobs' accounting (the scheduler keeps it until drained here)."""
+        """Record the engine's timing since the last tick (tokens of every step, per-token
+        latencies, finished requests' intervals) and the finished jobs' accounting (each is kept
+        until drained here)."""
+        self.metrics.record_timing(self.engine.timing.drain())
         for stats in self.scheduler.drain_finished():
             self.metrics.job_finished(stats)
 

@@ -140,7 +140,8 @@ def post(backend: ScriptedBackend, path: str, body: Any) -> Any:
 
     import httpx
 
-    from app.ingress import OpenAIServer, ServerContext, make_api
+    from app.http_api import make_api
+    from app.ingress import OpenAIServer, ServerContext
     from app.tokenizer import Tokenizer
 
     async def run() -> httpx.Response:

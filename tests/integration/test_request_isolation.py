@@ -221,7 +221,8 @@ def test_health_on_the_http_port_turns_503_when_a_step_is_stuck() -> None:
     work has waited for a step longer than engine.watchdog_s."""
     import httpx
 
-    from app.ingress import OpenAIServer, ServerContext, make_api
+    from app.http_api import make_api
+    from app.ingress import OpenAIServer, ServerContext
     from app.scheduler.config import EngineConfig
     from app.tokenizer import Tokenizer
 

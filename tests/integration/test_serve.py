@@ -96,10 +96,11 @@ class LocalStream:
 
 
 def test_full_admission_queue_answers_429_and_aborts_free_blocks() -> None:
-    from app.ingress import OpenAIServer, ServerContext, make_api
+    from app.http_api import make_api
+    from app.ingress import OpenAIServer, ServerContext
     from app.metrics import SchedulerMetrics
     from app.serving import SchedulerReplica
-    from tests.unit.test_serve_metrics import FakeSink
+    from tests.harness.metric_sinks import FakeSink
 
     raw = dummy_opt_yaml()["applications"][0]["args"]
     # FCFS, one job per batch, one job may wait: the third concurrent request is refused.
@@ -333,19 +334,25 @@ def test_openai_client_completions_and_chat(server: Server) -> None:
     assert reasons[-1] == "length" and reasons.count("length") == 1
 
     length, tokens = {"finished_reason": "length"}, "fastserve:generation_tokens_total"
-    counts = ("fastserve:time_to_first_token_seconds_count", "fastserve:e2e_request_latency_seconds_count",
-              "fastserve:request_queue_time_seconds_count", "fastserve:request_time_per_output_token_seconds_count",
-              "fastserve:inter_token_latency_seconds_count")
+    per_request = [f"fastserve:{suffix}_count" for suffix in (
+        "time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+        "request_time_per_output_token_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+        "request_inference_time_seconds", "request_prompt_tokens", "request_generation_tokens")]
+    # One inter-token latency per token after the first: 7 + 7 + 5 + 5.
+    expected = {**{c: 4.0 for c in per_request}, "fastserve:inter_token_latency_seconds_count": 24.0,
+                tokens: 28.0}
     # Ray exports families as they are reported, not together: wait for every one of them.
     after = wait_metrics(server, lambda m: m.total("fastserve:request_success_total", **length) >=
                          before.total("fastserve:request_success_total", **length) + 4 and
-                         all(m.total(c) >= before.total(c) + 4 for c in counts) and
-                         m.total(tokens) >= before.total(tokens) + 28)
+                         all(m.total(c) >= before.total(c) + n for c, n in expected.items()))
     assert after.total("fastserve:request_success_total", **length) == \
         before.total("fastserve:request_success_total", **length) + 4
-    for name in counts:
-        assert after.total(name) == before.total(name) + 4, name
-    assert after.total(tokens) == before.total(tokens) + 28
+    for name, n in expected.items():
+        assert after.total(name) == before.total(name) + n, name
+    # 8, 8, 6 and 6 generated tokens: all four in the (5, 10] bucket of vLLM's 1-2-5 series.
+    bucket = "fastserve:request_generation_tokens_bucket"
+    for le, n in (("5.0", 0), ("10.0", 4)):
+        assert after.total(bucket, le=le) == before.total(bucket, le=le) + n, le
     assert after.total("fastserve:scheduler_steps_total") > before.total("fastserve:scheduler_steps_total")
 
 
@@ -528,6 +535,9 @@ def test_metrics_families_have_their_types_and_parse(server: Server) -> None:
                 "fastserve:scheduler_steps", "fastserve:demotions", "fastserve:time_to_first_token_seconds",
                 "fastserve:inter_token_latency_seconds", "fastserve:request_time_per_output_token_seconds",
                 "fastserve:e2e_request_latency_seconds", "fastserve:request_queue_time_seconds",
+                "fastserve:request_prefill_time_seconds", "fastserve:request_decode_time_seconds",
+                "fastserve:request_inference_time_seconds", "fastserve:request_prompt_tokens",
+                "fastserve:request_generation_tokens", "fastserve:request_wait_time_seconds",
                 "fastserve:request_swap_blocked_time_seconds"}
     assert gauges | produced <= set(m.types), sorted(gauges | produced - set(m.types))
     levels = {s.labels["level"] for s in m.series("fastserve:mlfq_jobs", state="waiting")}

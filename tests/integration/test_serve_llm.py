@@ -85,6 +85,36 @@ def test_our_validation_errors_arrive_in_ray_serve_llms_error_format(llm_server:
     assert err["message"].startswith("Message: n must be at most 16 (server.max_choices), got 17")
 
 
+def test_tokenize_detokenize_and_model_card_through_ray_serve_llm(llm_server: Server) -> None:
+    """Ray's router routes /tokenize and /detokenize to our engine (app.tokenize_api answers) and
+    answers /v1/models/{id} from its own model cards. It parses /tokenize bodies as vLLM's
+    ``TokenizeCompletionRequest`` only: a chat body (``messages``) is refused there."""
+    ids = TOK.encode("Hello world")
+    tokenized = httpx.post(llm_server.url("/tokenize"), timeout=60,
+                           json={"model": MODEL, "prompt": "Hello world", "return_token_strs": True})
+    assert tokenized.status_code == 200, tokenized.text
+    body = tokenized.json()
+    assert body["tokens"] == ids and body["count"] == len(ids) and body["max_model_len"] == 2048
+    assert body["token_strs"] == ["</s>", "Hello", "Ġworld"]
+    back = httpx.post(llm_server.url("/detokenize"), timeout=60, json={"model": MODEL, "tokens": ids})
+    assert back.status_code == 200 and back.json() == {"prompt": "</s>Hello world"}
+
+    chat = httpx.post(llm_server.url("/tokenize"), timeout=60,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
+    assert chat.status_code == 400, chat.text
+    assert "prompt" in chat.json()["error"]["message"]   # Ray's validation: the field it requires
+    outside = httpx.post(llm_server.url("/detokenize"), timeout=60, json={"model": MODEL, "tokens": [1, 10**6]})
+    assert outside.status_code == 400, outside.text   # ours, through Ray's error format
+    assert "token id 1000000 is outside the vocabulary" in outside.json()["error"]["message"]
+    unsupported = httpx.post(llm_server.url("/tokenize"), timeout=60,
+                             json={"model": MODEL, "prompt": "x", "truncate_prompt_tokens": 2})
+    assert unsupported.status_code == 400 and "truncate_prompt_tokens" in unsupported.json()["error"]["message"]
+
+    card = httpx.get(llm_server.url(f"/v1/models/{MODEL}"), timeout=60)
+    assert card.status_code == 200 and card.json()["id"] == MODEL
+    assert httpx.get(llm_server.url("/v1/models/not-served"), timeout=60).status_code == 404
+
+
 def test_full_admission_queue_is_a_429_error_response_without_retry_after() -> None:
     """In process (no cluster): the engine turns our 429 into Ray's ``ErrorResponse``, which
     carries the status only — Ray's ingress has no place for our ``Retry-After`` header."""

@@ -24,7 +24,8 @@ def test_demo_config_validates_with_the_papers_settings() -> None:
     assert args.placement_group_bundles() == [{"CPU": 0.01}]
     assert args.scheduler_deployment_defaults() == {
         "max_ongoing_requests": 1024, "ray_actor_options": {"num_cpus": 0}, "placement_group_strategy": "PACK",
-        "graceful_shutdown_timeout_s": 5, "placement_group_bundles": [{"CPU": 0.01}]}
+        "graceful_shutdown_timeout_s": 242.0, "placement_group_bundles": [{"CPU": 0.01}]}
+    # 1.5 × 2048 tokens × the profile's 78.5 ms decode step at batch 32, rounded up (app.drain)
 
 
 @pytest.mark.parametrize("section,key", [
@@ -161,6 +162,7 @@ def test_in_process_cuda_model_gets_its_gpus_on_the_replica() -> None:
     args["model"]["device"] = "cuda"
     args["parallel"].update(num_gpus=1)
     args["profile"]["path"] = "config/profiles/opt-125m-gpu-tp1-pp1.json"   # not measured: waived
+    args["drain"] = {"tpot_s": 0.01}   # the drain's default TPOT comes from that profile
     parsed = AppArgs.model_validate(args, context={"require_profile": False})
     defaults = parsed.scheduler_deployment_defaults()
     assert defaults["ray_actor_options"] == {"num_cpus": 0, "num_gpus": 1}
@@ -172,6 +174,7 @@ def test_pipeline_bundles_reserve_each_stage_with_its_tp_gpus() -> None:
     args["model"]["device"] = "cuda"
     args["parallel"].update(tensor_parallel_size=2, pipeline_parallel_size=2, num_gpus=4, worker_cpus=1)
     args["profile"]["path"] = "config/profiles/opt-125m-gpu-tp2-pp2.json"   # not measured: waived
+    args["drain"] = {"tpot_s": 0.01}
     parsed = AppArgs.model_validate(args, context={"require_profile": False})
     assert parsed.placement_group_bundles() == [
         {"CPU": 0.01}, {"CPU": 2.0, "GPU": 2.0}, {"CPU": 2.0, "GPU": 2.0}]

@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from app.errors import ErrorCode
-from app.ingress import OpenAIServer, ServerContext, make_api
+from app.http_api import make_api
+from app.ingress import OpenAIServer, ServerContext
 from app.protocol import (
     APIError,
     ChatCompletionRequest,

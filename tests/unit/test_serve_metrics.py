@@ -13,42 +13,22 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.ingress import OpenAIServer, ServerContext, make_api
+from app.http_api import make_api
+from app.ingress import OpenAIServer, ServerContext
 from app.metrics import (
     INGRESS_FAMILIES,
     SCHEDULER_FAMILIES,
     TTFT_BUCKETS,
     CounterMirror,
-    Family,
     IngressMetrics,
     SchedulerMetrics,
+    length_buckets,
 )
 from app.metrics_export import our_families, render
 from app.scheduler.job import JobStats, TokenDelta
 from tests.harness.fields import FakeStream
+from tests.harness.metric_sinks import FakeSink, sinks
 from tests.unit.test_protocol import CONTEXT, MODEL, TEXT_IDS, TOK, VOCAB, FakeBackend
-
-
-class FakeSink:
-    def __init__(self, family: Family, model_name: str) -> None:
-        self.family, self.model_name = family, model_name
-        self.values: dict[tuple[tuple[str, str], ...], float] = {}
-        self.observed: list[float] = []
-
-    def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
-        key = tuple(sorted((tags or {}).items()))
-        self.values[key] = self.values.get(key, 0.0) + value
-
-    def set(self, value: float, tags: dict[str, str] | None = None) -> None:
-        self.values[tuple(sorted((tags or {}).items()))] = value
-
-    def observe(self, value: float, tags: dict[str, str] | None = None) -> None:
-        self.observed.append(value)
-
-
-def sinks(recorder: Any) -> dict[str, FakeSink]:
-    out: dict[str, FakeSink] = recorder._sinks
-    return out
 
 
 def test_families_use_vllms_names_units_and_buckets() -> None:
@@ -59,7 +39,10 @@ def test_families_use_vllms_names_units_and_buckets() -> None:
                          ("time_to_first_token_seconds", "histogram"),
                          ("request_time_per_output_token_seconds", "histogram"),
                          ("inter_token_latency_seconds", "histogram"),
-                         ("e2e_request_latency_seconds", "histogram"), ("request_queue_time_seconds", "histogram")):
+                         ("e2e_request_latency_seconds", "histogram"), ("request_queue_time_seconds", "histogram"),
+                         ("request_prefill_time_seconds", "histogram"), ("request_decode_time_seconds", "histogram"),
+                         ("request_inference_time_seconds", "histogram"), ("request_prompt_tokens", "histogram"),
+                         ("request_generation_tokens", "histogram")):
         assert fam[suffix].kind == kind and fam[suffix].name == f"fastserve_{suffix}"
     assert INGRESS_FAMILIES["request_success"].labels == ("finished_reason",)
     assert fam["time_to_first_token_seconds"].buckets[:3] == (0.001, 0.005, 0.01)
@@ -69,26 +52,33 @@ def test_families_use_vllms_names_units_and_buckets() -> None:
     assert fam["swaps"].labels == ("direction",) and fam["mlfq_jobs"].labels == ("level", "state")
 
 
-def test_job_finished_records_exact_latencies_and_tokens() -> None:
+def test_job_finished_records_the_schedulers_own_accounting() -> None:
     m = SchedulerMetrics(MODEL, FakeSink)
     stats = JobStats("j", arrival=10.0, prompt_len=7, first_token_time=10.5, finish_time=12.5,
                      finish_reason="length", num_generated=5, queueing_s=0.25, swap_blocked_s=0.125)
     stats.enst_pairs.append((1.0, 1.5))
     m.job_finished(stats)
     s = sinks(m)
-    assert s["prompt_tokens"].values == {(): 7.0} and s["generation_tokens"].values == {(): 5.0}
-    assert s["time_to_first_token_seconds"].observed == [0.5]
-    assert s["e2e_request_latency_seconds"].observed == [2.5]
-    assert s["request_time_per_output_token_seconds"].observed == [0.5]   # (2.5 - 0.5) / 4
-    assert s["inter_token_latency_seconds"].observed == [0.5]
-    assert s["request_queue_time_seconds"].observed == [0.25]
+    assert s["request_wait_time_seconds"].observed == [0.25]
     assert s["request_swap_blocked_time_seconds"].observed == [0.125]
     assert s["enst_error_seconds"].observed == [0.5]
+    # vLLM's families come from the engine's timing (record_timing), not from here.
+    assert s["prompt_tokens"].values == {} and s["e2e_request_latency_seconds"].observed == []
     assert all(sink.model_name == MODEL for sink in s.values())
 
     aborted = JobStats("k", arrival=0.0, prompt_len=3, finish_time=1.0, finish_reason="abort", num_generated=2)
-    m.job_finished(aborted)   # tokens count; latencies are of completed requests only
-    assert s["prompt_tokens"].values == {(): 10.0} and s["e2e_request_latency_seconds"].observed == [2.5]
+    aborted.enst_pairs.append((2.0, 1.0))
+    m.job_finished(aborted)   # its predictions count; latencies are of completed requests only
+    assert s["enst_error_seconds"].observed == [0.5, 1.0] and s["request_wait_time_seconds"].observed == [0.25]
+
+
+def test_length_buckets_are_vllms_1_2_5_series_up_to_the_context() -> None:
+    assert length_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
+    assert length_buckets(2048)[-1] == 2000 and length_buckets(1999)[-1] == 1000
+    m = SchedulerMetrics(MODEL, FakeSink, max_model_len=512)
+    assert sinks(m)["request_prompt_tokens"].family.buckets == (1, 2, 5, 10, 20, 50, 100, 200, 500)
+    assert sinks(m)["request_generation_tokens"].family.buckets[-1] == 500
+    assert sinks(m)["e2e_request_latency_seconds"].family.buckets[0] == 0.3   # others untouched
 
 
 def test_counter_mirror_only_moves_forward() -> None:

@@ -1,0 +1,98 @@
+"""The ``Ingress`` Serve deployment: the HTTP server in front of the Scheduler deployment.
+
+Owns the production wiring of ``app.ingress.OpenAIServer``: ``ServeBackend`` (the Scheduler
+deployment's handle, Ray's metrics agents), this replica's delivery channels
+(``channel_client``, ``app.delivery``), and ``Ingress``, the deployment class ``app.main``
+binds; its FastAPI app (``app.http_api.make_api``) is built per replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI
+from ray import serve
+
+from app.config import AppArgs
+from app.delivery import ChannelClient, MessageStream
+from app.http_api import make_api
+from app.ingress import OpenAIServer, ServerContext, Stream
+from app.logs import join_serve_logs
+from app.metrics import IngressMetrics
+from app.metrics_export import AgentMetrics
+from app.routing import PIN_KWARG
+from app.scheduler.job import JobRequest
+
+log = logging.getLogger(__name__)
+
+
+class ServeBackend:
+    """The production ``Backend``: the Scheduler deployment's handle, Ray's metrics agents.
+
+    With ``channels`` (``server.delivery_channels``), jobs' tokens come on this ingress replica's
+    delivery channels (one message per step per scheduler replica, ``app.delivery``) once one is
+    open to the replica a job landed on; without, each job's tokens come on its own stream."""
+
+    def __init__(self, scheduler: Any, metrics: AgentMetrics, channels: ChannelClient | None = None) -> None:
+        self._generate = scheduler.options(stream=True).generate
+        self._stats = scheduler.stats
+        self._health = scheduler.health
+        self._metrics = metrics
+        self.channels = channels
+
+    def generate(self, req: JobRequest) -> Stream:
+        channels = self.channels
+        if channels is None:
+            stream: Stream = self._generate.remote(req)
+            return stream
+        return channels.submit(req.job_id, lambda: self._generate.remote(req, channels.ingress_id))
+
+    async def metrics_text(self) -> str:
+        return await self._metrics.text()
+
+    async def engine_stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = await self._stats.remote()
+        return stats
+
+    async def health(self) -> dict[str, Any]:
+        state: dict[str, Any] = await self._health.remote()
+        return state
+
+
+def channel_client(scheduler: Any, ingress_id: str, open_timeout_s: float) -> ChannelClient:
+    """This ingress replica's delivery channels over the Scheduler deployment's handle."""
+    subscribe = scheduler.options(stream=True).subscribe
+
+    def open_channel(ingress: str, replica_id: str, channel_id: str) -> MessageStream:
+        stream: MessageStream = subscribe.remote(ingress_id=ingress, channel_id=channel_id,
+                                                 **{PIN_KWARG: replica_id})
+        return stream
+
+    return ChannelClient(ingress_id, open_channel, open_timeout_s)
+
+
+@serve.ingress()
+class Ingress:
+    """The HTTP entry point; ``app.main`` applies its Serve options (autoscaling, ...)."""
+
+    def __init__(self, scheduler: Any, args: dict[str, Any]) -> None:
+        join_serve_logs()
+        started = time.monotonic()
+        app_args = AppArgs.model_validate(args)
+        ctx = ServerContext.from_args(app_args)
+        srv = app_args.server
+        channels = channel_client(scheduler, _ingress_replica_id(), srv.channel_open_timeout_s) \
+            if srv.delivery_channels else None
+        backend = ServeBackend(scheduler, AgentMetrics(srv.metrics_agent_timeout_s), channels)
+        self.server = OpenAIServer(ctx, backend, IngressMetrics(ctx.model_name))
+        log.info("ingress ready in %.1f s for model %s", time.monotonic() - started, ctx.model_name)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return make_api(self.server)
+
+
+def _ingress_replica_id() -> str:
+    """This Serve replica's unique id: the scheduler replicas key its delivery channel by it."""
+    return str(serve.get_replica_context().replica_id.unique_id)
