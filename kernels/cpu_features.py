@@ -54,6 +54,12 @@ def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
     return bool(bf16_flags(cpuinfo))
 
 
+def cpu_vendor(cpuinfo: str | None = None) -> str:
+    """``vendor_id`` of the first processor (``GenuineIntel``, ``AuthenticAMD``, ...; ``""``
+    where /proc/cpuinfo has none)."""
+    return _field("vendor_id", _cpuinfo() if cpuinfo is None else cpuinfo) or ""
+
+
 def cpu_name(cpuinfo: str | None = None) -> str:
     """The CPU's model name, with its bf16 flags, e.g. ``AMD EPYC (avx512_bf16)``; what every
     benchmark figure is labelled with."""
