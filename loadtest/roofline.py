@@ -116,7 +116,7 @@ def measure_gemm_flops(dtype: torch.dtype, sides: tuple[int, ...] = GEMM_SIDES, 
         a = torch.randn(side, side).to(dtype)
         b = torch.randn(side, side).to(dtype)
         runs: list[Callable[[], object]] = [functools.partial(torch.mm, a, b)]
-        if onednn_linear_available():
+        if onednn_linear_available(dtype):
             packed = torch.ops.mkldnn._reorder_linear_weight(b, side)
             runs.append(functools.partial(torch.ops.mkldnn._linear_pointwise, a, packed, None, "none", [], ""))
         best = max(best, *(2 * side**3 / _best(run, repeats) for run in runs))
