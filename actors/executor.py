@@ -22,15 +22,31 @@ from actors.model.weights import load_stage_weights
 from actors.sampler import Sampler
 from actors.spec import ModelSpec
 from actors.stage import StageRunner
+from kernels.cpu_features import cpu_has_bf16
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: The config's dtype that picks one per machine (``resolve_dtype``).
+AUTO_DTYPE = "auto"
+
+
+def resolve_dtype(name: str, device: str) -> str:
+    """``name`` itself, or for ``auto`` what this machine computes fastest at full model quality:
+    bfloat16 (weights, activations and KV; fp32 accumulation) on a CPU with native bf16
+    (``kernels.cpu_features``: AVX-512 BF16 or AMX) and on a CUDA device that supports it,
+    float32 on any other CPU (bf16 there is emulated, slower than fp32), float16 on other GPUs."""
+    if name != AUTO_DTYPE:
+        torch_dtype(name)   # refuse an unknown name here, naming it
+        return name
+    if device == "cuda":
+        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float16"
+    return "bfloat16" if cpu_has_bf16() else "float32"
 
 
 def torch_dtype(name: str) -> torch.dtype:
     try:
         return DTYPES[name]
     except KeyError:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or {AUTO_DTYPE!r}, got {name!r}") from None
 
 
 @contextlib.contextmanager
@@ -49,14 +65,14 @@ def build_stage(config: ModelConfig, shard: StageShard, dtype: str, device: str,
                 all_reduce: AllReduce | None = None) -> Stage:
     """Build one stage of ``config``'s architecture on ``device`` and load its weights (dummy or
     checkpoint)."""
-    target = torch_dtype(dtype)
+    target = torch_dtype(resolve_dtype(dtype, device))
     # Built where it runs and in its dtype: an 8B model is not first made in fp32 on the CPU
     # (32 GB, then copied). The weights (dummy or checkpoint) are cast as they are copied in.
     with torch.device(device), default_dtype(target):
         stage = build_model(config, shard, all_reduce)
     load_stage_weights(stage, load_format, model_path, seed)
     stage = stage.to(device=device, dtype=target).eval()
-    stage.pack_linear_weights()   # CPU float32 only; a no-op elsewhere
+    stage.pack_linear_weights()   # CPU float32, or bfloat16 where native; a no-op elsewhere
     return stage
 
 
@@ -69,7 +85,8 @@ def build_runner(spec: ModelSpec, config: ModelConfig, shard: StageShard,
     model = build_stage(config, shard, spec.dtype, spec.device, spec.load_format, spec.model_path,
                         spec.seed, all_reduce)
     kv = KVStore(shard.num_layers, model.num_local_kv_heads, config.head_dim, spec.block_size,
-                 spec.num_device_blocks, spec.num_host_blocks, torch_dtype(spec.dtype), spec.device)
+                 spec.num_device_blocks, spec.num_host_blocks, torch_dtype(resolve_dtype(spec.dtype, spec.device)),
+                 spec.device)
     return StageRunner(model, kv, Sampler(spec.seed))
 
 

@@ -44,7 +44,9 @@ API_KEY_ENV = "FASTSERVE_API_KEY"
 REQUIRE_PROFILE_CONTEXT = "require_profile"
 
 Device = Literal["cpu", "cuda"]
-DType = Literal["float32", "float16", "bfloat16"]
+#: ``auto``: bfloat16 where the device computes it natively (CPU: AVX-512 BF16 or AMX, read from
+#: /proc/cpuinfo), float32 on other CPUs (``actors.executor.resolve_dtype``).
+DType = Literal["auto", "float32", "float16", "bfloat16"]
 LoadFormat = Literal["dummy", "auto"]
 
 

@@ -12,9 +12,10 @@ Which implementation runs:
   its dtype is float16/bfloat16/float32, and ``cupy`` imports and sees a device; otherwise the
   torch reference. ``backend_for(tensor)`` says which. Setting the environment variable
   ``FASTSERVE_KERNEL_BACKEND=torch`` forces the reference everywhere.
-* ``paged_attention`` on CPU float32 tensors uses the C kernel in ``kernels/cpu/`` (built with the
-  system C compiler by ``kernels.cpu_ops``, which reads each page in place instead of gathering
-  pages into a dense tensor) when it builds; otherwise the torch reference.
+* ``paged_attention`` on CPU tensors with a float32 or bfloat16 cache uses the C kernel in
+  ``kernels/cpu/`` (built with the system C compiler by ``kernels.cpu_ops``, which reads each page
+  in place instead of gathering pages into a dense tensor; a bf16 cache is widened to fp32 as it
+  is read) when it builds; otherwise the torch reference.
   ``paged_attention_backend(query, key_cache)`` says which.
 * ``prefill_attention`` always uses torch's ``scaled_dot_product_attention`` (flash/efficient
   kernels on CUDA), one call per sequence.

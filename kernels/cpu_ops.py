@@ -37,7 +37,10 @@ COMPILER_ENV_VAR = "FASTSERVE_CC"
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "fastserve" / "cpu-kernels"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 BUILD_TIMEOUT_S = 120.0
-SUPPORTED_DTYPES = frozenset({torch.float32})
+#: Cache dtypes the C kernel reads, and its entry point for each. The query and output cross
+#: the boundary as float32 (a bf16 query is widened first, the output rounded back once).
+KERNEL_FOR_CACHE = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
+SUPPORTED_DTYPES = frozenset(KERNEL_FOR_CACHE)
 #: paged_attention_f32's status when it could not allocate its scratch rows.
 SCRATCH_FAILED = -1
 
@@ -97,10 +100,11 @@ def _library() -> ctypes.CDLL | None:
     except (KernelBuildError, OSError, subprocess.TimeoutExpired) as exc:
         _log.warning("CPU kernels unavailable, using the torch reference: %s", exc)
         return None
-    fn = lib.paged_attention_f32
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i32, i32, i32, i32, i32, ctypes.c_float, ptr, i32]
-    fn.restype = ctypes.c_int
+    for name in KERNEL_FOR_CACHE.values():
+        fn = getattr(lib, name)
+        fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i32, i32, i32, i32, i32, ctypes.c_float, ptr, i32]
+        fn.restype = ctypes.c_int
     return lib
 
 
@@ -110,9 +114,11 @@ def available() -> bool:
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """Whether ``paged_attention`` here can take these tensors (CPU, float32, head_dim contiguous)."""
+    """Whether ``paged_attention`` here can take these tensors (CPU; a float32 cache with a float32
+    query, or a bfloat16 cache with a float32 or bfloat16 query; head_dim contiguous)."""
     return (query.device.type == "cpu" and key_cache.device.type == "cpu"
-            and query.dtype in SUPPORTED_DTYPES and key_cache.dtype == query.dtype
+            and key_cache.dtype in SUPPORTED_DTYPES
+            and query.dtype in (torch.float32, key_cache.dtype)
             and key_cache.stride(-1) == 1 and available())
 
 
@@ -124,7 +130,8 @@ def paged_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Same contract as ``kernels.reference.paged_attention``; CPU float32 only."""
+    """Same contract as ``kernels.reference.paged_attention``; CPU, a float32 or bfloat16 cache
+    (``supports``). The output has the query's dtype."""
     lib = _library()
     if lib is None:
         raise KernelBuildError("CPU kernels are not available on this machine")
@@ -136,7 +143,9 @@ def paged_attention(
     if cache_dim != head_dim or num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ValueError(f"query heads/dim {(num_heads, head_dim)} do not match the cache's "
                          f"{(num_kv_heads, cache_dim)}: head_dim must be equal and the KV heads divide the query heads")
-    q = query.contiguous()
+    if key_cache.dtype != value_cache.dtype or key_cache.dtype not in KERNEL_FOR_CACHE:
+        raise ValueError(f"caches of {key_cache.dtype}/{value_cache.dtype}: the C kernel reads float32 or bfloat16")
+    q = query.to(torch.float32).contiguous()
     tables = block_tables.to(dtype=torch.int32).contiguous()
     lens = context_lens.to(dtype=torch.int32).contiguous()
     if lens.numel() != num_seqs or tables.shape[0] != num_seqs:
@@ -146,19 +155,19 @@ def paged_attention(
                          f"{tables.shape[1]} blocks of {block_size}")
     out = torch.empty_like(q)
     if num_seqs == 0:
-        return out
+        return out.to(query.dtype)
     used = tables[:, : -(-int(lens.max()) // block_size)]
     if used.numel() and (int(used.min()) < 0 or int(used.max()) >= key_cache.shape[0]):
         # The C kernel trusts its tables: an id out of range would read outside the pool.
         raise IndexError(f"block ids {int(used.min())}..{int(used.max())} outside the cache's "
                          f"{key_cache.shape[0]} blocks")
     block_stride, token_stride, head_stride, _ = key_cache.stride()
-    status = lib.paged_attention_f32(
+    status = getattr(lib, KERNEL_FOR_CACHE[key_cache.dtype])(
         q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_stride, token_stride, head_stride,
         tables.data_ptr(), tables.stride(0), lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
         float(scale), out.data_ptr(), torch.get_num_threads())
     if status == SCRATCH_FAILED:
-        raise MemoryError("paged_attention_f32: scratch allocation failed")
+        raise MemoryError(f"{KERNEL_FOR_CACHE[key_cache.dtype]}: scratch allocation failed")
     if status != 0:
-        raise RuntimeError(f"paged_attention_f32 failed with status {status}")
-    return out
+        raise RuntimeError(f"{KERNEL_FOR_CACHE[key_cache.dtype]} failed with status {status}")
+    return out.to(query.dtype)

@@ -24,12 +24,13 @@ from pathlib import Path
 import torch
 import transformers
 
-from actors.executor import InProcessExecutor
+from actors.executor import InProcessExecutor, resolve_dtype, torch_dtype
 from actors.messages import BatchEntry, BatchPlan, SamplingParams, blocks_for
 from actors.model.config import ModelConfig, OPTConfig, as_model_config
 from actors.model.llama_config import LlamaConfig
 from actors.model.weights import checkpoint_files, dummy_weights
 from actors.spec import ModelSpec
+from kernels.cpu_features import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT_LEN = 128
@@ -77,15 +78,16 @@ def _hf_twin(ex: InProcessExecutor, config: ModelConfig, seed: int) -> transform
     return hf.eval()
 
 
-def _hf_pretrained(config: ModelConfig, folder: Path) -> transformers.PreTrainedModel:
-    """The transformers model of ``config`` with the checkpoint in ``folder``, fp32."""
+def _hf_pretrained(config: ModelConfig, folder: Path,
+                   dtype: torch.dtype = torch.float32) -> transformers.PreTrainedModel:
+    """The transformers model of ``config`` with the checkpoint in ``folder``, in ``dtype``."""
     if isinstance(config, OPTConfig):
         model_cls: type[transformers.PreTrainedModel] = transformers.OPTForCausalLM
     elif isinstance(config, LlamaConfig):
         model_cls = HF_LLAMA_CLASSES[config.model_type][1]
     else:
         raise TypeError(f"no transformers twin for {type(config).__name__}")
-    return model_cls.from_pretrained(str(folder), dtype=torch.float32).eval()
+    return model_cls.from_pretrained(str(folder), dtype=dtype).eval()
 
 
 def _model_folder(model: str) -> Path:
@@ -121,29 +123,44 @@ def checkpoint_folder(model: str, weights: str) -> Path | None:
     return folder
 
 
-def bench_ours(ex: InProcessExecutor, b: int, repeats: int) -> tuple[float, float]:
+def _block_tables(b: int) -> list[tuple[int, ...]]:
     per_seq = blocks_for(PROMPT_LEN + DECODE_STEPS + 1, BLOCK_SIZE)
-    tables = [tuple(range(j * per_seq, (j + 1) * per_seq)) for j in range(b)]
+    return [tuple(range(j * per_seq, (j + 1) * per_seq)) for j in range(b)]
+
+
+def prefill_s_ours(ex: InProcessExecutor, b: int, repeats: int) -> float:
+    """Seconds of our prefill step of ``b`` prompts of ``PROMPT_LEN`` tokens (median); it leaves
+    their KV in the pool for ``decode_step_s_ours``."""
+    tables = _block_tables(b)
     prompt = tuple(2 + i for i in range(PROMPT_LEN))
     prefill = BatchPlan(0, tuple(BatchEntry(str(j), prompt, 0, tables[j], True, GREEDY) for j in range(b)))
-    t_prefill = _median(lambda: ex.execute(prefill), repeats)
+    return _median(lambda: ex.execute(prefill), repeats)
+
+
+def decode_step_s_ours(ex: InProcessExecutor, b: int, repeats: int) -> float:
+    """Seconds of one of our decode steps at batch ``b`` (sampling included), contexts
+    ``PROMPT_LEN + 1 .. PROMPT_LEN + DECODE_STEPS``: the median over ``repeats`` runs of
+    ``DECODE_STEPS`` steps, per step."""
+    tables = _block_tables(b)
 
     def decode_steps() -> None:
         for k in range(DECODE_STEPS):
             ex.execute(BatchPlan(1, tuple(BatchEntry(str(j), (7,), PROMPT_LEN + k, tables[j], False,
                                                      GREEDY, k + 1) for j in range(b))))
 
-    t_decode = _median(decode_steps, repeats) / DECODE_STEPS
-    return b * PROMPT_LEN / t_prefill, b / t_decode
+    return _median(decode_steps, repeats) / DECODE_STEPS
+
+
+def bench_ours(ex: InProcessExecutor, b: int, repeats: int) -> tuple[float, float]:
+    t_prefill = prefill_s_ours(ex, b, repeats)
+    return b * PROMPT_LEN / t_prefill, b / decode_step_s_ours(ex, b, repeats)
 
 
 @torch.inference_mode()
-def bench_hf(hf: transformers.PreTrainedModel, b: int, repeats: int) -> tuple[float, float]:
+def decode_step_s_hf(hf: transformers.PreTrainedModel, b: int, repeats: int) -> float:
+    """Seconds of one transformers decode step at batch ``b`` after a ``PROMPT_LEN`` prefill
+    (logits only; the same contexts as ``decode_step_s_ours``)."""
     ids = torch.arange(2, 2 + PROMPT_LEN).repeat(b, 1)
-    # Only the last position's logits, as ours projects only the row it samples: without it HF's
-    # prefill also runs the LM head over every prompt position (on SmolLM2 at batch 32, a
-    # 4,096 x 49,152 fp32 logits tensor) and the ratio measures that, not the model.
-    t_prefill = _median(lambda: hf(ids, use_cache=False, logits_to_keep=1), repeats)
 
     def decode_steps() -> None:
         cache = hf(ids, use_cache=True).past_key_values
@@ -156,8 +173,37 @@ def bench_hf(hf: transformers.PreTrainedModel, b: int, repeats: int) -> tuple[fl
     for _ in range(repeats + 1):
         decode_steps()
         samples.append(decode_steps.elapsed)  # type: ignore[attr-defined]
-    t_decode = statistics.median(samples[1:]) / DECODE_STEPS
-    return b * PROMPT_LEN / t_prefill, b / t_decode
+    return statistics.median(samples[1:]) / DECODE_STEPS
+
+
+@torch.inference_mode()
+def bench_hf(hf: transformers.PreTrainedModel, b: int, repeats: int) -> tuple[float, float]:
+    ids = torch.arange(2, 2 + PROMPT_LEN).repeat(b, 1)
+    # Only the last position's logits, as ours projects only the row it samples: without it HF's
+    # prefill also runs the LM head over every prompt position (on SmolLM2 at batch 32, a
+    # 4,096 x 49,152 fp32 logits tensor) and the ratio measures that, not the model.
+    t_prefill = _median(lambda: hf(ids, use_cache=False, logits_to_keep=1), repeats)
+    return b * PROMPT_LEN / t_prefill, b / decode_step_s_hf(hf, b, repeats)
+
+
+def build_pair(model: str, weights: str, batch_sizes: list[int], dtype: str,
+               seed: int = 0) -> tuple[InProcessExecutor, transformers.PreTrainedModel, str]:
+    """Our in-process executor (a pool for the largest batch) and transformers' model on the same
+    weights, both in ``dtype`` (``auto`` resolved as the server resolves it), and a label of the
+    weights."""
+    config = load_bench_config(model)
+    folder = checkpoint_folder(model, weights)
+    pool = max(batch_sizes) * blocks_for(PROMPT_LEN + DECODE_STEPS + 1, BLOCK_SIZE)
+    dtype = resolve_dtype(dtype, "cpu")
+    if folder is None:
+        ex = InProcessExecutor(ModelSpec(config, pool, 0, BLOCK_SIZE, dtype=dtype, seed=seed))
+        hf = _hf_twin(ex, config, seed).to(torch_dtype(dtype))
+    else:
+        ex = InProcessExecutor(ModelSpec(config, pool, 0, BLOCK_SIZE, dtype=dtype, load_format="auto",
+                                         model_path=str(folder)))
+        hf = _hf_pretrained(config, folder, torch_dtype(dtype))
+    label = "dummy" if folder is None else str(folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder)
+    return ex, hf, label
 
 
 def main() -> None:
@@ -170,20 +216,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--weights", choices=("auto", "real", "dummy"), default="auto",
                         help="auto: the folder's checkpoint if it has one, else seeded dummy weights")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default="float32",
+                        help="both sides' weights and activations (ours: and KV); auto = bfloat16 "
+                             "where the CPU has native bf16, else float32")
     args = parser.parse_args()
     config = load_bench_config(args.model)
-    folder = checkpoint_folder(args.model, args.weights)
-    per_seq = blocks_for(PROMPT_LEN + DECODE_STEPS + 1, BLOCK_SIZE)
-    pool = max(args.batch_sizes) * per_seq
-    if folder is None:
-        ex = InProcessExecutor(ModelSpec(config, pool, 0, BLOCK_SIZE, seed=args.seed))
-        hf = _hf_twin(ex, config, args.seed)
-    else:
-        ex = InProcessExecutor(ModelSpec(config, pool, 0, BLOCK_SIZE, load_format="auto", model_path=str(folder)))
-        hf = _hf_pretrained(config, folder)
-    weights = "dummy" if folder is None else str(folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder)
+    dtype = resolve_dtype(args.dtype, "cpu")
+    ex, hf, weights = build_pair(args.model, args.weights, args.batch_sizes, dtype, args.seed)
     rows = {}
-    print(f"{config.name} ({weights} weights), prompt {PROMPT_LEN} tokens, {torch.get_num_threads()} torch threads")
+    print(f"{config.name} ({weights} weights, {dtype}), prompt {PROMPT_LEN} tokens, "
+          f"{torch.get_num_threads()} torch threads, {cpu_name()}")
     print(f"{'batch':>5} | {'prefill tok/s ours':>18} {'hf':>10} {'ratio':>6} | "
           f"{'decode tok/s ours':>17} {'hf':>10} {'ratio':>6}")
     for b in args.batch_sizes:
@@ -194,8 +236,8 @@ def main() -> None:
                         "decode_tok_s_hf": round(hd, 1), "decode_ratio": round(od / hd, 3)}
         print(f"{b:>5} | {op:>18.1f} {hp:>10.1f} {op / hp:>6.2f} | {od:>17.1f} {hd:>10.1f} {od / hd:>6.2f}")
     ex.close()
-    print(json.dumps({"model": config.name, "weights": weights, "prompt_len": PROMPT_LEN,
-                      "torch_threads": torch.get_num_threads(), "batches": rows}))
+    print(json.dumps({"model": config.name, "weights": weights, "dtype": dtype, "cpu": cpu_name(),
+                      "prompt_len": PROMPT_LEN, "torch_threads": torch.get_num_threads(), "batches": rows}))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,23 @@
-"""``ServingLinear``: an ``nn.Linear`` whose CPU float32 GEMMs run on a oneDNN-prepacked weight.
+"""``ServingLinear``: an ``nn.Linear`` whose CPU GEMMs run on a oneDNN-prepacked weight.
 
 Owns the one choice of how a decoder's linear layers multiply on CPU. After the weights are
 loaded, ``pack()`` reorders the weight once into oneDNN's blocked layout (``torch.ops.mkldnn``,
 the kernels torch's own inductor uses for frozen CPU linears); every call then skips MKL's
-per-call packing of the weight, which dominates the few-row GEMMs of decode steps. Measured on
-this project's 2-core Intel CPU, per 768x3072 GEMM: 1.4-2x faster at 4-16 rows, ~1.2x at 177
-rows; a whole decode step of the demo model 1.13-1.15x faster at batch 4-16. A single row keeps
-``F.linear`` (GEMV is faster there). Values equal ``F.linear``'s to float32 rounding.
+per-call packing of the weight, which dominates the few-row GEMMs of decode steps. Values equal
+``F.linear``'s to the dtype's rounding.
+
+Which rows go where is measured per CPU (``packed_row_bounds``):
+
+* float32 on Intel (the 2-core Xeon with AMX, per 768x3072 GEMM): packed 1.4-2x faster at 4-16
+  rows, ~1.2x at 177; a single row is faster on MKL's GEMV (0.34 vs 0.38 ms) and whole prompts
+  (680-2,700 rows) 3-6 % faster on MKL. So packed for 2-256 rows only.
+* float32 elsewhere (2-core AMD EPYC Zen 4): MKL takes its slow generic path on a non-Intel CPU,
+  and packed wins at every row count: SmolLM2's LM head (49,152x576) 6.9 vs 13.9 ms at 1 row,
+  328 vs 564 ms at 1,024; its MLP up-projection (3,072x576) 0.07 vs 0.14 ms at 1 row, 17.5 vs
+  21.2 ms at 1,024. So packed for every row count.
+* bfloat16 where the CPU has native bf16 (``kernels.cpu_features``): packed at every row count
+  (AMD EPYC: LM head 3.4 ms at 1 row against 5.2 for ``F.linear`` in bf16, 6.9 in packed fp32).
+  Without native bf16 a bf16 weight is not packed (oneDNN would emulate it).
 
 Parameter names stay ``weight``/``bias``, so checkpoints load as into ``nn.Linear``. Without
 oneDNN, on another device or dtype, or before ``pack()``, it is exactly ``nn.Linear``.
@@ -21,35 +32,51 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_features import cpu_has_bf16, cpu_vendor
+
 #: Row count the packed layout is tuned for (a decode batch); any row count is served.
 PACK_BATCH_HINT = 16
-#: Rows outside [min, max] use ``F.linear``: for a single row MKL's GEMV beats the packed GEMM
-#: (0.34 vs 0.38 ms for 768x3072 here); for batches of whole prompts (680-2,700 rows) MKL was
-#: 3-6 % faster in whole prefill steps. In between (decode batches) the packed GEMM wins.
-PACKED_MIN_ROWS = 2
-PACKED_MAX_ROWS = 256
+#: float32 rows outside [min, max] use ``F.linear`` on Intel CPUs (MKL's own ground; see above).
+INTEL_PACKED_MIN_ROWS = 2
+INTEL_PACKED_MAX_ROWS = 256
+#: Intel's ``vendor_id``: the CPUs whose MKL paths the bounds above were measured against.
+INTEL_VENDOR = "GenuineIntel"
+#: No upper bound on the rows of a packed GEMM.
+UNBOUNDED = 1 << 62
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 _log = logging.getLogger(__name__)
 
 
 @functools.cache
-def onednn_linear_available() -> bool:
-    """Whether this torch build has oneDNN's prepacked linear (probed once, on a tiny case)."""
+def onednn_linear_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch build has oneDNN's prepacked linear for ``dtype`` (probed once per dtype,
+    on a tiny case); bfloat16 only on a CPU with native bf16."""
+    if dtype == torch.bfloat16 and not cpu_has_bf16():
+        return False
     try:
-        w = torch.randn(4, 8)
+        w = torch.randn(4, 8).to(dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(w, 2)
-        out = torch.ops.mkldnn._linear_pointwise(torch.randn(2, 8), packed, None, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(torch.randn(2, 8).to(dtype), packed, None, "none", [], "")
         return bool(out.shape == (2, 4))
     except (RuntimeError, AttributeError) as exc:
-        _log.info("oneDNN prepacked linear unavailable (%s); using F.linear", exc)
+        _log.info("oneDNN prepacked linear unavailable for %s (%s); using F.linear", dtype, exc)
         return False
+
+
+@functools.cache
+def packed_row_bounds(dtype: torch.dtype) -> tuple[int, int]:
+    """Row counts ``[min, max]`` of the GEMMs that run packed on this CPU (see the module note)."""
+    if dtype == torch.float32 and cpu_vendor() == INTEL_VENDOR:
+        return INTEL_PACKED_MIN_ROWS, INTEL_PACKED_MAX_ROWS
+    return 1, UNBOUNDED
 
 
 class ServingLinear(nn.Linear):
     _packed: torch.Tensor | None = None
 
     def pack(self) -> bool:
-        """Prepack the weight for CPU float32 GEMMs; False (and nothing changes) elsewhere."""
+        """Prepack the weight for CPU GEMMs; False (and nothing changes) elsewhere."""
         self._packed = pack_weight(self.weight)
         return self._packed is not None
 
@@ -63,17 +90,22 @@ class ServingLinear(nn.Linear):
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` ([out, in]) reordered once into oneDNN's blocked layout for CPU float32 GEMMs;
-    None (use ``weight`` as it is) on another device or dtype, or without oneDNN."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not onednn_linear_available():
+    """``weight`` ([out, in]) reordered once into oneDNN's blocked layout for CPU GEMMs (float32,
+    or bfloat16 on a CPU with native bf16); None (use ``weight`` as it is) on another device or
+    dtype, or without oneDNN."""
+    if (weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES
+            or not onednn_linear_available(weight.dtype)):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
 
 
 def multiply(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
              bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, on ``packed`` (``pack_weight(weight)``) for decode-sized
-    row counts."""
-    if packed is None or x.dim() != 2 or not PACKED_MIN_ROWS <= x.shape[0] <= PACKED_MAX_ROWS:
+    """``F.linear(x, weight, bias)``, on ``packed`` (``pack_weight(weight)``) for the row counts
+    where this CPU runs it faster (``packed_row_bounds``)."""
+    if packed is None or x.dim() != 2:
+        return F.linear(x, weight, bias)
+    low, high = packed_row_bounds(weight.dtype)
+    if not low <= x.shape[0] <= high:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -291,6 +291,38 @@ def test_cpu_kernel_paged_attention_matches_naive(block_size: int, head_dim: int
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler on this machine")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("block_size", "head_dim", "num_kv_heads"), [(1, 24, 3), (16, 64, 1), (16, 80, 3)])
+def test_cpu_kernel_bf16_cache_matches_naive(block_size: int, head_dim: int, num_kv_heads: int,
+                                             threads: int) -> None:
+    # A bf16 cache is widened to float32 exactly and everything after is float32, so with a
+    # float32 query the result is the float64 spec's on the same bf16 values to float32 rounding;
+    # a bf16 query comes back bf16, rounded once.
+    from kernels import cpu_ops
+
+    context_lens = [1, block_size, 2 * block_size + 1, 5 * block_size - 1, 17]
+    query, cache, tables, lens = make_paged_case(context_lens, block_size, num_kv_heads, head_dim,
+                                                 torch.bfloat16, seed=5)
+    query = torch.randn(len(context_lens), 3, head_dim, generator=torch.Generator().manual_seed(6))
+    key_cache, value_cache = layer_views(cache)
+    scale = head_dim**-0.5
+    group = 3 // num_kv_heads   # the spec walks one KV head per query head: repeat them
+    dense_k, dense_v = (c.repeat_interleave(group, dim=2) for c in (key_cache, value_cache))
+    expected = naive_paged(query, dense_k, dense_v, tables, lens, scale)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert kernels.paged_attention_backend(query.to(torch.bfloat16), key_cache) == kernels.CPU_BACKEND
+        out = cpu_ops.paged_attention(query, key_cache, value_cache, tables, lens, scale)
+        out_bf16 = kernels.paged_attention(query.to(torch.bfloat16), key_cache, value_cache, tables, lens, scale)
+    finally:
+        torch.set_num_threads(previous)
+    assert_close(out, expected, torch.float32)
+    assert_close(out_bf16, naive_paged(query.to(torch.bfloat16), dense_k, dense_v, tables, lens, scale),
+                 torch.bfloat16)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler on this machine")
 @pytest.mark.parametrize("num_heads", [1, 7, 12])
 def test_cpu_kernel_splits_a_lone_sequence_over_its_heads(num_heads: int) -> None:
     # One sequence on two threads is cut into runs of heads (the kernel's work items); every
@@ -326,8 +358,12 @@ def test_paged_attention_dispatch_by_device_dtype_and_override(monkeypatch: pyte
     query, cache, _, _ = make_paged_case([5], 4, 2, 8, torch.float32, seed=3)
     key_cache, _ = layer_views(cache)
     assert kernels.paged_attention_backend(query, key_cache) == kernels.CPU_BACKEND
-    half = query.to(torch.bfloat16)
-    assert kernels.paged_attention_backend(half, key_cache.to(torch.bfloat16)) == kernels.TORCH_BACKEND
+    bf16 = query.to(torch.bfloat16)
+    assert kernels.paged_attention_backend(bf16, key_cache.to(torch.bfloat16)) == kernels.CPU_BACKEND
+    half = query.to(torch.float16)
+    assert kernels.paged_attention_backend(half, key_cache.to(torch.float16)) == kernels.TORCH_BACKEND
+    # A bf16 query on a float32 cache is no kernel's case.
+    assert kernels.paged_attention_backend(bf16, key_cache) == kernels.TORCH_BACKEND
     monkeypatch.setenv(kernels.BACKEND_ENV_VAR, "torch")
     assert kernels.paged_attention_backend(query, key_cache) == kernels.TORCH_BACKEND
 

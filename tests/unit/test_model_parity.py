@@ -19,6 +19,7 @@ from actors.messages import BatchEntry, BatchPlan, SamplingParams
 from actors.model.config import OPTConfig
 from actors.model.weights import dummy_weights
 from actors.spec import ModelSpec
+from kernels.cpu_features import cpu_has_bf16
 from tests.unit.engine_driver import Driver
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -188,14 +189,40 @@ def test_serving_linear_packed_path_equals_f_linear_for_every_row_count() -> Non
 
     torch.manual_seed(0)
     lin = L.ServingLinear(48, 80)
-    x_rows = [1, 2, 7, L.PACKED_MAX_ROWS, L.PACKED_MAX_ROWS + 3]
+    # Both sides of every bound either CPU uses (Intel: 2..256 packed; elsewhere: all rows).
+    x_rows = [1, 2, 7, L.INTEL_PACKED_MAX_ROWS, L.INTEL_PACKED_MAX_ROWS + 3]
     inputs = {n: torch.randn(n, 48) for n in x_rows}
     expected = {n: F.linear(x, lin.weight, lin.bias) for n, x in inputs.items()}
     assert lin.pack() == L.onednn_linear_available()
     for n, x in inputs.items():
         torch.testing.assert_close(lin(x), expected[n], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lin.multiply(x, with_bias=False), F.linear(x, lin.weight), atol=1e-5, rtol=1e-5)
-    assert not L.ServingLinear(4, 4).to(torch.float64).pack()   # float32 CPU only
+    assert not L.ServingLinear(4, 4).to(torch.float64).pack()   # float32 / bf16 CPU only
+
+
+def test_packed_row_bounds_per_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # float32 keeps MKL for single rows and whole prompts on Intel only; bf16 is packed throughout.
+    from actors.model import linear as L
+
+    for vendor, fp32 in (("GenuineIntel", (2, 256)), ("AuthenticAMD", (1, L.UNBOUNDED))):
+        monkeypatch.setattr(L, "cpu_vendor", lambda v=vendor: v)
+        L.packed_row_bounds.cache_clear()
+        assert L.packed_row_bounds(torch.float32) == fp32
+        assert L.packed_row_bounds(torch.bfloat16) == (1, L.UNBOUNDED)
+    L.packed_row_bounds.cache_clear()
+
+
+@pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no native bf16 (no avx512_bf16 / amx_bf16 flag)")
+def test_serving_linear_packs_bf16_and_equals_f_linear() -> None:
+    from actors.model import linear as L
+
+    torch.manual_seed(0)
+    lin = L.ServingLinear(48, 80).to(torch.bfloat16)
+    assert lin.pack() and L.onednn_linear_available(torch.bfloat16)
+    for n in (1, 2, 33, 300):
+        x = torch.randn(n, 48).to(torch.bfloat16)
+        # Both accumulate in fp32 and round once to bf16: within one bf16 ulp of each other.
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=2e-2, rtol=1e-2)
 
 
 def test_packed_lm_head_gives_the_unpacked_logits(tiny_pair: tuple) -> None:

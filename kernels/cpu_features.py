@@ -1,0 +1,69 @@
+"""What this CPU can do, read from ``/proc/cpuinfo``: its name, its flags, and whether it computes
+bfloat16 natively.
+
+Owns the one answer to "does this CPU have bf16?" that the model's ``dtype: auto``, the kernels'
+bf16 paths, the roofline benchmark and the bf16 tests share. Detected from the kernel's flag list,
+never assumed from the vendor or from torch: ``avx512_bf16`` (AVX-512 BF16: Intel Cooper Lake and
+later, AMD Zen 4 and later) or ``amx_bf16`` (Intel AMX tiles). A CPU without either still runs
+bf16 tensors in torch, but by emulation, slower than fp32 — so ``auto`` picks fp32 there.
+
+Stdlib only; nothing here imports torch, ``app`` or ``actors``.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+from pathlib import Path
+
+CPUINFO = Path("/proc/cpuinfo")
+#: Flags that mean native bf16 arithmetic (dot products with fp32 accumulation).
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def _field(name: str, cpuinfo: str) -> str | None:
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == name:
+            return value.strip()
+    return None
+
+
+@functools.cache
+def _cpuinfo() -> str:
+    try:
+        return CPUINFO.read_text()
+    except OSError:
+        return ""
+
+
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The first processor's flags (``/proc/cpuinfo`` unless ``cpuinfo`` text is given)."""
+    text = _cpuinfo() if cpuinfo is None else cpuinfo
+    return frozenset((_field("flags", text) or "").split())
+
+
+def bf16_flags(cpuinfo: str | None = None) -> tuple[str, ...]:
+    """Which of ``BF16_FLAGS`` this CPU has (empty: no native bf16)."""
+    flags = cpu_flags(cpuinfo)
+    return tuple(f for f in BF16_FLAGS if f in flags)
+
+
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX-512 BF16 or AMX)."""
+    return bool(bf16_flags(cpuinfo))
+
+
+def cpu_vendor(cpuinfo: str | None = None) -> str:
+    """``vendor_id`` of the first processor (``GenuineIntel``, ``AuthenticAMD``, ...; ``""``
+    where /proc/cpuinfo has none)."""
+    return _field("vendor_id", _cpuinfo() if cpuinfo is None else cpuinfo) or ""
+
+
+def cpu_name(cpuinfo: str | None = None) -> str:
+    """The CPU's model name, with its bf16 flags, e.g. ``AMD EPYC (avx512_bf16)``; what every
+    benchmark figure is labelled with."""
+    text = _cpuinfo() if cpuinfo is None else cpuinfo
+    name = _field("model name", text) or platform.processor() or platform.machine()
+    found = bf16_flags(text)
+    return f"{name} ({', '.join(found) if found else 'no native bf16'})"
