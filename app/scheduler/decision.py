@@ -47,10 +47,20 @@ class Evict:
     reuse_now: bool = False
 
 
+@dataclass(frozen=True)
+class Fetch:
+    """Prefix caching, proactive mode: a new job whose cached prefix is (partly) on the host is
+    admitted with this plan — its table taken, the host blocks copied back — and runs once the
+    copy landed, from the first position the cache did not hold (as a prefill chunk would)."""
+
+    job_id: str
+
+
 @dataclass
 class BatchDecision:
-    #: Runs and evictions in the order they were decided (the order ``apply`` takes blocks).
-    actions: list[Run | Evict] = field(default_factory=list)
+    #: Runs, fetches and evictions in the order they were decided (the order ``apply`` takes
+    #: blocks).
+    actions: list[Run | Evict | Fetch] = field(default_factory=list)
     waiting_needs: dict[str, int] = field(default_factory=dict)  # admission not possible
     growth_needs: dict[str, int] = field(default_factory=dict)   # decode growth not possible
     wanted_host: dict[str, int] = field(default_factory=dict)    # would run, KV on the host
@@ -63,6 +73,9 @@ class BatchDecision:
     claimed_release: int = 0
     #: The jobs that claimed them: no swap plan of this decision evicts them.
     claimants: list[str] = field(default_factory=list)
+    #: Device blocks that jobs admitted by this decision take as their cached prefix while
+    #: another job holds them: an eviction of that job leaves them (they become shared).
+    shared_hits: set[int] = field(default_factory=set)
 
     @property
     def runs(self) -> list[Run]:
