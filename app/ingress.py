@@ -131,6 +131,11 @@ def job_stats(delta: TokenDelta) -> dict[str, Any]:
     return {} if delta.stats is None else delta.stats.as_dict()
 
 
+def cached_tokens(delta: TokenDelta) -> int:
+    """Prompt tokens the prefix cache served the job (0 without stats)."""
+    return 0 if delta.stats is None else delta.stats.cached_tokens
+
+
 class OpenAIServer:
     def __init__(self, ctx: ServerContext, backend: Backend, metrics: IngressMetrics | None = None) -> None:
         self.ctx = ctx
@@ -326,7 +331,8 @@ class OpenAIServer:
             first_extra["prompt_token_ids"] = list(prep.prompt_ids)
         text, ids, last, choice_extra = results[0]
         body = build(prep.request_id, self.ctx.model_name, text, last.finish_reason,
-                     usage(len(prep.prompt_ids), sum(len(r[1]) for r in results)),
+                     usage(len(prep.prompt_ids), sum(len(r[1]) for r in results),
+                           cached_tokens(last)),
                      {"job_stats": job_stats(last), "choice": choice_extra, **first_extra})
         template = body["choices"][0]
         for index, (text, _, last, extra) in enumerate(results[1:], start=1):
@@ -389,12 +395,14 @@ class OpenAIServer:
                 first = chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None,
                                    {**base, "choice": {"index": index}})
                 yield b"data: " + json.dumps(first).encode() + b"\n\n"
-        n = 0
+        n = cached = 0
         try:
             async with asyncio.timeout(self.ctx.limits.request_timeout_s):
                 async for index, (delta, text) in merged([self.events(s, prep) for s in streams]):
                     n += len(delta.token_ids)
                     if delta.finish_reason is not None:
+                        if index == 0:
+                            cached = cached_tokens(delta)
                         yield chunk(index, text, delta.finish_reason, delta, {"job_stats": job_stats(delta)})
                     elif text or want_ids or (fmts is not None and delta.token_ids):
                         yield chunk(index, text, None, delta, {})
@@ -413,7 +421,7 @@ class OpenAIServer:
             yield SSE_DONE
             return
         if want_usage:
-            u = {"usage": usage(len(prep.prompt_ids), n)}
+            u = {"usage": usage(len(prep.prompt_ids), n, cached)}
             tail = chat_chunk(rid, model, created, None, None, u) if prep.chat else \
                 completion_chunk(rid, model, created, None, None, u)
             yield b"data: " + json.dumps(tail).encode() + b"\n\n"

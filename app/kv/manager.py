@@ -113,7 +113,6 @@ class KVCacheManager:
         self._hashes: dict[str, list[BlockHash]] = {}
         self._steps: dict[int, _StepReleases] = {}
         self._evicted: list[tuple[int, BlockHash]] = []   # device evictions not yet spilled
-        self._claims: dict[str, PrefixHit] = {}           # prefixes claimed, not yet admitted
         self.device_releasing = 0   # device references in-flight steps let go of on completion
         self.swapped_out_blocks = 0
         self.swapped_in_blocks = 0
@@ -217,21 +216,6 @@ class KVCacheManager:
             host_free += hb is not None and hb not in self.host.refs
         return PrefixHit(tuple(device), tuple(host), tuple(in_use), host_free, self.block_size)
 
-    def claim_prefix(self, job_id: str, num_tokens: int, tokens: Tokens) -> PrefixHit:
-        """Reference the cached prefix a job is about to be admitted with (``admit`` takes the
-        claim), so that nothing the same decision does first — taking blocks, which evicts the
-        least recently used cached ones — can evict it: a decision claims all its admissions'
-        prefixes before it applies anything else."""
-        hit = self.prefix_hit(job_id, num_tokens, tokens)
-        for d, hb in zip(hit.device, hit.host, strict=True):
-            if d is not None:
-                self.device.ref(d)
-            else:
-                assert hb is not None
-                self.host.ref(hb)
-        self._claims[job_id] = hit
-        return hit
-
     def admit(self, job_id: str, num_tokens: int, step: int, tokens: Tokens,
               runs: bool) -> tuple[int, SwapCommand | None]:
         """Give a job with no KV a table for ``num_tokens`` positions, its cached prefix first:
@@ -240,9 +224,13 @@ class KVCacheManager:
         (its forward waits for the copy). Returns the cached positions and the swap-in."""
         if job_id in self._jobs:
             raise ValueError(f"job {job_id}: already has KV")
-        if job_id not in self._claims:
-            self.claim_prefix(job_id, num_tokens, tokens)
-        hit = self._claims.pop(job_id)
+        hit = self.prefix_hit(job_id, num_tokens, tokens)
+        for d in hit.device:
+            if d is not None:
+                self.device.ref(d)
+        for hb in hit.host:
+            if hb is not None:
+                self.host.ref(hb)
         fresh = self._take_device(sum(d is None for d in hit.device)
                                   + self.blocks_for(num_tokens) - hit.num_blocks)
         table: list[int] = []
@@ -253,7 +241,7 @@ class KVCacheManager:
             if d is None:
                 assert hb is not None
                 d = fresh.pop(0)   # (few: one per host hit)
-                rec.host.append(hb)           # (claimed) read by the copy: kept until it lands
+                rec.host.append(hb)           # read by the copy: held until it lands
                 rec.cache_device.append((d, self.host.hash_of[hb]))
                 src.append(hb)
                 dst.append(d)
@@ -573,7 +561,7 @@ class KVCacheManager:
             assert not missing, f"{pool.name} blocks {missing[:8]} are neither free, owned nor in flight"
             assert all(pool.by_hash.get(h) == b for b, h in pool.hash_of.items()) and \
                 len(pool.by_hash) == len(pool.hash_of), f"{pool.name} cache maps disagree"
-        assert not self._claims and not self._evicted, "a decision was left half applied"
+        assert not self._evicted, "a decision was left half applied (evictions not flushed)"
         releasing = sum(len(r.device) for r in self._steps.values())
         assert releasing == self.device_releasing, (
             f"device_releasing={self.device_releasing} but in-flight records hold {releasing}")

@@ -8,7 +8,7 @@ themselves are made elsewhere (``batcher``, ``memory``, the policy's demotion an
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from actors.messages import BatchEntry, BatchPlan, FinishReason, SwapCommand
 from app.kv.enst import EnstTable
@@ -106,14 +106,6 @@ class Applier:
         stall breaker; commands and entries accumulate in ``out``."""
         s = self.s
         step, table = decision.step, decision.table
-        # Prefix caching: every admission's cached prefix is claimed before anything takes
-        # blocks (which evicts the least recently used cached ones).
-        for action in decision.batch.actions:
-            if isinstance(action, Fetch) or (isinstance(action, Run) and action.prefill
-                                             and not action.wasted
-                                             and s.kv.tier(action.job_id) is Tier.NONE):
-                job = s.jobs[action.job_id]
-                s.kv.claim_prefix(job.job_id, job.next_context_len, job.tokens)
         for action in decision.batch.actions:
             if isinstance(action, Evict):
                 self._evict(action, step, table, out)
@@ -153,7 +145,12 @@ class Applier:
         whole = job.next_context_len if run.prefill and not run.wasted else run.num_tokens
         if run.prefill and not run.wasted and s.kv.tier(job.job_id) is Tier.NONE:
             cached, fetch = s.kv.admit(job.job_id, whole, step, job.tokens, runs=True)
-            assert cached == run.start, f"{job.job_id}: planned from {run.start}, cached {cached}"
+            if cached < run.start:
+                # An earlier action of this decision took a cached block the walk counted as
+                # this job's hit (it evicts the least recently used): compute from what is
+                # still cached, as many tokens as planned — a prefill chunk if short of the end.
+                end = min(cached + run.fed_tokens, job.next_context_len)
+                run = replace(run, start=cached, num_tokens=end)
             if fetch is not None:   # host hits: the forward waits for the copy
                 out.swap_in.append(fetch)
             self._note_prefix(job, whole, cached)
@@ -185,8 +182,13 @@ class Applier:
         s = self.s
         whole = job.next_context_len
         cached, fetch = s.kv.admit(job.job_id, whole, step, job.tokens, runs=False)
-        assert fetch is not None and 0 < cached < whole
-        out.swap_in.append(fetch)
+        if cached == 0:
+            # An earlier action of this decision took the cached blocks (host evictions for its
+            # swap-outs): nothing to fetch; it is admitted as a new job at a later decision.
+            s.kv.drop(job.job_id)
+            return
+        if fetch is not None:
+            out.swap_in.append(fetch)
         self._note_prefix(job, whole, cached)
         self.unplace(job)
         self._admit(job)

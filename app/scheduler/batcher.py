@@ -228,16 +228,19 @@ class _Walk:
         need = kv.blocks_for(n if prefix is not None else job.next_context_len)
         shared = hit.in_use if hit is not None and not self.evicted else ()
         need -= len(shared)
-        # (Marked before making room: no victim found for it may count them as freed.)
+        # (Set aside before making room: no victim found for it may count its shared hits as
+        # freed, or swap into the host blocks its fetch reads.)
         self.res.shared_hits.update(shared)
+        host_reads = 0 if hit is None else hit.host_unreferenced
+        self.res.free_host -= host_reads
         room = self._make_room(job, need) if admission_open else None
+        if room != "now":
+            self.res.free_host += host_reads
         if room == "later":
             return False    # runs at the next decision, in the blocks it claimed
         if room is None:
             self.res.waiting_needs[job.job_id] = need
             return True
-        if hit is not None:
-            self.res.free_host -= hit.host_unreferenced
         if fetch:
             self.res.actions.append(Fetch(job.job_id))
             self.res.free_device -= need
