@@ -77,6 +77,8 @@ class Backend(Protocol):
 
     async def health(self) -> dict[str, Any]: ...
 
+    async def reset_prefix_cache(self) -> dict[str, Any]: ...
+
 
 @dataclass(frozen=True)
 class ServerContext:
@@ -89,6 +91,7 @@ class ServerContext:
     api_key: str | None = None
     retry_after_s: int = 1
     limits: RequestLimits = field(default_factory=lambda: RequestLimits())
+    allow_reset_prefix_cache: bool = False
     created: int = field(default_factory=now_s)
 
     @classmethod
@@ -99,7 +102,8 @@ class ServerContext:
                                srv.request_timeout_s, srv.admission_timeout_s, srv.allow_priority,
                                srv.health_timeout_s, srv.max_choices)
         return cls(args.model.name, tokenizer, args.model.hf_config().vocab_size,
-                   args.model.context_len(), srv.resolved_api_key(), srv.retry_after_s, limits)
+                   args.model.context_len(), srv.resolved_api_key(), srv.retry_after_s, limits,
+                   allow_reset_prefix_cache=srv.allow_reset_prefix_cache)
 
 
 @dataclass
