@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from app.kv.prefix import TierBlocks
+from app.kv.tables import Tier
 
 if TYPE_CHECKING:
     from app.kv.manager import KVCacheManager
@@ -19,8 +20,6 @@ def check_manager(m: KVCacheManager, expected_tokens: Mapping[str, int] | None =
     ``expected_tokens`` (job id -> positions its table must cover) comes from the
     scheduler; jobs with KV must all be listed when it is given.
     """
-    from app.kv.manager import Tier  # (the manager imports this module)
-
     for pool in (m.device, m.host):
         holders: dict[int, list[str]] = {}
         for job_id, kv in m._jobs.items():

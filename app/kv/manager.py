@@ -29,101 +29,21 @@ blocks. Off (``prefix_caching: false``), nothing is shared or cached and every c
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Mapping
 
-from actors.messages import SwapCommand, blocks_for
+from actors.messages import SwapCommand
 from app.kv.blocks import OutOfBlocks
+from app.kv.cache_ops import PrefixCacheOps
 from app.kv.integrity import check_manager
-from app.kv.prefix import BlockHash, PrefixHit, TierBlocks, hash_blocks, root_hash
+from app.kv.tables import SPILL_JOB, PoolSizes, Residency, Tier, Tokens, _JobKV
 
-#: The job id a cache spill's swap-out carries (the data plane only copies blocks).
-SPILL_JOB = "prefix-cache"
-
-Tokens = Callable[[], Sequence[int]]
+__all__ = ["SPILL_JOB", "KVCacheManager", "PoolSizes", "Residency", "Tier", "Tokens"]
 
 
-class Tier(enum.Enum):
-    NONE = "none"
-    DEVICE = "device"
-    HOST = "host"
-
-
-class Residency(enum.Enum):
-    NONE = "none"          # no KV
-    RESIDENT = "resident"  # on the device, usable by the next plan
-    HOST = "host"          # on the host, settled
-    TRANSIT = "transit"    # a swap of it is in flight
-
-
-@dataclass
-class _JobKV:
-    tier: Tier
-    blocks: list[int]
-    num_tokens: int                 # positions the table covers
-    busy_step: int | None = None    # step whose entry uses these blocks
-    swap_step: int | None = None    # step carrying an uncompleted swap of this job
-    committed: int = 0              # leading full blocks already offered to the cache
-
-
-@dataclass
-class _StepReleases:
-    """What one in-flight step holds of the KV cache, settled when it completes: references it
-    lets go of then, and blocks it writes that are cached then."""
-
-    device: list[int] = field(default_factory=list)   # unreferenced when the step completes
-    #: Device blocks the step reads that other tables also hold (not freed by its completion).
-    device_reads: list[int] = field(default_factory=list)
-    host: list[int] = field(default_factory=list)
-    swaps: list[str] = field(default_factory=list)    # jobs whose swap settles with the step
-    busy: list[str] = field(default_factory=list)     # jobs whose blocks the step's entries use
-    cache_device: list[tuple[int, BlockHash]] = field(default_factory=list)
-    cache_host: list[tuple[int, BlockHash]] = field(default_factory=list)
-
-
-class PoolSizes(Protocol):
-    """What the manager is built from (``app.scheduler.config.KVCacheConfig`` has it;
-    ``app/kv`` imports nothing from ``app/scheduler``)."""
-
-    @property
-    def block_size(self) -> int: ...
-    @property
-    def num_device_blocks(self) -> int: ...
-    @property
-    def num_host_blocks(self) -> int: ...
-    @property
-    def prefix_caching(self) -> bool: ...
-    @property
-    def host_prefix_cache(self) -> bool: ...
-    @property
-    def prefix_cache_key(self) -> str: ...
-
-
-class KVCacheManager:
-    def __init__(self, config: PoolSizes) -> None:
-        self.config = config
-        self.block_size = config.block_size
-        self.device = TierBlocks(config.num_device_blocks, "device")
-        self.host = TierBlocks(config.num_host_blocks, "host")
-        self.caching = config.prefix_caching
-        self.host_caching = self.caching and config.host_prefix_cache
-        self._root = root_hash(config.prefix_cache_key)
-        self._jobs: dict[str, _JobKV] = {}
-        self._hashes: dict[str, list[BlockHash]] = {}
-        self._steps: dict[int, _StepReleases] = {}
-        self._evicted: list[tuple[int, BlockHash]] = []   # device evictions not yet spilled
-        self.device_releasing = 0   # device references in-flight steps let go of on completion
-        self.swapped_out_blocks = 0
-        self.swapped_in_blocks = 0
-        self.spilled_blocks = 0     # cached device blocks moved to the host on eviction
-        self.fetched_blocks = 0     # cached host blocks copied back for a new job's prefix
+class KVCacheManager(PrefixCacheOps):
+    """Block tables, reference counts and the prefix cache of the two-tier KV (above)."""
 
     # ---- queries -------------------------------------------------------------------------
-    def blocks_for(self, num_tokens: int) -> int:
-        return blocks_for(num_tokens, self.block_size)
-
     @property
     def num_free_device(self) -> int:
         """Device blocks a new owner can take: free or cached and evictable."""
@@ -192,117 +112,6 @@ class KVCacheManager:
         if kv.tier is Tier.HOST:
             return max(want, len(kv.blocks))
         return max(want - len(kv.blocks), 0)
-
-    # ---- the prefix cache ----------------------------------------------------------------
-    def prefix_hit(self, job_id: str, num_tokens: int, tokens: Tokens) -> PrefixHit:
-        """The longest cached prefix of the job's first ``num_tokens`` positions, in full blocks,
-        leaving at least its last position to compute (it is sampled). Each block is found on
-        the device or, failing that, on the host (host tier on)."""
-        if not self.caching or job_id in self._jobs:
-            return PrefixHit(block_size=self.block_size)
-        hashes = self._job_hashes(job_id, (num_tokens - 1) // self.block_size, tokens)
-        device: list[int | None] = []
-        host: list[int | None] = []
-        in_use: list[int] = []
-        host_free = 0
-        for h in hashes:
-            d = self.device.by_hash.get(h)
-            hb = None if d is not None or not self.host_caching else self.host.by_hash.get(h)
-            if d is None and hb is None:
-                break
-            device.append(d)
-            host.append(hb)
-            if d is not None and d in self.device.refs:
-                in_use.append(d)
-            host_free += hb is not None and hb not in self.host.refs
-        return PrefixHit(tuple(device), tuple(host), tuple(in_use), host_free, self.block_size)
-
-    def admit(self, job_id: str, num_tokens: int, step: int, tokens: Tokens,
-              runs: bool) -> tuple[int, SwapCommand | None]:
-        """Give a job with no KV a table for ``num_tokens`` positions, its cached prefix first:
-        device hits by reference, host hits into new blocks with the returned swap-in (the job
-        is in transit until ``step`` completes). ``runs``: an entry of ``step`` uses the table
-        (its forward waits for the copy). Returns the cached positions and the swap-in."""
-        if job_id in self._jobs:
-            raise ValueError(f"job {job_id}: already has KV")
-        hit = self.prefix_hit(job_id, num_tokens, tokens)
-        for d in hit.device:
-            if d is not None:
-                self.device.ref(d)
-        for hb in hit.host:
-            if hb is not None:
-                self.host.ref(hb)
-        fresh = self._take_device(sum(d is None for d in hit.device)
-                                  + self.blocks_for(num_tokens) - hit.num_blocks)
-        table: list[int] = []
-        src: list[int] = []
-        dst: list[int] = []
-        rec = self._record(step)
-        for d, hb in zip(hit.device, hit.host, strict=True):
-            if d is None:
-                assert hb is not None
-                d = fresh.pop(0)   # (few: one per host hit)
-                rec.host.append(hb)           # read by the copy: held until it lands
-                rec.cache_device.append((d, self.host.hash_of[hb]))
-                src.append(hb)
-                dst.append(d)
-            table.append(d)
-        table.extend(fresh)
-        kv = self._jobs[job_id] = _JobKV(Tier.DEVICE, table, num_tokens, committed=hit.num_blocks)
-        cmd = None
-        if src:
-            kv.swap_step = step
-            rec.swaps.append(job_id)
-            self.fetched_blocks += len(src)
-            cmd = SwapCommand("in", job_id, tuple(src), tuple(dst))
-        if runs:
-            kv.busy_step = step
-            rec.busy.append(job_id)
-        if not rec.device and not rec.host and not rec.swaps and not rec.busy:
-            del self._steps[step]
-        return hit.tokens, cmd
-
-    def commit(self, job_id: str, computed: int, tokens: Tokens) -> None:
-        """A completed step computed the job's positions up to ``computed``: cache its full
-        blocks (a hash already cached elsewhere keeps that copy)."""
-        kv = self._jobs.get(job_id)
-        full = computed // self.block_size
-        if not self.caching or kv is None or kv.tier is not Tier.DEVICE or full <= kv.committed:
-            return
-        hashes = self._job_hashes(job_id, full, tokens)
-        for i in range(kv.committed, full):
-            self.device.register(kv.blocks[i], hashes[i])
-        kv.committed = full
-
-    def flush_evicted(self, step: int) -> SwapCommand | None:
-        """Where the cached device blocks this decision evicted go: to the host (a swap-out with
-        ``step``, before anything writes them) while the host has room and lacks their hash,
-        else nowhere. Called once the decision's own swaps took their host blocks."""
-        evicted, self._evicted = self._evicted, []
-        if not self.host_caching:
-            return None
-        src: list[int] = []
-        dst: list[int] = []
-        rec = self._record(step)
-        for block, block_hash in evicted:
-            if block_hash in self.host.by_hash or self.host.num_available == 0:
-                continue
-            (hb,), _ = self.host.take(1)
-            rec.host.append(hb)                 # written by the copy; cached when it lands
-            rec.cache_host.append((hb, block_hash))
-            src.append(block)
-            dst.append(hb)
-        self.spilled_blocks += len(src)
-        return SwapCommand("out", SPILL_JOB, tuple(src), tuple(dst)) if src else None
-
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached block (vLLM's ``/reset_prefix_cache``): evictable ones are free
-        again, referenced ones stay with their owners unfound by later lookups. Returns how many
-        blocks were cached."""
-        for rec in self._steps.values():
-            rec.cache_device.clear()
-            rec.cache_host.clear()
-        return self.device.reset() + self.host.reset()
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate(self, job_id: str, num_tokens: int, step: int) -> tuple[int, ...]:
@@ -488,48 +297,8 @@ class KVCacheManager:
         self.complete(step)
         return lost
 
-    # ---- internals -----------------------------------------------------------------------
-    def _record(self, step: int) -> _StepReleases:
-        rec = self._steps.get(step)
-        if rec is None:
-            rec = self._steps[step] = _StepReleases()
-        return rec
-
-    def _take_device(self, n: int) -> list[int]:
-        blocks, evicted = self.device.take(n)
-        self._evicted.extend(evicted)
-        return blocks
-
-    def _unref_table(self, kv: _JobKV) -> None:
-        # Last block first: a chain's tail becomes evictable before its head (a block is only
-        # ever found through every block before it).
-        (self.device if kv.tier is Tier.DEVICE else self.host).unref_chain(kv.blocks)
-
-    def _job_hashes(self, job_id: str, n: int, tokens: Tokens) -> list[BlockHash]:
-        have = self._hashes.setdefault(job_id, [])
-        if len(have) < n:
-            parent = have[-1] if have else self._root
-            have.extend(hash_blocks(parent, tokens(), self.block_size, len(have), n))
-        return have[:n]
-
-    def _settled(self, job_id: str, tier: Tier) -> _JobKV:
-        kv = self._jobs.get(job_id)
-        if kv is None or kv.tier is not tier:
-            raise ValueError(f"job {job_id}: KV is not on {tier.value}")
-        if kv.busy_step is not None or kv.swap_step is not None:
-            raise ValueError(f"job {job_id}: KV is used by an in-flight step")
-        return kv
-
     # ---- integrity -----------------------------------------------------------------------
     def check_invariants(self, expected_tokens: Mapping[str, int] | None = None) -> None:
         """Every block free, cached and evictable, or referenced by exactly the job tables and
         in-flight steps that hold it; tables match contexts (``app.kv.integrity``)."""
         check_manager(self, expected_tokens)
-
-    def cache_stats(self) -> dict[str, int]:
-        """Cached blocks per tier (evictable ones among them) and cache traffic."""
-        return {"device_cached": self.device.num_cached, "device_evictable": len(self.device.lru),
-                "host_cached": self.host.num_cached, "host_evictable": len(self.host.lru),
-                "device_evictions": self.device.evictions, "host_evictions": self.host.evictions,
-                "spilled_blocks": self.spilled_blocks, "fetched_blocks": self.fetched_blocks}
-
