@@ -154,6 +154,7 @@ class Applier:
             if fetch is not None:   # host hits: the forward waits for the copy
                 out.swap_in.append(fetch)
             self._note_prefix(job, whole, cached)
+            job.prefilled = cached  # its KV exists up to here, as after earlier chunks
             table = s.kv.block_table(job.job_id)
         else:
             table = s.kv.allocate(job.job_id, whole, step)
@@ -177,8 +178,8 @@ class Applier:
         self._start(job, now)
 
     def _fetch(self, job: Job, step: int, now: float, out: Applied) -> None:
-        """Proactive prefix caching: admit a job whose cached prefix is partly on the host; the
-        copy goes with this plan, and the job runs the rest of its prompt once it landed."""
+        """Prefix caching: admit a job whose cached prefix is partly on the host; the copy goes
+        with this plan, and the job runs the rest of its prompt once it landed."""
         s = self.s
         whole = job.next_context_len
         cached, fetch = s.kv.admit(job.job_id, whole, step, job.tokens, runs=False)

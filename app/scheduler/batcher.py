@@ -46,7 +46,6 @@ class BatchPlanner:
     def __init__(self, view: SchedulerView) -> None:
         self.view = view
         self.reactive = view.kv_config.swap_mode == "reactive"
-        self.proactive = view.kv_config.swap_mode == "proactive"
         self.recompute = view.kv_config.swap_mode == "recompute"
 
     def plan(self, step: int, admit_new: bool = True) -> BatchDecision:
@@ -209,9 +208,10 @@ class _Walk:
         Prefix caching: it computes only what the cache lacks, from ``start``. A device hit
         that some table already holds costs no block (unless this walk evicted a holder: then
         every hit is counted), and is marked shared so that no eviction counts it as freed; a
-        host hit costs a device block, and a host block until its copy lands. Under
-        ``proactive`` a prefix with host hits is fetched with this plan and the job runs once
-        it landed (``Fetch``); otherwise its forward waits for the copy in this plan. (A first
+        host hit costs a device block, and a host block until its copy lands. A prefix with host
+        hits is fetched with this plan and the job runs once it landed (``Fetch``), except under
+        ``reactive``, where its forward waits for the copy in this very plan (as a reactive
+        swap-in does). (A first
         iteration naive MLFQ cuts at the quantum ignores the cache.)"""
         kv = self.view.kv
         prefix = self.view.policy.preempted_prefix(job)
@@ -221,7 +221,7 @@ class _Walk:
         chunk = self._chunk_room()
         if chunk is not None and prefix is None:
             n = min(n, start + chunk)   # chunked prefill: the first chunk
-        fetch = hit is not None and hit.num_host > 0 and self.p.proactive
+        fetch = hit is not None and hit.num_host > 0 and not self.p.reactive
         if not fetch and not self._fits_budget(n - start):
             return False  # not a memory problem: it simply waits for a batch with room
         # A first iteration in chunks takes the blocks of all of it with its first chunk.

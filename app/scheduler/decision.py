@@ -49,7 +49,7 @@ class Evict:
 
 @dataclass(frozen=True)
 class Fetch:
-    """Prefix caching, proactive mode: a new job whose cached prefix is (partly) on the host is
+    """Prefix caching (not under ``reactive``): a new job whose cached prefix is (partly) on the host is
     admitted with this plan — its table taken, the host blocks copied back — and runs once the
     copy landed, from the first position the cache did not hold (as a prefill chunk would)."""
 
