@@ -11,22 +11,24 @@ from app.kv.tables import SPILL_JOB, KVState, Tier, Tokens, _JobKV
 
 class PrefixCacheOps(KVState):
     # ---- the prefix cache ----------------------------------------------------------------
-    def prefix_hit(self, job_id: str, num_tokens: int, tokens: Tokens) -> PrefixHit:
+    def prefix_hit(self, job_id: str, num_tokens: int, tokens: Tokens,
+                   max_host: int | None = None) -> PrefixHit:
         """The longest cached prefix of the job's first ``num_tokens`` positions, in full blocks,
         leaving at least its last position to compute (it is sampled). Each block is found on
-        the device or, failing that, on the host (host tier on)."""
+        the device or, failing that, on the host (host tier on; at most ``max_host`` blocks)."""
         if not self.caching or job_id in self._jobs:
             return PrefixHit(block_size=self.block_size)
         hashes = self._job_hashes(job_id, (num_tokens - 1) // self.block_size, tokens)
         device: list[int | None] = []
         host: list[int | None] = []
         in_use: list[int] = []
-        host_free = 0
+        host_free = n_host = 0
         for h in hashes:
             d = self.device.by_hash.get(h)
             hb = None if d is not None or not self.host_caching else self.host.by_hash.get(h)
-            if d is None and hb is None:
+            if d is None and (hb is None or (max_host is not None and n_host >= max_host)):
                 break
+            n_host += d is None
             device.append(d)
             host.append(hb)
             if d is not None and d in self.device.refs:
@@ -35,14 +37,17 @@ class PrefixCacheOps(KVState):
         return PrefixHit(tuple(device), tuple(host), tuple(in_use), host_free, self.block_size)
 
     def admit(self, job_id: str, num_tokens: int, step: int, tokens: Tokens,
-              runs: bool) -> tuple[int, SwapCommand | None]:
+              runs: bool, max_host: int | None = None) -> tuple[int, SwapCommand | None]:
         """Give a job with no KV a table for ``num_tokens`` positions, its cached prefix first:
         device hits by reference, host hits into new blocks with the returned swap-in (the job
         is in transit until ``step`` completes). ``runs``: an entry of ``step`` uses the table
-        (its forward waits for the copy). Returns the cached positions and the swap-in."""
+        (its forward waits for the copy). ``max_host``: at most the host hits the decision
+        planned (an earlier action of it may have evicted a device hit the walk counted, and the
+        host copy of that block is not what it planned to read). Returns the cached positions
+        and the swap-in."""
         if job_id in self._jobs:
             raise ValueError(f"job {job_id}: already has KV")
-        hit = self.prefix_hit(job_id, num_tokens, tokens)
+        hit = self.prefix_hit(job_id, num_tokens, tokens, max_host)
         for d in hit.device:
             if d is not None:
                 self.device.ref(d)

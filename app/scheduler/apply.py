@@ -110,7 +110,7 @@ class Applier:
             if isinstance(action, Evict):
                 self._evict(action, step, table, out)
             elif isinstance(action, Fetch):
-                self._fetch(s.jobs[action.job_id], step, now, out)
+                self._fetch(s.jobs[action.job_id], action.host_hits, step, now, out)
             else:
                 self._run(action, step, now, out)
         for job_id in decision.batch.wanted_host:
@@ -144,7 +144,8 @@ class Applier:
         # A first iteration in chunks takes the blocks of all of it with its first chunk.
         whole = job.next_context_len if run.prefill and not run.wasted else run.num_tokens
         if run.prefill and not run.wasted and s.kv.tier(job.job_id) is Tier.NONE:
-            cached, fetch = s.kv.admit(job.job_id, whole, step, job.tokens, runs=True)
+            cached, fetch = s.kv.admit(job.job_id, whole, step, job.tokens, runs=True,
+                                       max_host=run.host_hits)
             if cached < run.start:
                 # An earlier action of this decision took a cached block the walk counted as
                 # this job's hit (it evicts the least recently used): compute from what is
@@ -177,17 +178,17 @@ class Applier:
             out.wasted.add(job.job_id)
         self._start(job, now)
 
-    def _fetch(self, job: Job, step: int, now: float, out: Applied) -> None:
+    def _fetch(self, job: Job, host_hits: int, step: int, now: float, out: Applied) -> None:
         """Prefix caching: admit a job whose cached prefix is partly on the host; the copy goes
         with this plan, and the job runs the rest of its prompt once it landed."""
         s = self.s
         whole = job.next_context_len
-        cached, fetch = s.kv.admit(job.job_id, whole, step, job.tokens, runs=False)
-        if cached == 0:
-            # An earlier action of this decision took the cached blocks (host evictions for its
-            # swap-outs): nothing to fetch; it is admitted as a new job at a later decision.
-            s.kv.drop(job.job_id)
+        if not s.kv.prefix_hit(job.job_id, whole, job.tokens, host_hits).tokens:
+            # An earlier action of this decision took the cached blocks (evicted them to take
+            # blocks): nothing to fetch; it is admitted as a new job at a later decision.
             return
+        cached, fetch = s.kv.admit(job.job_id, whole, step, job.tokens, runs=False,
+                                   max_host=host_hits)
         if fetch is not None:
             out.swap_in.append(fetch)
         self._note_prefix(job, whole, cached)

@@ -242,10 +242,12 @@ class _Walk:
             self.res.waiting_needs[job.job_id] = need
             return True
         if fetch:
-            self.res.actions.append(Fetch(job.job_id))
+            assert hit is not None
+            self.res.actions.append(Fetch(job.job_id, hit.num_host))
             self.res.free_device -= need
             return False
-        self._pick(Run(job.job_id, n, prefill=True, start=start, wasted=prefix is not None), need)
+        self._pick(Run(job.job_id, n, prefill=True, start=start, wasted=prefix is not None,
+                       host_hits=0 if hit is None else hit.num_host), need)
         return False
 
     def _make_room(self, job: Job, need: int) -> Literal["now", "later"] | None:

@@ -28,6 +28,9 @@ class Run:
     swap_in_first: bool = False
     #: Naive MLFQ: a first iteration cut at the quantum; its token and KV are discarded.
     wasted: bool = False
+    #: Prefix caching (reactive): blocks of its cached prefix the walk found only on the host,
+    #: copied in with this plan (its forward waits); no more are taken at apply time.
+    host_hits: int = 0
 
     @property
     def fed_tokens(self) -> int:
@@ -54,6 +57,7 @@ class Fetch:
     copy landed, from the first position the cache did not hold (as a prefill chunk would)."""
 
     job_id: str
+    host_hits: int     # blocks the walk found only on the host (no more are fetched)
 
 
 @dataclass
