@@ -79,6 +79,14 @@ def make_api(server: OpenAIServer) -> FastAPI:
         server.check_auth(request.headers.get("authorization"))
         return JSONResponse(await server.backend.engine_stats())
 
+    if server.ctx.allow_reset_prefix_cache:
+        @api.post("/reset_prefix_cache")
+        async def reset_prefix_cache(request: Request) -> JSONResponse:
+            """vLLM's endpoint: forget the cached KV blocks no job uses (of the scheduler
+            replica the call reaches). Only when ``server.allow_reset_prefix_cache`` is on."""
+            server.check_auth(request.headers.get("authorization"))
+            return JSONResponse(await server.backend.reset_prefix_cache())
+
     @api.get("/metrics")
     async def metrics() -> Response:
         return Response(await server.backend.metrics_text(), media_type=CONTENT_TYPE)

@@ -77,6 +77,8 @@ class Backend(Protocol):
 
     async def health(self) -> dict[str, Any]: ...
 
+    async def reset_prefix_cache(self) -> dict[str, Any]: ...
+
 
 @dataclass(frozen=True)
 class ServerContext:
@@ -89,6 +91,7 @@ class ServerContext:
     api_key: str | None = None
     retry_after_s: int = 1
     limits: RequestLimits = field(default_factory=lambda: RequestLimits())
+    allow_reset_prefix_cache: bool = False
     created: int = field(default_factory=now_s)
 
     @classmethod
@@ -99,7 +102,8 @@ class ServerContext:
                                srv.request_timeout_s, srv.admission_timeout_s, srv.allow_priority,
                                srv.health_timeout_s, srv.max_choices)
         return cls(args.model.name, tokenizer, args.model.hf_config().vocab_size,
-                   args.model.context_len(), srv.resolved_api_key(), srv.retry_after_s, limits)
+                   args.model.context_len(), srv.resolved_api_key(), srv.retry_after_s, limits,
+                   allow_reset_prefix_cache=srv.allow_reset_prefix_cache)
 
 
 @dataclass
@@ -129,6 +133,11 @@ class Prepared:
 def job_stats(delta: TokenDelta) -> dict[str, Any]:
     """A finishing event's ``job_stats`` as the response carries them ({} without stats)."""
     return {} if delta.stats is None else delta.stats.as_dict()
+
+
+def cached_tokens(delta: TokenDelta) -> int:
+    """Prompt tokens the prefix cache served the job (0 without stats)."""
+    return 0 if delta.stats is None else delta.stats.cached_tokens
 
 
 class OpenAIServer:
@@ -326,7 +335,8 @@ class OpenAIServer:
             first_extra["prompt_token_ids"] = list(prep.prompt_ids)
         text, ids, last, choice_extra = results[0]
         body = build(prep.request_id, self.ctx.model_name, text, last.finish_reason,
-                     usage(len(prep.prompt_ids), sum(len(r[1]) for r in results)),
+                     usage(len(prep.prompt_ids), sum(len(r[1]) for r in results),
+                           cached_tokens(last)),
                      {"job_stats": job_stats(last), "choice": choice_extra, **first_extra})
         template = body["choices"][0]
         for index, (text, _, last, extra) in enumerate(results[1:], start=1):
@@ -389,12 +399,14 @@ class OpenAIServer:
                 first = chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None,
                                    {**base, "choice": {"index": index}})
                 yield b"data: " + json.dumps(first).encode() + b"\n\n"
-        n = 0
+        n = cached = 0
         try:
             async with asyncio.timeout(self.ctx.limits.request_timeout_s):
                 async for index, (delta, text) in merged([self.events(s, prep) for s in streams]):
                     n += len(delta.token_ids)
                     if delta.finish_reason is not None:
+                        if index == 0:
+                            cached = cached_tokens(delta)
                         yield chunk(index, text, delta.finish_reason, delta, {"job_stats": job_stats(delta)})
                     elif text or want_ids or (fmts is not None and delta.token_ids):
                         yield chunk(index, text, None, delta, {})
@@ -413,7 +425,7 @@ class OpenAIServer:
             yield SSE_DONE
             return
         if want_usage:
-            u = {"usage": usage(len(prep.prompt_ids), n)}
+            u = {"usage": usage(len(prep.prompt_ids), n, cached)}
             tail = chat_chunk(rid, model, created, None, None, u) if prep.chat else \
                 completion_chunk(rid, model, created, None, None, u)
             yield b"data: " + json.dumps(tail).encode() + b"\n\n"

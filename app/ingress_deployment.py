@@ -38,6 +38,7 @@ class ServeBackend:
     def __init__(self, scheduler: Any, metrics: AgentMetrics, channels: ChannelClient | None = None) -> None:
         self._generate = scheduler.options(stream=True).generate
         self._stats = scheduler.stats
+        self._reset = scheduler.reset_prefix_cache
         self._health = scheduler.health
         self._metrics = metrics
         self.channels = channels
@@ -51,6 +52,10 @@ class ServeBackend:
 
     async def metrics_text(self) -> str:
         return await self._metrics.text()
+
+    async def reset_prefix_cache(self) -> dict[str, Any]:
+        out: dict[str, Any] = await self._reset.remote()
+        return out
 
     async def engine_stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = await self._stats.remote()

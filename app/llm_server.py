@@ -93,6 +93,9 @@ class LocalBackend:
     async def health(self) -> dict[str, Any]:
         return await self.replica.health()
 
+    async def reset_prefix_cache(self) -> dict[str, Any]:
+        return await self.replica.reset_prefix_cache()
+
 
 def _client_fields(request: Any) -> bytes:
     """Only the fields the client sent (vLLM's model filled defaults in; Ray's own request_id
@@ -210,7 +213,8 @@ class FastServeEngine(LLMEngine):
         yield   # pragma: no cover
 
     async def reset_prefix_cache(self) -> None:
-        return None   # no prefix cache: nothing to reset
+        if self.replica is not None:
+            await self.replica.reset_prefix_cache()
 
 
 class FastServeLLMServer(LLMServer):

@@ -91,6 +91,9 @@ SCHEDULER_FAMILIES = _families(
            "(a running job's KV swapped out or dropped for recompute)."),
     Family("prompt_tokens", "counter", "Number of prefill tokens processed."),
     Family("generation_tokens", "counter", "Number of generation tokens processed."),
+    Family("prefix_cache_queries", "counter",
+           "Prefix cache queries, in terms of number of queried tokens."),
+    Family("prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens."),
     Family("time_to_first_token_seconds", "histogram", "Histogram of time to first token in seconds.",
            buckets=TTFT_BUCKETS),
     Family("inter_token_latency_seconds", "histogram", "Histogram of inter-token latency in seconds.",
@@ -116,6 +119,8 @@ SCHEDULER_FAMILIES = _families(
            "iteration; waiting: not).", ("level", "state")),
     Family("admission_queue_jobs", "gauge", "Jobs waiting for admission (no KV anywhere yet)."),
     Family("host_kv_cache_usage_perc", "gauge", "Host (swap) KV-cache usage. 1 means 100 percent usage."),
+    Family("prefix_cache_blocks", "gauge", "KV blocks the prefix cache holds, by tier (device, "
+           "host), whether a job uses them or they are only kept for later hits.", ("tier",)),
     Family("swaps", "counter", "Jobs whose KV was swapped, by direction (out: device->host, in: host->device).",
            ("direction",)),
     Family("swapped_blocks", "counter", "KV blocks swapped, by direction.", ("direction",)),
@@ -273,6 +278,10 @@ class SchedulerMetrics(Recorder):
         for (level, state), n in mlfq_jobs(scheduler).items():
             self.set("mlfq_jobs", n, level=str(level), state=state)
         t, kv, m = scheduler.totals, scheduler.kv, self._mirror
+        self.set("prefix_cache_blocks", float(kv.device.num_cached), tier="device")
+        self.set("prefix_cache_blocks", float(kv.host.num_cached), tier="host")
+        m.advance(self, "prefix_cache_queries", t["prefix_cache_queries"])
+        m.advance(self, "prefix_cache_hits", t["prefix_cache_hits"])
         m.advance(self, "num_preemptions", t["swaps_out"] + t["recomputes"])
         for direction in ("out", "in"):
             m.advance(self, "swaps", t[f"swaps_{direction}"], direction=direction)

@@ -207,6 +207,10 @@ class SchedulerReplica:
                 "delivery_channels": {ingress: len(channel.job_ids) for ingress, channel in self._channels.items()},
                 "rebuilds": self.engine.rebuilds}
 
+    async def reset_prefix_cache(self) -> dict[str, Any]:
+        """Forget this replica's cached KV blocks (``POST /reset_prefix_cache``)."""
+        return {"reset_blocks": self.scheduler.reset_prefix_cache()}
+
     async def replica_info(self) -> dict[str, Any]:
         """This replica's Ray actor id and Serve replica id (tests, operators)."""
         import ray

@@ -116,6 +116,11 @@ class _Observed:
     finish_reason: str | None = None
     server: dict[str, Any] | None = None
     retry_after: str | None = None
+    #: Chat mode: the streamed answer (a multi-turn conversation sends it back with the next turn).
+    text: list[str] = field(default_factory=list)
+    #: ``usage.prompt_tokens`` and ``usage.prompt_tokens_details.cached_tokens`` when reported.
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         server = self.server or {}
@@ -128,7 +133,8 @@ class _Observed:
         return {"request_id": self.request.request_id, "scheduled_arrival": self.request.arrival_s,
                 "prompt_len": self.request.prompt_len, "expected_output_len": self.request.output_len,
                 **record.to_dict(), "http_status": self.http_status, "finish_reason": self.finish_reason,
-                "error": self.error, "server": self.server, "retry_after": self.retry_after}
+                "error": self.error, "server": self.server, "retry_after": self.retry_after,
+                "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens}
 
 
 def _maybe_float(value: Any) -> float | None:
@@ -189,8 +195,14 @@ async def _stream_one(client: httpx.AsyncClient, obs: _Observed, body: dict[str,
                 obs.tokens += n
             for choice in chunk.get("choices") or ():
                 obs.finish_reason = choice.get("finish_reason") or obs.finish_reason
+                if mode == "chat" and (choice.get("delta") or {}).get("content"):
+                    obs.text.append(choice["delta"]["content"])
             if chunk.get("usage"):
                 usage_tokens = chunk["usage"].get("completion_tokens")
+                obs.prompt_tokens = chunk["usage"].get("prompt_tokens")
+                details = chunk["usage"].get("prompt_tokens_details") or {}
+                if "cached_tokens" in details:
+                    obs.cached_tokens = int(details["cached_tokens"])
             if chunk.get(SERVER_STATS_KEY):
                 obs.server = chunk[SERVER_STATS_KEY]
             if "error" in chunk:

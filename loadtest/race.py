@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 
 from loadtest import chat as C
+from loadtest import prefix_workloads as PW
 from loadtest import prompts as P
 from loadtest import workloads as W
 from loadtest.client import ClientConfig, check_base_url, run_requests, save_jsonl
@@ -86,6 +87,21 @@ def point_requests(args: argparse.Namespace, samples: list[P.PromptSample], rate
     return P.text_requests(samples, args.num_prompts, rate, args.seed, args.output_scale, part)
 
 
+def conversation_point(args: argparse.Namespace, samples: list[P.PromptSample], rate: float,
+                       part: int) -> list[PW.Conversation]:
+    """Multi-turn chat: ``--num-prompts`` turns in all, ``--turns`` per conversation, starting
+    at ``rate`` conversations per second; each rate its own prompts."""
+    cap = C.eos_cap_from_args(args)
+    # Each turn's prompt and answer within an equal share of the context, so the whole
+    # conversation fits it (both servers would refuse the turn that does not).
+    share = (cap.context_len - cap.template_margin) // (2 * args.turns)
+    fitting = [x for x in samples if x.prompt_len <= share]
+    num = max(args.num_prompts // args.turns, 1)
+    pool = fitting[part * num * args.turns:] or fitting
+    return PW.conversations(pool, num, args.turns, rate, args.seed + part,
+                            min(cap.max_tokens or share, share))
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or math.isnan(a) or math.isnan(b) or b == 0:
         return None
@@ -110,15 +126,28 @@ def race(args: argparse.Namespace,
     urls = {"ours": args.ours, "peer": args.peer}
     models = {"ours": args.ours_model, "peer": args.peer_model}
     points: dict[str, dict[float, dict[str, Any]]] = {name: {} for name in SYSTEMS}
+    if args.workload != "independent" and args.mode != "chat":
+        raise SystemExit(f"--workload {args.workload} needs --mode chat")
+    if args.workload == "shared-system" and args.system_prompt is None:
+        args.system_prompt = PW.shared_system_prompt(samples, args.system_words, args.seed)
     for part, rate in enumerate(rates):
-        # Each rate its own prompts: the same prompts again would be served from vLLM's prefix
-        # cache (measured: a 930-token prompt's TTFT 0.17 s at the second rate), which we lack.
+        # Each rate its own prompts: the same prompts again would be served from both servers'
+        # prefix caches (the point of ``--workload``, not of a rate sweep).
         requests = point_requests(args, samples, rate, part)
+        convs = conversation_point(args, samples, rate, part) if args.workload == "multi-turn" else []
         for name in SYSTEMS:
             out = None if args.out is None else args.out / f"{name}-rate{rate:g}.jsonl"
-            summary, records = run_point(client_config(args, urls[name], models[name]), requests, out,
-                                         (transports or {}).get(name))
+            config = client_config(args, urls[name], models[name])
+            transport = (transports or {}).get(name)
+            if convs:
+                records = asyncio.run(PW.run_conversations(convs, config, transport))
+                if out is not None:
+                    save_jsonl(records, out)
+                summary = summarize([RequestRecord.from_dict(r) for r in records])
+            else:
+                summary, records = run_point(config, requests, out, transport)
             points[name][rate] = point_row(summary, records)
+            points[name][rate]["prefix_hit_rate"] = PW.hit_rate(records)
             row = points[name][rate]
             print(f"  {name:4} rate {rate:g}: per-token {_fmt(row['per_token_mean_s'])} s, "
                   f"TTFT {_fmt(row['ttft_mean_s'])} s, TPOT {_fmt(1e3 * row['tpot_mean_s'], 1)} ms, "
@@ -137,6 +166,7 @@ def race(args: argparse.Namespace,
     if args.mode == "chat":
         mode.update(system_prompt=args.system_prompt, eos_cap=asdict(C.eos_cap_from_args(args)))
     return {"cpu": cpu_model(), "dataset": args.dataset, "num_prompts": args.num_prompts, **mode,
+            "workload": args.workload,
             "output_scale": args.output_scale, "seed": args.seed, "rates": rates, "slo_s": slo,
             "points": {name: {str(r): row for r, row in pts.items()} for name, pts in points.items()},
             "throughput_at_slo": {name: t.to_dict() for name, t in at_slo.items()},
@@ -188,6 +218,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=list(DEFAULT_RATES),
                         help="comma-separated Poisson arrival rates (req/s)")
     parser.add_argument("--num-prompts", type=int, default=50)
+    parser.add_argument("--workload", choices=("independent", "shared-system", "multi-turn"),
+                        default="independent",
+                        help="prefix sharing (chat mode): one long system prompt in front of every "
+                             "request, or multi-turn conversations (loadtest.prefix_workloads)")
+    parser.add_argument("--turns", type=int, default=4, help="multi-turn: user turns per conversation")
+    parser.add_argument("--system-words", type=int, default=PW.DEFAULT_SYSTEM_WORDS,
+                        help="shared-system: words of the generated system prompt")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slo", type=float, default=None, help="per-token latency SLO in s (default: factor × peer)")
     parser.add_argument("--slo-factor", type=float, default=DEFAULT_SLO_FACTOR)

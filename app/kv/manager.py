@@ -1,94 +1,57 @@
-"""``KVCacheManager``: block tables and free lists of the two-tier paged KV cache.
+"""``KVCacheManager``: block tables, reference counts and the prefix cache of the two-tier KV.
 
 The only holder of block tables. It allocates device blocks for first iterations and decode
 growth, turns swap decisions into ``SwapCommand``s (device <-> host), drops KV for recompute, and
-defers every release that an in-flight plan still touches: the blocks of a job used by an
-in-flight step, and the source (and, on abort, the destination) of an uncompleted swap come back
-to their free list only when that step completes (``complete``). Planners decide; this module
-only does the bookkeeping, so ``check_invariants`` can prove every block is free, owned by
-exactly one job, or in flight.
+defers every release that an in-flight plan still touches: the last reference to a block used by
+an in-flight step, and the source (and, on abort, the destination) of an uncompleted swap, is let
+go only when that step completes (``complete``). Planners decide; this module only does the
+bookkeeping, so ``check_invariants`` can prove every block free, cached and evictable, or
+referenced by exactly the tables and in-flight steps that hold it.
+
+**Prefix caching** (``kv_cache.prefix_caching``, ``app.kv.prefix``): a new job takes the longest
+cached prefix of full blocks (``admit``) — device hits by reference, host hits copied back with
+the plan (a swap-in command) — and computes only the rest. Blocks are cached when the step that
+computed them completed (``commit``), or when the copy that brought them landed. A job's blocks
+outlive it as cached-evictable; taking blocks evicts the least recently released ones, and an
+evicted device block's KV moves to the host while the host has room (``flush_evicted``: a
+swap-out with the plan that reuses the block — the data plane issues swaps before the forward,
+and the forward waits for swaps on its blocks), else it is dropped. The planners count
+cached-evictable blocks as free (``num_free_device``): the cache gives way before any job.
+
+**Swapping out a job that shares blocks** frees on the device only the blocks no other table
+holds (refcount 1, ``movable_blocks``): a block another job also holds stays there for it — that
+job may be running and read it. The job on the host gets its own copy of every block (or a
+reference to the host's cached copy of the same hash), so it never pins device blocks while it
+is away, and its swap-in references what the device still caches and copies back the rest. A
+swap-out takes at most ``num_blocks`` host blocks; a swap-in at most ``num_blocks`` device
+blocks. Off (``prefix_caching: false``), nothing is shared or cached and every count is a job's whole table, as before.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Protocol
 
-from actors.messages import SwapCommand, blocks_for
-from app.kv.blocks import BlockPool, OutOfBlocks
+from actors.messages import SwapCommand
+from app.kv.blocks import OutOfBlocks
+from app.kv.cache_ops import PrefixCacheOps
+from app.kv.integrity import check_manager
+from app.kv.tables import SPILL_JOB, PoolSizes, Residency, Tier, Tokens, _JobKV
 
-
-class Tier(enum.Enum):
-    NONE = "none"
-    DEVICE = "device"
-    HOST = "host"
+__all__ = ["SPILL_JOB", "KVCacheManager", "PoolSizes", "Residency", "Tier", "Tokens"]
 
 
-class Residency(enum.Enum):
-    NONE = "none"          # no KV
-    RESIDENT = "resident"  # on the device, usable by the next plan
-    HOST = "host"          # on the host, settled
-    TRANSIT = "transit"    # a swap of it is in flight
-
-
-@dataclass
-class _JobKV:
-    tier: Tier
-    blocks: list[int]
-    num_tokens: int                 # positions the table covers
-    busy_step: int | None = None    # step whose entry uses these blocks
-    swap_step: int | None = None    # step carrying an uncompleted swap of this job
-
-
-@dataclass
-class _StepReleases:
-    """What one in-flight step holds of the KV cache, settled when it completes. (Which steps are
-    in flight, and what they mean for their jobs, is the scheduler's ``SchedulerState.inflight``;
-    the engine holds only the executor's tasks.)"""
-
-    device: list[int] = field(default_factory=list)   # released when the step completes
-    host: list[int] = field(default_factory=list)
-    swaps: list[str] = field(default_factory=list)    # jobs whose swap settles with the step
-    busy: list[str] = field(default_factory=list)     # jobs whose blocks the step's entries use
-
-
-class PoolSizes(Protocol):
-    """The sizes the manager is built from (``app.scheduler.config.KVCacheConfig`` has them;
-    ``app/kv`` imports nothing from ``app/scheduler``)."""
-
-    @property
-    def block_size(self) -> int: ...
-    @property
-    def num_device_blocks(self) -> int: ...
-    @property
-    def num_host_blocks(self) -> int: ...
-
-
-class KVCacheManager:
-    def __init__(self, config: PoolSizes) -> None:
-        self.config = config
-        self.block_size = config.block_size
-        self.device = BlockPool(config.num_device_blocks, "device")
-        self.host = BlockPool(config.num_host_blocks, "host")
-        self._jobs: dict[str, _JobKV] = {}
-        self._steps: dict[int, _StepReleases] = {}
-        self.device_releasing = 0   # device blocks that come back when in-flight steps complete
-        self.swapped_out_blocks = 0
-        self.swapped_in_blocks = 0
+class KVCacheManager(PrefixCacheOps):
+    """Block tables, reference counts and the prefix cache of the two-tier KV (above)."""
 
     # ---- queries -------------------------------------------------------------------------
-    def blocks_for(self, num_tokens: int) -> int:
-        return blocks_for(num_tokens, self.block_size)
-
     @property
     def num_free_device(self) -> int:
-        return self.device.num_free
+        """Device blocks a new owner can take: free or cached and evictable."""
+        return self.device.num_available
 
     @property
     def num_free_host(self) -> int:
-        return self.host.num_free
+        return self.host.num_available
 
     def tier(self, job_id: str) -> Tier:
         kv = self._jobs.get(job_id)
@@ -105,6 +68,21 @@ class KVCacheManager:
     def num_blocks(self, job_id: str) -> int:
         kv = self._jobs.get(job_id)
         return 0 if kv is None else len(kv.blocks)
+
+    def movable_blocks(self, job_id: str, keep: frozenset[int] = frozenset()) -> int:
+        """Device blocks a swap-out or drop of this resident job frees: those no other table
+        holds (all of them when nothing is shared), less ``keep`` (blocks a job admitted in the
+        same decision takes as its prefix, which makes them shared)."""
+        kv = self._jobs.get(job_id)
+        if kv is None or kv.tier is not Tier.DEVICE:
+            return 0
+        return sum(self.device.refs[b] == 1 and b not in keep for b in kv.blocks)
+
+    def swap_in_blocks(self, job_id: str) -> int:
+        """Device blocks a swap-in of this host job takes at most: its table (blocks the device
+        still caches are referenced instead of copied, so it may take fewer)."""
+        kv = self._jobs.get(job_id)
+        return 0 if kv is None or kv.tier is not Tier.HOST else len(kv.blocks)
 
     def num_tokens(self, job_id: str) -> int:
         kv = self._jobs.get(job_id)
@@ -125,7 +103,7 @@ class KVCacheManager:
     def device_blocks_needed(self, job_id: str, num_tokens: int) -> int:
         """Device blocks a job still needs so its table covers ``num_tokens`` positions.
 
-        For a job on the host this includes bringing its whole table back.
+        For a job on the host this includes bringing back what its swap-out moved.
         """
         kv = self._jobs.get(job_id)
         want = self.blocks_for(num_tokens)
@@ -150,77 +128,128 @@ class KVCacheManager:
             raise ValueError(f"job {job_id}: already used by in-flight step {kv.busy_step}")
         extra = self.blocks_for(num_tokens) - len(kv.blocks)
         if extra > 0:
-            kv.blocks.extend(self.device.allocate(extra))
+            kv.blocks.extend(self._take_device(extra))
         kv.num_tokens = max(kv.num_tokens, num_tokens)
         kv.busy_step = step
         self._record(step).busy.append(job_id)
         return tuple(kv.blocks)
 
     def swap_out(self, job_id: str, step: int, reuse_now: bool = False) -> SwapCommand:
-        """Move an idle resident job's KV to the host with ``step``; the device blocks are
-        reusable once that step completes — or, with ``reuse_now`` (reactive preemption), by
-        ``step`` itself: the data plane issues a plan's swaps before its forward, in order on
-        one copy thread or stream, and the forward waits for swaps touching its blocks
-        (``actors.stage.StageRunner``), so the copy reads them before anything overwrites them."""
+        """Move an idle resident job's KV to the host with ``step``.
+
+        The rule for shared blocks: the device frees only the blocks no other table holds
+        (``movable_blocks``); a block another job also holds stays on the device for it — that
+        job may be running — and is *copied*, not moved, so the job on the host holds nothing on
+        the device (it could otherwise pin device blocks no resident job reads). A block whose
+        hash the host already caches is shared by reference instead of copied. So the host takes
+        at most ``num_blocks`` blocks. The moved device blocks are reusable once ``step``
+        completes — or, with ``reuse_now`` (reactive preemption), by ``step`` itself: the data
+        plane issues a plan's swaps before its forward, in order on one copy thread or stream,
+        and the forward waits for swaps touching its blocks (``actors.stage.StageRunner``), so
+        the copy reads them before anything overwrites them."""
         kv = self._settled(job_id, Tier.DEVICE)
-        if len(kv.blocks) > self.host.num_free:
-            raise OutOfBlocks(f"swap out {job_id}: {len(kv.blocks)} host blocks wanted, "
-                              f"{self.host.num_free} free")
-        dst = self.host.allocate(len(kv.blocks))
-        src, kv.blocks, kv.tier, kv.swap_step = kv.blocks, dst, Tier.HOST, step
+        known = [self.host.by_hash.get(self.device.hash_of.get(b, b"")) for b in kv.blocks]
+        for hb in known:
+            if hb is not None:
+                self.host.ref(hb)
+        wanted = sum(h is None for h in known)
+        if wanted > self.host.num_available:
+            raise OutOfBlocks(f"swap out {job_id}: {wanted} host blocks wanted, "
+                              f"{self.host.num_available} free")
+        dst, _ = self.host.take(wanted)   # evicted host cache blocks are dropped
         rec = self._record(step)
+        src: list[int] = []
+        copies: list[int] = []
+        table: list[int] = []
+        fresh = iter(dst)
+        for d, hb in zip(kv.blocks, known, strict=True):
+            if hb is None:
+                hb = next(fresh)
+                src.append(d)
+                copies.append(hb)
+                if d in self.device.hash_of:
+                    rec.cache_host.append((hb, self.device.hash_of[d]))
+            table.append(hb)
+            if self.device.refs[d] > 1:
+                # Another job holds it: it stays (read by the copy until that lands).
+                rec.device_reads.append(d)
+            elif reuse_now:
+                self.device.unref((d,))
+            else:
+                rec.device.append(d)
+                self.device_releasing += 1
+        kv.blocks, kv.tier, kv.swap_step = table, Tier.HOST, step
         rec.swaps.append(job_id)
-        if reuse_now:
-            self.device.release(src)
-        else:
-            rec.device.extend(src)
-            self.device_releasing += len(src)
         self.swapped_out_blocks += len(src)
-        return SwapCommand("out", job_id, tuple(src), tuple(dst))
+        return SwapCommand("out", job_id, tuple(src), tuple(copies))
 
     def swap_in(self, job_id: str, step: int) -> SwapCommand:
-        """Bring a host job's KV back to the device with ``step``; it is resident (usable by a
-        later plan) once that step completes, or by an entry of ``step`` itself (reactive)."""
+        """Bring a host job's KV back with ``step``: blocks the device still caches (by hash)
+        are referenced, the rest copied. It is resident (usable by a later plan) once that
+        step completes, or by an entry of ``step`` itself (reactive)."""
         kv = self._settled(job_id, Tier.HOST)
-        if len(kv.blocks) > self.device.num_free:
-            raise OutOfBlocks(f"swap in {job_id}: {len(kv.blocks)} device blocks wanted, "
-                              f"{self.device.num_free} free")
-        dst = self.device.allocate(len(kv.blocks))
-        src, kv.blocks, kv.tier, kv.swap_step = kv.blocks, dst, Tier.DEVICE, step
+        cached = [self.device.by_hash.get(self.host.hash_of.get(hb, b"")) for hb in kv.blocks]
+        for d in cached:
+            if d is not None:
+                self.device.ref(d)
+        wanted = sum(d is None for d in cached)
+        if wanted > self.device.num_available:
+            raise OutOfBlocks(f"swap in {job_id}: {wanted} device blocks wanted, "
+                              f"{self.device.num_available} free")
+        dst = self._take_device(wanted)
         rec = self._record(step)
-        rec.host.extend(src)
+        src: list[int] = []
+        copies: list[int] = []
+        table: list[int] = []
+        fresh = iter(dst)
+        for hb, d in zip(kv.blocks, cached, strict=True):
+            if d is None:
+                d = next(fresh)
+                src.append(hb)
+                copies.append(d)
+                if hb in self.host.hash_of:
+                    rec.cache_device.append((d, self.host.hash_of[hb]))
+            table.append(d)
+        rec.host.extend(kv.blocks)        # read by the copy: let go of when it lands
         rec.swaps.append(job_id)
+        kv.blocks, kv.tier, kv.swap_step = table, Tier.DEVICE, step
         self.swapped_in_blocks += len(src)
-        return SwapCommand("in", job_id, tuple(src), tuple(dst))
+        return SwapCommand("in", job_id, tuple(src), tuple(copies))
 
     def drop(self, job_id: str) -> int:
         """Recompute mode: forget an idle job's KV now (no in-flight step or swap touches it,
-        so its blocks are reusable at once). Returns the blocks freed."""
+        so its blocks are reusable at once; cached ones stay cached). Returns the device blocks
+        that became free or evictable."""
         kv = self._jobs.get(job_id)
         if kv is None:
             return 0
         if kv.busy_step is not None or kv.swap_step is not None:
             raise ValueError(f"drop {job_id}: its blocks are used by an in-flight step")
+        freed = self.movable_blocks(job_id)
         del self._jobs[job_id]
-        self._pool(kv.tier).release(kv.blocks)
-        return len(kv.blocks)
+        self._unref_table(kv)
+        return freed
 
     def free(self, job_id: str) -> None:
-        """Release a finished or aborted job's KV; deferred while an in-flight step or swap
-        still touches its blocks."""
+        """Release a finished or aborted job's KV; the last reference to a block an in-flight
+        step or swap still touches goes when that step completes."""
+        self._hashes.pop(job_id, None)
         kv = self._jobs.pop(job_id, None)
         if kv is None:
             return
         pending = kv.swap_step if kv.swap_step is not None else kv.busy_step
         if pending is None:
-            self._pool(kv.tier).release(kv.blocks)
+            self._unref_table(kv)
             return
         rec = self._record(pending)
-        if kv.tier is Tier.DEVICE:
-            rec.device.extend(kv.blocks)
-            self.device_releasing += len(kv.blocks)
-        else:
-            rec.host.extend(kv.blocks)
+        for b in kv.blocks:
+            if kv.tier is Tier.HOST:
+                rec.host.append(b)
+            elif self.device.refs[b] > 1:
+                rec.device_reads.append(b)  # another holder keeps it: not freed by completion
+            else:
+                rec.device.append(b)
+                self.device_releasing += 1
         for other in (kv.swap_step, kv.busy_step):
             if other is not None and other != pending:
                 self._steps[other].busy = [j for j in self._steps[other].busy if j != job_id]
@@ -229,14 +258,18 @@ class KVCacheManager:
 
     # ---- completion ----------------------------------------------------------------------
     def complete(self, step: int) -> list[str]:
-        """Step ``step`` finished on every worker: settle its swaps, release its deferred
-        blocks. Returns the jobs whose swap settled (swapped in: now resident)."""
+        """Step ``step`` finished on every worker: cache what its copies brought, settle its
+        swaps, let go of its deferred references. Returns the jobs whose swap settled."""
         rec = self._steps.pop(step, None)
         if rec is None:
             return []
-        self.device.release(rec.device)
+        for tier, new in ((self.device, rec.cache_device), (self.host, rec.cache_host)):
+            for block, block_hash in new:
+                tier.register(block, block_hash)
+        self.device.unref_chain(rec.device)
+        self.device.unref_chain(rec.device_reads)
         self.device_releasing -= len(rec.device)
-        self.host.release(rec.host)
+        self.host.unref_chain(rec.host)
         for job_id in rec.busy:
             kv = self._jobs.get(job_id)
             if kv is not None and kv.busy_step == step:
@@ -248,78 +281,24 @@ class KVCacheManager:
         return list(rec.swaps)
 
     def fail(self, step: int) -> list[str]:
-        """Step ``step`` failed: its swapped blocks hold unknown data, so the jobs it swapped
-        lose their KV (they will recompute). Returns those jobs."""
+        """Step ``step`` failed: what its copies wrote is unknown, so nothing it brought is
+        cached and the jobs it swapped lose their KV (they will recompute). Returns those jobs."""
         rec = self._steps.get(step)
         lost = [] if rec is None else [j for j in rec.swaps if self.swap_step(j) == step]
+        if rec is not None:
+            rec.cache_device.clear()
+            rec.cache_host.clear()
         for job_id in lost:
             kv = self._jobs.pop(job_id)
-            self._pool(kv.tier).release(kv.blocks)
+            self._hashes.pop(job_id, None)
+            self._unref_table(kv)
             if kv.busy_step is not None and kv.busy_step != step:
                 self._steps[kv.busy_step].busy.remove(job_id)
         self.complete(step)
         return lost
 
-    # ---- internals -----------------------------------------------------------------------
-    def _record(self, step: int) -> _StepReleases:
-        rec = self._steps.get(step)
-        if rec is None:
-            rec = self._steps[step] = _StepReleases()
-        return rec
-
-    def _pool(self, tier: Tier) -> BlockPool:
-        return self.device if tier is Tier.DEVICE else self.host
-
-    def _settled(self, job_id: str, tier: Tier) -> _JobKV:
-        kv = self._jobs.get(job_id)
-        if kv is None or kv.tier is not tier:
-            raise ValueError(f"job {job_id}: KV is not on {tier.value}")
-        if kv.busy_step is not None or kv.swap_step is not None:
-            raise ValueError(f"job {job_id}: KV is used by an in-flight step")
-        return kv
-
     # ---- integrity -----------------------------------------------------------------------
     def check_invariants(self, expected_tokens: Mapping[str, int] | None = None) -> None:
-        """Every block free, owned by exactly one job, or in flight; tables match contexts.
-
-        ``expected_tokens`` (job id -> positions its table must cover) comes from the
-        scheduler; jobs with KV must all be listed when it is given.
-        """
-        for pool, tier in ((self.device, Tier.DEVICE), (self.host, Tier.HOST)):
-            owner: dict[int, str] = {}
-
-            def claim(block: int, who: str, pool: BlockPool = pool,
-                      owner: dict[int, str] = owner) -> None:
-                assert 0 <= block < pool.capacity, (
-                    f"{pool.name} block {block} ({who}) is outside [0, {pool.capacity})")
-                assert block not in owner, (
-                    f"{pool.name} block {block} is both {owner[block]} and {who}")
-                owner[block] = who
-
-            for b in pool.free_ids():
-                claim(b, "free")
-            for job_id, kv in self._jobs.items():
-                if kv.tier is tier:
-                    for b in kv.blocks:
-                        claim(b, f"owned by {job_id}")
-            for step, rec in self._steps.items():
-                for b in rec.device if tier is Tier.DEVICE else rec.host:
-                    claim(b, f"in flight with step {step}")
-            missing = sorted(set(range(pool.capacity)) - owner.keys())
-            assert not missing, f"{pool.name} blocks {missing[:8]} are neither free, owned nor in flight"
-        releasing = sum(len(r.device) for r in self._steps.values())
-        assert releasing == self.device_releasing, (
-            f"device_releasing={self.device_releasing} but in-flight records hold {releasing}")
-        for job_id, kv in self._jobs.items():
-            assert kv.tier is not Tier.NONE, f"job {job_id} has a KV entry on no tier"
-            assert len(kv.blocks) == self.blocks_for(kv.num_tokens), (
-                f"job {job_id}: {len(kv.blocks)} blocks for {kv.num_tokens} positions "
-                f"(block size {self.block_size})")
-            for waits_on in (kv.busy_step, kv.swap_step):
-                assert waits_on is None or waits_on in self._steps, (
-                    f"job {job_id} waits on step {waits_on}, which has no in-flight record")
-            if expected_tokens is not None:
-                assert job_id in expected_tokens, f"job {job_id} holds KV but is not active"
-                assert kv.num_tokens == expected_tokens[job_id], (
-                    f"job {job_id}: table covers {kv.num_tokens} positions, "
-                    f"the job has {expected_tokens[job_id]}")
+        """Every block free, cached and evictable, or referenced by exactly the job tables and
+        in-flight steps that hold it; tables match contexts (``app.kv.integrity``)."""
+        check_manager(self, expected_tokens)

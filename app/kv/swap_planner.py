@@ -28,6 +28,8 @@ class BlockCounts(Protocol):
     """What the planner reads of the KV manager."""
 
     def num_blocks(self, job_id: str) -> int: ...
+    def movable_blocks(self, job_id: str) -> int: ...
+    def swap_in_blocks(self, job_id: str) -> int: ...
 
 
 @dataclass
@@ -84,7 +86,7 @@ def plan_swaps(
             if job_id in brought:
                 continue
             # A wanted job runs next: set aside its table and the growth of that run.
-            n = max(kv.num_blocks(job_id), wanted.get(job_id, 0))
+            n = max(kv.swap_in_blocks(job_id), wanted.get(job_id, 0))
             if free - n < keep:
                 skips += 1
                 if skips > max_skips or free <= keep:
@@ -107,12 +109,13 @@ def plan_swaps(
             break
         if job_id in brought or not can_evict(job_id):
             continue
-        n = kv.num_blocks(job_id)
-        if drop or (n > host_free and drop_when_host_full):
+        # The device frees the blocks no other job holds; the host takes at most the table.
+        n, on_host = kv.movable_blocks(job_id), kv.num_blocks(job_id)
+        if drop or (on_host > host_free and drop_when_host_full):
             decision.drop.append(job_id)
-        elif n <= host_free:
+        elif on_host <= host_free:
             decision.swap_out.append(job_id)
-            host_free -= n
+            host_free -= on_host
         else:
             continue
         free_soon += n

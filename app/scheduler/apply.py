@@ -8,13 +8,13 @@ themselves are made elsewhere (``batcher``, ``memory``, the policy's demotion an
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from actors.messages import BatchEntry, BatchPlan, FinishReason, SwapCommand
 from app.kv.enst import EnstTable
-from app.kv.manager import Residency
+from app.kv.manager import Residency, Tier
 from app.kv.swap_planner import SwapDecision
-from app.scheduler.decision import Decision, Evict, Run
+from app.scheduler.decision import Decision, Evict, Fetch, Run
 from app.scheduler.job import Job, JobState
 from app.scheduler.state import InFlight, SchedulerState
 
@@ -109,6 +109,8 @@ class Applier:
         for action in decision.batch.actions:
             if isinstance(action, Evict):
                 self._evict(action, step, table, out)
+            elif isinstance(action, Fetch):
+                self._fetch(s.jobs[action.job_id], action.host_hits, step, now, out)
             else:
                 self._run(action, step, now, out)
         for job_id in decision.batch.wanted_host:
@@ -119,6 +121,10 @@ class Applier:
         if decision.unstick.swap_out or decision.unstick.drop:
             s.totals["stall_breaks"] += 1
         self._swap(decision.unstick, step, table, out)
+        # Cached device blocks this decision's allocations evicted: to the host with this plan.
+        spill = s.kv.flush_evicted(step)
+        if spill is not None:
+            out.swap_out.append(spill)
 
     def dispatch(self, step: int, now: float, out: Applied) -> BatchPlan:
         """The applied decision becomes plan ``step``, in flight until ``complete`` or a fail."""
@@ -137,7 +143,22 @@ class Applier:
             self.count(job, "swaps_in")
         # A first iteration in chunks takes the blocks of all of it with its first chunk.
         whole = job.next_context_len if run.prefill and not run.wasted else run.num_tokens
-        table = s.kv.allocate(job.job_id, whole, step)
+        if run.prefill and not run.wasted and s.kv.tier(job.job_id) is Tier.NONE:
+            cached, fetch = s.kv.admit(job.job_id, whole, step, job.tokens, runs=True,
+                                       max_host=run.host_hits)
+            if cached < run.start:
+                # An earlier action of this decision took a cached block the walk counted as
+                # this job's hit (it evicts the least recently used): compute from what is
+                # still cached, as many tokens as planned — a prefill chunk if short of the end.
+                end = min(cached + run.fed_tokens, job.next_context_len)
+                run = replace(run, start=cached, num_tokens=end)
+            if fetch is not None:   # host hits: the forward waits for the copy
+                out.swap_in.append(fetch)
+            self._note_prefix(job, whole, cached)
+            job.prefilled = cached  # its KV exists up to here, as after earlier chunks
+            table = s.kv.block_table(job.job_id)
+        else:
+            table = s.kv.allocate(job.job_id, whole, step)
         context = job.sampling.context(job.prompt_ids, job.generated, s.eos_token_ids)
         if not run.prefill:
             out.entries.append(BatchEntry(job.job_id, (job.generated[-1],), run.num_tokens - 1,
@@ -157,13 +178,46 @@ class Applier:
             out.wasted.add(job.job_id)
         self._start(job, now)
 
-    def _start(self, job: Job, now: float) -> None:
+    def _fetch(self, job: Job, host_hits: int, step: int, now: float, out: Applied) -> None:
+        """Prefix caching: admit a job whose cached prefix is partly on the host; the copy goes
+        with this plan, and the job runs the rest of its prompt once it landed."""
         s = self.s
+        whole = job.next_context_len
+        if not s.kv.prefix_hit(job.job_id, whole, job.tokens, host_hits).tokens:
+            # An earlier action of this decision took the cached blocks (evicted them to take
+            # blocks): nothing to fetch; it is admitted as a new job at a later decision.
+            return
+        cached, fetch = s.kv.admit(job.job_id, whole, step, job.tokens, runs=False,
+                                   max_host=host_hits)
+        if fetch is not None:
+            out.swap_in.append(fetch)
+        self._note_prefix(job, whole, cached)
         self.unplace(job)
+        self._admit(job)
+        job.state = JobState.RUNNABLE
+        job.prefilled = cached     # its next run computes from here, like a prefill chunk
+        if job.blocked_since is None:
+            job.blocked_since = now
+        s.totals["prefix_fetches"] += 1
+        self.place(job)            # in transit: only the starvation clock keeps running
+
+    def _note_prefix(self, job: Job, queried: int, cached: int) -> None:
+        if not self.s.kv.caching:
+            return
+        if not job.admitted:
+            job.stats.cached_tokens = cached
+        self.s.totals["prefix_cache_queries"] += queried
+        self.s.totals["prefix_cache_hits"] += cached
+
+    def _admit(self, job: Job) -> None:
         if not job.admitted:
             job.admitted = True
-            job.admit_seq = next(s.admit_seq)
-            s.num_unadmitted -= 1
+            job.admit_seq = next(self.s.admit_seq)
+            self.s.num_unadmitted -= 1
+
+    def _start(self, job: Job, now: float) -> None:
+        self.unplace(job)
+        self._admit(job)
         job.state = JobState.RUNNING
         self._end_blocked(job, now)
         job.stats.swap_blocked_s += job.blocked_s
@@ -234,6 +288,7 @@ class Applier:
         """A token for ``job``; returns why it finished (it is then retired), or None."""
         job.generated.append(token)
         job.prefilled = 0
+        self.s.kv.commit(job.job_id, job.next_context_len - 1, job.tokens)
         stats = job.stats
         stats.num_generated = len(job.generated)
         if stats.first_token_time is None:
@@ -251,6 +306,7 @@ class Applier:
         """Chunked prefill: a chunk that is not the first iteration's last completed. Its KV
         stays (positions up to ``end``); no token, no TTFT; its time is service in the level."""
         job.prefilled = end
+        self.s.kv.commit(job.job_id, end, job.tokens)
         self._served(job, served, now)
         self.s.totals["prefill_chunks"] += 1
         # Skip-join placed the job where its whole first iteration fits the quantum; a chunk
@@ -362,6 +418,7 @@ class Applier:
                 job.pinned_until = None
                 self.count(job, "recomputes")
                 self.place(job)
+        s.kv.reset_prefix_cache()   # the workers' caches went with them
 
     def retire(self, job: Job, state: JobState, reason: FinishReason, now: float) -> None:
         """Take a job out of the queues for good; free its KV (deferred while in flight)."""

@@ -36,7 +36,7 @@ from __future__ import annotations
 from typing import Literal
 
 from app.kv.manager import Tier
-from app.scheduler.decision import BatchDecision, Evict, Run
+from app.scheduler.decision import BatchDecision, Evict, Fetch, Run
 from app.scheduler.job import Job
 from app.scheduler.prioset import Key, PrioritySet
 from app.scheduler.state import SchedulerView
@@ -155,8 +155,9 @@ class _Walk:
     def _resident_run(self, job: Job, swap_in_first: bool = False) -> Run:
         """A job with KV: its next prefill chunk when one is due, else a decode."""
         room = self._chunk_room()
-        if job.mid_prefill and room is not None:
-            end = min(job.next_context_len, job.prefilled + room)
+        if job.mid_prefill:   # chunked prefill, or a prefix fetched from the host tier
+            end = job.next_context_len if room is None else min(job.next_context_len,
+                                                                job.prefilled + room)
             return Run(job.job_id, end, prefill=True, start=job.prefilled,
                        swap_in_first=swap_in_first)
         return Run(job.job_id, job.next_context_len, prefill=False, swap_in_first=swap_in_first)
@@ -202,23 +203,51 @@ class _Walk:
 
     def _try_admit(self, job: Job, admission_open: bool) -> bool:
         """Admit ``job`` into the batch if it fits; True when memory (or closed admission) kept
-        it out, False when it was picked or only the token budget was short."""
+        it out, False when it was picked or only the token budget was short.
+
+        Prefix caching: it computes only what the cache lacks, from ``start``. A device hit
+        that some table already holds costs no block (unless this walk evicted a holder: then
+        every hit is counted), and is marked shared so that no eviction counts it as freed; a
+        host hit costs a device block, and a host block until its copy lands. A prefix with host
+        hits is fetched with this plan and the job runs once it landed (``Fetch``), except under
+        ``reactive``, where its forward waits for the copy in this very plan (as a reactive
+        swap-in does). (A first
+        iteration naive MLFQ cuts at the quantum ignores the cache.)"""
+        kv = self.view.kv
         prefix = self.view.policy.preempted_prefix(job)
         n = job.next_context_len if prefix is None else prefix
+        hit = kv.prefix_hit(job.job_id, n, job.tokens) if prefix is None else None
+        start = 0 if hit is None else hit.tokens
         chunk = self._chunk_room()
         if chunk is not None and prefix is None:
-            n = min(n, chunk)   # chunked prefill: the first chunk
-        if not self._fits_budget(n):
+            n = min(n, start + chunk)   # chunked prefill: the first chunk
+        fetch = hit is not None and hit.num_host > 0 and not self.p.reactive
+        if not fetch and not self._fits_budget(n - start):
             return False  # not a memory problem: it simply waits for a batch with room
         # A first iteration in chunks takes the blocks of all of it with its first chunk.
-        need = self.view.kv.blocks_for(n if prefix is not None else job.next_context_len)
+        need = kv.blocks_for(n if prefix is not None else job.next_context_len)
+        shared = hit.in_use if hit is not None and not self.evicted else ()
+        need -= len(shared)
+        # (Set aside before making room: no victim found for it may count its shared hits as
+        # freed, or swap into the host blocks its fetch reads.)
+        self.res.shared_hits.update(shared)
+        host_reads = 0 if hit is None else hit.host_unreferenced
+        self.res.free_host -= host_reads
         room = self._make_room(job, need) if admission_open else None
+        if room != "now":
+            self.res.free_host += host_reads
         if room == "later":
             return False    # runs at the next decision, in the blocks it claimed
         if room is None:
             self.res.waiting_needs[job.job_id] = need
             return True
-        self._pick(Run(job.job_id, n, prefill=True, wasted=prefix is not None), need)
+        if fetch:
+            assert hit is not None
+            self.res.actions.append(Fetch(job.job_id, hit.num_host))
+            self.res.free_device -= need
+            return False
+        self._pick(Run(job.job_id, n, prefill=True, start=start, wasted=prefix is not None,
+                       host_hits=0 if hit is None else hit.num_host), need)
         return False
 
     def _make_room(self, job: Job, need: int) -> Literal["now", "later"] | None:
@@ -239,12 +268,12 @@ class _Walk:
             victims = self._victims_below(job, short - spare)
             if victims is None:
                 return None
-            for victim, n in victims:
+            for victim, _n in victims:
                 self.evicted.add(victim)
                 res.actions.append(Evict(victim, drop=self.p.recompute,
                                          reuse_now=self.p.reactive))
                 if not self.p.recompute:
-                    res.free_host -= n
+                    res.free_host -= self.view.kv.num_blocks(victim)
             freed = sum(n for _, n in victims)
             if not deferred:
                 res.free_device += freed
@@ -283,11 +312,12 @@ class _Walk:
                     if skipped > view.config.max_batch_size:
                         break
                     continue
-                n = kv.num_blocks(cand)
+                n = kv.movable_blocks(cand, frozenset(self.res.shared_hits))   # shared stay
                 if not self.p.recompute:
-                    if n > host_free:
+                    on_host = kv.num_blocks(cand)   # the host takes at most its table
+                    if on_host > host_free:
                         continue
-                    host_free -= n
+                    host_free -= on_host
                 chosen.append((cand, n))
                 freed += n
         return chosen if freed >= short else None
@@ -308,11 +338,12 @@ class _Walk:
                     break
         if victim is None:
             return
-        n = view.kv.num_blocks(victim)
-        drop = self.p.recompute or n > res.free_host
+        n = view.kv.movable_blocks(victim, frozenset(res.shared_hits))
+        on_host = view.kv.num_blocks(victim)
+        drop = self.p.recompute or on_host > res.free_host
         self.evicted.add(victim)
         res.actions.append(Evict(victim, drop))
         if drop:
             res.free_device += n
         else:
-            res.free_host -= n
+            res.free_host -= on_host

@@ -30,6 +30,7 @@ def scheduler_stats(s: SchedulerState) -> dict[str, Any]:
         "swapped_in_blocks": kv.swapped_in_blocks,
         "starvation_alpha_s": s.alpha(),
         "step_time_s": s.step_time_s,
+        "prefix_cache": kv.cache_stats(),
         **dict(s.totals),
     }
 

@@ -145,6 +145,16 @@ class KVCacheConfig(_Strict):
     #: brings in is not evicted again by the very next iteration's growth (prefetch→evict
     #: ping-pong: 564 of 1,224 swap-outs at 3 req/s in the Figure 15 simulation without it).
     prefetch_headroom_iterations: int = Field(default=1, ge=0)
+    #: Automatic prefix caching (``app.kv.prefix``): full blocks of computed KV are kept, by a
+    #: chained hash of their tokens, after their job is done, and a new job takes the longest
+    #: cached prefix instead of computing it. False: nothing is cached (the behaviour before).
+    prefix_caching: bool = True
+    #: Cached blocks evicted from the device move to the host pool while it has room (then a
+    #: new job's prefix found there is copied back), instead of being dropped.
+    host_prefix_cache: bool = True
+    #: What else, beside the tokens, the cached KV depends on (the model; set per deployment
+    #: when one cache could ever outlive a weight change). Seeds every block hash.
+    prefix_cache_key: str = ""
     #: Burst slots: device blocks kept free for new arrivals (paper §4.2 "reserved slots").
     reserved_blocks: int = Field(default=0, ge=0)
     #: Also size the reserve from recent arrivals ("tuned on historical arrival patterns").

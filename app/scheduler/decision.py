@@ -28,6 +28,9 @@ class Run:
     swap_in_first: bool = False
     #: Naive MLFQ: a first iteration cut at the quantum; its token and KV are discarded.
     wasted: bool = False
+    #: Prefix caching (reactive): blocks of its cached prefix the walk found only on the host,
+    #: copied in with this plan (its forward waits); no more are taken at apply time.
+    host_hits: int = 0
 
     @property
     def fed_tokens(self) -> int:
@@ -47,10 +50,21 @@ class Evict:
     reuse_now: bool = False
 
 
+@dataclass(frozen=True)
+class Fetch:
+    """Prefix caching (not under ``reactive``): a new job whose cached prefix is (partly) on the host is
+    admitted with this plan — its table taken, the host blocks copied back — and runs once the
+    copy landed, from the first position the cache did not hold (as a prefill chunk would)."""
+
+    job_id: str
+    host_hits: int     # blocks the walk found only on the host (no more are fetched)
+
+
 @dataclass
 class BatchDecision:
-    #: Runs and evictions in the order they were decided (the order ``apply`` takes blocks).
-    actions: list[Run | Evict] = field(default_factory=list)
+    #: Runs, fetches and evictions in the order they were decided (the order ``apply`` takes
+    #: blocks).
+    actions: list[Run | Evict | Fetch] = field(default_factory=list)
     waiting_needs: dict[str, int] = field(default_factory=dict)  # admission not possible
     growth_needs: dict[str, int] = field(default_factory=dict)   # decode growth not possible
     wanted_host: dict[str, int] = field(default_factory=dict)    # would run, KV on the host
@@ -63,6 +77,9 @@ class BatchDecision:
     claimed_release: int = 0
     #: The jobs that claimed them: no swap plan of this decision evicts them.
     claimants: list[str] = field(default_factory=list)
+    #: Device blocks that jobs admitted by this decision take as their cached prefix while
+    #: another job holds them: an eviction of that job leaves them (they become shared).
+    shared_hits: set[int] = field(default_factory=set)
 
     @property
     def runs(self) -> list[Run]:

@@ -122,6 +122,8 @@ class JobStats:
     swaps_out: int = 0
     recomputes: int = 0
     wasted_prefills: int = 0         # naive MLFQ: first iterations cut at the quantum, work lost
+    #: Prompt positions its first iteration took from the prefix cache instead of computing.
+    cached_tokens: int = 0
     enst_pairs: list[tuple[float, float]] = field(default_factory=list)
     #: Mean delay from the scheduler emitting an event to the ingress reading it (the ingress
     #: sets it on its copy of the finishing event's stats).
@@ -138,6 +140,7 @@ class JobStats:
             "demotions": self.demotions, "promotions": self.promotions,
             "swaps_in": self.swaps_in, "swaps_out": self.swaps_out, "recomputes": self.recomputes,
             "num_generated": self.num_generated, "prompt_len": self.prompt_len,
+            "cached_tokens": self.cached_tokens,
         }
         out["enst_mae_s"] = self.enst_mae_s
         out["enst_predictions"] = len(self.enst_pairs)
@@ -180,6 +183,8 @@ class Job:
     #: computed (0 when none is in progress, and whenever the job's KV is dropped).
     prefilled: int = 0
     predictions: list[tuple[float, float]] = field(default_factory=list)  # (made at, ENST)
+    #: Prompt positions the prefix cache held when it arrived (skip-join places it by the rest).
+    cached_at_arrival: int = 0
     stats: JobStats = field(init=False)
 
     def __post_init__(self) -> None:
@@ -190,6 +195,15 @@ class Job:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def prefill_len(self) -> int:
+        """Prompt positions its first iteration must compute: the uncached suffix."""
+        return self.prompt_len - self.cached_at_arrival
+
+    def tokens(self) -> tuple[int, ...]:
+        """Its context: prompt and generated tokens."""
+        return self.prompt_ids + tuple(self.generated)
 
     @property
     def num_generated(self) -> int:

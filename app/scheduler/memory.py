@@ -14,7 +14,25 @@ from app.kv.manager import Residency
 from app.kv.swap_planner import PoolCounts, SwapDecision, plan_swaps
 from app.scheduler.decision import BatchDecision, Evict
 from app.scheduler.queues import LevelScore
-from app.scheduler.state import SchedulerView
+from app.scheduler.state import KVView, SchedulerView
+
+
+class _Counts:
+    """The block counts a swap plan reads, seen after the batch: blocks its admissions take as
+    a cached prefix from another job stay on the device when that job is evicted."""
+
+    def __init__(self, kv: KVView, batch: BatchDecision) -> None:
+        self.kv = kv
+        self.keep = frozenset(batch.shared_hits)
+
+    def movable_blocks(self, job_id: str) -> int:
+        return self.kv.movable_blocks(job_id, self.keep)
+
+    def swap_in_blocks(self, job_id: str) -> int:
+        return self.kv.swap_in_blocks(job_id)
+
+    def num_blocks(self, job_id: str) -> int:
+        return self.kv.num_blocks(job_id)
 
 
 class MemoryPlanner:
@@ -61,7 +79,7 @@ class MemoryPlanner:
 
         with view.queues.ordered("evictable", self._score(table, -1.0)) as victims, \
                 view.queues.ordered("onhost", self._score(table, 1.0)) as prefetch:
-            return plan_swaps(view.kv, self._pools(batch), keep_free=keep,
+            return plan_swaps(_Counts(view.kv, batch), self._pools(batch), keep_free=keep,
                               wanted=batch.wanted_host,
                               prefetch=prefetch if mode == "proactive" else (),
                               victims=victims, can_evict=can_evict,
@@ -79,17 +97,18 @@ class MemoryPlanner:
         focus = batch.focus
         if batch.runs or view.num_inflight or focus is None:
             return SwapDecision()
-        kv = view.kv
+        kv = _Counts(view.kv, batch)
         job = view.jobs[focus]
         pools = self._pools(batch)
-        moved_in = sum(kv.num_blocks(j) for j in swaps.swap_in)
-        dropped = sum(kv.num_blocks(j) for j in swaps.drop)
-        moved_out = sum(kv.num_blocks(j) for j in swaps.swap_out)
-        pools = PoolCounts(pools.free_device - moved_in + dropped, pools.free_host - moved_out,
+        moved_in = sum(kv.swap_in_blocks(j) for j in swaps.swap_in)
+        dropped = sum(kv.movable_blocks(j) for j in swaps.drop)
+        moved_out = sum(kv.movable_blocks(j) for j in swaps.swap_out)
+        host_taken = sum(kv.num_blocks(j) for j in swaps.swap_out)
+        pools = PoolCounts(pools.free_device - moved_in + dropped, pools.free_host - host_taken,
                            pools.device_releasing + moved_out)
         taken = self._taken(batch) | set(swaps.swap_out) | set(swaps.drop) | set(swaps.swap_in) \
             | set(batch.claimants)
-        need = kv.device_blocks_needed(focus, job.next_context_len)
+        need = view.kv.device_blocks_needed(focus, job.next_context_len)
         with view.queues.ordered("evictable", self._score(table, -1.0)) as victims:
             decision = plan_swaps(kv, pools, keep_free=need, wanted={}, prefetch=(),
                                   victims=victims,
@@ -98,9 +117,9 @@ class MemoryPlanner:
                                   # Never kill an admitted job's KV to admit a new one: when both
                                   # tiers are full, admission waits (DESIGN, paper §3.4).
                                   drop_when_host_full=job.admitted)
-        free_now = pools.free_device + sum(kv.num_blocks(j) for j in decision.drop)
-        if (kv.residency(focus) is Residency.HOST and focus not in swaps.swap_in
-                and kv.num_blocks(focus) <= free_now):
+        free_now = pools.free_device + sum(kv.movable_blocks(j) for j in decision.drop)
+        if (view.kv.residency(focus) is Residency.HOST and focus not in swaps.swap_in
+                and kv.swap_in_blocks(focus) <= free_now):
             decision.swap_in.append(focus)
         return decision
 
@@ -109,8 +128,9 @@ class MemoryPlanner:
         the host jobs it wants (the swap plan brings them in); releasing soon, less what jobs of
         the walk already claimed."""
         kv = self.view.kv
+        keep = frozenset(batch.shared_hits)
         releasing = kv.device_releasing - batch.claimed_release + sum(
-            kv.num_blocks(a.job_id) for a in batch.actions
+            kv.movable_blocks(a.job_id, keep) for a in batch.actions
             if isinstance(a, Evict) and not a.drop and not a.reuse_now)
         free = batch.free_device + sum(batch.wanted_host.values())
         return PoolCounts(free, batch.free_host, releasing)

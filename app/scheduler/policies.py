@@ -132,8 +132,9 @@ class SkipJoinMLFQ(Policy):
         return self._quanta[level - 1]
 
     def entry_level(self, job: Job) -> int:
-        """Skip-join: min i with q_i ≥ t_init(prompt_len), the lowest level if none is."""
-        t_init = self.profile.t_init(job.prompt_len)
+        """Skip-join: min i with q_i ≥ t_init(prompt_len), the lowest level if none is — of the
+        prompt it must compute, which a cached prefix shortens (``Job.prefill_len``)."""
+        t_init = self.profile.t_init(job.prefill_len)
         for i, q in enumerate(self._quanta, start=1):
             if q >= t_init:
                 return i

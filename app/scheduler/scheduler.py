@@ -97,6 +97,11 @@ class Scheduler:
     def stats(self) -> dict[str, Any]:
         return scheduler_stats(self.state)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached KV block (vLLM's ``/reset_prefix_cache``); jobs keep their own.
+        Returns how many blocks were cached."""
+        return self.state.kv.reset_prefix_cache()
+
     def check_invariants(self) -> None:
         """Raise AssertionError if scheduler or KV state is inconsistent (tests: every step)."""
         check_scheduler(self.state)
@@ -127,6 +132,8 @@ class Scheduler:
             raise AdmissionQueueFull(
                 f"{s.num_unadmitted} jobs already wait for admission "
                 f"(admission_queue_limit={s.config.admission_queue_limit})")
+        # Skip-join places it by the prompt it must compute: what the prefix cache lacks now.
+        job.cached_at_arrival = s.kv.prefix_hit(job.job_id, job.prompt_len, job.tokens).tokens
         self.applier.add(job, self._entry_level(job), now)
         return job
 

@@ -113,6 +113,7 @@ class ScriptedBackend:
     def __init__(self, script: Callable[[JobRequest], list[TokenDelta]]) -> None:
         self.script = script
         self.requests: list[JobRequest] = []
+        self.resets = 0
 
     def generate(self, req: JobRequest) -> FakeStream:
         self.requests.append(req)
@@ -127,14 +128,19 @@ class ScriptedBackend:
     async def health(self) -> dict[str, Any]:
         return {"healthy": True}
 
+    async def reset_prefix_cache(self) -> dict[str, Any]:
+        self.resets += 1
+        return {"reset_blocks": 0}
+
 
 MODEL = "opt-125m"
 VOCAB = 50272
 CONTEXT = 2048
 
 
-def post(backend: ScriptedBackend, path: str, body: Any) -> Any:
-    """POST ``body`` to an ``OpenAIServer`` over ``backend``; the httpx response."""
+def post(backend: ScriptedBackend, path: str, body: Any, **context: Any) -> Any:
+    """POST ``body`` to an ``OpenAIServer`` over ``backend``; the httpx response. ``context``:
+    ``ServerContext`` fields beyond the model's."""
     import asyncio
     import json
 
@@ -145,7 +151,7 @@ def post(backend: ScriptedBackend, path: str, body: Any) -> Any:
     from app.tokenizer import Tokenizer
 
     async def run() -> httpx.Response:
-        ctx = ServerContext(MODEL, Tokenizer.default(), VOCAB, CONTEXT)
+        ctx = ServerContext(MODEL, Tokenizer.default(), VOCAB, CONTEXT, **context)
         app = make_api(OpenAIServer(ctx, backend))
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
             return await c.post(path, content=json.dumps(body).encode())

@@ -37,12 +37,14 @@ def req(job_id: str, prompt_len: int, max_tokens: int = 4) -> JobRequest:
 
 def make(policy: PolicyName = "skip_join_mlfq", *, batch: int = 16, alpha: float = 1000.0,
          device: int = 256, host: int = 256, block: int = 4, mode: SwapMode = "proactive",
-         profile: Profile = PROFILE, **extra: Any) -> Scheduler:
-    """q1 = t_dec(1) = 1, so the quanta are 1, 2, 4, 8 whatever the batch size."""
+         profile: Profile = PROFILE, cache: bool = True, **extra: Any) -> Scheduler:
+    """q1 = t_dec(1) = 1, so the quanta are 1, 2, 4, 8 whatever the batch size. ``req`` prompts
+    all start 3, 4, 5, ...: a test whose hand-computed times assume every prompt is computed in
+    full passes ``cache=False`` (no prefix caching)."""
     return Scheduler(
         SchedulerConfig(policy=policy, max_batch_size=batch, starvation_alpha_s=alpha, **extra),
         KVCacheConfig(block_size=block, num_device_blocks=device, num_host_blocks=host,
-                      swap_mode=mode),
+                      swap_mode=mode, prefix_caching=cache),
         profile, eos_token_ids=frozenset({EOS}))
 
 

@@ -138,12 +138,13 @@ def test_scheduler_check_catches_a_job_misfiled_in_its_queue() -> None:
 
 
 # ---- swap planning by ENST ----------------------------------------------------------------
-def _four_jobs(mode: SwapMode = "proactive", reserved: int = 9) -> Scheduler:
+def _four_jobs(mode: SwapMode = "proactive", reserved: int = 9, cache: bool = True) -> Scheduler:
     """p, q, r, s4 in levels 1..4 (1, 2, 4 and 8 blocks of 8 tokens), all run their first
     iteration in step 0 (15 of 16 device blocks); at t = 0.5 each needs one more block."""
     s = Scheduler(SchedulerConfig(max_batch_size=4, starvation_alpha_s=100.0),
                   KVCacheConfig(block_size=8, num_device_blocks=16, num_host_blocks=32,
-                                reserved_blocks=reserved, swap_mode=mode),
+                                reserved_blocks=reserved, swap_mode=mode,
+                                prefix_caching=cache),
                   PROFILE, eos_token_ids=frozenset({2}))
     for name, prompt in (("p", 8), ("q", 16), ("r", 32), ("s4", 64)):
         s.add(req(name, prompt, max_tokens=8), 0.0)
@@ -252,9 +253,11 @@ def test_a_promoted_job_on_the_host_is_wanted_at_its_rank(batch: int) -> None:
     # promoted to level 1, behind r1: the walk wants it (its 9 blocks of 8 tokens, table and
     # growth) before r2, whatever the batch size, and sets those blocks aside — a promotion
     # bounds its wait only if its KV is brought back for it (11 blocks are free: r2 still fits).
+    # (``req`` prompts share their first tokens: no prefix caching, or r2 joins level 1.)
     s = Scheduler(SchedulerConfig(max_batch_size=batch, starvation_alpha_s=1000.0),
                   KVCacheConfig(block_size=8, num_device_blocks=16, num_host_blocks=32,
-                                reserved_blocks=7), PROFILE, eos_token_ids=frozenset({2}))
+                                reserved_blocks=7, prefix_caching=False),
+                  PROFILE, eos_token_ids=frozenset({2}))
     s.add(req("p", 64, max_tokens=8), 0.0)
     step(s, 0.0, 7.0)
     s.applier.apply(Decision(1, BatchDecision(), SwapDecision(swap_out=["p"])), 7.0, Applied())
@@ -288,7 +291,8 @@ def test_adaptive_reserve_follows_recent_arrivals() -> None:
 
 # ---- recompute ----------------------------------------------------------------------------
 def test_recompute_drops_the_lowest_priority_job_and_replays_prompt_plus_output() -> None:
-    s = _four_jobs(mode="recompute", reserved=0)
+    # (With prefix caching the replay takes its own cached blocks: test_prefix_cache.py.)
+    s = _four_jobs(mode="recompute", reserved=0, cache=False)
     plan = s.schedule(0.5)
     # p takes the last free block; q's growth drops s4 (the lowest priority) and runs in this
     # very plan in its freed blocks, and so does r's.

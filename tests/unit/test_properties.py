@@ -146,10 +146,12 @@ def check_random_load(policy: PolicyName, mode: SwapMode, case: Workload,
             ), f"{e.job_id} runs with its KV {where.value}"
             assert all(e.job_id not in {x.job_id for x in p.entries}
                        for p in inflight.values()), f"{e.job_id} in two in-flight plans"
-        new = {e.job_id for e in plan.entries} - ever_admitted
+        # (A job whose cached prefix is fetched from the host is admitted by the fetch.)
+        given_kv = {e.job_id for e in plan.entries} | {c.job_id for c in plan.swap_in}
+        new = given_kv - ever_admitted
         if mode != "recompute" and full_before[0]:
             assert not new, f"admitted {new} while both tiers were full"
-        ever_admitted.update(e.job_id for e in plan.entries)
+        ever_admitted.update(given_kv)
         inflight[plan.step_id] = plan
         if sched.policy.starvation:
             alpha = sched.starvation_alpha()   # α in effect at this decision

@@ -118,7 +118,7 @@ def test_each_entry_is_charged_its_own_work_not_the_step() -> None:
     """One long first iteration (t_init(32) = 3) batched with two decodes; the step measures 8 s.
     Each decode is charged one decode iteration (q1 = 1), the prefill t_init of its own 32
     tokens (3): nothing is split, nothing of another job's prefill is anyone else's."""
-    s = make(batch=3)
+    s = make(batch=3, cache=False)
     a = s.add(req("a", 8, max_tokens=9), 0.0)
     b = s.add(req("b", 8, max_tokens=9), 0.0)
     step(s, 0.0, 1.0)                 # a and b prefill together: t_init(8) = 0.5 each
@@ -247,7 +247,7 @@ def test_fcfs_runs_to_completion_without_priority_preemption() -> None:
 def test_fcfs_defers_admission_in_arrival_order_when_memory_is_full() -> None:
     # 8 blocks of 4 tokens. j1 (24 tokens = 6 blocks, grows to 8) leaves 2 free: j2 (4 blocks)
     # must wait, and so must j3 (1 block) behind it — vLLM-style, nobody jumps the queue.
-    s = make("fcfs", batch=4, device=8, host=8)
+    s = make("fcfs", batch=4, device=8, host=8, cache=False)
     s.add(req("j1", 24, max_tokens=6), 0.0)
     s.add(req("j2", 16, max_tokens=2), 0.0)
     s.add(req("j3", 4, max_tokens=2), 0.0)
@@ -309,7 +309,7 @@ def test_token_budget_limits_the_batch_but_a_long_prompt_can_run_alone() -> None
 
 
 def test_a_demoted_job_goes_to_the_back_of_its_new_level() -> None:
-    s = make(batch=1)
+    s = make(batch=1, cache=False)
     x = s.add(req("x", 16, max_tokens=12), 0.0)   # level 2 (t_init 1.5)
     step(s, 0.0, 1.0)
     step(s, 1.0, 1.0)                             # 1.5 + 1 > q2 -> level 3
@@ -357,7 +357,8 @@ def test_figure7_skip_join_beats_fcfs_and_naive_mlfq() -> None:
     for name, finish in expected.items():
         whole = name == "naive_mlfq_whole"
         policy: PolicyName = "naive_mlfq" if whole else name  # type: ignore[assignment]
-        s = make(policy, batch=1, profile=prof, naive_preempts_first_iteration=not whole)
+        s = make(policy, batch=1, profile=prof, naive_preempts_first_iteration=not whole,
+                 cache=False)
         result = drive(s, CostModelExecutor(prof, constant_tokens(TOKEN)), arrivals,
                        observe=lambda sc, plan, now: sc.check_invariants())
         assert result.finish_times == finish, name

@@ -1,0 +1,155 @@
+"""Prefix caching under random load (hypothesis): arrivals that share prefixes (a few prefixes,
+random suffixes), aborts at random moments (queued, running, in transit), swaps, drops and
+spills, every policy and swap mode, one or two plans in flight:
+
+* ``check_invariants`` after every event: every block free, cached and evictable, or referenced
+  by exactly the tables and in-flight steps that hold it;
+* no block an in-flight plan reads or writes (its entries' tables, its copies' both sides) is
+  free or evictable before that plan returned;
+* when everything finished or was aborted, no reference is left (no leak) and every job that
+  was not aborted has all its tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from actors.messages import BatchPlan, SamplingParams, StepOutput
+from app.scheduler.config import (
+    POLICIES,
+    SWAP_MODES,
+    ChunkedPrefillConfig,
+    KVCacheConfig,
+    PolicyName,
+    SchedulerConfig,
+    SwapMode,
+)
+from app.scheduler.job import JobRequest
+from app.scheduler.profile import Profile
+from app.scheduler.scheduler import Scheduler
+
+PROFILE = Profile.from_dict({
+    "t_init": {"prompt_lens": [1, 16, 64], "seconds": [0.01, 0.03, 0.1]},
+    "t_dec": {"batch_sizes": [1, 16], "seconds": [0.01, 0.02]},
+})
+PREFIXES = ((5,) * 8, tuple(range(10, 18)), (5, 5, 5, 5, 6, 6, 6, 6))
+
+
+@dataclass(frozen=True)
+class Arrival:
+    job_id: str
+    prefix: int          # which of PREFIXES
+    prefix_len: int
+    suffix: tuple[int, ...]
+    max_tokens: int
+    at_event: int        # arrives before this event
+    abort_at: int | None  # aborted before this event (None: runs to the end)
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[dict[str, int], list[Arrival]]:
+    block = draw(st.sampled_from([1, 2, 4]))
+    device = draw(st.integers(4, 14))
+    setup = {"block": block, "device": device, "host": draw(st.integers(1, 12)),
+             "batch": draw(st.integers(1, 4)), "depth": draw(st.sampled_from([1, 2])),
+             "chunk": draw(st.sampled_from([0, 2, 4]))}
+    arrivals = []
+    for i in range(draw(st.integers(1, 10))):
+        prefix_len = draw(st.integers(0, 8))
+        suffix = tuple(draw(st.lists(st.integers(20, 40), min_size=1, max_size=4)))
+        prompt = prefix_len + len(suffix)
+        most = device * block - prompt + 1
+        if most < 1:
+            continue
+        at = draw(st.integers(0, 30))
+        abort = draw(st.one_of(st.none(), st.integers(at, at + 20)))
+        arrivals.append(Arrival(f"j{i}", draw(st.integers(0, len(PREFIXES) - 1)), prefix_len,
+                                suffix, draw(st.integers(1, min(6, most))), at, abort))
+    return setup, arrivals
+
+
+def script(job_id: str, index: int) -> int:
+    return 50 + (sum(map(ord, job_id)) * 31 + index * 7) % 40
+
+
+def touched(plan: BatchPlan, mode: SwapMode) -> tuple[set[int], set[int]]:
+    """Device and host blocks a plan reads or writes and must hold until it returns. (Under
+    ``reactive`` a job preempted by priority is swapped out with its device blocks reusable
+    by the very plan that copies them: the data plane orders the copy first.)"""
+    device = {b for e in plan.entries for b in e.block_table}
+    host: set[int] = set()
+    for c in plan.swap_out:
+        if mode != "reactive":
+            device.update(c.src_blocks)
+        host.update(c.dst_blocks)
+    for c in plan.swap_in:
+        host.update(c.src_blocks)
+        device.update(c.dst_blocks)
+    return device, host
+
+
+@pytest.mark.parametrize("mode", SWAP_MODES)
+@pytest.mark.parametrize("policy", POLICIES)
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases())
+def test_shared_prefixes_aborts_and_swaps_keep_every_invariant(
+        policy: PolicyName, mode: SwapMode, case: tuple[dict[str, int], list[Arrival]]) -> None:
+    setup, arrivals = case
+    s = Scheduler(
+        SchedulerConfig(policy=policy, max_batch_size=setup["batch"], starvation_alpha_s=0.05,
+                        max_num_batched_tokens=16,
+                        chunked_prefill=ChunkedPrefillConfig(enabled=setup["chunk"] > 0,
+                                                             chunk_tokens=setup["chunk"] or 1)),
+        KVCacheConfig(block_size=setup["block"], num_device_blocks=setup["device"],
+                      num_host_blocks=setup["host"], swap_mode=mode),
+        PROFILE, eos_token_ids=frozenset({2}))
+    inflight: list[BatchPlan] = []
+    tokens: dict[str, list[int]] = {}
+    aborted: set[str] = set()
+    now = 0.0
+
+    def check() -> None:
+        s.check_invariants()
+        for plan in inflight:
+            device, host = touched(plan, mode)
+            for pool, blocks in ((s.kv.device, device), (s.kv.host, host)):
+                loose = {b for b in blocks if b not in pool.refs}
+                assert not loose, f"plan {plan.step_id}: {pool.name} blocks {loose} not held"
+
+    last = max((a.at_event for a in arrivals), default=0)
+    for event in range(2000):
+        for a in arrivals:
+            if a.at_event == event:
+                prompt = PREFIXES[a.prefix][:a.prefix_len] + a.suffix
+                s.add(JobRequest(a.job_id, prompt, SamplingParams(
+                    max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)), now)
+            if a.abort_at == event and a.job_id in s.jobs():
+                s.abort(a.job_id, now)
+                aborted.add(a.job_id)
+                check()
+        if not s.has_work() and event > last:
+            break
+        plan = s.schedule(now) if len(inflight) < setup["depth"] else None
+        if plan is not None:
+            inflight.append(plan)
+            check()
+        elif inflight:
+            done = inflight.pop(0)
+            now += 0.01
+            out = StepOutput(done.step_id, {e.job_id: script(e.job_id, e.step_index)
+                                            for e in done.entries if e.samples}, {"total": 0.01})
+            for d in s.update(done, out, now):
+                tokens.setdefault(d.job_id, []).extend(d.token_ids)
+            check()
+        else:
+            now += 0.01
+    assert not s.has_work(), "work left after 2000 events"
+    assert not s.kv.device.refs and not s.kv.host.refs, "references leaked"
+    assert s.kv.num_free_device == setup["device"] and s.kv.num_free_host == setup["host"]
+    for a in arrivals:
+        if a.job_id not in aborted:
+            assert tokens[a.job_id] == [script(a.job_id, i) for i in range(a.max_tokens)]
