@@ -30,12 +30,15 @@ def test_explicit_tokens_and_tpot_give_their_product_with_slack_rounded_up() -> 
         "graceful_shutdown_timeout_s"] == 30.0
 
 
-def test_defaults_are_the_context_length_at_the_profiles_full_batch_step() -> None:
-    a = args()
+def test_unsized_by_default_and_sized_defaults_are_the_context_length_at_the_full_batch_step() -> None:
+    assert args().scheduler_deployment_defaults()["graceful_shutdown_timeout_s"] == 5.0   # min_s
+    a = args(max_tokens=2048)
     tpot = Profile.load(resolve_path(a.profile.path)).t_dec(a.scheduler.max_batch_size)
     assert (a.model.context_len(), a.scheduler.max_batch_size) == (2048, 32)
     assert a.scheduler_deployment_defaults()["graceful_shutdown_timeout_s"] == \
         math.ceil(1.5 * 2048 * tpot) == 242.0
+    assert args(tpot_s=tpot).scheduler_deployment_defaults()["graceful_shutdown_timeout_s"] == 242.0
+    assert "drain.slack scales a sized drain" in error_of({**demo_args(), "drain": {"slack": 2.0}})
 
 
 @pytest.mark.parametrize("drain,field", [({"max_tokens": 0}, "max_tokens"), ({"tpot_s": 0}, "tpot_s"),
@@ -49,6 +52,7 @@ def test_bad_drain_settings_name_themselves(drain: dict[str, Any], field: str) -
 def test_a_missing_profile_needs_an_explicit_tpot() -> None:
     raw = demo_args()
     raw["profile"] = {"path": "config/profiles/not-there.json"}
+    raw["drain"] = {"max_tokens": 2048}
     a = AppArgs.model_validate(raw, context={"require_profile": False})
     with pytest.raises(ValueError, match="drain.tpot_s is unset"):
         a.scheduler_deployment_defaults()
