@@ -32,6 +32,10 @@ if TYPE_CHECKING:
     from app.config import AppArgs
 
 
+#: Multiplier over max_tokens × tpot_s (other jobs' prefills, MLFQ waits, swaps).
+DEFAULT_SLACK = 1.5
+
+
 class DrainArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -42,7 +46,7 @@ class DrainArgs(BaseModel):
     #: ``scheduler.max_batch_size`` when ``max_tokens`` is set, else no sizing.
     tpot_s: float | None = Field(default=None, gt=0)
     #: Multiplier over ``max_tokens × tpot_s`` for what the step time leaves out.
-    slack: float = Field(default=1.5, ge=1.0)
+    slack: float = Field(default=DEFAULT_SLACK, ge=1.0)
     #: Never drain for less (Serve's own default is 20 s for an ingress, ours was 5 s).
     min_s: float = Field(default=5.0, gt=0)
 
@@ -52,7 +56,8 @@ class DrainArgs(BaseModel):
 
     @model_validator(mode="after")
     def _slack_needs_sizing(self) -> DrainArgs:
-        if not self.sized and "slack" in self.model_fields_set:
+        # (Compared with the default, not "was it set": the builder hands replicas every field.)
+        if not self.sized and self.slack != DEFAULT_SLACK:
             raise ValueError("drain.slack scales a sized drain: set drain.max_tokens or drain.tpot_s too")
         return self
 
