@@ -258,69 +258,6 @@ def test_a_stream_on_a_killed_scheduler_replica_ends_with_an_error_and_service_r
     wait_until("delivery channels to the replacement", every_ingress_has_a_channel, REQUEST_TIMEOUT_S)
 
 
-#: A stream long enough to be in flight while a redeploy replaces both deployments' replicas.
-DRAIN_STREAM_TOKENS = 600
-#: The drain sized for it (``drain.max_tokens × drain.tpot_s``): 120 s, far above the stream.
-DRAIN = {"max_tokens": DRAIN_STREAM_TOKENS, "tpot_s": 0.2, "slack": 1.0}
-
-
-def test_a_redeploy_during_a_stream_drains_it_to_completion(cluster: Cluster) -> None:
-    """A changed ``args`` replaces every replica (Serve hashes them into the code version). The
-    old Ingress and Scheduler replicas stop taking requests and drain for their
-    ``graceful_shutdown_timeout_s`` (``drain:``); the stream in flight on them completes with
-    every token instead of being cut, and the replacements serve afterwards."""
-    import json
-    import threading
-
-    config = dummy_opt_yaml()
-    config["applications"][0]["args"]["drain"] = dict(DRAIN)
-    timeout_s = AppArgs.model_validate(config["applications"][0]["args"]).scheduler_deployment_defaults()[
-        "graceful_shutdown_timeout_s"]
-    assert timeout_s == 120.0
-    cluster.deploy(config, "drain-v1")
-    wait_until("drain-v1 running", lambda: settled("Scheduler", 1, graceful_shutdown_timeout_s=timeout_s) and
-               settled("Ingress", 1, graceful_shutdown_timeout_s=timeout_s), STARTUP_TIMEOUT_S)
-    complete(cluster, "Warm up", 2)
-    (old,) = running_replicas("Scheduler")
-
-    events: list[str] = []
-    started = threading.Event()
-
-    def read_stream() -> None:
-        body = {"model": MODEL, "prompt": "Keep going", "max_tokens": DRAIN_STREAM_TOKENS, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
-        with httpx.stream("POST", cluster.base + "/v1/completions", json=body, headers=AUTH,
-                          timeout=REQUEST_TIMEOUT_S) as resp:
-            assert resp.status_code == 200
-            for line in resp.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[len("data: "):])
-                    started.set()
-
-    reader = threading.Thread(target=read_stream, daemon=True)
-    reader.start()
-    assert started.wait(REQUEST_TIMEOUT_S), "the stream never started"
-    config["applications"][0]["args"]["drain"]["min_s"] = 6.0   # a new code version; same timeout
-    cluster.deploy(config, "drain-v2")
-    stopping_mid_stream = False
-    while reader.is_alive():
-        states = {r["actor_id"]: r["state"] for r in deployment("Scheduler")["replicas"]}
-        stopping_mid_stream |= states.get(old["actor_id"]) == "STOPPING" and reader.is_alive()
-        time.sleep(0.2)
-    reader.join()
-    assert stopping_mid_stream, "the old Scheduler replica was never seen draining while the stream ran"
-    assert events[-1] == "[DONE]", events[-3:]
-    bodies = [json.loads(e) for e in events[:-1]]
-    assert not any("error" in b for b in bodies), [b for b in bodies if "error" in b]
-    assert [c["finish_reason"] for b in bodies for c in b["choices"] if c["finish_reason"]] == ["length"]
-    assert bodies[-1]["usage"]["completion_tokens"] == DRAIN_STREAM_TOKENS
-    wait_until("the replacement serving", lambda: scheduler_actor_ids() not in (set(), {old["actor_id"]}),
-               STARTUP_TIMEOUT_S)
-    wait_until("the old replica gone", lambda: old["actor_id"] not in
-               {r["actor_id"] for r in deployment("Scheduler")["replicas"]}, timeout_s)
-    complete(cluster, "After the redeploy", 4)
-
-
 def test_scheduler_autoscales_to_two_model_copies_and_both_serve(cluster: Cluster) -> None:
     """Each new replica reserves its whole model copy: its own placement group holding the
     replica's bundle and its stage worker's (a Ray pipeline of one stage; plain actor calls, as a
