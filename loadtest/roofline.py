@@ -179,7 +179,7 @@ def main() -> None:
             cost = decode_step_cost(config, b, context, width)
             floor = floor_s(cost, machine.bandwidth, machine.flops[d])
             bound = "memory" if cost.bytes / machine.bandwidth >= cost.flops / machine.flops[d] else "compute"
-            row: dict[str, object] = {"dtype": d, "batch": b, **asdict(cost), "floor_ms": round(floor * 1e3, 6),
+            row: dict[str, object] = {"dtype": d, "batch": b, **asdict(cost), "floor_ms": float(f"{floor * 1e3:.6g}"),
                                       "bound": bound}
             ours = theirs = float("nan")
             if ex is not None and hf is not None:
