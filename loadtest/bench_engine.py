@@ -40,14 +40,19 @@ DECODE_STEPS = 8
 GREEDY = SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
 
 
-def _median(run: Callable[[], object], repeats: int) -> float:
+def timed_runs(run: Callable[[], object], repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` runs of ``run``, after one warm-up run."""
     run()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def _median(run: Callable[[], object], repeats: int) -> float:
+    return statistics.median(timed_runs(run, repeats))
 
 
 #: transformers' (config, model) classes of each LLaMA-family ``model_type``.

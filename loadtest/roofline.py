@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -99,13 +98,7 @@ def floor_s(cost: StepCost, bandwidth: float, peak_flops: float) -> float:
 
 def _best(run: Callable[[], object], repeats: int) -> float:
     """Fastest of ``repeats`` timed runs after one warm-up (sustained rate, least disturbed)."""
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return min(bench_engine.timed_runs(run, repeats))
 
 
 def measure_gemm_flops(dtype: torch.dtype, sides: tuple[int, ...] = GEMM_SIDES, repeats: int = 3) -> float:
