@@ -149,13 +149,18 @@ class Simulator:
         self.scheduler = Scheduler(scheduler_config, kv_config, scheduler_profile or cost.profile,
                                    self.options.eos_token_ids)
         self.pipeline = SimPipeline(cost, self.options.token_id)
-        self._prompts: dict[int, tuple[int, ...]] = {}
+        self._fillers: dict[int, tuple[int, ...]] = {}
+        # Every prompt's second token is its own, so no two requests share a KV block: with the
+        # prefix cache on, identical synthetic prompts would all hit one cached prefix.
+        self._prompt_tags = count(max(BOS_TOKEN_ID, OPT_EOS_TOKEN_ID, self.options.token_id) + 1)
 
     def _prompt(self, n: int) -> tuple[int, ...]:
-        # Content is irrelevant to the cost model; share one tuple per length.
-        if n not in self._prompts:
-            self._prompts[n] = (BOS_TOKEN_ID,) + (self.options.token_id,) * (n - 1)
-        return self._prompts[n]
+        """A prompt of n tokens no other request of this run shares a block with."""
+        if n <= 1:
+            return (BOS_TOKEN_ID,)[:n]
+        if n not in self._fillers:
+            self._fillers[n] = (self.options.token_id,) * (n - 2)
+        return (BOS_TOKEN_ID, next(self._prompt_tags)) + self._fillers[n]
 
     def run(self, requests: Sequence[Request]) -> SimResult:
         started = time.perf_counter()

@@ -48,7 +48,9 @@ TOLERANCE = 0.15
 
 
 def _configs(policy: PolicyName) -> tuple[SchedulerConfig, KVCacheConfig]:
-    return (SchedulerConfig(policy=policy, max_batch_size=3, starvation_alpha_s=1.0),
+    # α short enough (two iterations, no backlog floor) that starvation promotions happen.
+    return (SchedulerConfig(policy=policy, max_batch_size=3, starvation_alpha_s=1.0,
+                            starvation_min_iterations=2.0, starvation_backlog_batches=0.0),
             KVCacheConfig(block_size=BLOCK, num_device_blocks=DEVICE_BLOCKS,
                           num_host_blocks=HOST_BLOCKS))
 
@@ -108,10 +110,12 @@ async def _engine(policy: PolicyName) -> tuple[list[str], dict[str, JobStats], d
 
     await engine.start()
     try:
-        streams = [(engine.add_request([2] + [5 + i % 50 for i in range(p - 1)],
+        # Each prompt's second token is its own, so no two jobs share a cached prefix (as in
+        # the simulator's prompts).
+        streams = [(engine.add_request([2, 60 + k] + [5 + i % 50 for i in range(p - 2)],
                                        SamplingParams(max_tokens=o, temperature=0.0,
                                                       ignore_eos=True), job_id=j), j)
-                   for j, p, o in JOBS]
+                   for k, (j, p, o) in enumerate(JOBS)]
         await asyncio.wait_for(asyncio.gather(*(consume(s, j) for s, j in streams)), timeout=120)
     finally:
         await engine.stop()
