@@ -1,6 +1,9 @@
 """ENST, the Estimated Next Scheduled Time of a job (paper §4.2, DESIGN.md "KV cache").
 
-    ENST(i) = min(α − starve_time(i),  (1/B) · Σ_{j above i} Σ_{k = level(j)}^{level(i)−1} q_k)
+    ENST(i) = min(T_promote(i),  (1/B) · Σ_{j above i} Σ_{k = level(j)}^{level(i)−1} q_k)
+
+T_promote(i) is the time left before starvation promotes job i: its α (fixed when its wait
+began, ``Job.starve_due``) less what it has waited — the paper's α − starve_time.
 
 The quanta are service (``app.scheduler.accounting``: a decode is charged one decode iteration,
 q1), so the sum is the work ahead in service-seconds; B jobs advance together in one iteration,
@@ -11,6 +14,7 @@ decision for every level from per-level job counts (O(levels)); ENST of any job 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 
@@ -36,21 +40,24 @@ def level_waits(counts: Sequence[int], quanta: Sequence[float], batch_size: int)
     return waits
 
 
-def enst(alpha: float, starve_time: float, level_wait: float) -> float:
-    """ENST of one job from its starve time and its level's wait (see ``level_waits``)."""
-    return min(alpha - starve_time, level_wait)
+def enst(until_promotion: float, level_wait: float) -> float:
+    """ENST of one job from the time left before starvation promotes it and its level's wait
+    (see ``level_waits``)."""
+    return min(until_promotion, level_wait)
 
 
 class EnstTable:
     """ENST of every job at one decision instant ``now``, O(1) per job."""
 
     def __init__(self, counts: Sequence[int], quanta: Sequence[float], batch_size: int,
-                 alpha: float, now: float, wall_per_service: float = 1.0) -> None:
+                 now: float, wall_per_service: float = 1.0) -> None:
         if wall_per_service <= 0:
             raise ValueError(f"wall_per_service must be > 0, got {wall_per_service}")
         self.waits = [w * wall_per_service for w in level_waits(counts, quanta, batch_size)]
-        self.alpha = alpha
         self.now = now
 
-    def __call__(self, level: int, last_served: float) -> float:
-        return enst(self.alpha, self.now - last_served, self.waits[level - 1])
+    def __call__(self, level: int, promote_at: float | None) -> float:
+        """ENST of a job in ``level`` that starvation promotes at ``promote_at`` (None: never,
+        e.g. a job already in level 1)."""
+        until = math.inf if promote_at is None else promote_at - self.now
+        return enst(until, self.waits[level - 1])

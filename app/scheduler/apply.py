@@ -71,7 +71,12 @@ class Applier:
         else:
             return
         if policy.may_be_promoted(job):
-            s.queues.starving.add(job.job_id, job.last_served, job.stats.promotions)
+            if job.starve_due is None:
+                # Its wait begins: α for the backlog ahead of it now, fixed for this wait (a
+                # backlog that drains later does not make a long wait look like starvation).
+                wait = policy.starvation_wait(job.stats.promotions, s.alpha(job.level))
+                job.starve_due = job.last_served + wait
+            s.queues.starving.add(job.job_id, job.starve_due)
 
     def unplace(self, job: Job) -> None:
         self.s.queues.discard(job.level, job.job_id)
@@ -96,6 +101,7 @@ class Applier:
         self.unplace(job)
         self.set_level(job, level)
         job.last_served = now   # the starve clock restarts with the promotion
+        job.starve_due = None
         job.promoted = True
         self.count(job, "promotions")
         self.place(job)
@@ -275,7 +281,7 @@ class Applier:
         """Record the ENST predicted at a swap decision (checked when the job next runs)."""
         job = self.s.jobs[job_id]
         if table is not None:
-            job.predictions.append((table.now, table(job.level, job.last_served)))
+            job.predictions.append((table.now, table(job.level, job.starve_due)))
         return job
 
     # ---- results -------------------------------------------------------------------------
@@ -338,6 +344,7 @@ class Applier:
         job.stats.swap_blocked_s += served.swap_wait_s
         job.attained_s += served.share_s
         job.last_served = now
+        job.starve_due = None
         job.idle_since = now
 
     def complete(self, step: int) -> tuple[InFlight, list[str]]:

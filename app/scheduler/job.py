@@ -179,6 +179,9 @@ class Job:
     blocked_s: float = 0.0           # of its current idle spell, seconds blocked on a swap
     pinned_until: int | None = None  # swapped in for its turn: no swap-out victim up to this step
     promoted: bool = False           # promoted for starvation and not run since
+    #: When it is promoted if still not served: set when its wait begins (from α for the backlog
+    #: ahead of it then), None while it runs or is not watched for starvation.
+    starve_due: float | None = None
     #: Chunked prefill: positions of the first iteration in progress whose KV earlier chunks
     #: computed (0 when none is in progress, and whenever the job's KV is dropped).
     prefilled: int = 0

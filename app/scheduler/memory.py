@@ -144,4 +144,4 @@ class MemoryPlanner:
         if table is None:
             return None
         jobs = self.view.jobs
-        return lambda level, job_id: sign * table(level, jobs[job_id].last_served)
+        return lambda level, job_id: sign * table(level, jobs[job_id].starve_due)

@@ -91,8 +91,8 @@ class Policy:
         """Whether an idle job's starve clock is watched (it is promoted once past α)."""
         return False
 
-    def promotion_level(self, job: Job, waited_s: float, alpha_s: float) -> int | None:
-        """The level a job not served for ``waited_s`` moves to, or None (no promotion)."""
+    def promotion_level(self, job: Job) -> int | None:
+        """The level a job past its promotion time moves to, or None (no promotion)."""
         return None
 
     def starvation_wait(self, promotions: int, alpha_s: float) -> float:
@@ -175,10 +175,9 @@ class SkipJoinMLFQ(Policy):
     def may_be_promoted(self, job: Job) -> bool:
         return job.level > 1
 
-    def promotion_level(self, job: Job, waited_s: float, alpha_s: float) -> int | None:
+    def promotion_level(self, job: Job) -> int | None:
         """Starvation prevention: level 1 once not served for longer than its α."""
-        wait = self.starvation_wait(job.stats.promotions, alpha_s)
-        return 1 if waited_s > wait and job.level > 1 else None
+        return 1 if job.level > 1 else None
 
 
 class NaiveMLFQ(SkipJoinMLFQ):

@@ -29,33 +29,27 @@ LevelScore = Callable[[int, str], float]
 
 
 class StarvationClocks:
-    """Idle jobs watched for starvation, by last-served time, one set per number of promotions
-    a job already had: its wait before promotion depends on that number (α times a backoff), so
-    each set's oldest job is the first of that set to starve, whatever α is now."""
+    """Idle jobs watched for starvation, by the time each is due for promotion (``Job.starve_due``,
+    fixed when its wait began), so the first to starve is the set's top."""
 
     def __init__(self) -> None:
-        self._sets: dict[int, PrioritySet] = {}
-        self._count: dict[str, int] = {}
+        self._due = PrioritySet()
 
     def __contains__(self, job_id: object) -> bool:
-        return job_id in self._count
+        return job_id in self._due
 
-    def add(self, job_id: str, last_served: float, promotions: int) -> None:
-        self.discard(job_id)
-        self._sets.setdefault(promotions, PrioritySet()).add(job_id, last_served)
-        self._count[job_id] = promotions
+    def add(self, job_id: str, due: float) -> None:
+        self._due.discard(job_id)
+        self._due.add(job_id, due)
 
     def discard(self, job_id: str) -> None:
-        count = self._count.pop(job_id, None)
-        if count is not None:
-            self._sets[count].discard(job_id)
+        self._due.discard(job_id)
 
-    def first_overdue(self, now: float, wait: Callable[[int], float]) -> str | None:
-        """A job not served for longer than ``wait(its promotions)``, or None."""
-        for count, watched in self._sets.items():
-            top = watched.peek()
-            if top is not None and now - top[0] > wait(count):
-                return top[1]
+    def first_overdue(self, now: float) -> str | None:
+        """A job whose promotion time has passed (waited longer than its α), or None."""
+        top = self._due.peek()
+        if top is not None and now > top[0]:
+            return top[1]
         return None
 
 

@@ -83,7 +83,7 @@ class Scheduler:
         """ENST of a queued job at ``now`` (None for policies without levels' quanta)."""
         table = self.view.enst_table(now)
         job = self.state.jobs[job_id]
-        return None if table is None else table(job.level, job.last_served)
+        return None if table is None else table(job.level, job.starve_due)
 
     def reserve_blocks(self, now: float) -> int:
         return self.view.reserve_blocks(now)
@@ -183,12 +183,10 @@ class Scheduler:
 
     def _promote_starved(self, now: float) -> None:
         """Starvation prevention: the policy moves a job not served for longer than its α."""
-        alpha = self.view.alpha()
         jobs, policy = self.state.jobs, self.policy
-        wait = lambda promotions: policy.starvation_wait(promotions, alpha)  # noqa: E731
-        while (job_id := self.queues.starving.first_overdue(now, wait)) is not None:
+        while (job_id := self.queues.starving.first_overdue(now)) is not None:
             job = jobs[job_id]
-            level = policy.promotion_level(job, now - job.last_served, alpha)
+            level = policy.promotion_level(job)
             assert level is not None, f"{job_id} is overdue but the policy does not promote it"
             self.applier.promote(job, level, now)
 

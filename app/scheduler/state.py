@@ -82,18 +82,26 @@ class SchedulerState:
         #: Running mean of measured step durations (None until the first step returns).
         self.step_time_s: float | None = None
 
-    def alpha(self) -> float:
-        """α in effect: the configured one, but never under ``starvation_min_iterations``
-        measured iterations (paper: α is tuned to the SLO; the SLO is 10 iterations) nor under
-        ``starvation_backlog_batches`` rounds of the jobs held. A job already promoted waits
-        longer (``Policy.starvation_wait``)."""
+    def alpha(self, level: int | None = None) -> float:
+        """α for a job whose wait begins now in ``level`` (None: the lowest level, behind every
+        job held): the configured one, but never under ``starvation_min_iterations`` measured
+        iterations (paper: α is tuned to the SLO; the SLO is 10 iterations) nor under
+        ``starvation_backlog_batches`` rounds of the backlog ahead of it — the jobs in its level
+        and above, in batches of B. A job already promoted waits longer
+        (``Policy.starvation_wait``)."""
         cfg = self.config
-        measured = self.step_time_s
-        if measured is None:
-            return cfg.starvation_alpha_s
-        floor = cfg.starvation_min_iterations * measured
-        backlog = cfg.starvation_backlog_batches * math.ceil(len(self.jobs) / cfg.max_batch_size) * measured
+        step = self.step_time_estimate()
+        ahead = len(self.jobs) if level is None else sum(self.queues.counts[:level])
+        floor = cfg.starvation_min_iterations * step
+        backlog = cfg.starvation_backlog_batches * math.ceil(ahead / cfg.max_batch_size) * step
         return max(cfg.starvation_alpha_s, floor, backlog)
+
+    def step_time_estimate(self) -> float:
+        """The running mean of measured step times; before any step returned, the profile's
+        decode at a full batch."""
+        if self.step_time_s is not None:
+            return self.step_time_s
+        return self.profile.t_dec(self.config.max_batch_size)
 
 
 class SchedulerView:
@@ -120,17 +128,13 @@ class SchedulerView:
         if not self.policy.uses_enst:
             return None
         return EnstTable(self.queues.counts, self._s.quanta, self.config.max_batch_size,
-                         self.alpha(), now, self.wall_per_service())
+                         now, self.wall_per_service())
 
     def wall_per_service(self) -> float:
         """Wall seconds per second of service: one iteration gives each of its jobs q1 of
         service (``app.scheduler.accounting``) and takes the measured step time (before any
         step returned, the profile's full-batch decode)."""
-        profile = self.profile
-        step = self._s.step_time_s
-        if step is None:
-            step = profile.t_dec(self.config.max_batch_size)
-        return step / profile.q1
+        return self._s.step_time_estimate() / self.profile.q1
 
     def reserve_blocks(self, now: float) -> int:
         return self._s.reserve.blocks(now)

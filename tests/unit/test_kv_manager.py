@@ -177,22 +177,23 @@ def test_growth_takes_kv_from_the_lowest_priority_job_one_plan_ahead() -> None:
 
 
 def test_swap_in_and_out_order_merges_levels_by_enst() -> None:
-    # Host jobs a (level 2, last served 0), b (level 2, 3.0), c (level 4, 0.2); α = 5, B = 2,
-    # counts 2, 2, 0, 1 -> waits 0, 1, 5, 13. At now = 4.5:
-    # ENST(a) = min(5 - 4.5, 1) = 0.5, ENST(b) = min(5 - 1.5, 1) = 1, ENST(c) = min(0.7, 13) = 0.7
+    # Host jobs a (level 2, last served 0), b (level 2, 3.0), c (level 4, 0.2); α = 5 for each
+    # (promotion due at 5, 8, 5.2); B = 2, counts 2, 2, 0, 1 -> waits 0, 1, 5, 13. At now = 4.5:
+    # ENST(a) = min(5 - 4.5, 1) = 0.5, ENST(b) = min(8 - 4.5, 1) = 1, ENST(c) = min(0.7, 13) = 0.7
     # c, deep in level 4 but about to be promoted, comes back before b from level 2.
     queues = LevelQueues(4)
     queues.counts[:] = [2, 2, 0, 1]
-    served = {"a": 0.0, "b": 3.0, "c": 0.2}
+    due = {"a": 5.0, "b": 8.0, "c": 5.2}
     level = {"a": 2, "b": 2, "c": 4}
-    for job_id in served:
-        queues.level(level[job_id]).onhost.add(job_id, served[job_id])
-        queues.level(level[job_id]).evictable.add(job_id, -served[job_id])
-    table = EnstTable(queues.counts, [1.0, 2.0, 4.0, 8.0], 2, 5.0, 4.5)
-    assert [table(level[j], served[j]) for j in "abc"] == pytest.approx([0.5, 1.0, 0.7])
-    with queues.ordered("onhost", lambda lv, j: table(lv, served[j])) as order:
+    for job_id in due:
+        queues.level(level[job_id]).onhost.add(job_id, due[job_id])
+        queues.level(level[job_id]).evictable.add(job_id, -due[job_id])
+    table = EnstTable(queues.counts, [1.0, 2.0, 4.0, 8.0], 2, 4.5)
+    assert [table(level[j], due[j]) for j in "abc"] == pytest.approx([0.5, 1.0, 0.7])
+    assert table(1, None) == 0.0 and table(4, None) == 13.0     # never promoted: its level's wait
+    with queues.ordered("onhost", lambda lv, j: table(lv, due[j])) as order:
         assert list(order) == ["a", "c", "b"]
-    with queues.ordered("evictable", lambda lv, j: -table(lv, served[j])) as order:
+    with queues.ordered("evictable", lambda lv, j: -table(lv, due[j])) as order:
         assert list(order) == ["b", "c", "a"]
     assert len(queues.level(2).onhost) == 2       # the walk leaves the sets as they were
 

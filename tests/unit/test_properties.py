@@ -154,17 +154,16 @@ def check_random_load(policy: PolicyName, mode: SwapMode, case: Workload,
         ever_admitted.update(given_kv)
         inflight[plan.step_id] = plan
         if sched.policy.starvation:
-            alpha = sched.starvation_alpha()   # α in effect at this decision
             for job in sched.jobs().values():
                 # Naive MLFQ does not boost a job whose first iteration is being cut at the
                 # quantum (in level 1 it would be cut again): see NaiveMLFQ.may_be_promoted.
                 cut = policy == "naive_mlfq" and not job.generated and chunk_tokens is None
                 if job.state in (JobState.WAITING, JobState.RUNNABLE) and job.level > 1 \
                         and not cut:
-                    wait = sched.policy.starvation_wait(job.stats.promotions, alpha)
-                    assert now - job.last_served <= wait, (
-                        f"{job.job_id} waited {now - job.last_served} > {wait} (α={alpha}, "
-                        f"{job.stats.promotions} promotions) and is still in level {job.level}")
+                    assert job.starve_due is not None, f"{job.job_id} waits unwatched"
+                    assert now <= job.starve_due, (
+                        f"{job.job_id} was due for promotion at {job.starve_due} and is still "
+                        f"in level {job.level} at {now}")
 
     total_tokens = sum(r.sampling.max_tokens for _, r in jobs)
     if chunk_tokens is not None:   # every first iteration may take one plan per chunk

@@ -170,27 +170,32 @@ def test_swap_time_and_step_time_are_no_ones_service() -> None:
     assert a.stats.swap_blocked_s == 90.0 and a.stats.execution_s == 0.5 + 10.0
 
 
-def test_alpha_is_floored_at_k_measured_iterations() -> None:
-    # α = 0.3 configured; steps of 0.9 s (3 α). With k = 10 a job is starving only after 9 s,
-    # i.e. ten ordinary iterations, not at every decision.
-    s = make(batch=1, alpha=0.3, starvation_min_iterations=10.0, step_time_ewma_weight=1.0)
-    assert s.starvation_alpha() == 0.3                   # nothing measured yet
+def test_alpha_is_floored_at_k_iterations_and_fixed_when_the_wait_begins() -> None:
+    # α = 0.3 configured; the profile's decode at B = 1 takes 1 s, the measured steps 0.9 s
+    # (3 α). With k = 10 a job is starving only after ten ordinary iterations: before any step
+    # returned that is 10 × 1 s (the profile), once steps are measured 10 × 0.9 s. b's wait
+    # began at its arrival under the 10 s α, and a later, shorter α does not shorten it.
+    s = make(batch=1, alpha=0.3, starvation_min_iterations=10.0, step_time_ewma_weight=1.0,
+             starvation_backlog_batches=0.0, num_levels=6)
+    assert s.starvation_alpha() == 10.0                  # nothing measured yet: the profile
     s.add(req("a", 8, max_tokens=40), 0.0)
-    b = s.add(req("b", 64, max_tokens=2), 0.0)           # level 4, waits behind a
+    b = s.add(req("b", 200, max_tokens=2), 0.0)          # level 6, waits behind a
+    assert b.starve_due == 10.0
     now = 0.0
-    for _ in range(10):
+    for _ in range(12):                                  # steps at 0, 0.9, ..., 9.9
         plan, _ = step(s, now, 0.9)
         now += 0.9
         assert ids(plan) == ["a"] and b.stats.promotions == 0
-    assert s.starvation_alpha() == 9.0
-    assert now == pytest.approx(9.0) and b.level == 4
-    plan, _ = step(s, now + 0.125, 0.9)                  # waited 9.125 > 9: promoted, runs
+    assert s.starvation_alpha() == pytest.approx(9.0)
+    assert b.level == 6
+    plan, _ = step(s, 10.125, 0.9)                       # waited 10.125 > 10: promoted, runs
     assert ids(plan) == ["b"] and b.stats.promotions == 1
 
 
 # ---- starvation ---------------------------------------------------------------------------
 def test_promotion_to_level_one_after_alpha() -> None:
-    s = make(batch=1, alpha=5.0, num_levels=6)
+    s = make(batch=1, alpha=5.0, num_levels=6, starvation_min_iterations=0.0,
+             starvation_backlog_batches=0.0)
     a = s.add(req("a", 8, max_tokens=40), 0.0)     # level 1
     b = s.add(req("b", 200, max_tokens=2), 0.0)    # level 6 (t_init 24), last served = arrival = 0
     for k in range(11):                            # a runs alone, 0.5 s per step
@@ -211,9 +216,9 @@ def test_enst_for_a_hand_built_queue_state() -> None:
     # wait(L3) = (2 * (q1 + q2) + 1 * q2) / 2 = (6 + 2) / 2 = 4
     # wait(L4) = (2 * (q1+q2+q3) + 1 * (q2+q3)) / 2 = (14 + 6) / 2 = 10
     assert level_waits([2, 1, 0, 1], [1.0, 2.0, 4.0, 8.0], 2) == [0.0, 1.0, 4.0, 10.0]
-    assert enst(5.0, 1.0, 10.0) == 4.0            # α − starve = 4 < 10
+    assert enst(4.0, 10.0) == 4.0                 # until promotion 4 < 10
 
-    s = make(batch=2, alpha=5.0)
+    s = make(batch=2, alpha=5.0, starvation_min_iterations=0.0, starvation_backlog_batches=0.0)
     for name, prompt in (("l1a", 8), ("l1b", 8), ("l2", 16), ("l4", 64)):
         s.add(req(name, prompt), 0.0)
     assert s.queues.counts == [2, 1, 0, 1]

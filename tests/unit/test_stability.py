@@ -74,13 +74,16 @@ def test_throughput_does_not_fall_as_load_rises(seed: int) -> None:
 
 # ---- sustained overload: twice the capacity, ~500 jobs held -------------------------------------
 OVERLOAD_REQUESTS = 1024
+OVERLOAD_SEEDS = (0, 1, 2)
 
 
-def _sustained(load: float, n: int, **options: float) -> tuple[SimResult, float, int]:
+def _sustained(load: float, n: int, seed: int = 0,
+               **options: float) -> tuple[SimResult, float, int]:
     """One run with a host pool that never binds; returns the result, the P95 per-token latency
-    of the jobs with at most 8 output tokens, and the most jobs held at once."""
+    of the jobs with at most 8 output tokens (32 before the ¼ scaling), and the most jobs held
+    at once."""
     pairs = _pairs()
-    requests = W.workload(pairs, n, load * capacity_rate(pairs, COST, BATCH), 0)
+    requests = W.workload(pairs, n, load * capacity_rate(pairs, COST, BATCH), seed)
     setup = SimSetup(max_batch_size=BATCH, num_device_blocks=DEVICE_BLOCKS,
                      num_host_blocks=64 * DEVICE_BLOCKS, starvation_alpha_s=ALPHA_S,
                      scheduler_options=options)
@@ -97,20 +100,26 @@ def _sustained(load: float, n: int, **options: float) -> tuple[SimResult, float,
 
 
 def test_sustained_overload_does_not_churn_and_short_jobs_stay_ahead() -> None:
-    """2× capacity until ~500 jobs are held, iterations 3× the configured α. With α backed off
-    per promotion and floored at rounds of the backlog (the defaults), promotions stay near one
-    per job; the paper's fixed α promotes every starving job every α (≈ 28 per job here).
-    Measured (seed 0): ours 1.29 promotions and 3.18 swap-outs per job, short jobs' P95
-    per-token 12.8 s against 3.5 s at 0.9 load (3.7×); fixed α 27.9 and 27.6, 118 s."""
-    light, light_p95, _ = _sustained(0.9, 300)
-    ours, ours_p95, peak = _sustained(2.0, OVERLOAD_REQUESTS)
-    fixed, fixed_p95, _ = _sustained(2.0, OVERLOAD_REQUESTS, starvation_backoff=1.0,
-                                     starvation_backlog_batches=0.0)
-    per_job = {k: v / OVERLOAD_REQUESTS for k, v in ours.totals.items()}
-    assert peak >= 400, peak
-    assert per_job["promotions"] <= 1.5, per_job
-    assert per_job["swaps_out"] <= 3.5, per_job
-    assert ours_p95 <= 4 * light_p95, (ours_p95, light_p95)
-    assert fixed.totals["promotions"] >= 10 * ours.totals["promotions"]
-    assert fixed_p95 >= 5 * ours_p95
-    assert light.totals.get("promotions", 0) / 300 <= 0.3
+    """2× capacity until 470-550 jobs are held, iterations 3× the configured α, over three arrival
+    seeds. With α fixed when a wait begins, floored at rounds of the backlog ahead, and backed
+    off ×64 per promotion (the defaults), promotions per job stay under one; the paper's fixed
+    α promotes every starving job every α. Measured (seeds 0/1/2): 0.73/0.66/0.70 promotions
+    and 2.08/1.82/1.95 swap-outs per job (mean 1.95), short jobs' P95 per-token 2.20/2.65/2.26×
+    its value at 0.9 load; fixed α (seed 0) 27.9 promotions per job."""
+    promotions, swap_outs = [], []
+    for seed in OVERLOAD_SEEDS:
+        light, light_p95, _ = _sustained(0.9, 300, seed)
+        ours, ours_p95, peak = _sustained(2.0, OVERLOAD_REQUESTS, seed)
+        assert peak >= 450, peak
+        assert ours_p95 <= 3 * light_p95, (seed, ours_p95, light_p95)
+        assert light.totals.get("promotions", 0) / 300 <= 0.2, seed
+        promotions.append(ours.totals["promotions"] / OVERLOAD_REQUESTS)
+        swap_outs.append(ours.totals["swaps_out"] / OVERLOAD_REQUESTS)
+        if seed == 0:
+            fixed, fixed_p95, _ = _sustained(2.0, OVERLOAD_REQUESTS, seed, starvation_backoff=1.0,
+                                             starvation_backlog_batches=0.0)
+            assert fixed.totals["promotions"] >= 20 * ours.totals["promotions"]
+            assert fixed_p95 >= 5 * ours_p95
+    assert max(promotions) <= 1.0, promotions
+    assert sum(swap_outs) / len(swap_outs) <= 2.0, swap_outs
+    assert max(swap_outs) <= 2.25, swap_outs
