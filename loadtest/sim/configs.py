@@ -46,6 +46,11 @@ class SimSetup:
     naive_preempts_first_iteration: bool = True
     #: Chunked prefill with chunks of this many tokens (None: off, first iterations run whole).
     chunk_tokens: int | None = None
+    #: Automatic prefix caching. Off by default: the paper's system has none, and the synthetic
+    #: prompts share no prefix, so the cache could only keep a job's own KV after it was dropped
+    #: or evicted — which turns recompute's drops into swaps to the host tier and hides what
+    #: Figure 15 compares.
+    prefix_caching: bool = False
     #: Any other ``SchedulerConfig`` field, by name (e.g. starvation_backoff).
     scheduler_options: Mapping[str, object] = field(default_factory=dict)
 
@@ -71,7 +76,8 @@ def build_configs(cost: CostModel, setup: SimSetup) -> tuple[SchedulerConfig, KV
     elif not host:
         host = device
     kv = KVCacheConfig(block_size=cost.profile.block_size, num_device_blocks=device, num_host_blocks=host,
-                       swap_mode=setup.swap_mode, reserved_blocks=setup.reserved_blocks)
+                       swap_mode=setup.swap_mode, reserved_blocks=setup.reserved_blocks,
+                       prefix_caching=setup.prefix_caching)
     return SchedulerConfig(**sched_kwargs), kv  # type: ignore[arg-type]
 
 

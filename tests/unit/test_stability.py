@@ -3,7 +3,8 @@ schedule and does not churn the KV cache when iterations are longer than the con
 
 The demo server's regime, simulated: iterations of 0.6–0.9 s (three times α = 0.3 s), ShareGPT
 lengths scaled to ¼ (as the real-HTTP runs do), batch 16, a device pool small enough to bind,
-Poisson arrivals at 0.5, 1.0 and 1.5 × the capacity the cost model implies.
+Poisson arrivals at 0.5, 1.0 and 1.5 × the capacity the cost model implies; the prefix cache on,
+as the server runs.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def _run(load: float, seed: int) -> SimResult:
     rate = load * capacity_rate(pairs, COST, BATCH)
     requests = W.workload(pairs, NUM_REQUESTS, rate, seed)
     setup = SimSetup(max_batch_size=BATCH, num_device_blocks=DEVICE_BLOCKS,
-                     num_host_blocks=4 * DEVICE_BLOCKS, starvation_alpha_s=ALPHA_S)
+                     num_host_blocks=4 * DEVICE_BLOCKS, starvation_alpha_s=ALPHA_S,
+                     prefix_caching=True)
     result = simulate(requests, COST, setup)
     assert all(r.ok for r in result.records)
     return result
@@ -86,7 +88,7 @@ def _sustained(load: float, n: int, seed: int = 0,
     requests = W.workload(pairs, n, load * capacity_rate(pairs, COST, BATCH), seed)
     setup = SimSetup(max_batch_size=BATCH, num_device_blocks=DEVICE_BLOCKS,
                      num_host_blocks=64 * DEVICE_BLOCKS, starvation_alpha_s=ALPHA_S,
-                     scheduler_options=options)
+                     prefix_caching=True, scheduler_options=options)
     result = simulate(requests, COST, setup)
     assert all(r.ok for r in result.records)
     short = sorted((r.end - r.arrival) / r.output_tokens for r in result.records
