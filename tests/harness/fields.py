@@ -147,7 +147,8 @@ def post(backend: ScriptedBackend, path: str, body: Any, **context: Any) -> Any:
     import httpx
 
     from app.http_api import make_api
-    from app.ingress import OpenAIServer, ServerContext
+    from app.ingress import OpenAIServer
+    from app.ingress_requests import ServerContext
     from app.tokenizer import Tokenizer
 
     async def run() -> httpx.Response:

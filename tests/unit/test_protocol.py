@@ -14,15 +14,16 @@ import httpx
 import pytest
 
 from app.errors import ErrorCode
-from app.http_api import make_api
-from app.ingress import OpenAIServer, ServerContext
+from app.http_api import make_api, respond
+from app.ingress import OpenAIServer
+from app.ingress_requests import ServerContext
 from app.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    StopStringMatcher,
     parse_request,
 )
+from app.protocol_output import StopStringMatcher
 from app.request_limits import RequestLimits
 from app.scheduler.job import JobRequest, JobStats, TokenDelta
 from app.tokenizer import Tokenizer
@@ -443,7 +444,7 @@ def test_a_non_streaming_client_that_hangs_up_aborts_its_job() -> None:
 
     async def run() -> None:
         with pytest.raises(APIError) as err:
-            await server.handle(body, False, lambda: asyncio.sleep(0.2))   # the client leaves at 0.2 s
+            await respond(server, body, False, lambda: asyncio.sleep(0.2))   # the client leaves at 0.2 s
         assert err.value.status == 499
 
     asyncio.run(run())

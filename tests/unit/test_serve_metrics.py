@@ -14,7 +14,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.http_api import make_api
-from app.ingress import OpenAIServer, ServerContext
+from app.ingress import OpenAIServer
+from app.ingress_requests import ServerContext
 from app.metrics import (
     INGRESS_FAMILIES,
     SCHEDULER_FAMILIES,
