@@ -25,7 +25,8 @@ import httpx
 import pytest
 import yaml
 
-from app.config import API_KEY_ENV, AppArgs
+from app.config import AppArgs
+from app.config_server import API_KEY_ENV
 from tests.harness.serve import (
     API_KEY,
     AUTH,

@@ -211,7 +211,7 @@ def test_configs_bound_beyond_loopback_require_an_api_key(path: Path) -> None:
 
 
 def test_require_api_key_refuses_to_start_without_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    from app.config import API_KEY_ENV, ServerArgs
+    from app.config_server import API_KEY_ENV, ServerArgs
 
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     with pytest.raises(ValueError, match="require_api_key is set but no API key"):
