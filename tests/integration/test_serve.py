@@ -28,6 +28,8 @@ import yaml
 from actors.messages import SamplingParams
 from app.config import AppArgs
 from app.scheduler.job import JobRequest
+from tests.harness import metrics_view
+from tests.harness.metrics_view import Scrape
 from tests.harness.serve import (
     API_KEY,
     AUTH,
@@ -41,8 +43,6 @@ from tests.harness.serve import (
     scheduler_options,
     serve_app,
 )
-from tests.integration import metrics_view
-from tests.integration.metrics_view import Scrape
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from app.config_server import ServerArgs
 from app.scheduler.job import TokenDelta
-from tests.harness.fields import STATS, ScriptedBackend, post, sse_events
+from tests.harness.http_backends import STATS, ScriptedBackend, post, sse_events
 
 
 def backend(cached: int) -> ScriptedBackend:

@@ -33,10 +33,10 @@ from actors.model.linear import ServingLinear
 from actors.model.llama_config import LlamaConfig
 from actors.spec import ModelSpec
 from kernels.cpu_features import cpu_has_bf16
+from tests.harness.engine_driver import Driver
 from tests.harness.greedy import greedy_until_stop
 from tests.harness.hf_reference import Reference, hf_greedy_reference
 from tests.harness.smollm2 import MAX_NEW_TOKENS, prompt_ids, smollm2_config
-from tests.unit.engine_driver import Driver
 
 pytestmark = pytest.mark.skipif(not cpu_has_bf16(),
                                 reason="this CPU has no native bf16 (no avx512_bf16 / amx_bf16 flag): "

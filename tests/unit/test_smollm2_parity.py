@@ -38,6 +38,7 @@ from app.engine import Engine, ThreadedExecutor
 from app.scheduler.config import ChunkedPrefillConfig, KVCacheConfig, SchedulerConfig
 from app.scheduler.profile import Profile
 from app.scheduler.scheduler import Scheduler
+from tests.harness.engine_driver import Driver
 from tests.harness.greedy import SwapMidway, greedy_until_stop
 from tests.harness.hf_reference import Reference, assert_same_tokens, hf_greedy_reference
 from tests.harness.smollm2 import (
@@ -50,7 +51,6 @@ from tests.harness.smollm2 import (
     smollm2_config,
 )
 from tests.harness.tensor_parallel import RankPools, run_tensor_parallel
-from tests.unit.engine_driver import Driver
 
 BLOCK_SIZE = 16
 #: 8 jobs of at most 63 + 32 tokens take 6 blocks each; room left for a swap-in.
