@@ -56,7 +56,9 @@ def test_missing_profile_file_names_the_path() -> None:
 def test_missing_profile_is_waivable_only_through_the_validation_context() -> None:
     args = demo_args()
     args["profile"]["path"] = "config/profiles/nope.json"
-    AppArgs.model_validate(args, context={"require_profile": False})
+    assert "profile file 'config/profiles/nope.json' not found" in error_of(args)
+    waived = AppArgs.model_validate(args, context={"require_profile": False})
+    assert waived.profile.path == "config/profiles/nope.json"
 
 
 def test_missing_model_config_names_the_path() -> None:
