@@ -189,7 +189,7 @@ def test_tensor_parallel_2_is_refused_naming_the_heads(smollm2_llama: LlamaConfi
 def test_tensor_parallel_3_matches_generate_with_a_swap(smollm2_llama: LlamaConfig, smollm2_folder: Path,
                                                         smollm2_prompts: list[list[int]],
                                                         references: dict[str, Reference]) -> None:
-    work = functools.partial(greedy_until_stop, smollm2_prompts=smollm2_prompts, max_tokens=MAX_NEW_TOKENS,
+    work = functools.partial(greedy_until_stop, prompts=smollm2_prompts, max_tokens=MAX_NEW_TOKENS,
                              eos_token_id=smollm2_llama.eos_token_id, swap=SWAP)
     ranks = run_tensor_parallel(smollm2_llama, smollm2_folder, work,
                                 RankPools(BLOCK_SIZE, NUM_DEVICE_BLOCKS, NUM_HOST_BLOCKS), tp_size=TP_SIZE,
