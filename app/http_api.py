@@ -1,7 +1,7 @@
 """The FastAPI app of the OpenAI-compatible server: its routes and how errors become bodies.
 
 Owns ``make_api``: the generation routes (``/v1/completions``, ``/v1/chat/completions``, served
-by ``app.ingress.OpenAIServer``), the model and tokenizer routes (``app.tokenize_api``),
+by ``app.ingress.OpenAIServer`` through ``respond``), the model and tokenizer routes (``app.tokenize_api``),
 ``/health``, ``/debug/engine`` and ``/metrics``, and the exception handlers that turn every
 failure into an OpenAI error body with its status. Used by the Serve deployment
 (``app.ingress_deployment.Ingress``), the Ray Serve LLM adapter's tests and the unit tests.
@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.metrics_export import CONTENT_TYPE
@@ -27,6 +27,21 @@ if TYPE_CHECKING:
     from app.ingress import OpenAIServer
 
 log = logging.getLogger(__name__)
+
+
+async def respond(server: OpenAIServer, raw: bytes, chat: bool,
+                  disconnected: Callable[[], Awaitable[Any]] | None = None) -> Response:
+    """Serve one generation request. Tokenization runs off the event loop (a large prompt must not
+    stall every other stream of this replica); a streaming request gets its SSE stream, any other
+    its body (``OpenAIServer.complete_unless_gone``: bounded by ``request_timeout_s``, aborted when
+    the client goes away)."""
+    prepare = server.prepare_chat if chat else server.prepare_completion
+    prep = await asyncio.to_thread(prepare, raw)
+    streams = await server.start_all(prep)
+    if prep.req.stream:
+        return StreamingResponse(server.sse(prep, streams), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return JSONResponse(await server.complete_unless_gone(prep, streams, disconnected))
 
 
 def make_api(server: OpenAIServer) -> FastAPI:
@@ -52,7 +67,7 @@ def make_api(server: OpenAIServer) -> FastAPI:
         async def endpoint(request: Request) -> Response:
             server.check_auth(request.headers.get("authorization"))
             raw = await read_body(request, server.ctx.limits.max_request_bytes)
-            return await server.handle(raw, chat, lambda: wait_for_disconnect(request.receive))
+            return await respond(server, raw, chat, lambda: wait_for_disconnect(request.receive))
         return endpoint
 
     api.add_api_route("/v1/completions", guarded(False), methods=["POST"])

@@ -1,10 +1,10 @@
-"""The OpenAI-compatible server's request logic (the HTTP app is ``app.http_api``).
+"""The OpenAI-compatible server's generation logic (the HTTP app is ``app.http_api``).
 
-Owns the request path in front of the schedulers: authentication, parsing and validation
-(``app.protocol``), tokenization and chat templating (``app.tokenizer``), the call to a
-``Scheduler`` replica through a streaming ``DeploymentHandle``, detokenization with stop strings,
-SSE streaming, turning every failure into an OpenAI error body with the right status, and
-recording how each request ended for its client (``request_success{finished_reason}``).
+Owns what happens once a request is prepared (``app.ingress_requests``: auth, parsing,
+tokenization, validation): the call to a ``Scheduler`` replica through a streaming backend,
+detokenization with stop strings, the non-streaming body and the SSE stream, every failure
+turned into an OpenAI error with the right status, and how each request ended for its client
+(``request_success{finished_reason}``). Imports no ray and no FastAPI.
 
 ``OpenAIServer`` holds the logic and talks to a ``Backend`` (the Serve handles in production,
 ``app.ingress_deployment.ServeBackend``; a fake in unit tests); ``app.http_api.make_api`` builds
@@ -16,41 +16,28 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Protocol
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-
-from actors.messages import SamplingParams
-from app.chat_template import ChatTemplateError
-from app.choices import LogprobFormatter, choice_job_id, choice_sampling, merge_logprobs, merged
-from app.config import AppArgs
+from app.choices import LogprobFormatter, merge_logprobs, merged
 from app.delivery import DeltaStream
-from app.errors import ErrorCode, RequestError, validate_request
+from app.ingress_requests import Prepared, RequestPreparer, ServerContext
 from app.ingress_streams import DeliveryDelay, Replayed
 from app.metrics import IngressMetrics
-from app.protocol import (
-    DEFAULT_COMPLETION_MAX_TOKENS,
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
+from app.protocol import APIError, error_body
+from app.protocol_output import (
     StopStringMatcher,
-    bad_request,
     chat_chunk,
     chat_response,
     completion_chunk,
     completion_response,
-    error_body,
     now_s,
-    parse_request,
     usage,
 )
-from app.request_limits import RequestLimits, timed_out
+from app.request_limits import timed_out
 from app.scheduler.job import JobRequest, TokenDelta
-from app.tokenizer import IncrementalDecoder, Tokenizer
+from app.tokenizer import IncrementalDecoder
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +45,6 @@ SSE_DONE = b"data: [DONE]\n\n"
 #: Finish reasons that mean the server, not the model, ended the job.
 SERVER_ENDED = {"abort": (503, "the server stopped the request (shutting down?)"),
                 "error": (500, "generation failed inside the engine")}
-#: How a refusal's message reads to the client, by its code (default: the message as is).
-REFUSAL_MESSAGES = {ErrorCode.ADMISSION_QUEUE_FULL: "server busy: {}; retry later",
-                    ErrorCode.ENGINE_UNAVAILABLE: "the model is unavailable: {}; retry later"}
-
 
 #: A scheduler stream: an async iterator of ``TokenDelta``s that can be cancelled (a job's own
 #: Serve stream, or ``app.delivery.JobStream`` reading it and its channel).
@@ -80,56 +63,6 @@ class Backend(Protocol):
     async def reset_prefix_cache(self) -> dict[str, Any]: ...
 
 
-@dataclass(frozen=True)
-class ServerContext:
-    """What the HTTP layer knows about the served model."""
-
-    model_name: str
-    tokenizer: Tokenizer
-    vocab_size: int
-    context_len: int
-    api_key: str | None = None
-    retry_after_s: int = 1
-    limits: RequestLimits = field(default_factory=lambda: RequestLimits())
-    allow_reset_prefix_cache: bool = False
-    created: int = field(default_factory=now_s)
-
-    @classmethod
-    def from_args(cls, args: AppArgs) -> ServerContext:
-        tokenizer = args.model.tokenizer()
-        srv = args.server
-        limits = RequestLimits(srv.max_request_bytes, srv.max_stop_strings, srv.max_stop_string_chars,
-                               srv.request_timeout_s, srv.admission_timeout_s, srv.allow_priority,
-                               srv.health_timeout_s, srv.max_choices)
-        return cls(args.model.name, tokenizer, args.model.hf_config().vocab_size,
-                   args.model.context_len(), srv.resolved_api_key(), srv.retry_after_s, limits,
-                   allow_reset_prefix_cache=srv.allow_reset_prefix_cache)
-
-
-@dataclass
-class Prepared:
-    """A parsed HTTP request (what the response needs) and the ``JobRequest`` it asks for: one
-    per choice (``n``), ``job`` being the first."""
-
-    req: CompletionRequest | ChatCompletionRequest
-    job: JobRequest
-    chat: bool
-    jobs: tuple[JobRequest, ...] = ()
-    rid: str = ""
-
-    @property
-    def request_id(self) -> str:
-        return self.rid or self.job.job_id
-
-    @property
-    def choices(self) -> tuple[JobRequest, ...]:
-        return self.jobs or (self.job,)
-
-    @property
-    def prompt_ids(self) -> tuple[int, ...]:
-        return self.job.prompt_ids
-
-
 def job_stats(delta: TokenDelta) -> dict[str, Any]:
     """A finishing event's ``job_stats`` as the response carries them ({} without stats)."""
     return {} if delta.stats is None else delta.stats.as_dict()
@@ -140,78 +73,15 @@ def cached_tokens(delta: TokenDelta) -> int:
     return 0 if delta.stats is None else delta.stats.cached_tokens
 
 
-class OpenAIServer:
+class OpenAIServer(RequestPreparer):
+    """A prepared request's jobs started on the backend and their outputs answered: the
+    non-streaming body (``complete``) or the SSE stream (``sse``). Preparation (auth, parsing,
+    validation, refusals) is the base class's."""
+
     def __init__(self, ctx: ServerContext, backend: Backend, metrics: IngressMetrics | None = None) -> None:
-        self.ctx = ctx
+        super().__init__(ctx)
         self.backend = backend
         self.metrics = metrics
-
-    # ---- request preparation ---------------------------------------------------------------
-
-    def check_auth(self, authorization: str | None) -> None:
-        if self.ctx.api_key is None:
-            return
-        scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), self.ctx.api_key):
-            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                           None, "invalid_api_key")
-
-    def prepare_completion(self, raw: bytes) -> Prepared:
-        req: CompletionRequest = parse_request(CompletionRequest, raw)
-        self._check_request(req)
-        ids = self.ctx.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
-        sampling = req.to_sampling(DEFAULT_COMPLETION_MAX_TOKENS)
-        return self._prepared(req, f"cmpl-{uuid.uuid4().hex}", ids, sampling, False)
-
-    def prepare_chat(self, raw: bytes) -> Prepared:
-        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, raw)
-        self._check_request(req)
-        try:   # the model's own template (its specials written by it), or the OPT fallback
-            ids = self.ctx.tokenizer.encode_chat([m.as_template_message() for m in req.messages])
-        except ChatTemplateError as exc:
-            raise bad_request(str(exc), "messages") from None
-        room = self.ctx.context_len - len(ids)
-        if room < 1:
-            raise bad_request(
-                f"messages of {len(ids)} tokens leave no room to generate within the model's "
-                f"context of {self.ctx.context_len} tokens", "messages", "context_length_exceeded")
-        sampling = req.to_sampling(room)
-        return self._prepared(req, f"chatcmpl-{uuid.uuid4().hex}", ids, sampling, True)
-
-    def _check_request(self, req: CompletionRequest | ChatCompletionRequest) -> None:
-        self._check_model(req.model)
-        limits = self.ctx.limits
-        req.check_limits(limits.max_stop_strings, limits.max_stop_string_chars, limits.max_choices)
-        if not limits.allow_priority:
-            req.priority = 0   # any caller could jump the queue (server.allow_priority is off)
-
-    def _check_model(self, model: str) -> None:
-        if model != self.ctx.model_name:
-            raise bad_request(f"the model '{model}' does not exist; this server serves "
-                              f"'{self.ctx.model_name}'", "model", "model_not_found")
-
-    def _prepared(self, req: CompletionRequest | ChatCompletionRequest, request_id: str, ids: list[int],
-                  sampling: SamplingParams, chat: bool) -> Prepared:
-        """The request's one validation (``validate_request``), then its ``JobRequest``."""
-        try:
-            validate_request(ids, sampling, self.ctx.vocab_size, self.ctx.context_len)
-        except RequestError as exc:
-            raise self.refusal(exc.code, str(exc), "messages" if chat else "prompt") from None
-        bad = [t for t in sampling.stop_token_ids if not 0 <= t < self.ctx.vocab_size]
-        if bad:
-            raise bad_request(f"stop token id {bad[0]} is outside the vocabulary [0, {self.ctx.vocab_size})",
-                              "stop_token_ids")
-        n = req.num_choices
-        jobs = tuple(JobRequest(choice_job_id(request_id, i, n), tuple(ids), choice_sampling(sampling, i),
-                                priority=req.priority) for i in range(n))
-        return Prepared(req, jobs[0], chat, jobs, request_id)
-
-    def refusal(self, code: ErrorCode, message: str, param: str | None) -> APIError:
-        """The HTTP answer to a refused request: status, type and code come from ``code``."""
-        template = REFUSAL_MESSAGES.get(code, "{}")
-        headers = {"Retry-After": str(self.ctx.retry_after_s)} if code.retry else None
-        return APIError(code.status, template.format(message), param if code.status == 400 else None,
-                        code.wire_code, code.error_type, headers)
 
     # ---- generation ------------------------------------------------------------------------
 
@@ -431,22 +301,11 @@ class OpenAIServer:
             yield b"data: " + json.dumps(tail).encode() + b"\n\n"
         yield SSE_DONE
 
-    async def handle(self, raw: bytes, chat: bool,
-                     disconnected: Callable[[], Awaitable[Any]] | None = None) -> Response:
-        """Serve one request. Tokenization runs off the event loop (a large prompt must not stall
-        every other stream of this replica). Generation is bounded by ``request_timeout_s``, and a
-        non-streaming request whose client goes away (``disconnected()`` completes) is aborted:
-        both are ours to enforce, whatever headers the client sent the proxy."""
-        prepare = self.prepare_chat if chat else self.prepare_completion
-        prep = await asyncio.to_thread(prepare, raw)
-        stream = await self.start_all(prep)
-        if prep.req.stream:
-            return StreamingResponse(self.sse(prep, stream), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return JSONResponse(await self._complete_unless_gone(prep, stream, disconnected))
-
-    async def _complete_unless_gone(self, prep: Prepared, stream: list[Stream],
-                                    disconnected: Callable[[], Awaitable[Any]] | None) -> dict[str, Any]:
+    async def complete_unless_gone(self, prep: Prepared, stream: list[Stream],
+                                   disconnected: Callable[[], Awaitable[Any]] | None) -> dict[str, Any]:
+        """The non-streaming body, bounded by ``request_timeout_s``; a client that goes away
+        (``disconnected()`` completes) aborts its jobs: both are ours to enforce, whatever
+        headers the client sent the proxy."""
         work = asyncio.ensure_future(self.complete(prep, stream))
         gone = asyncio.ensure_future(disconnected()) if disconnected is not None else None
         try:

@@ -18,7 +18,8 @@ from ray import serve
 from app.config import AppArgs
 from app.delivery import ChannelClient, MessageStream
 from app.http_api import make_api
-from app.ingress import OpenAIServer, ServerContext, Stream
+from app.ingress import OpenAIServer, Stream
+from app.ingress_requests import ServerContext
 from app.logs import join_serve_logs
 from app.metrics import IngressMetrics
 from app.metrics_export import AgentMetrics

@@ -36,7 +36,8 @@ from ray.llm._internal.serve.core.engine.protocol import LLMEngine
 from ray.serve.llm import LLMServer
 
 from app.config import AppArgs
-from app.ingress import OpenAIServer, Prepared, ServerContext, Stream
+from app.ingress import OpenAIServer, Stream
+from app.ingress_requests import Prepared, ServerContext
 from app.metrics import IngressMetrics
 from app.protocol import APIError
 from app.scheduler.job import JobRequest, TokenDelta

@@ -13,7 +13,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from app.config import ServerArgs
+from app.config_server import ServerArgs
 from app.protocol import APIError
 
 

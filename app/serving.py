@@ -28,7 +28,8 @@ from dataclasses import replace
 from typing import Any
 
 from actors.spec import EngineSpec
-from app.config import AppArgs, resolve_path
+from app.config import AppArgs
+from app.config_model import resolve_path
 from app.delivery import Channel, Message
 from app.engine import Engine, Executor, SyncExecutor, ThreadedExecutor
 from app.errors import AdmissionQueueFull, RequestError

@@ -32,7 +32,8 @@ from app.protocol import APIError, ChatMessage, bad_request, parse_request
 from app.request_limits import read_body
 
 if TYPE_CHECKING:
-    from app.ingress import OpenAIServer, ServerContext
+    from app.ingress import OpenAIServer
+    from app.ingress_requests import ServerContext
 
 
 class TokenizeCompletionRequest(BaseModel):

@@ -91,7 +91,7 @@ def model_profile(batch_sizes: Sequence[int], context: int) -> dict[str, dict[st
     from actors.executor import InProcessExecutor
     from actors.messages import BatchEntry, BatchPlan, SamplingParams, blocks_for
     from actors.spec import ModelSpec
-    from app.config import resolve_path
+    from app.config_model import resolve_path
 
     greedy = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
     out: dict[str, dict[str, float]] = {}

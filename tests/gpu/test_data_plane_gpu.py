@@ -21,10 +21,10 @@ from actors.kv_store import KVStore
 from actors.messages import BatchEntry, BatchPlan, SamplingParams, SwapCommand
 from actors.model.llama_config import LlamaConfig, RopeScaling
 from actors.spec import ModelSpec
+from tests.harness.engine_driver import Driver
 from tests.harness.greedy import SwapMidway, greedy_until_stop
 from tests.harness.hf_reference import Reference, hf_greedy_reference
 from tests.harness.host_reads import HostReads
-from tests.unit.engine_driver import Driver
 
 pytestmark = [
     pytest.mark.gpu,

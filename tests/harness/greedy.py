@@ -1,4 +1,4 @@
-"""Greedy generation through ``tests.unit.engine_driver.Driver``, stopping at EOS or a token limit.
+"""Greedy generation through ``tests.harness.engine_driver.Driver``, stopping at EOS or a token limit.
 
 One loop for every data-plane parity test that drives plans by hand: each step runs every job
 that has not finished, optionally swapping one job to the host pool at a chosen step and back in
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from actors.messages import SamplingParams, SwapCommand
-from tests.unit.engine_driver import Driver
+from tests.harness.engine_driver import Driver
 
 
 @dataclass(frozen=True)

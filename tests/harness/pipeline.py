@@ -20,22 +20,17 @@ import ray
 from actors import messages
 from actors.executor import InProcessExecutor
 from actors.messages import BatchEntry, BatchPlan, SamplingParams, StepOutput, SwapCommand
-from actors.model.config import ModelConfig, OPTConfig
+from actors.model.config import ModelConfig
 from actors.pipeline import PipelineExecutor
 from actors.spec import EngineSpec, ModelSpec, ParallelSpec, PipelineTimeouts
 from actors.worker import StepRecord
+from tests.harness import tiny_jobs
+from tests.harness.tiny_jobs import BLOCK_SIZE, HOST_POOL, SEED, SMALL_DEVICE_POOL, TINY
 
-TINY = OPTConfig(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-                 ffn_dim=128, max_position_embeddings=256, name="tiny")
-SEED = 0
-BLOCK_SIZE = 4
-#: 6 jobs need 37 blocks at their longest; 16 forces swaps, no single job needs more than 8.
-SMALL_DEVICE_POOL = 16
+#: The first 6 jobs: 37 blocks at their longest, so SMALL_DEVICE_POOL (16) forces swaps.
+PROMPTS = tiny_jobs.PROMPTS[:6]
+MAX_TOKENS = tiny_jobs.MAX_TOKENS[:6]
 LARGE_DEVICE_POOL = 64
-HOST_POOL = 64
-PROMPTS = [[2, 11, 57, 100, 7], [2, 300, 4], [2, *range(20, 40)], [2, 99, 98, 97, 96, 95, 94, 93],
-           [2, 5], [2, *range(150, 162)]]
-MAX_TOKENS = [14, 20, 10, 16, 18, 12]
 #: Jobs alternate between groups and plans between groups: plan k and k+1 never share a job.
 NUM_GROUPS = 2
 #: Blocks freed by plan k are reused from plan k + RELEASE_LAG: it has returned by then (P <= 2).

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import yaml
 
-from app.config import API_KEY_ENV
+from app.config_server import API_KEY_ENV
 from app.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]

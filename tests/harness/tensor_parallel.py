@@ -19,7 +19,7 @@ import torch
 
 from actors.messages import BatchPlan, StepOutput
 from actors.model.config import ModelConfig
-from tests.unit.engine_driver import Driver
+from tests.harness.engine_driver import Driver
 
 #: Seconds to wait for the gloo rendezvous and for each rank's result.
 TP_TIMEOUT_S = 120

@@ -162,6 +162,8 @@ def test_a_client_that_hangs_up_is_aborted_whatever_headers_it_sent(server: Serv
                 if stats["jobs"] == 1 and stats["device_blocks"]["free"] < stats["device_blocks"]["total"]:
                     break
                 await asyncio.sleep(0.05)
+            else:   # without this the freed-blocks check below would pass for a job that never ran
+                pytest.fail(f"the job held no KV blocks within 60 s: {stats}")
             assert not request.done(), "1,500 tokens take minutes here: the request cannot have ended"
             request.cancel()   # closes the connection mid-generation
             with contextlib.suppress(asyncio.CancelledError):

@@ -25,7 +25,9 @@ import httpx
 import pytest
 import yaml
 
-from app.config import API_KEY_ENV, AppArgs
+from app.config import AppArgs
+from app.config_server import API_KEY_ENV
+from tests.harness import metrics_view
 from tests.harness.serve import (
     API_KEY,
     AUTH,
@@ -42,7 +44,6 @@ from tests.harness.serve import (
     scheduler_options,
     stop_tree,
 )
-from tests.integration import metrics_view
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -179,7 +179,7 @@ def test_missing_resources_are_named(ray_local: None) -> None:
 
 
 def test_scheduler_engine_drives_the_pipeline(ray_local: None) -> None:
-    engine_mod = pytest.importorskip("app.engine")
+    from app.engine import Engine, ThreadedExecutor
     from app.scheduler.config import KVCacheConfig, SchedulerConfig
     from app.scheduler.profile import Profile
     from app.scheduler.scheduler import Scheduler
@@ -190,7 +190,7 @@ def test_scheduler_engine_drives_the_pipeline(ray_local: None) -> None:
     async def generate(executor: Any) -> dict[str, list[int]]:
         kv = KVCacheConfig(block_size=BLOCK_SIZE, num_device_blocks=SMALL_DEVICE_POOL, num_host_blocks=HOST_POOL)
         scheduler = Scheduler(SchedulerConfig(), kv, profile, eos_token_ids=frozenset({TINY.eos_token_id}))
-        engine = engine_mod.Engine(scheduler, executor)
+        engine = Engine(scheduler, executor)
         await engine.start()
         try:
             streams = {f"job{i}": engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
@@ -206,7 +206,7 @@ def test_scheduler_engine_drives_the_pipeline(ray_local: None) -> None:
         return await generate(ex)  # engine.stop() shuts the executor down
 
     local = InProcessExecutor(ModelSpec(TINY, SMALL_DEVICE_POOL, HOST_POOL, BLOCK_SIZE, seed=SEED))
-    expected = asyncio.run(generate(engine_mod.ThreadedExecutor(local)))
+    expected = asyncio.run(generate(ThreadedExecutor(local)))
     assert asyncio.run(on_pipeline()) == expected
     assert {k: len(v) for k, v in expected.items()} == {f"job{i}": n for i, n in enumerate(MAX_TOKENS)}
     assert wait_no_live_actors() == []

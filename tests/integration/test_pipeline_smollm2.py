@@ -21,10 +21,10 @@ import pytest
 from actors.messages import BatchPlan, StepOutput
 from actors.pipeline import PipelineExecutor
 from actors.spec import EngineSpec, ModelSpec, ParallelSpec
+from tests.harness.engine_driver import Driver
 from tests.harness.greedy import SwapMidway, greedy_until_stop
 from tests.harness.hf_reference import assert_same_tokens, hf_greedy_reference
 from tests.harness.smollm2 import MAX_NEW_TOKENS, TIE_GAP, hf_model, prompt_ids, smollm2_config
-from tests.unit.engine_driver import Driver
 
 pytestmark = [pytest.mark.slow]
 

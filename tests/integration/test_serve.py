@@ -28,6 +28,8 @@ import yaml
 from actors.messages import SamplingParams
 from app.config import AppArgs
 from app.scheduler.job import JobRequest
+from tests.harness import metrics_view
+from tests.harness.metrics_view import Scrape
 from tests.harness.serve import (
     API_KEY,
     AUTH,
@@ -41,8 +43,6 @@ from tests.harness.serve import (
     scheduler_options,
     serve_app,
 )
-from tests.integration import metrics_view
-from tests.integration.metrics_view import Scrape
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -97,7 +97,8 @@ class LocalStream:
 
 def test_full_admission_queue_answers_429_and_aborts_free_blocks() -> None:
     from app.http_api import make_api
-    from app.ingress import OpenAIServer, ServerContext
+    from app.ingress import OpenAIServer
+    from app.ingress_requests import ServerContext
     from app.metrics import SchedulerMetrics
     from app.serving import SchedulerReplica
     from tests.harness.metric_sinks import FakeSink
@@ -170,7 +171,9 @@ def test_delivery_channel_carries_exact_tokens_one_message_per_step_and_breaking
     """A real scheduler replica and the ingress's ``ChannelClient``, in process (no Ray): the
     first job travels on its own stream and opens the channel; the next four share it."""
     from app.delivery import ChannelClient
-    from app.ingress import APIError, OpenAIServer, ServerContext
+    from app.ingress import OpenAIServer
+    from app.ingress_requests import ServerContext
+    from app.protocol import APIError
     from app.serving import SchedulerReplica
 
     raw = dummy_opt_yaml()["applications"][0]["args"]

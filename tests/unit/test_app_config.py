@@ -56,7 +56,9 @@ def test_missing_profile_file_names_the_path() -> None:
 def test_missing_profile_is_waivable_only_through_the_validation_context() -> None:
     args = demo_args()
     args["profile"]["path"] = "config/profiles/nope.json"
-    AppArgs.model_validate(args, context={"require_profile": False})
+    assert "profile file 'config/profiles/nope.json' not found" in error_of(args)
+    waived = AppArgs.model_validate(args, context={"require_profile": False})
+    assert waived.profile.path == "config/profiles/nope.json"
 
 
 def test_missing_model_config_names_the_path() -> None:
@@ -211,7 +213,7 @@ def test_configs_bound_beyond_loopback_require_an_api_key(path: Path) -> None:
 
 
 def test_require_api_key_refuses_to_start_without_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    from app.config import API_KEY_ENV, ServerArgs
+    from app.config_server import API_KEY_ENV, ServerArgs
 
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     with pytest.raises(ValueError, match="require_api_key is set but no API key"):

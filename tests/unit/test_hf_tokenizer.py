@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from app.chat_template import ChatTemplateError
-from app.config import ModelArgs
+from app.config_model import ModelArgs
 from app.detokenizer import IncrementalDecoder
 from app.tokenizer import Tokenizer, TokenizerLoadError, load_tokenizer
 from tests.harness.tokenizers import (

@@ -182,7 +182,7 @@ def test_dockerfile_installs_pyproject_extras_on_the_matching_ray_image() -> Non
 
 @pytest.mark.parametrize("name", MANIFESTS)
 def test_every_pod_gets_the_api_key_from_a_secret(name: str) -> None:
-    from app.config import API_KEY_ENV
+    from app.config_server import API_KEY_ENV
 
     for group, spec in pod_groups(documents(name)["RayService"]).items():
         (container,) = spec["template"]["spec"]["containers"]

@@ -22,8 +22,8 @@ from actors.executor import InProcessExecutor
 from actors.messages import BatchEntry, BatchPlan, SamplingParams
 from actors.model.llama_config import LlamaConfig, RopeScaling
 from actors.spec import ModelSpec
+from tests.harness.engine_driver import Driver
 from tests.harness.tensor_parallel import RankPools, run_tensor_parallel
-from tests.unit.engine_driver import Driver
 
 LLAMA3_ROPE = RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=64)

@@ -20,7 +20,7 @@ from actors.model.config import OPTConfig
 from actors.model.weights import dummy_weights
 from actors.spec import ModelSpec
 from kernels.cpu_features import cpu_has_bf16
-from tests.unit.engine_driver import Driver
+from tests.harness.engine_driver import Driver
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = OPTConfig(vocab_size=320, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from app.config import ServerArgs
+from app.config_server import ServerArgs
 from app.scheduler.job import TokenDelta
-from tests.harness.fields import STATS, ScriptedBackend, post, sse_events
+from tests.harness.http_backends import STATS, ScriptedBackend, post, sse_events
 
 
 def backend(cached: int) -> ScriptedBackend:

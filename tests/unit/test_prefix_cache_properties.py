@@ -14,28 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from actors.messages import BatchPlan, SamplingParams, StepOutput
-from app.scheduler.config import (
-    POLICIES,
-    SWAP_MODES,
-    ChunkedPrefillConfig,
-    KVCacheConfig,
-    PolicyName,
-    SchedulerConfig,
-    SwapMode,
-)
+from app.scheduler.config import PolicyName, SwapMode
 from app.scheduler.job import JobRequest
-from app.scheduler.profile import Profile
-from app.scheduler.scheduler import Scheduler
+from tests.harness.scheduling import RANDOM_LOAD_PROFILE, every_policy_and_mode, make
 
-PROFILE = Profile.from_dict({
-    "t_init": {"prompt_lens": [1, 16, 64], "seconds": [0.01, 0.03, 0.1]},
-    "t_dec": {"batch_sizes": [1, 16], "seconds": [0.01, 0.02]},
-})
 PREFIXES = ((5,) * 8, tuple(range(10, 18)), (5, 5, 5, 5, 6, 6, 6, 6))
 
 
@@ -92,21 +78,15 @@ def touched(plan: BatchPlan, mode: SwapMode) -> tuple[set[int], set[int]]:
     return device, host
 
 
-@pytest.mark.parametrize("mode", SWAP_MODES)
-@pytest.mark.parametrize("policy", POLICIES)
+@every_policy_and_mode
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases())
 def test_shared_prefixes_aborts_and_swaps_keep_every_invariant(
         policy: PolicyName, mode: SwapMode, case: tuple[dict[str, int], list[Arrival]]) -> None:
     setup, arrivals = case
-    s = Scheduler(
-        SchedulerConfig(policy=policy, max_batch_size=setup["batch"], starvation_alpha_s=0.05,
-                        max_num_batched_tokens=16,
-                        chunked_prefill=ChunkedPrefillConfig(enabled=setup["chunk"] > 0,
-                                                             chunk_tokens=setup["chunk"] or 1)),
-        KVCacheConfig(block_size=setup["block"], num_device_blocks=setup["device"],
-                      num_host_blocks=setup["host"], swap_mode=mode),
-        PROFILE, eos_token_ids=frozenset({2}))
+    s = make(policy, batch=setup["batch"], alpha=0.05, device=setup["device"], host=setup["host"],
+             block=setup["block"], mode=mode, profile=RANDOM_LOAD_PROFILE,
+             chunk_tokens=setup["chunk"] or None, max_num_batched_tokens=16)
     inflight: list[BatchPlan] = []
     tokens: dict[str, list[int]] = {}
     aborted: set[str] = set()

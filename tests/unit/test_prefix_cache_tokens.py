@@ -16,18 +16,11 @@ import pytest
 from actors.executor import InProcessExecutor
 from actors.messages import SamplingParams
 from actors.spec import ModelSpec
-from app.scheduler.config import (
-    POLICIES,
-    SWAP_MODES,
-    ChunkedPrefillConfig,
-    KVCacheConfig,
-    PolicyName,
-    SchedulerConfig,
-    SwapMode,
-)
+from app.scheduler.config import PolicyName, SwapMode
 from app.scheduler.job import JobRequest
 from app.scheduler.scheduler import Scheduler
 from tests.harness.fields import PROFILE, TINY
+from tests.harness.scheduling import every_policy_and_mode, make
 
 BLOCK = 4
 DEVICE = 14
@@ -51,12 +44,9 @@ def run(policy: PolicyName, mode: SwapMode, chunked: bool, cache: bool
         ) -> tuple[dict[str, list[int]], Scheduler]:
     ex = InProcessExecutor(ModelSpec(TINY, num_device_blocks=DEVICE, num_host_blocks=HOST,
                                      block_size=BLOCK, seed=3))
-    s = Scheduler(SchedulerConfig(policy=policy, max_batch_size=3, starvation_alpha_s=0.05,
-                                  chunked_prefill=ChunkedPrefillConfig(enabled=chunked,
-                                                                       chunk_tokens=4)),
-                  KVCacheConfig(block_size=BLOCK, num_device_blocks=DEVICE, num_host_blocks=HOST,
-                                swap_mode=mode, prefix_caching=cache),
-                  PROFILE, frozenset({TINY.eos_token_id}))
+    s = make(policy, batch=3, alpha=0.05, device=DEVICE, host=HOST, block=BLOCK, mode=mode,
+             profile=PROFILE, cache=cache, chunk_tokens=4 if chunked else None,
+             eos=frozenset({TINY.eos_token_id}))
     tokens: dict[str, list[int]] = {}
     now = 0.0
     try:
@@ -80,8 +70,7 @@ def run(policy: PolicyName, mode: SwapMode, chunked: bool, cache: bool
 
 
 @pytest.mark.parametrize("chunked", [False, True])
-@pytest.mark.parametrize("mode", SWAP_MODES)
-@pytest.mark.parametrize("policy", POLICIES)
+@every_policy_and_mode
 def test_the_cache_changes_no_token(policy: PolicyName, mode: SwapMode, chunked: bool) -> None:
     off, _ = run(policy, mode, chunked, cache=False)
     on, s = run(policy, mode, chunked, cache=True)

@@ -21,26 +21,12 @@ from hypothesis import strategies as st
 
 from actors.messages import BatchPlan, SamplingParams
 from app.kv.manager import Residency
-from app.scheduler.config import (
-    POLICIES,
-    SWAP_MODES,
-    ChunkedPrefillConfig,
-    KVCacheConfig,
-    PolicyName,
-    SchedulerConfig,
-    SwapMode,
-)
+from app.scheduler.config import SWAP_MODES, PolicyName, SwapMode
 from app.scheduler.job import JobRequest, JobState
-from app.scheduler.profile import Profile
 from app.scheduler.scheduler import Scheduler
 from loadtest.sim.driver import CostModelExecutor, drive
-
-PROFILE = Profile.from_dict({
-    "t_init": {"prompt_lens": [1, 16, 64], "seconds": [0.01, 0.03, 0.1]},
-    "t_dec": {"batch_sizes": [1, 16], "seconds": [0.01, 0.02]},
-    "swap": {"bytes_per_block": 1, "seconds_per_block": 0.001},
-})
-EOS = 2
+from tests.harness.scheduling import RANDOM_LOAD_PROFILE as PROFILE
+from tests.harness.scheduling import every_policy_and_mode, make
 
 
 @dataclass(frozen=True)
@@ -88,8 +74,7 @@ def script(job_id: str, index: int) -> int:
     return 3 + (sum(map(ord, job_id)) * 31 + index * 7) % 90
 
 
-@pytest.mark.parametrize("mode", SWAP_MODES)
-@pytest.mark.parametrize("policy", POLICIES)
+@every_policy_and_mode
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=workloads())
 def test_random_load_keeps_every_invariant(policy: PolicyName, mode: SwapMode,
@@ -97,8 +82,7 @@ def test_random_load_keeps_every_invariant(policy: PolicyName, mode: SwapMode,
     check_random_load(policy, mode, case, chunk_tokens=None)
 
 
-@pytest.mark.parametrize("mode", SWAP_MODES)
-@pytest.mark.parametrize("policy", POLICIES)
+@every_policy_and_mode
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=workloads(), chunk_tokens=st.integers(1, 4))
 def test_random_load_with_chunked_prefill_keeps_every_invariant(
@@ -112,16 +96,9 @@ def test_random_load_with_chunked_prefill_keeps_every_invariant(
 def check_random_load(policy: PolicyName, mode: SwapMode, case: Workload,
                       chunk_tokens: int | None) -> None:
     setup, jobs = case
-    chunking = ChunkedPrefillConfig(enabled=chunk_tokens is not None,
-                                    chunk_tokens=chunk_tokens or 1)
-    s = Scheduler(
-        SchedulerConfig(policy=policy, max_batch_size=setup.batch,
-                        starvation_alpha_s=setup.alpha, max_num_batched_tokens=setup.budget,
-                        chunked_prefill=chunking),
-        KVCacheConfig(block_size=setup.block, num_device_blocks=setup.device,
-                      num_host_blocks=setup.host, swap_mode=mode,
-                      reserved_blocks=setup.reserved),
-        PROFILE, eos_token_ids=frozenset({EOS}))
+    s = make(policy, batch=setup.batch, alpha=setup.alpha, device=setup.device, host=setup.host,
+             block=setup.block, mode=mode, profile=PROFILE, reserved=setup.reserved,
+             chunk_tokens=chunk_tokens, max_num_batched_tokens=setup.budget)
     ever_admitted: set[str] = set()
     inflight: dict[int, BatchPlan] = {}
     full_before: list[bool] = [False]   # both tiers full when the next decision starts
@@ -215,4 +192,4 @@ PREEMPT_THEN_ADMIT: Workload = (
 
 @pytest.mark.parametrize("mode", SWAP_MODES)
 def test_fcfs_admits_nothing_into_blocks_a_preemption_freed(mode: SwapMode) -> None:
-    test_random_load_keeps_every_invariant.hypothesis.inner_test("fcfs", mode, PREEMPT_THEN_ADMIT)  # type: ignore[attr-defined]
+    check_random_load("fcfs", mode, PREEMPT_THEN_ADMIT, chunk_tokens=None)

@@ -13,26 +13,19 @@ from typing import Any
 import httpx
 import pytest
 
-from app.errors import ErrorCode
-from app.http_api import make_api
-from app.ingress import OpenAIServer, ServerContext
+from app.http_api import make_api, respond
+from app.ingress import OpenAIServer
+from app.ingress_requests import ServerContext
 from app.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    StopStringMatcher,
     parse_request,
 )
+from app.protocol_output import StopStringMatcher
 from app.request_limits import RequestLimits
-from app.scheduler.job import JobRequest, JobStats, TokenDelta
-from app.tokenizer import Tokenizer
-from tests.harness.fields import FakeStream
-
-MODEL = "opt-125m"
-VOCAB = 50272
-CONTEXT = 2048
-TOK = Tokenizer.default()
-STATS = JobStats("j", arrival=0.0, prompt_len=2, queueing_s=0.5, execution_s=1.0, demotions=2)
+from app.scheduler.job import JobRequest, TokenDelta
+from tests.harness.http_backends import CONTEXT, FAKE_STATS, MODEL, TEXT_IDS, TOK, VOCAB, FakeBackend, FakeStream
 
 
 def parse_error(model: Any, body: Any) -> dict[str, Any]:
@@ -138,40 +131,6 @@ def test_stop_string_matcher_holds_back_split_stops() -> None:
 
 # ---- the HTTP layer over a scripted backend --------------------------------------------------
 
-class FakeBackend:
-    """Answers every request with ``tokens`` then ``reason``, or refuses with ``first``."""
-
-    def __init__(self, tokens: list[int], reason: str = "length", first: str = "accepted",
-                 per_item: int = 1) -> None:
-        self.tokens, self.reason, self.first, self.per_item = tokens, reason, first, per_item
-        self.healthy = True
-        self.requests: list[JobRequest] = []
-        self.streams: list[FakeStream] = []
-
-    def generate(self, req: JobRequest) -> FakeStream:
-        self.requests.append(req)
-        if self.first != "accepted":
-            code = {"rejected": ErrorCode.ADMISSION_QUEUE_FULL, "unavailable": ErrorCode.ENGINE_UNAVAILABLE}[self.first]
-            stream = FakeStream([TokenDelta("j", error=code, message="2 jobs already wait for admission")])
-        else:
-            k = self.per_item
-            items = [TokenDelta("j"),
-                     *(TokenDelta("j", tuple(self.tokens[i:i + k])) for i in range(0, len(self.tokens), k)),
-                     TokenDelta("j", finish_reason=self.reason, stats=STATS)]
-            stream = FakeStream(items)
-        self.streams.append(stream)
-        return stream
-
-    async def metrics_text(self) -> str:
-        return "fastserve:num_requests_running 0.0\n"
-
-    async def engine_stats(self) -> dict[str, Any]:
-        return {"steps": 0}
-
-    async def health(self) -> dict[str, Any]:
-        return {"healthy": self.healthy, "problem": None if self.healthy else "stuck"}
-
-
 def client(backend: FakeBackend, api_key: str | None = None) -> httpx.AsyncClient:
     ctx = ServerContext(MODEL, TOK, VOCAB, CONTEXT, api_key=api_key, retry_after_s=3)
     app = make_api(OpenAIServer(ctx, backend))
@@ -196,7 +155,6 @@ def sse_events(resp: httpx.Response) -> list[Any]:
     return out
 
 
-TEXT_IDS = TOK.encode(" Hello world. STOP here", add_special_tokens=False)
 
 
 def test_completion_response_has_text_usage_and_job_stats() -> None:
@@ -211,7 +169,7 @@ def test_completion_response_has_text_usage_and_job_stats() -> None:
     assert choice["token_ids"] == TEXT_IDS
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": len(TEXT_IDS),
                              "total_tokens": 2 + len(TEXT_IDS)}
-    assert body["job_stats"] == STATS.as_dict()
+    assert body["job_stats"] == FAKE_STATS.as_dict()
     assert backend.requests[0].prompt_ids == tuple(TOK.encode("Hi"))
 
 
@@ -234,7 +192,7 @@ def test_streaming_completion_chunks_usage_and_done() -> None:
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     assert text == " Hello world. STOP here"
     finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
-    assert len(finals) == 1 and finals[0]["job_stats"] == STATS.as_dict()
+    assert len(finals) == 1 and finals[0]["job_stats"] == FAKE_STATS.as_dict()
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == len(TEXT_IDS)
     assert all(c["usage"] is None for c in chunks[:-1])
 
@@ -443,7 +401,7 @@ def test_a_non_streaming_client_that_hangs_up_aborts_its_job() -> None:
 
     async def run() -> None:
         with pytest.raises(APIError) as err:
-            await server.handle(body, False, lambda: asyncio.sleep(0.2))   # the client leaves at 0.2 s
+            await respond(server, body, False, lambda: asyncio.sleep(0.2))   # the client leaves at 0.2 s
         assert err.value.status == 499
 
     asyncio.run(run())

@@ -13,7 +13,7 @@ from actors.messages import SamplingParams, TokenLogprobs
 from app.request_fields import HARMLESS, REFUSED
 from app.scheduler.job import JobRequest, TokenDelta
 from app.tokenizer import Tokenizer
-from tests.harness.fields import MODEL, STATS, ScriptedBackend, post, sse_events
+from tests.harness.http_backends import MODEL, STATS, ScriptedBackend, post, sse_events
 
 TOK = Tokenizer.default()
 IDS = TOK.encode("Hello world", add_special_tokens=False)

@@ -14,7 +14,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.http_api import make_api
-from app.ingress import OpenAIServer, ServerContext
+from app.ingress import OpenAIServer
+from app.ingress_requests import ServerContext
 from app.metrics import (
     INGRESS_FAMILIES,
     SCHEDULER_FAMILIES,
@@ -26,9 +27,8 @@ from app.metrics import (
 )
 from app.metrics_export import our_families, render
 from app.scheduler.job import JobStats, TokenDelta
-from tests.harness.fields import FakeStream
+from tests.harness.http_backends import CONTEXT, MODEL, TEXT_IDS, TOK, VOCAB, FakeBackend, FakeStream
 from tests.harness.metric_sinks import FakeSink, sinks
-from tests.unit.test_protocol import CONTEXT, MODEL, TEXT_IDS, TOK, VOCAB, FakeBackend
 
 
 def test_families_use_vllms_names_units_and_buckets() -> None:

@@ -33,10 +33,10 @@ from actors.model.linear import ServingLinear
 from actors.model.llama_config import LlamaConfig
 from actors.spec import ModelSpec
 from kernels.cpu_features import cpu_has_bf16
+from tests.harness.engine_driver import Driver
 from tests.harness.greedy import greedy_until_stop
 from tests.harness.hf_reference import Reference, hf_greedy_reference
-from tests.harness.smollm2 import MAX_NEW_TOKENS, prompt_ids, smollm2_config
-from tests.unit.engine_driver import Driver
+from tests.harness.smollm2 import MAX_NEW_TOKENS
 
 pytestmark = pytest.mark.skipif(not cpu_has_bf16(),
                                 reason="this CPU has no native bf16 (no avx512_bf16 / amx_bf16 flag): "
@@ -54,23 +54,13 @@ FRANCE_ANSWER = "The capital of France is Paris."
 
 
 @pytest.fixture(scope="module")
-def config(smollm2_folder: Path) -> LlamaConfig:
-    return smollm2_config(smollm2_folder)
-
-
-@pytest.fixture(scope="module")
-def prompts(smollm2_folder: Path) -> list[list[int]]:
-    return prompt_ids(smollm2_folder)
-
-
-@pytest.fixture(scope="module")
 def hf_bf16(smollm2_folder: Path) -> transformers.PreTrainedModel:
     return transformers.LlamaForCausalLM.from_pretrained(str(smollm2_folder), dtype=torch.bfloat16).eval()
 
 
 @pytest.fixture(scope="module")
-def executor(config: LlamaConfig, smollm2_folder: Path) -> Iterator[InProcessExecutor]:
-    ex = InProcessExecutor(ModelSpec(config, NUM_DEVICE_BLOCKS, 0, BLOCK_SIZE, dtype="auto",
+def executor(smollm2_llama: LlamaConfig, smollm2_folder: Path) -> Iterator[InProcessExecutor]:
+    ex = InProcessExecutor(ModelSpec(smollm2_llama, NUM_DEVICE_BLOCKS, 0, BLOCK_SIZE, dtype="auto",
                                      load_format="auto", model_path=str(smollm2_folder)))
     yield ex
     ex.close()
@@ -93,11 +83,12 @@ def _logits(ex: InProcessExecutor, entry: BatchEntry) -> torch.Tensor:
         return ex.model.logits(ex.runner.forward(batch, None, {}))[-1]
 
 
-def test_prefill_and_decode_logits_match_transformers_bf16(executor: InProcessExecutor, prompts: list[list[int]],
+def test_prefill_and_decode_logits_match_transformers_bf16(executor: InProcessExecutor,
+                                                          smollm2_prompts: list[list[int]],
                                                           hf_bf16: transformers.PreTrainedModel) -> None:
     worst: dict[str, float] = {}
     ties: list[int] = []
-    for i, prompt in enumerate(prompts):
+    for i, prompt in enumerate(smollm2_prompts):
         blocks = tuple(range(-(-(len(prompt) + 1) // BLOCK_SIZE)))
         with torch.inference_mode():
             hf = hf_bf16(torch.tensor([prompt])).logits[0, -1].float()
@@ -117,12 +108,12 @@ def test_prefill_and_decode_logits_match_transformers_bf16(executor: InProcessEx
     assert len(ties) <= MAX_TIED_JOBS, ties
 
 
-def test_greedy_matches_generate_bf16_up_to_ties(executor: InProcessExecutor, prompts: list[list[int]],
-                                                 hf_bf16: transformers.PreTrainedModel, config: LlamaConfig,
+def test_greedy_matches_generate_bf16_up_to_ties(executor: InProcessExecutor, smollm2_prompts: list[list[int]],
+                                                 hf_bf16: transformers.PreTrainedModel, smollm2_llama: LlamaConfig,
                                                  smollm2_folder: Path) -> None:
-    refs: dict[str, Reference] = {str(i): hf_greedy_reference(hf_bf16, p, MAX_NEW_TOKENS, config.eos_token_id)
-                                  for i, p in enumerate(prompts)}
-    ours = greedy_until_stop(Driver(executor), prompts, MAX_NEW_TOKENS, config.eos_token_id)
+    refs: dict[str, Reference] = {str(i): hf_greedy_reference(hf_bf16, p, MAX_NEW_TOKENS, smollm2_llama.eos_token_id)
+                                  for i, p in enumerate(smollm2_prompts)}
+    ours = greedy_until_stop(Driver(executor), smollm2_prompts, MAX_NEW_TOKENS, smollm2_llama.eos_token_id)
     diverged = {}
     for job, ref in refs.items():
         if ours[job] == ref.tokens:
@@ -134,5 +125,5 @@ def test_greedy_matches_generate_bf16_up_to_ties(executor: InProcessExecutor, pr
         diverged[job] = pos
     assert len(diverged) <= MAX_TIED_JOBS, diverged
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(smollm2_folder))
-    assert ours["0"][-1] == config.eos_token_id
+    assert ours["0"][-1] == smollm2_llama.eos_token_id
     assert tokenizer.decode(ours["0"][:-1]) == FRANCE_ANSWER

@@ -38,6 +38,7 @@ from app.engine import Engine, ThreadedExecutor
 from app.scheduler.config import ChunkedPrefillConfig, KVCacheConfig, SchedulerConfig
 from app.scheduler.profile import Profile
 from app.scheduler.scheduler import Scheduler
+from tests.harness.engine_driver import Driver
 from tests.harness.greedy import SwapMidway, greedy_until_stop
 from tests.harness.hf_reference import Reference, assert_same_tokens, hf_greedy_reference
 from tests.harness.smollm2 import (
@@ -46,11 +47,8 @@ from tests.harness.smollm2 import (
     PROFILE,
     TIE_GAP,
     hf_model,
-    prompt_ids,
-    smollm2_config,
 )
 from tests.harness.tensor_parallel import RankPools, run_tensor_parallel
-from tests.unit.engine_driver import Driver
 
 BLOCK_SIZE = 16
 #: 8 jobs of at most 63 + 32 tokens take 6 blocks each; room left for a swap-in.
@@ -69,57 +67,50 @@ TP_TIMEOUT_S = 300
 
 
 @pytest.fixture(scope="module")
-def config(smollm2_folder: Path) -> LlamaConfig:
-    return smollm2_config(smollm2_folder)
-
-
-@pytest.fixture(scope="module")
-def prompts(smollm2_folder: Path) -> list[list[int]]:
-    return prompt_ids(smollm2_folder)
-
-
-@pytest.fixture(scope="module")
-def references(smollm2_folder: Path, prompts: list[list[int]], config: LlamaConfig) -> dict[str, Reference]:
+def references(smollm2_folder: Path, smollm2_prompts: list[list[int]],
+               smollm2_llama: LlamaConfig) -> dict[str, Reference]:
     """HF's greedy tokens for every prompt, generated once for every variant."""
     hf = hf_model(smollm2_folder)
-    return {str(i): hf_greedy_reference(hf, p, MAX_NEW_TOKENS, config.eos_token_id)
-            for i, p in enumerate(prompts)}
+    return {str(i): hf_greedy_reference(hf, p, MAX_NEW_TOKENS, smollm2_llama.eos_token_id)
+            for i, p in enumerate(smollm2_prompts)}
 
 
 @pytest.fixture(scope="module")
-def executor(config: LlamaConfig, smollm2_folder: Path) -> Iterator[InProcessExecutor]:
+def executor(smollm2_llama: LlamaConfig, smollm2_folder: Path) -> Iterator[InProcessExecutor]:
     """One model copy for every in-process variant (each starts from fresh block lists)."""
-    ex = InProcessExecutor(ModelSpec(config, NUM_DEVICE_BLOCKS, NUM_HOST_BLOCKS, BLOCK_SIZE,
+    ex = InProcessExecutor(ModelSpec(smollm2_llama, NUM_DEVICE_BLOCKS, NUM_HOST_BLOCKS, BLOCK_SIZE,
                                      load_format="auto", model_path=str(smollm2_folder)))
     yield ex
     ex.close()
 
 
-def test_reference_has_no_ties(references: dict[str, Reference], config: LlamaConfig) -> None:
+def test_reference_has_no_ties(references: dict[str, Reference], smollm2_llama: LlamaConfig) -> None:
     assert {j: r.min_gap >= TIE_GAP for j, r in references.items()} == {j: True for j in references}
-    finish = {j: "stop" if r.tokens[-1] == config.eos_token_id else "length" for j, r in references.items()}
+    finish = {j: "stop" if r.tokens[-1] == smollm2_llama.eos_token_id else "length" for j, r in references.items()}
     assert finish == EXPECTED_FINISH
 
 
-def test_model_config_is_smollm2(config: LlamaConfig) -> None:
-    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
-            config.num_key_value_heads, config.head_dim) == (30, 576, 9, 3, 64)
-    assert (config.vocab_size, config.rope_theta, config.tie_word_embeddings, config.eos_token_id) == \
+def test_model_config_is_smollm2(smollm2_llama: LlamaConfig) -> None:
+    c = smollm2_llama
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == \
+        (30, 576, 9, 3, 64)
+    assert (c.vocab_size, c.rope_theta, c.tie_word_embeddings, c.eos_token_id) == \
         (49152, 100000.0, True, 2)
 
 
-def test_greedy_batch_of_eight_matches_generate(executor: InProcessExecutor, prompts: list[list[int]],
-                                                references: dict[str, Reference], config: LlamaConfig) -> None:
-    tokens = greedy_until_stop(Driver(executor), prompts, MAX_NEW_TOKENS, config.eos_token_id)
+def test_greedy_batch_of_eight_matches_generate(executor: InProcessExecutor, smollm2_prompts: list[list[int]],
+                                                references: dict[str, Reference], smollm2_llama: LlamaConfig) -> None:
+    tokens = greedy_until_stop(Driver(executor), smollm2_prompts, MAX_NEW_TOKENS, smollm2_llama.eos_token_id)
     assert_same_tokens(tokens, references, TIE_GAP)
 
 
-def test_greedy_matches_generate_through_a_swap_out_and_in(executor: InProcessExecutor, prompts: list[list[int]],
+def test_greedy_matches_generate_through_a_swap_out_and_in(executor: InProcessExecutor,
+                                                          smollm2_prompts: list[list[int]],
                                                           references: dict[str, Reference],
-                                                          config: LlamaConfig) -> None:
+                                                          smollm2_llama: LlamaConfig) -> None:
     driver = Driver(executor)
     before = (executor.kv.swapped_out_blocks, executor.kv.swapped_in_blocks)
-    tokens = greedy_until_stop(driver, prompts, MAX_NEW_TOKENS, config.eos_token_id, SWAP)
+    tokens = greedy_until_stop(driver, smollm2_prompts, MAX_NEW_TOKENS, smollm2_llama.eos_token_id, SWAP)
     assert_same_tokens(tokens, references, TIE_GAP)
     assert driver.swaps == {"out": 1, "in": 1}
     moved = (executor.kv.swapped_out_blocks - before[0], executor.kv.swapped_in_blocks - before[1])
@@ -172,35 +163,35 @@ async def _serve(ex: InProcessExecutor, prompts: list[list[int]], eos: int, chun
     return tokens, reasons, dict(watch.chunks)
 
 
-@pytest.mark.parametrize("chunk_tokens", [None, CHUNK_TOKENS], ids=["whole-prompts", "chunked-prefill"])
-def test_engine_matches_generate_and_stops_at_eos(executor: InProcessExecutor, prompts: list[list[int]],
-                                                  references: dict[str, Reference], config: LlamaConfig,
+@pytest.mark.parametrize("chunk_tokens", [None, CHUNK_TOKENS], ids=["whole-smollm2_prompts", "chunked-prefill"])
+def test_engine_matches_generate_and_stops_at_eos(executor: InProcessExecutor, smollm2_prompts: list[list[int]],
+                                                  references: dict[str, Reference], smollm2_llama: LlamaConfig,
                                                   chunk_tokens: int | None) -> None:
-    tokens, reasons, chunks = asyncio.run(_serve(executor, prompts, config.eos_token_id, chunk_tokens))
+    tokens, reasons, chunks = asyncio.run(_serve(executor, smollm2_prompts, smollm2_llama.eos_token_id, chunk_tokens))
     assert_same_tokens(tokens, references, TIE_GAP)
     assert reasons == EXPECTED_FINISH
     # A job that stopped at EOS delivered it last, counted with its tokens (vLLM's completion_tokens).
     for j, reason in reasons.items():
-        assert (tokens[j][-1] == config.eos_token_id) == (reason == "stop"), j
+        assert (tokens[j][-1] == smollm2_llama.eos_token_id) == (reason == "stop"), j
         assert len(tokens[j]) == len(references[j].tokens), j
     if chunk_tokens is None:
         assert chunks == {}
     else:   # ceil(len / chunk) chunks of which all but the last sample nothing
-        assert chunks == {str(i): -(-len(p) // chunk_tokens) - 1 for i, p in enumerate(prompts)}
+        assert chunks == {str(i): -(-len(p) // chunk_tokens) - 1 for i, p in enumerate(smollm2_prompts)}
         assert min(chunks.values()) >= 1
 
 
-def test_tensor_parallel_2_is_refused_naming_the_heads(config: LlamaConfig) -> None:
+def test_tensor_parallel_2_is_refused_naming_the_heads(smollm2_llama: LlamaConfig) -> None:
     with pytest.raises(ValueError, match="^tensor_parallel_size=2 does not divide the model's num_attention_heads=9$"):
-        config.check_tensor_parallel(2)
+        smollm2_llama.check_tensor_parallel(2)
 
 
-def test_tensor_parallel_3_matches_generate_with_a_swap(config: LlamaConfig, smollm2_folder: Path,
-                                                        prompts: list[list[int]],
+def test_tensor_parallel_3_matches_generate_with_a_swap(smollm2_llama: LlamaConfig, smollm2_folder: Path,
+                                                        smollm2_prompts: list[list[int]],
                                                         references: dict[str, Reference]) -> None:
-    work = functools.partial(greedy_until_stop, prompts=prompts, max_tokens=MAX_NEW_TOKENS,
-                             eos_token_id=config.eos_token_id, swap=SWAP)
-    ranks = run_tensor_parallel(config, smollm2_folder, work,
+    work = functools.partial(greedy_until_stop, prompts=smollm2_prompts, max_tokens=MAX_NEW_TOKENS,
+                             eos_token_id=smollm2_llama.eos_token_id, swap=SWAP)
+    ranks = run_tensor_parallel(smollm2_llama, smollm2_folder, work,
                                 RankPools(BLOCK_SIZE, NUM_DEVICE_BLOCKS, NUM_HOST_BLOCKS), tp_size=TP_SIZE,
                                 timeout_s=TP_TIMEOUT_S)
     assert sorted(ranks) == list(range(TP_SIZE))

@@ -10,9 +10,10 @@ import httpx
 import pytest
 
 from app.http_api import make_api
-from app.ingress import OpenAIServer, ServerContext
+from app.ingress import OpenAIServer
+from app.ingress_requests import ServerContext
 from app.tokenizer import Tokenizer
-from tests.harness.fields import ScriptedBackend
+from tests.harness.http_backends import ScriptedBackend
 from tests.harness.tokenizers import LLAMA3_BOS, LLAMA3_STYLE
 
 MODEL = "opt-125m"

@@ -222,7 +222,8 @@ def test_health_on_the_http_port_turns_503_when_a_step_is_stuck() -> None:
     import httpx
 
     from app.http_api import make_api
-    from app.ingress import OpenAIServer, ServerContext
+    from app.ingress import OpenAIServer
+    from app.ingress_requests import ServerContext
     from app.scheduler.config import EngineConfig
     from app.tokenizer import Tokenizer
 

@@ -12,25 +12,16 @@ import pytest
 
 from actors.executor import InProcessExecutor
 from actors.messages import SamplingParams
-from actors.model.config import OPTConfig
 from actors.spec import ModelSpec
 from app.engine import Engine, ThreadedExecutor
 from app.scheduler.config import KVCacheConfig, SchedulerConfig, SwapMode
 from app.scheduler.profile import Profile
 from app.scheduler.scheduler import Scheduler
+from tests.harness.tiny_jobs import BLOCK_SIZE, HOST_POOL, MAX_TOKENS, PROMPTS, SEED, SMALL_DEVICE_POOL, TINY
 
-TINY = OPTConfig(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-                 ffn_dim=128, max_position_embeddings=256, name="tiny")
-SEED = 0
-BLOCK_SIZE = 4
-#: The jobs need 5 + 6 + 8 + 6 + 5 + 7 + 5 + 6 = 48 blocks at their longest; 16 forces swaps
-#: (no single job needs more than 8).
-SMALL_DEVICE_POOL = 16
+#: The jobs need 5 + 6 + 8 + 6 + 5 + 7 + 5 + 6 = 48 blocks at their longest; SMALL_DEVICE_POOL
+#: (16) forces swaps (no single job needs more than 8).
 LARGE_DEVICE_POOL = 128
-HOST_POOL = 64
-PROMPTS = [[2, 11, 57, 100, 7], [2, 300, 4], [2, *range(20, 40)], [2, 99, 98, 97, 96, 95, 94, 93],
-           [2, 5], [2, *range(150, 162)], [2, 42, 43], [2, *range(60, 70)]]
-MAX_TOKENS = [14, 20, 10, 16, 18, 12, 17, 13]
 #: Iteration times of this tiny model on a CPU, roughly: they only place jobs in levels.
 PROFILE = Profile.from_dict({"t_init": {"prompt_lens": [1, 64], "seconds": [0.002, 0.01]},
                              "t_dec": {"batch_sizes": [1, 16], "seconds": [0.002, 0.004]}})

@@ -1,0 +1,89 @@
+"""The ``parallel`` and ``pipeline`` sections of a config: how one model copy is laid out.
+
+``ParallelArgs``: TP ranks per stage × PP stages, the GPUs that takes, the stage workers' CPUs and
+threads and the replica's own bundle; ``PipelineArgs``: the Ray pipeline's waits and channel size
+(defaults: ``actors.spec.PipelineTimeouts``). Cross-section checks (TP·PP against GPUs, against
+the model's shapes) are ``app.config.AppArgs``'s.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from actors.spec import ParallelSpec, PipelineTimeouts
+from app.config_model import Strict
+
+
+class ParallelArgs(Strict):
+    """How one model copy is split: TP ranks per stage × PP stages, and the GPUs that takes."""
+
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    pipeline_parallel_size: int = Field(default=1, ge=1)
+    #: Run stage-worker actors (the Ray pipeline) even for TP·PP = 1.
+    use_ray_pipeline: bool = False
+    #: GPUs one model copy requests; must be TP·PP on cuda and 0 on cpu.
+    num_gpus: int = Field(default=0, ge=0)
+    #: Plans the pipeline keeps in flight; None = one per stage (paper §4.3).
+    max_inflight: int | None = Field(default=None, ge=1)
+    #: How plans travel between stage workers: a Ray compiled graph, or plain actor calls.
+    transport: Literal["compiled", "actor"] = "compiled"
+    #: Logical CPUs each stage worker (one TP rank) reserves; a stage's bundle holds TP of them.
+    worker_cpus: float = Field(default=0.01, gt=0)
+    #: torch intra-op threads of each process that runs the model (the in-process executor, or
+    #: each stage worker). None keeps what Ray set: OMP_NUM_THREADS = the CPUs the actor
+    #: reserved, i.e. 1 for a replica that reserves none (the demo's), whatever the cores.
+    torch_threads: int | None = Field(default=None, ge=1)
+    #: Resources of the Scheduler replica's own bundle (bundle 0 of each model copy's placement
+    #: group); GPUs are added for an in-process model on cuda. It must hold the replica's
+    #: ``ray_actor_options`` (``deployments:`` in the YAML). A sliver keeps a 2-core box schedulable.
+    replica_bundle: dict[str, float] = Field(default_factory=lambda: {"CPU": 0.01})
+
+    @field_validator("replica_bundle")
+    @classmethod
+    def _some_resource(cls, value: dict[str, float]) -> dict[str, float]:
+        if not any(v > 0 for v in value.values()):
+            raise ValueError(f"replica_bundle {value} must reserve some resource")
+        return value
+
+    def spec(self) -> ParallelSpec:
+        """What the data plane is given (it answers ``world_size`` and ``uses_pipeline``)."""
+        return ParallelSpec(self.tensor_parallel_size, self.pipeline_parallel_size, self.transport,
+                            self.max_inflight, self.worker_cpus, self.use_ray_pipeline)
+
+    @property
+    def world_size(self) -> int:
+        return self.spec().world_size
+
+    @property
+    def uses_pipeline(self) -> bool:
+        return self.spec().uses_pipeline
+
+
+_WAITS = PipelineTimeouts()
+
+
+class PipelineArgs(Strict):
+    """The Ray pipeline's waits and its compiled-graph channel size (defaults: ``PipelineTimeouts``)."""
+
+    #: Compiled-graph channel size: above the largest activation message (else Ray resizes it).
+    channel_buffer_bytes: int = Field(default=_WAITS.channel_buffer_bytes, ge=1024)
+    #: How long the stage workers' placement group may take to be placed.
+    placement_timeout_s: float = Field(default=_WAITS.placement_timeout_s, gt=0)
+    #: How long the stage workers may take to start (weights loaded).
+    startup_timeout_s: float = Field(default=_WAITS.startup_timeout_s, gt=0)
+    #: TP rendezvous timeout, also gloo/NCCL's collective timeout (a rank whose peer died).
+    tp_timeout_s: float = Field(default=_WAITS.tp_timeout_s, gt=0)
+    #: While a plan is overdue by this much, the workers are pinged to tell slow from dead.
+    liveness_interval_s: float = Field(default=_WAITS.liveness_interval_s, gt=0)
+    ping_timeout_s: float = Field(default=_WAITS.ping_timeout_s, gt=0)
+    #: A live worker that answers no ping for this long (wedged) fails the pipeline.
+    unresponsive_s: float = Field(default=_WAITS.unresponsive_s, gt=0)
+    #: After a transport error, how long to keep probing for the worker death behind it.
+    diagnose_s: float = Field(default=_WAITS.diagnose_s, ge=0)
+    #: How long tearing the graph and the workers down may take.
+    teardown_timeout_s: float = Field(default=_WAITS.teardown_timeout_s, gt=0)
+
+    def timeouts(self) -> PipelineTimeouts:
+        return PipelineTimeouts(**self.model_dump())

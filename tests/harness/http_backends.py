@@ -1,0 +1,134 @@
+"""Scripted scheduler backends for the HTTP layer's tests (no Ray, no model).
+
+``FakeBackend`` answers every request with fixed tokens (or refuses it); ``ScriptedBackend``
+answers each job with what a script makes of its request; both hand out ``FakeStream``s, which
+record whether the ingress cancelled them. ``post`` sends one request to an ``OpenAIServer``
+over a backend, ``sse_events`` reads a stream's events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+
+from app.errors import ErrorCode
+from app.http_api import make_api
+from app.ingress import OpenAIServer
+from app.ingress_requests import ServerContext
+from app.scheduler.job import JobRequest, JobStats, TokenDelta
+from app.tokenizer import Tokenizer
+
+MODEL = "opt-125m"
+VOCAB = 50272
+CONTEXT = 2048
+TOK = Tokenizer.default()
+TEXT_IDS = TOK.encode(" Hello world. STOP here", add_special_tokens=False)
+#: The stats a ``ScriptedBackend`` script attaches to a finish.
+STATS = JobStats("j", arrival=0.0, prompt_len=2)
+#: The stats ``FakeBackend`` attaches to every finish.
+FAKE_STATS = JobStats("j", arrival=0.0, prompt_len=2, queueing_s=0.5, execution_s=1.0, demotions=2)
+
+
+class FakeStream:
+    """A backend stream of scripted deltas; it yields to the loop before each item, as a real
+    stream does, and ends once cancelled."""
+
+    def __init__(self, items: list[TokenDelta]) -> None:
+        self.items = list(items)
+        self.cancelled = False
+
+    def __aiter__(self) -> AsyncIterator[TokenDelta]:
+        return self
+
+    async def __anext__(self) -> TokenDelta:
+        await asyncio.sleep(0)
+        if self.cancelled or not self.items:
+            raise StopAsyncIteration
+        return self.items.pop(0)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeBackend:
+    """Answers every request with ``tokens`` then ``reason``, or refuses with ``first``."""
+
+    def __init__(self, tokens: list[int], reason: str = "length", first: str = "accepted",
+                 per_item: int = 1) -> None:
+        self.tokens, self.reason, self.first, self.per_item = tokens, reason, first, per_item
+        self.healthy = True
+        self.requests: list[JobRequest] = []
+        self.streams: list[FakeStream] = []
+
+    def generate(self, req: JobRequest) -> FakeStream:
+        self.requests.append(req)
+        if self.first != "accepted":
+            code = {"rejected": ErrorCode.ADMISSION_QUEUE_FULL, "unavailable": ErrorCode.ENGINE_UNAVAILABLE}[self.first]
+            stream = FakeStream([TokenDelta("j", error=code, message="2 jobs already wait for admission")])
+        else:
+            k = self.per_item
+            items = [TokenDelta("j"),
+                     *(TokenDelta("j", tuple(self.tokens[i:i + k])) for i in range(0, len(self.tokens), k)),
+                     TokenDelta("j", finish_reason=self.reason, stats=FAKE_STATS)]
+            stream = FakeStream(items)
+        self.streams.append(stream)
+        return stream
+
+    async def metrics_text(self) -> str:
+        return "fastserve:num_requests_running 0.0\n"
+
+    async def engine_stats(self) -> dict[str, Any]:
+        return {"steps": 0}
+
+    async def health(self) -> dict[str, Any]:
+        return {"healthy": self.healthy, "problem": None if self.healthy else "stuck"}
+
+
+class ScriptedBackend:
+    """Each job's stream from ``script(request)``: its deltas after the accepted event."""
+
+    def __init__(self, script: Callable[[JobRequest], list[TokenDelta]]) -> None:
+        self.script = script
+        self.requests: list[JobRequest] = []
+        self.resets = 0
+
+    def generate(self, req: JobRequest) -> FakeStream:
+        self.requests.append(req)
+        return FakeStream([TokenDelta(req.job_id)] + self.script(req))
+
+    async def metrics_text(self) -> str:
+        return ""
+
+    async def engine_stats(self) -> dict[str, Any]:
+        return {}
+
+    async def health(self) -> dict[str, Any]:
+        return {"healthy": True}
+
+    async def reset_prefix_cache(self) -> dict[str, Any]:
+        self.resets += 1
+        return {"reset_blocks": 0}
+
+
+def post(backend: ScriptedBackend, path: str, body: Any, **context: Any) -> Any:
+    """POST ``body`` to an ``OpenAIServer`` over ``backend``; the httpx response. ``context``:
+    ``ServerContext`` fields beyond the model's."""
+    async def run() -> httpx.Response:
+        ctx = ServerContext(MODEL, TOK, VOCAB, CONTEXT, **context)
+        app = make_api(OpenAIServer(ctx, backend))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            return await c.post(path, content=json.dumps(body).encode())
+    return asyncio.run(run())
+
+
+def sse_events(text: str) -> list[Any]:
+    out: list[Any] = []
+    for block in text.split("\n\n"):
+        if block.startswith("data: "):
+            payload = block[len("data: "):]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
