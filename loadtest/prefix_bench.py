@@ -16,7 +16,7 @@ Each application also gets ``--dtype`` (float32 by default: the peer's fp32 comp
 greedy tokens on the same weights, so both do equal work). Per system and rate: TTFT mean/P95,
 per-token latency mean/P95, TPOT, output tokens/s, failures, and the **prefix hit rate**: prompt
 tokens served from the cache (``usage.prompt_tokens_details.cached_tokens``, ours also
-``job_stats.cached_tokens``, checked to agree) over all prompt tokens, and over the turns that
+``job_stats.cached_tokens``, the record's ``server``, checked to agree) over all prompt tokens, and over the turns that
 repeat an earlier prompt (multi-turn turns ≥ 1; shared-system every request after the first).
 Every cached count of ours is checked: a multiple of the block size and below the prompt.
 A peer's ``/metrics`` prefix-cache counters (vLLM's ``vllm:prefix_cache_queries`` / ``_hits``)
@@ -109,13 +109,13 @@ def repeats_earlier(record: Mapping[str, Any], index: int) -> bool:
 
 def cache_checks(records: Sequence[dict[str, Any]], block_size: int) -> dict[str, Any]:
     """Hit rates, and every response whose cached count is impossible or disagrees with its
-    ``job_stats`` (our server reports both)."""
+    ``job_stats`` (our server reports both; the client keeps job_stats as ``server``)."""
     ok = [r for r in records if r.get("prompt_tokens")]
     later = [r for i, r in enumerate(ok) if repeats_earlier(r, i)]
     bad: list[dict[str, Any]] = []
     for r in ok:
-        cached = r.get("cached_tokens") or 0
-        stats = r.get("job_stats") or {}
+        cached = r.get("cached_tokens") or 0   # our usage omits the details when none were cached
+        stats = r.get("server") or {}            # our job_stats
         reasons = []
         if cached >= r["prompt_tokens"]:
             reasons.append("cached >= prompt")
@@ -261,10 +261,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None, help="write the JSON result here")
     parser.add_argument("--records", type=Path, default=None, help="folder for per-point request records")
     parser.add_argument("--serve-log", type=Path, default=Path("/tmp/prefix_bench_serve.log"))
+    parser.add_argument("--recheck", type=Path, default=None,
+                        help="recompute the cache checks of this result JSON from --records; no run")
     args = parser.parse_args(argv)
     if args.slo_from is None and args.system:
         args.slo_from = args.system[0][0]
-    if args.setup == "none" and not args.system:
+    if args.setup == "none" and not args.system and args.recheck is None:
         parser.error("--setup none needs at least one --system")
     return args
 
@@ -280,8 +282,27 @@ def finite(value: Any) -> Any:
     return value
 
 
+def recheck(result: dict[str, Any], records: Path) -> dict[str, Any]:
+    """``result`` with every point's cache fields recomputed from its saved request records."""
+    for name, pts in result["points"].items():
+        for rate, row in pts.items():
+            path = records / f"{result['workload']}-{name}-rate{float(rate):g}.jsonl"
+            lines = path.read_text(encoding="utf-8").splitlines()
+            row.update(cache_checks([json.loads(line) for line in lines if line.strip()], BLOCK_SIZE))
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.recheck is not None:   # the checks again, over a finished run's records
+        if args.records is None:
+            raise SystemExit("--recheck needs --records, the run's records folder")
+        result = recheck(json.loads(args.recheck.read_text(encoding="utf-8")), args.records)
+        print_table(result)
+        text = json.dumps(finite(result))
+        args.recheck.write_text(text + "\n")
+        print(text)
+        return
     variants = setup_variants(args.setup, args.device_blocks)
     peers = dict(args.system)
     for url in peers.values():

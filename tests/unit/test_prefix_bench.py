@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import pytest
 
 from app.config import AppArgs
 from loadtest.experiments.server import variant_config
-from loadtest.prefix_bench import DEMO, cache_checks, parse_system, setup_variants
+from loadtest.prefix_bench import DEMO, cache_checks, parse_system, recheck, setup_variants
 
 
 def test_cache_setup_differs_only_in_prefix_caching() -> None:
@@ -44,7 +46,7 @@ def _rec(rid: str, prompt: int, cached: int | None, turn: int | None = None,
     if turn is not None:
         out["turn"] = turn
     if stats is not None:
-        out["job_stats"] = {"cached_tokens": stats}
+        out["server"] = {"cached_tokens": stats}   # the client's key for job_stats
     return out
 
 
@@ -66,7 +68,18 @@ def test_without_turns_every_request_after_the_first_repeats_the_shared_prefix()
 
 def test_impossible_or_disagreeing_cached_counts_are_listed() -> None:
     records = [_rec("whole", 64, 64, 1, 64), _rec("odd", 100, 40, 1, 40), _rec("mismatch", 100, 32, 1, 48),
-               _rec("peer-odd", 100, 40, 1)]   # a peer without job_stats: no block-size rule
+               _rec("peer-odd", 100, 40, 1),   # a peer without job_stats: no block-size rule
+               _rec("none-cached", 100, None, 1, 0), _rec("unreported", 100, None, 1, 32)]
     bad = {b["request_id"]: b["why"] for b in cache_checks(records, 16)["bad_cached"]}
     assert bad == {"whole": ["cached >= prompt"], "odd": ["cached not a multiple of 16"],
-                   "mismatch": ["job_stats.cached_tokens 48"]}
+                   "mismatch": ["job_stats.cached_tokens 48"], "unreported": ["job_stats.cached_tokens 32"]}
+
+
+def test_recheck_recomputes_the_cache_fields_from_the_saved_records(tmp_path: Path) -> None:
+    lines = [json.dumps(_rec("c0-t0", 100, None, 0, 0)), json.dumps(_rec("c0-t1", 200, 96, 1, 80))]
+    (tmp_path / "multi-turn-cache-on-rate0.25.jsonl").write_text("\n".join(lines) + "\n")
+    result = {"workload": "multi-turn", "points": {"cache-on": {"0.25": {"hit_rate": None, "ttft_mean_s": 1.0}}}}
+    row = recheck(result, tmp_path)["points"]["cache-on"]["0.25"]
+    assert row["ttft_mean_s"] == 1.0
+    assert (row["hit_rate"], row["hit_rate_repeats"]) == (96 / 300, 96 / 200)
+    assert [b["request_id"] for b in row["bad_cached"]] == ["c0-t1"]
