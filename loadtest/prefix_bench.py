@@ -59,6 +59,9 @@ BLOCK_SIZE = 16
 #: largest job (2,048 tokens = 128 blocks), so jobs run and cached prefixes compete for the rest.
 DEFAULT_SMALL_POOL = 192
 DEFAULT_RATES = (0.25, 1.0)
+#: Further per-token SLOs (s/token) reported beside the race's: 1.5x, 2x, 3x vLLM's light-load
+#: per-token latency on this workload (about 0.1 s on the 2-core AMD EPYC).
+DEFAULT_SLOS = (0.15, 0.2, 0.3)
 #: Prometheus families (any prefix, ``_total`` or not) read from a peer's ``/metrics``.
 METRIC_SUFFIXES = ("prefix_cache_queries", "prefix_cache_hits")
 METRICS_TIMEOUT_S = 10.0
@@ -188,6 +191,7 @@ def summarize_bench(args: argparse.Namespace, rates: list[float], points: dict[s
     slo = args.slo if args.slo is not None else args.slo_factor * points[reference][rates[0]]["per_token_mean_s"]
     at_slo = {name: throughput_at_slo(rates, [points[name][r]["per_token_mean_s"] for r in rates], slo)
               for name in names}
+    str_points = {name: {str(r): row for r, row in pts.items()} for name, pts in points.items()}
     ratios = {name: {str(r): {key: R.ratio(points[name][r][key], points[reference][r][key])
                               for key in ("ttft_mean_s", "ttft_p95_s", "per_token_mean_s", "per_token_p95_s",
                                           "output_tok_s")}
@@ -200,9 +204,20 @@ def summarize_bench(args: argparse.Namespace, rates: list[float], points: dict[s
             "variants": setup_variants(args.setup, args.device_blocks), "temperature": args.temperature,
             "eos_cap": asdict(C.eos_cap_from_args(args)), "seed": args.seed, "rates": rates, "rate_unit": unit,
             "slo_s": slo, "slo_reference": reference,
-            "points": {name: {str(r): row for r, row in pts.items()} for name, pts in points.items()},
+            "points": str_points,
             "throughput_at_slo": {name: t.to_dict() for name, t in at_slo.items()},
+            "throughput_at_slos": slo_sweep(str_points, rates, args.slos),
             "ratios_to_reference": ratios}
+
+
+def slo_sweep(points: Mapping[str, Mapping[str, Mapping[str, Any]]], rates: Sequence[float],
+              slos: Sequence[float]) -> dict[str, dict[str, Any]]:
+    """Each system's throughput at each of ``slos`` (s/token, mean per-token latency), from the
+    same measured points: the race's SLO of 10x a light-load latency is seldom crossed on a
+    closed-loop workload, so tighter ones show where the curves part."""
+    return {f"{slo:g}": {name: throughput_at_slo(rates, [pts[str(r)]["per_token_mean_s"] for r in rates],
+                                                 slo).to_dict()
+                         for name, pts in points.items()} for slo in slos}
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -229,6 +244,9 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"\nthroughput at SLO {result['slo_s']:.3f} s/token (reference {result['slo_reference']}):")
     for name, t in result["throughput_at_slo"].items():
         print(f"  {name:9} {t['rate']:.3f} {result['rate_unit']} ({t['status']})")
+    for slo, by_name in result.get("throughput_at_slos", {}).items():
+        print(f"  at {slo} s/token: " + ", ".join(f"{name} {t['rate']:.2f} ({t['status']})"
+                                                   for name, t in by_name.items()))
     for name, by_rate in result["ratios_to_reference"].items():
         for rate, r in by_rate.items():
             print(f"  {name} ÷ {result['slo_reference']} at {rate}: TTFT {R._fmt(r['ttft_mean_s'], 2)} "
@@ -255,6 +273,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slo", type=float, default=None)
     parser.add_argument("--slo-factor", type=float, default=R.DEFAULT_SLO_FACTOR)
+    parser.add_argument("--slos", type=lambda s: [float(x) for x in s.split(",")], default=list(DEFAULT_SLOS),
+                        help="also report throughput at these per-token SLOs (s/token, comma-separated)")
     parser.add_argument("--slo-from", default=None, help="reference system (default: first --system, "
                                                          "else the last of ours)")
     parser.add_argument("--max-total-s", type=float, default=600.0, help="bound on each point")
@@ -298,6 +318,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.records is None:
             raise SystemExit("--recheck needs --records, the run's records folder")
         result = recheck(json.loads(args.recheck.read_text(encoding="utf-8")), args.records)
+        result["throughput_at_slos"] = slo_sweep(result["points"], result["rates"], args.slos)
         print_table(result)
         text = json.dumps(finite(result))
         args.recheck.write_text(text + "\n")

@@ -10,7 +10,7 @@ import pytest
 
 from app.config import AppArgs
 from loadtest.experiments.server import variant_config
-from loadtest.prefix_bench import DEMO, cache_checks, parse_system, recheck, setup_variants
+from loadtest.prefix_bench import DEMO, cache_checks, parse_system, recheck, setup_variants, slo_sweep
 
 
 def test_cache_setup_differs_only_in_prefix_caching() -> None:
@@ -83,3 +83,12 @@ def test_recheck_recomputes_the_cache_fields_from_the_saved_records(tmp_path: Pa
     assert row["ttft_mean_s"] == 1.0
     assert (row["hit_rate"], row["hit_rate_repeats"]) == (96 / 300, 96 / 200)
     assert [b["request_id"] for b in row["bad_cached"]] == ["c0-t1"]
+
+
+def test_slo_sweep_reads_each_systems_curve_at_every_slo() -> None:
+    points = {"ours": {"0.5": {"per_token_mean_s": 0.1}, "2.0": {"per_token_mean_s": 0.4}},
+              "peer": {"0.5": {"per_token_mean_s": 0.3}, "2.0": {"per_token_mean_s": 0.5}}}
+    sweep = slo_sweep(points, [0.5, 2.0], [0.2, 0.6])
+    assert sweep["0.2"]["ours"]["rate"] == pytest.approx(1.0)          # 0.5 + (0.1 / 0.3) x 1.5
+    assert (sweep["0.2"]["peer"]["rate"], sweep["0.2"]["peer"]["status"]) == (0.0, "none_under")
+    assert (sweep["0.6"]["ours"]["rate"], sweep["0.6"]["ours"]["status"]) == (2.0, "lower_bound")
