@@ -18,7 +18,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -48,28 +48,42 @@ def multi_policy_config(policies: Sequence[str], port: int, base: Path = DEMO_YA
                         args_overrides: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The demo config with one application per policy, route prefix ``/<policy>``;
     ``args_overrides`` (section → settings) are merged into every application's ``args``."""
+    return variant_config({p: {"scheduler": {"policy": p}} for p in policies}, port, base, args_overrides)
+
+
+def variant_config(variants: Mapping[str, Mapping[str, Mapping[str, Any]]], port: int,
+                   base: Path = DEMO_YAML,
+                   args_overrides: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """The demo config with one application per variant, route prefix ``/<name>``: every app's
+    ``args`` get ``args_overrides`` (section → settings), then its own variant's."""
     raw = yaml.safe_load(base.read_text(encoding="utf-8"))
     raw.setdefault("http_options", {}).update({"host": LOOPBACK, "port": port})
     template = raw["applications"][0]
     apps = []
-    for policy in policies:
+    for name, own in variants.items():
         app = copy.deepcopy(template)
-        app["name"] = f"fastserve-{policy}"
-        app["route_prefix"] = f"/{policy}"
-        for section, settings in (args_overrides or {}).items():
-            app["args"].setdefault(section, {}).update(settings)
-        app["args"]["scheduler"]["policy"] = policy
+        app["name"] = f"fastserve-{name}"
+        app["route_prefix"] = f"/{name}"
+        for overrides in (args_overrides or {}, own):
+            for section, settings in overrides.items():
+                app["args"].setdefault(section, {}).update(settings)
         apps.append(app)
     raw["applications"] = apps
     return raw
 
 
 class ServeApps:
-    """Context manager: ``serve run`` of one app per policy; ``url(policy)`` is its base URL."""
+    """Context manager: ``serve run`` of one app per policy (or per named variant of the args:
+    ``variants``, name → section → settings, in place of ``policies``); ``url(name)`` is its base URL."""
 
     def __init__(self, policies: Sequence[str], log_path: Path, ready_timeout_s: float = READY_TIMEOUT_S,
-                 args_overrides: dict[str, dict[str, Any]] | None = None, base: Path = DEMO_YAML) -> None:
-        self.policies = list(policies)
+                 args_overrides: dict[str, dict[str, Any]] | None = None, base: Path = DEMO_YAML,
+                 variants: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None) -> None:
+        if variants is not None and policies:
+            raise ValueError(f"give policies {list(policies)} or variants {list(variants)}, not both")
+        self.variants = dict(variants) if variants is not None else {
+            p: {"scheduler": {"policy": p}} for p in policies}
+        self.policies = list(self.variants)
         self.base = base
         self.args_overrides = args_overrides
         self.log_path = log_path
@@ -84,7 +98,7 @@ class ServeApps:
     def __enter__(self) -> ServeApps:
         self._tmp = tempfile.TemporaryDirectory(prefix=RAY_TMP_PREFIX, ignore_cleanup_errors=True)
         config = Path(self._tmp.name) / "serve.yaml"
-        raw = multi_policy_config(self.policies, self.port, self.base, self.args_overrides)
+        raw = variant_config(self.variants, self.port, self.base, self.args_overrides)
         config.write_text(yaml.safe_dump(raw, sort_keys=False))
         env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": self._tmp.name,
                "RAY_USAGE_STATS_ENABLED": "0"}
