@@ -10,7 +10,10 @@ Swaps are asynchronous. On a GPU they run on a side CUDA stream into page-locked
 tracked by events; on CPU a single copy thread runs them. Either way they complete in issue order
 (one stream, one thread), so a swap-in issued after a swap-out that frees the same host block
 reads the right data. A step waits only on the in-flight swaps that touch the blocks it uses
-(``wait_for``); everything else overlaps with its compute.
+(``wait_for``); everything else overlaps with its compute. What that wait costs is measured where
+it happens: on CPU the host blocks (timed on the host); on a GPU the compute stream stalls, timed
+by a pair of timing events around the stream's waits and read once the device has passed them
+(``DeviceStalls``), never by a sync of its own.
 
 This object owns device memory only. Which block belongs to which job is the control plane's
 business (``app/kv``): the store copies what it is told.
@@ -23,6 +26,7 @@ import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -85,6 +89,42 @@ class SwapHandle:
             self._event.synchronize()
 
 
+class TimingEvent(Protocol):
+    """What ``DeviceStalls`` needs of a ``torch.cuda.Event(enable_timing=True)``."""
+
+    def query(self) -> bool: ...
+
+    def elapsed_time(self, end_event: Any) -> float: ...
+
+
+class DeviceStalls:
+    """Time the compute stream spent stalled on swaps: one (before, after) pair of timing events
+    per wait, recorded on the compute stream around its ``wait_event`` calls, so the span between
+    them is the stall alone. A pair is read once its ``after`` has completed (``query()``: no
+    sync); one the device has not reached yet is kept for a later read."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[TimingEvent, TimingEvent]] = []
+
+    def add(self, before: TimingEvent, after: TimingEvent) -> None:
+        self._pending.append((before, after))
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def collect_s(self) -> float:
+        """Seconds stalled over the pairs the device has passed; those are forgotten."""
+        waited_ms, kept = 0.0, []
+        for before, after in self._pending:
+            if after.query():   # ``after`` done ⇒ ``before`` done (same stream, recorded first)
+                waited_ms += before.elapsed_time(after)
+            else:
+                kept.append((before, after))
+        self._pending = kept
+        return waited_ms / 1000.0
+
+
 class KVStore:
     def __init__(
         self,
@@ -118,6 +158,7 @@ class KVStore:
             self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-swap")
         self.swapped_out_blocks = 0
         self.swapped_in_blocks = 0
+        self.device_stalls = DeviceStalls()
 
     @property
     def num_device_blocks(self) -> int:
@@ -148,18 +189,29 @@ class KVStore:
         return self._issue(self.host_pool, self.device_pool, src, dst, frozenset(dst))
 
     def wait_for(self, device_blocks: Iterable[int]) -> float:
-        """Block until every in-flight swap touching ``device_blocks`` is done; seconds waited."""
+        """Block until every in-flight swap touching ``device_blocks`` is done; seconds the host
+        waited. On a GPU the compute stream waits instead (0 here): ``device_wait_s`` reads how
+        long it stalled, once the device has got past the wait."""
         wanted = frozenset(device_blocks)
         with self._lock:
             touching = [h for h in self._inflight if h.device_blocks & wanted]
         if self._stream is not None:
-            # On a GPU the compute stream waits on the copy's event; the host does not block.
-            compute = torch.cuda.current_stream(self.device)
-            for h in touching:
-                if h._event is not None:
-                    compute.wait_event(h._event)
+            events = [h._event for h in touching if h._event is not None and not h._event.query()]
+            if events:
+                compute = torch.cuda.current_stream(self.device)
+                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                before.record(compute)
+                for event in events:
+                    compute.wait_event(event)
+                after.record(compute)
+                self.device_stalls.add(before, after)
             return 0.0
         return self._wait(touching)
+
+    def device_wait_s(self) -> float:
+        """Seconds the compute stream stalled on swaps (``wait_for`` on a GPU), over the waits it
+        has got past since the last call; always 0 on CPU, where ``wait_for`` times the host."""
+        return self.device_stalls.collect_s()
 
     def wait_all(self) -> float:
         with self._lock:

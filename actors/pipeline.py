@@ -38,7 +38,7 @@ from actors.messages import BatchPlan, StepOutput
 from actors.model.config import ModelConfig
 from actors.parallel import BACKENDS, layer_ranges
 from actors.spec import EngineSpec
-from actors.transport import TRANSPORTS, Transport, make_transport
+from actors.transport import TRANSPORTS, Transport, check_nccl_binding, make_transport, uses_nccl_channels
 from actors.worker import StageInput, StageWorker, StepRecord, WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,8 @@ class PipelineExecutor:
         self.timeouts = spec.timeouts
         self.config = spec.model.load_config()
         check_layout(spec, self.config)
+        if uses_nccl_channels(spec.parallel.transport, spec.model.device, spec.parallel.pipeline_parallel_size):
+            check_nccl_binding()   # before any worker is placed or any weight loaded
         self._given_pg = placement_group
         self._bundle_offset = bundle_offset
         self._specs = worker_specs(spec, self.config)

@@ -107,3 +107,9 @@ class StageRunner:
             h.wait()
         self.kv.wait_all()
         timings["swap_tail"] = timings.get("swap_tail", 0.0) + time.perf_counter() - start
+        # On a GPU the forward's swap wait was a stall of the compute stream: read now, after the
+        # step (its sampling already synced the host with that stream on the last stage; a stall
+        # the device has not got past yet counts in a later step).
+        stalled = self.kv.device_wait_s()
+        if stalled:
+            timings["swap_wait"] = timings.get("swap_wait", 0.0) + stalled

@@ -57,6 +57,11 @@ class ServerArgs(Strict):
     #: How long an ingress replica waits for a new delivery channel to open; one that did not is
     #: retried after as long (its jobs use their own streams meanwhile).
     channel_open_timeout_s: float = Field(default=5.0, gt=0)
+    #: A scheduler replica ends a delivery channel that had no job on it for this long (the
+    #: ingress opens another with its next job there). An open channel is a request in flight,
+    #: and Serve's graceful shutdown of a replica waits for every one: this bounds how long an
+    #: idle channel keeps a drained replica alive after its last stream.
+    channel_idle_close_s: float = Field(default=2.0, gt=0)
     #: How long ``GET /metrics`` waits for each node's Ray metrics agent.
     metrics_agent_timeout_s: float = Field(default=5.0, gt=0)
 

@@ -18,7 +18,10 @@ Owns both ends, and neither imports ray:
 A job is put on a channel when it is accepted, or never: its events then all travel on one
 ordered stream. Its own Serve stream stays open until it ends, so cancelling that stream still
 aborts the job (client gone, stop string). A channel that breaks fails the jobs on it (``error``)
-at both ends: the scheduler aborts them, the ingress ends their requests.
+at both ends: the scheduler aborts them, the ingress ends their requests. A channel with no job
+on it for ``server.channel_idle_close_s`` is ended by the scheduler replica (its ``subscribe``
+call returns), so an idle channel never holds a replica that Serve is draining; the ingress opens
+a new one with the next job accepted there.
 """
 
 from __future__ import annotations
@@ -77,8 +80,12 @@ class _JobSink:
 class Channel:
     """One ingress replica's channel in a scheduler replica (one ``subscribe`` call)."""
 
-    def __init__(self, channel_id: str) -> None:
+    def __init__(self, channel_id: str, idle_close_s: float | None = None) -> None:
         self.channel_id = channel_id
+        #: With no job open and nothing to send for this long, the channel ends (``messages``
+        #: returns): an open ``subscribe`` call is a request in flight on the scheduler replica,
+        #: and Serve's drain waits for every one. None = only ``close()`` ends it.
+        self.idle_close_s = idle_close_s
         self._pending: list[TokenDelta] = []
         self._wake = asyncio.Event()
         self._open: dict[str, asyncio.Event] = {}   # job id → set when its last delta is put
@@ -114,13 +121,33 @@ class Channel:
 
     async def messages(self) -> AsyncIterator[Message]:
         """Every delta put, as one message per wake-up: the engine puts a whole step's deltas
-        before this task runs again, so that is one message per step (more when it lags)."""
+        before this task runs again, so that is one message per step (more when it lags).
+
+        Ends when the channel is closed, after sending what was put before; or by itself (it
+        closes) once no job has been open on it and nothing was put for ``idle_close_s``."""
         while not self.closed:
-            await self._wake.wait()
+            if not await self._woken():
+                self.close()   # idle: no job can be put on it from here on
+                return
             self._wake.clear()
             pending, self._pending = self._pending, []
             if pending:
                 yield merged_by_job(pending, emitted_at=time.time())
+        if self._pending:   # put before close() (an engine stop's aborts): still delivered
+            pending, self._pending = self._pending, []
+            yield merged_by_job(pending, emitted_at=time.time())
+
+    async def _woken(self) -> bool:
+        """Until something is put or the channel closes (True); False once it stayed idle —
+        no job open, nothing pending — for ``idle_close_s``."""
+        if self.idle_close_s is None or self._open or self._pending:
+            await self._wake.wait()
+            return True
+        try:
+            await asyncio.wait_for(self._wake.wait(), self.idle_close_s)
+        except TimeoutError:
+            return bool(self._open or self._pending)   # a job given a sink meanwhile keeps it
+        return True
 
     def close(self) -> None:
         """No more jobs or messages; whoever waits on a job is released."""
@@ -158,6 +185,7 @@ class ChannelClient:
         self._open_timeout_s = open_timeout_s
         self._routes: dict[str, asyncio.Queue[TokenDelta]] = {}   # job id → its request's queue
         self._live: dict[str, str] = {}          # scheduler replica id → id of its open channel
+        self._current: dict[str, str] = {}       # … → id of its channel, open or opening
         self._readers: dict[str, asyncio.Task[None]] = {}   # scheduler replica id → reader task
         self._on_channel: dict[str, set[str]] = {}   # channel id → its jobs here
         self._failed_at: dict[str, float] = {}   # scheduler replica id → when opening failed
@@ -186,8 +214,9 @@ class ChannelClient:
             jobs.discard(job_id)
 
     def adopt(self, job_id: str, replica_id: str, channel_id: str) -> bool:
-        """The job was accepted on ``channel_id``: True if that channel is the one open here."""
-        if self._live.get(replica_id) != channel_id:
+        """The job was accepted on ``channel_id``: True if that channel is the one open here, or
+        opening (the scheduler replica takes jobs on a channel before its ack reaches us)."""
+        if self._current.get(replica_id) != channel_id:
             return False
         self._on_channel.setdefault(channel_id, set()).add(job_id)
         return True
@@ -209,6 +238,7 @@ class ChannelClient:
 
     async def _read(self, replica_id: str, channel_id: str) -> None:
         stream = self._open_channel(self.ingress_id, replica_id, channel_id)
+        self._current[replica_id] = channel_id
         try:
             await asyncio.wait_for(stream.__anext__(), self._open_timeout_s)   # the channel's ack
             self._live[replica_id] = channel_id
@@ -219,6 +249,9 @@ class ChannelClient:
                     queue = self._routes.get(delta.job_id)
                     if queue is not None:
                         queue.put_nowait(delta)
+            # Ended by the scheduler replica: idle (no job of ours left on it) or replaced by a
+            # newer channel. The next job accepted there without one opens another.
+            log.debug("delivery channel to scheduler replica %s closed by it", replica_id)
         except BaseException as exc:   # the replica died, never answered, or Serve cancelled the call
             task = asyncio.current_task()
             if task is not None and task.cancelling():   # ours: close()
@@ -228,8 +261,9 @@ class ChannelClient:
         finally:
             stream.cancel()
             self._readers.pop(replica_id, None)
-            if self._live.get(replica_id) == channel_id:
-                del self._live[replica_id]
+            for ids in (self._live, self._current):
+                if ids.get(replica_id) == channel_id:
+                    del ids[replica_id]
             for job_id in self._on_channel.pop(channel_id, set()):
                 queue = self._routes.get(job_id)
                 if queue is not None:

@@ -115,6 +115,8 @@ class SchedulerReplica:
         self._closed = True
         self._sample_task.cancel()
         await self.engine.stop()
+        for channel in list(self._channels.values()):   # their jobs were aborted: end the calls
+            channel.close()
         try:   # the aborted jobs' accounting, and gauges that say "empty"
             self._sample_metrics()
         except Exception:   # metrics must never stop a shutdown
@@ -133,6 +135,8 @@ class SchedulerReplica:
         the accepted one (which names the channel) travel on the channel instead, and this stream
         stays open, silent, until the job ends: cancelling it still aborts the job."""
         channel = self._channels.get(ingress_id) if ingress_id else None
+        if channel is not None and channel.closed:   # ended idle; its subscribe call is returning
+            channel = None
         try:
             if channel is not None:
                 self.engine.submit_to(req, channel.sink(req.job_id))
@@ -167,10 +171,12 @@ class SchedulerReplica:
                         pinned_replica: str) -> AsyncIterator[Message]:
         """An ingress replica's delivery channel (``app.delivery``): an empty message once it is
         open, then one message per step with the deltas of that replica's jobs on it. Routed here
-        by ``pinned_replica`` (``app.routing``). Ending it (the ingress went away) aborts them."""
+        by ``pinned_replica`` (``app.routing``). Ending it (the ingress went away) aborts them.
+        It returns by itself once no job has been on it for ``server.channel_idle_close_s``: an
+        open call is a request in flight, which Serve's graceful shutdown waits for."""
         if pinned_replica != self.replica_id:
             raise ValueError(f"subscribe for replica {pinned_replica!r} reached replica {self.replica_id!r}")
-        channel = Channel(channel_id)
+        channel = Channel(channel_id, idle_close_s=self.args.server.channel_idle_close_s)
         replaced = self._channels.get(ingress_id)
         self._channels[ingress_id] = channel
         if replaced is not None:   # that ingress replica lost it and opened a new one

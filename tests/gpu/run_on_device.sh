@@ -19,6 +19,10 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_
   command -v nvcc >/dev/null && nvcc --version | tail -2
   "$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
   "$PY" -c "import cupy; print('cupy', cupy.__version__)" || echo "cupy: not importable"
+  # Ray's NCCL channels (a GPU pipeline's compiled graph) need CuPy's NCCL binding to load libnccl
+  # (after torch, as in a stage worker: torch's wheel brings libnccl.so.2).
+  "$PY" -c "import torch, cupy.cuda.nccl as n; print('cupy.cuda.nccl available', n.available)" \
+    || echo "cupy.cuda.nccl: not importable"
   "$PY" -c "import transformers; print('transformers', transformers.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
 

@@ -131,6 +131,41 @@ def test_swaps_see_compute_issued_before_them_and_run_in_issue_order() -> None:
         kv.close()
 
 
+def test_swap_wait_is_the_compute_streams_stall_read_after_the_device_passed_it() -> None:
+    """A step over blocks whose swap-in is still copying does not block the host (``wait_for``
+    returns 0); the compute stream's stall is timed by events around its wait and read once the
+    device has passed it (``device_wait_s``), about the time the copy was held up. A wait on a
+    swap already done records nothing."""
+    kv = KVStore(num_layers=2, num_heads=2, head_dim=64, block_size=16, num_device_blocks=8,
+                 num_host_blocks=4, dtype=torch.float16, device="cuda")
+    try:
+        kv.swap(SwapCommand("in", "done", (0,), (2,)))
+        torch.cuda.synchronize()
+        assert kv.wait_for([2]) == 0.0 and kv.device_stalls.pending == 0   # nothing to wait for
+        with torch.cuda.stream(kv._stream):   # hold the side stream: the next copy starts late
+            torch.cuda._sleep(100_000_000)
+        kv.swap(SwapCommand("in", "a", (1,), (5,)))
+        assert kv.wait_for([5]) == 0.0                  # the host went on at once
+        assert kv.device_stalls.pending == 1
+        torch.cuda.synchronize()                        # (the test's sync, not the store's)
+        stalled = kv.device_wait_s()
+        assert 0.005 < stalled < 5.0, stalled
+        assert kv.device_stalls.pending == 0 and kv.device_wait_s() == 0.0
+    finally:
+        kv.close()
+
+
+def test_cupys_nccl_binding_loads_libnccl_beside_torch() -> None:
+    """What Ray's NCCL channels import (``actors.transport.check_nccl_binding`` checks it at a GPU
+    pipeline's start): with torch loaded first, as in a stage worker, CuPy's binding finds the
+    libnccl torch's wheel brought, and has the call Ray makes. Skipped where CuPy is absent."""
+    pytest.importorskip("cupy")
+    import cupy.cuda.nccl as nccl
+
+    assert nccl.available, "cupy.cuda.nccl could not load libnccl"
+    assert len(nccl.get_unique_id()) > 0
+
+
 # ---------------------------------------------------------------- the model on CUDA
 
 

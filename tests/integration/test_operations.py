@@ -309,3 +309,100 @@ def test_scheduler_autoscales_to_two_model_copies_and_both_serve(cluster: Cluste
             complete(cluster, f"Spread {i}", 4)
         m = metrics_view.wait_metrics(cluster.base, both_served, timeout=5)
     assert both_served(m), "both model copies should have generated tokens"
+
+
+#: Streams started one at a time before a downscale 2 → 1 until each replica has one in flight
+#: (Serve's router may send two in a row to one replica), at most this many; each long enough to
+#: be in flight while the downscale is applied (~5 s) even on a quiet box (~35 ms a token), and
+#: short enough to end well within the bound below on a loaded one (4 × 500 tokens on two
+#: replicas did not end within 180 s here with other work on the 2 cores).
+MAX_DRAIN_STREAMS, DRAIN_STREAM_TOKENS = 6, 800
+#: Bound on the streams' end: the server's own request timeout (server.request_timeout_s).
+STREAMS_END_WITHIN_S = 600.0
+#: How soon after its last stream ends a drained replica must be gone: the idle delivery channels
+#: end (server.channel_idle_close_s, 2 s), Serve's drain loop looks every 2 s
+#: (graceful_shutdown_wait_loop_s), the controller then reaps it; far below the 242 s timeout.
+GONE_AFTER_LAST_STREAM_S = 30.0
+
+
+def test_a_downscale_during_streams_drains_them_whole_and_the_replica_stops_after_the_last(
+        cluster: Cluster) -> None:
+    """Scheduler 2 → 1 replicas (a lightweight update: Serve stops one of the two) while streams
+    run on both. The stopped replica drains under the default ``graceful_shutdown_timeout_s``,
+    sized for a context-length stream (242 s here): its streams complete with every token, and
+    once the last one ends it stops within seconds, not at the timeout — its ingresses'
+    delivery channels, idle from then on, no longer hold it."""
+    import json
+    import threading
+
+    config = dummy_opt_yaml()
+    ingress_options(config)["num_replicas"] = 2                         # as the tests above left it
+    scheduler_options(config).update(num_replicas=2, max_ongoing_requests=512)
+    timeout_s = AppArgs.model_validate(config["applications"][0]["args"]).scheduler_deployment_defaults()[
+        "graceful_shutdown_timeout_s"]
+    assert timeout_s == 242.0   # the default drain, not set in the config
+    cluster.deploy(config, "drain-two")
+    wait_until("two scheduler replicas", lambda: settled("Scheduler", 2, graceful_shutdown_timeout_s=timeout_s)
+               and settled("Ingress", 2, graceful_shutdown_timeout_s=timeout_s), STARTUP_TIMEOUT_S)
+    complete(cluster, "Warm up", 2)
+    replica_ids = {r["replica_id"] for r in running_replicas("Scheduler")}
+
+    events: list[list[str]] = [[] for _ in range(MAX_DRAIN_STREAMS)]
+    ended_at: list[float] = [0.0] * MAX_DRAIN_STREAMS
+
+    def read_stream(i: int) -> None:
+        body = {"model": MODEL, "prompt": f"Keep going {i}", "max_tokens": DRAIN_STREAM_TOKENS,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        try:
+            with httpx.stream("POST", cluster.base + "/v1/completions", json=body, headers=AUTH,
+                              timeout=REQUEST_TIMEOUT_S) as resp:
+                events[i].append(f"status {resp.status_code}")
+                events[i] += [line[len("data: "):] for line in resp.iter_lines() if line.startswith("data: ")]
+        finally:
+            ended_at[i] = time.monotonic()
+
+    def running_on_both(m: metrics_view.Scrape) -> bool:
+        return all(m.total("fastserve:num_requests_running", replica=r) >= 1 for r in replica_ids)
+
+    readers: list[threading.Thread] = []
+    on_both = metrics_view.scrape(cluster.base)
+    while not running_on_both(on_both) and len(readers) < MAX_DRAIN_STREAMS:
+        readers.append(threading.Thread(target=read_stream, args=(len(readers),), daemon=True))
+        readers[-1].start()
+        on_both = metrics_view.wait_metrics(cluster.base, running_on_both, timeout=5)
+    assert running_on_both(on_both), {r: on_both.total("fastserve:num_requests_running", replica=r)
+                                      for r in replica_ids}
+
+    scheduler_options(config)["num_replicas"] = 1
+    cluster.deploy(config, "drain-one")
+    stopping: dict[str, Any] | None = None
+    deadline = time.monotonic() + STREAMS_END_WITHIN_S
+    while stopping is None and any(r.is_alive() for r in readers) and time.monotonic() < deadline:
+        stopping = next((r for r in deployment("Scheduler")["replicas"] if r["state"] == "STOPPING"), None)
+        time.sleep(0.2)
+    assert stopping is not None, "no Scheduler replica was seen draining while the streams ran"
+    running_while_stopping = metrics_view.scrape(cluster.base).total("fastserve:num_requests_running",
+                                                                     replica=stopping["replica_id"])
+    for reader in readers:
+        reader.join(timeout=max(deadline - time.monotonic(), 1))
+        assert not reader.is_alive(), f"a stream did not end within {STREAMS_END_WITHIN_S:.0f} s"
+    assert running_while_stopping >= 1, "the drained replica had no stream left when it was seen draining"
+    last_end = max(ended_at[:len(readers)])
+
+    for i, got in enumerate(events[:len(readers)]):
+        assert got[0] == "status 200" and got[-1] == "[DONE]", (i, got[:2], got[-3:])
+        bodies = [json.loads(e) for e in got[1:-1]]
+        assert not any("error" in b for b in bodies), [b for b in bodies if "error" in b]
+        assert [c["finish_reason"] for b in bodies for c in b["choices"] if c["finish_reason"]] == ["length"]
+        assert bodies[-1]["usage"]["completion_tokens"] == DRAIN_STREAM_TOKENS
+        assert sum(1 for b in bodies for c in b["choices"] if c["text"]) >= 1
+
+    def gone() -> bool:
+        assert stopping is not None
+        return stopping["replica_id"] not in {r["replica_id"] for r in deployment("Scheduler")["replicas"]}
+
+    wait_until("the drained replica gone", gone, timeout_s)
+    gone_after = time.monotonic() - last_end
+    assert gone_after < GONE_AFTER_LAST_STREAM_S, f"gone {gone_after:.1f} s after the last stream ended"
+    assert settled("Scheduler", 1)
+    complete(cluster, "After the downscale", 4)

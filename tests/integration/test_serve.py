@@ -27,7 +27,7 @@ import yaml
 
 from actors.messages import SamplingParams
 from app.config import AppArgs
-from app.scheduler.job import JobRequest
+from app.scheduler.job import JobRequest, TokenDelta
 from tests.harness import metrics_view
 from tests.harness.metrics_view import Scrape
 from tests.harness.serve import (
@@ -177,6 +177,7 @@ def test_delivery_channel_carries_exact_tokens_one_message_per_step_and_breaking
     from app.serving import SchedulerReplica
 
     raw = dummy_opt_yaml()["applications"][0]["args"]
+    raw["server"]["channel_idle_close_s"] = 600.0   # idle while the own-stream runs below: kept open
     prompts = ["The capital of France", "Once upon a time", "def main():", "Hello"]
 
     async def run() -> None:
@@ -235,6 +236,58 @@ def test_delivery_channel_carries_exact_tokens_one_message_per_step_and_breaking
             assert stats["delivery_channels"] == {}
             replica.scheduler.check_invariants()
         finally:
+            await replica.close()
+
+    asyncio.run(run())
+
+
+def test_an_idle_delivery_channel_ends_at_both_ends_and_the_next_job_reopens_it() -> None:
+    """With ``server.channel_idle_close_s``, the scheduler replica ends a channel with no job on
+    it (so Serve's drain of that replica is not held by it), not one with a job running; the
+    ingress's next job there travels on its own stream and opens a new channel."""
+    from app.delivery import ChannelClient
+    from app.serving import SchedulerReplica
+
+    raw = dummy_opt_yaml()["applications"][0]["args"]
+    raw["server"]["channel_idle_close_s"] = 0.3
+
+    async def run() -> None:
+        replica = await SchedulerReplica.create(raw)
+        client = ChannelClient("ingress-1", lambda ingress, replica_id, channel_id: LocalStream(
+            replica.subscribe(ingress, channel_id, replica_id)), open_timeout_s=30)
+
+        async def tokens(prompt: str, n: int) -> list[TokenDelta]:
+            req = JobRequest(f"{prompt}-{n}", tuple(TOK.encode(prompt)),
+                             SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+            stream = client.submit(req.job_id, lambda: LocalStream(replica.generate(req, client.ingress_id)))
+            return [d async for d in stream]
+
+        async def until(what: str, check: Callable[[], bool]) -> None:
+            deadline = time.monotonic() + 30
+            while not check():
+                assert time.monotonic() < deadline, what
+                await asyncio.sleep(0.01)
+
+        try:
+            first = await tokens("Opening", 2)   # on its own stream; opens the channel
+            assert first[0].channel_id == "" and sum(len(d.token_ids) for d in first) == 2
+            await until("the channel open", lambda: bool(client.live_channels))
+            (channel_id,) = client.live_channels.values()
+            # A job far longer than the idle time keeps the channel: it ends with every token.
+            long = await tokens("A long one", 40)
+            assert long[0].channel_id == channel_id and long[-1].finish_reason == "length"
+            assert sum(len(d.token_ids) for d in long) == 40 and client.messages >= 2
+            # Then nothing: both ends drop it within the idle time (+ the loop's wake-ups).
+            await until("the channel closed at the ingress", lambda: not client.live_channels)
+            assert (await replica.stats())["delivery_channels"] == {}
+            # The next job travels on its own stream and reopens a channel.
+            again = await tokens("Again", 3)
+            assert again[0].channel_id == "" and [d.finish_reason for d in again][-1] == "length"
+            assert sum(len(d.token_ids) for d in again) == 3
+            await until("a new channel", lambda: bool(client.live_channels))
+            assert client.live_channels[replica.replica_id] != channel_id
+        finally:
+            await client.close()
             await replica.close()
 
     asyncio.run(run())

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -245,3 +246,101 @@ def test_a_channel_is_opened_outside_the_context_of_the_request_that_asked_for_i
 
     asyncio.run(run())
     assert seen == [None]
+
+
+def test_an_idle_channel_ends_itself_after_its_last_job_but_not_while_one_is_open() -> None:
+    async def run() -> tuple[list[Message], list[float]]:
+        channel = Channel("c1", idle_close_s=0.05)
+        got: list[Message] = []
+        ended: list[float] = []
+
+        async def read() -> None:
+            async for message in channel.messages():
+                got.append(message)
+            ended.append(time.monotonic())
+
+        sink = channel.sink("a")
+        reader = asyncio.create_task(read())
+        await asyncio.sleep(0.2)   # four idle periods with a job open: still open
+        assert not reader.done() and not channel.closed
+        sink.put_nowait(TokenDelta.token("a", 1))
+        await asyncio.sleep(0.2)
+        assert not reader.done()
+        late = channel.sink("b")   # given a sink while the channel waits: it stays open
+        finished = time.monotonic()
+        sink.put_nowait(TokenDelta.token("a", 2, "length"))
+        await asyncio.sleep(0.2)
+        assert not reader.done() and channel.job_ids == ["b"]
+        finished = time.monotonic()
+        late.put_nowait(TokenDelta.token("b", 9, "stop"))
+        await asyncio.wait_for(reader, 2)
+        assert channel.closed
+        with pytest.raises(RuntimeError, match="channel c1 is closed"):
+            channel.sink("c")
+        return got, [ended[0] - finished]
+
+    got, (idle,) = asyncio.run(run())
+    assert [[(d.job_id, d.token_ids, d.finish_reason) for d in m] for m in got] == [
+        [("a", (1,), None)], [("a", (2,), "length")], [("b", (9,), "stop")]]
+    assert 0.05 <= idle < 1.0
+
+
+def test_closing_a_channel_still_sends_what_was_put_before() -> None:
+    async def run() -> list[Message]:
+        channel = Channel("c1")
+        sink = channel.sink("a")
+        got: list[Message] = []
+        stream = channel.messages()
+        sink.put_nowait(TokenDelta.token("a", 1))
+        got.append(await stream.__anext__())
+        sink.put_nowait(TokenDelta("a", finish_reason="abort"))   # an engine stop's abort...
+        channel.close()                                           # ...then the replica closes it
+        got += [m async for m in stream]
+        return got
+
+    got = asyncio.run(run())
+    assert [[(d.job_id, d.token_ids, d.finish_reason) for d in m] for m in got] == [
+        [("a", (1,), None)], [("a", (), "abort")]]
+
+
+def test_a_job_accepted_on_a_channel_whose_ack_is_still_in_flight_reads_it() -> None:
+    """The scheduler replica takes jobs on a channel as soon as the ``subscribe`` call reaches
+    it, before the ingress has read its ack: such a job is on that channel, not failed."""
+    async def run() -> None:
+        opened = Opened()
+        client = ChannelClient("in-1", opened, open_timeout_s=5)
+        client.want("r1")
+        await asyncio.sleep(0)
+        (_, _, channel_id), = opened.calls
+        own = FakeJobStream([TokenDelta("a", replica_id="r1", channel_id=channel_id)])
+        stream = client.submit("a", lambda: own)
+        assert (await stream.__anext__()).channel_id == channel_id   # accepted before the ack
+        opened.streams[0].queue.put_nowait(())   # the ack
+        opened.streams[0].queue.put_nowait((TokenDelta("a", (4, 5), "length"),))
+        got = await asyncio.wait_for(drain(stream), 2)
+        assert [(d.token_ids, d.finish_reason) for d in got] == [((4, 5), "length")]
+        await client.close()
+
+    asyncio.run(run())
+
+
+def test_a_channel_the_scheduler_ends_leaves_finished_jobs_alone_and_is_reopened_at_once() -> None:
+    async def run() -> None:
+        opened = Opened()
+        client = ChannelClient("in-1", opened, open_timeout_s=5)
+        channel_id = await open_channel(client, opened)
+        own = FakeJobStream([TokenDelta("a", replica_id="r1", channel_id=channel_id)])
+        stream = client.submit("a", lambda: own)
+        opened.streams[0].queue.put_nowait((TokenDelta("a", (1,), "length"),))
+        opened.streams[0].queue.put_nowait(StopAsyncIteration())   # idle: the subscribe call returns
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert client.live_channels == {}
+        got = await asyncio.wait_for(drain(stream), 2)   # its accepted event read only now
+        assert [(d.token_ids, d.finish_reason) for d in got] == [((), None), ((1,), "length")]
+        client.want("r1")   # not a failure: no back-off
+        await asyncio.sleep(0)
+        assert len(opened.calls) == 2
+        await client.close()
+
+    asyncio.run(run())

@@ -30,15 +30,26 @@ def test_explicit_tokens_and_tpot_give_their_product_with_slack_rounded_up() -> 
         "graceful_shutdown_timeout_s"] == 30.0
 
 
-def test_unsized_by_default_and_sized_defaults_are_the_context_length_at_the_full_batch_step() -> None:
-    assert args().scheduler_deployment_defaults()["graceful_shutdown_timeout_s"] == 5.0   # min_s
-    a = args(max_tokens=2048)
+def test_sized_by_default_for_a_context_length_stream_at_the_full_batch_step() -> None:
+    a = args()
     tpot = Profile.load(resolve_path(a.profile.path)).t_dec(a.scheduler.max_batch_size)
     assert (a.model.context_len(), a.scheduler.max_batch_size) == (2048, 32)
     assert a.scheduler_deployment_defaults()["graceful_shutdown_timeout_s"] == \
         math.ceil(1.5 * 2048 * tpot) == 242.0
+    assert a.ingress_deployment_defaults()["graceful_shutdown_timeout_s"] == 242.0
+    assert args(max_tokens=2048).scheduler_deployment_defaults()["graceful_shutdown_timeout_s"] == 242.0
     assert args(tpot_s=tpot).scheduler_deployment_defaults()["graceful_shutdown_timeout_s"] == 242.0
-    assert "drain.slack scales a sized drain" in error_of({**demo_args(), "drain": {"slack": 2.0}})
+    assert args(max_tokens=1024, slack=2.0).scheduler_deployment_defaults()[
+        "graceful_shutdown_timeout_s"] == math.ceil(2.0 * 1024 * tpot) == 161.0
+
+
+def test_no_drain_outlasts_the_request_timeout() -> None:
+    raw = demo_args()
+    raw["server"] = {**raw.get("server", {}), "request_timeout_s": 100.0}
+    a = AppArgs.model_validate(raw)
+    assert a.scheduler_deployment_defaults()["graceful_shutdown_timeout_s"] == 100.0   # not 242
+    raw["drain"] = {"min_s": 120.0}   # min_s wins over both
+    assert AppArgs.model_validate(raw).scheduler_deployment_defaults()["graceful_shutdown_timeout_s"] == 120.0
 
 
 @pytest.mark.parametrize("drain,field", [({"max_tokens": 0}, "max_tokens"), ({"tpot_s": 0}, "tpot_s"),

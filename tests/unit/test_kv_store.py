@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kernels
-from actors.kv_store import KVStore
+from actors.kv_store import DeviceStalls, KVStore
 from actors.messages import SwapCommand
 
 
@@ -100,3 +100,52 @@ def test_bad_swaps_name_the_block(pairs: list[tuple[int, int]], message: str) ->
 def test_bad_sizes_are_rejected() -> None:
     with pytest.raises(ValueError, match="num_device_blocks must be >= 1, got 0"):
         make_store(dev=0)
+
+
+class TimedEvent:
+    """A CUDA timing event's part ``DeviceStalls`` reads: when the device reached it (ms), once
+    it has (``reached`` None = not yet). CUDA's own events are used in tests/gpu."""
+
+    def __init__(self, reached: float | None) -> None:
+        self.reached = reached
+
+    def query(self) -> bool:
+        return self.reached is not None
+
+    def elapsed_time(self, end_event: TimedEvent) -> float:
+        assert self.reached is not None and end_event.reached is not None, "not both completed"
+        return end_event.reached - self.reached
+
+
+def test_device_stalls_sum_the_waits_the_device_passed_and_keep_the_rest() -> None:
+    stalls = DeviceStalls()
+    assert stalls.collect_s() == 0.0
+    stalls.add(TimedEvent(10.0), TimedEvent(35.0))     # a 25 ms stall, passed
+    pending = TimedEvent(None)
+    stalls.add(TimedEvent(40.0), pending)              # the device is still inside this wait
+    stalls.add(TimedEvent(50.0), TimedEvent(50.5))     # passed: 0.5 ms
+    assert stalls.collect_s() == pytest.approx(0.0255)
+    assert stalls.pending == 1
+    assert stalls.collect_s() == 0.0                   # not yet passed, not read twice either
+    pending.reached = 47.0
+    assert stalls.collect_s() == pytest.approx(0.007)
+    assert stalls.pending == 0 and stalls.collect_s() == 0.0
+
+
+def test_a_steps_swap_wait_takes_the_device_stalls_read_after_it() -> None:
+    """``StageRunner.finish_swaps`` adds what the device stalled (a GPU's ``wait_for``) to the
+    step's ``swap_wait``, beside what the host waited; on CPU there is none to add."""
+    from actors.stage import StageRunner
+
+    store = make_store()
+    runner = StageRunner(model=None, kv=store)   # type: ignore[arg-type]   # finish_swaps needs no model
+    timings = {"swap_wait": 0.002}
+    runner.finish_swaps([], timings)
+    assert timings["swap_wait"] == 0.002 and store.device_wait_s() == 0.0
+    store.device_stalls.add(TimedEvent(0.0), TimedEvent(30.0))
+    runner.finish_swaps([], timings)
+    assert timings["swap_wait"] == pytest.approx(0.032)
+    fresh: dict[str, float] = {}
+    runner.finish_swaps([], fresh)
+    assert "swap_wait" not in fresh
+    store.close()

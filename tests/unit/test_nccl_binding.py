@@ -1,0 +1,62 @@
+"""A GPU pipeline whose compiled graph needs Ray's NCCL channels checks for CuPy's NCCL binding
+first (``actors.transport.check_nccl_binding``) and fails naming the module, before placing a
+worker; the binding's absence is simulated here (this machine has no CuPy)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from actors.pipeline import PipelineExecutor
+from actors.spec import EngineSpec
+from actors.transport import NCCL_BINDING, check_nccl_binding, uses_nccl_channels
+from app.config import AppArgs
+from tests.harness.app_config import demo_args
+
+
+def gpu_pipeline_spec(transport: str) -> EngineSpec:
+    args = demo_args()
+    args["model"]["device"] = "cuda"
+    args["parallel"].update(pipeline_parallel_size=2, num_gpus=2, transport=transport, use_ray_pipeline=True)
+    args["profile"]["path"] = "config/profiles/opt-125m-gpu-tp1-pp2.json"   # not measured: waived
+    args["drain"] = {"tpot_s": 0.01}
+    return AppArgs.model_validate(args, context={"require_profile": False}).engine_spec()
+
+
+def test_only_a_compiled_graph_between_gpu_stages_uses_nccl_channels() -> None:
+    assert uses_nccl_channels("compiled", "cuda", 2)
+    assert not uses_nccl_channels("compiled", "cuda", 1)
+    assert not uses_nccl_channels("compiled", "cpu", 2)
+    assert not uses_nccl_channels("actor", "cuda", 2)
+
+
+def test_a_missing_binding_is_named_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, NCCL_BINDING, None)   # import of it fails, as without CuPy
+    with pytest.raises(RuntimeError) as failed:
+        check_nccl_binding()
+    message = str(failed.value)
+    assert "need cupy.cuda.nccl (CuPy's NCCL binding); importing it failed" in message
+    assert "pip install -e '.[gpu]'" in message and "parallel.transport: actor" in message
+
+
+def test_a_binding_without_libnccl_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    unloaded = types.ModuleType(NCCL_BINDING)
+    unloaded.available = False   # type: ignore[attr-defined]   # what CuPy sets when libnccl fails to load
+    monkeypatch.setitem(sys.modules, NCCL_BINDING, unloaded)
+    with pytest.raises(RuntimeError, match=r"cupy\.cuda\.nccl is installed but could not load libnccl"):
+        check_nccl_binding()
+    loaded = types.ModuleType(NCCL_BINDING)
+    loaded.available = True   # type: ignore[attr-defined]
+    loaded.get_unique_id = lambda: b"id"   # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, NCCL_BINDING, loaded)
+    check_nccl_binding()
+
+
+def test_a_gpu_pipeline_fails_at_construction_naming_the_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before any placement group or worker: the executor's constructor makes no Ray call."""
+    monkeypatch.setitem(sys.modules, NCCL_BINDING, None)
+    with pytest.raises(RuntimeError, match=r"need cupy\.cuda\.nccl"):
+        PipelineExecutor(gpu_pipeline_spec("compiled"), None)
+    PipelineExecutor(gpu_pipeline_spec("actor"), None)   # no NCCL channels: no check
