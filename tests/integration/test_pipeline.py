@@ -165,7 +165,9 @@ def test_a_killed_worker_is_an_error_and_a_failing_plan_fails_alone(ray_local: N
 
 
 def test_missing_resources_are_named(ray_local: None) -> None:
-    gpu_spec = pipeline_spec(2, 2, device="cuda", placement_timeout_s=1.0)
+    # Actor transport: with the compiled graph a GPU pipeline first checks for CuPy's NCCL binding
+    # (tests/unit/test_nccl_binding.py), which this machine lacks.
+    gpu_spec = pipeline_spec(2, 2, transport="actor", device="cuda", placement_timeout_s=1.0)
     with pytest.raises(PipelineError, match=r"2 bundles of \{'CPU': 2\.0, 'GPU': 2\.0\}.*cluster has"):
         asyncio.run(PipelineExecutor(gpu_spec).start())
     pg = ray.util.placement_group([{"CPU": 1}])
