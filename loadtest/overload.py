@@ -2,8 +2,10 @@
 
 Three phases against one of our servers, with real ShareGPT prompts (outputs scaled):
 
-1. capacity: ``--probe`` requests at once; completed requests per second of the burst (or
-   ``--capacity`` to skip it);
+1. capacity: ``--probe`` requests at once, twice; completed requests per second of the second
+   burst (the first warms a fresh server: its first steps pay allocation and kernel set-up, which
+   had read a capacity 2-3x too low and made "3x capacity" no overload at all), or ``--capacity``
+   to skip it;
 2. overload: Poisson arrivals at ``--factor`` × capacity for ``--duration`` seconds;
 3. recovery: arrivals at ``--recovery-load`` × capacity for ``--recovery`` seconds, to see the
    latency of admitted requests come back to its light-load level.
@@ -35,6 +37,8 @@ from loadtest.race import cpu_model
 
 DEFAULT_WINDOW_S = 10.0
 STATS_PATH = "/debug/engine"
+#: The capacity bursts' seed is the run's plus this (the overload phase uses the seed, recovery +1).
+PROBE_SEED_OFFSET = 2
 
 
 def scheduler_rss(base_url: str, headers: dict[str, str]) -> int | None:
@@ -58,10 +62,18 @@ def poisson_phase(samples: list[P.PromptSample], rate: float, duration_s: float,
 
 def measure_capacity(config: ClientConfig, samples: list[P.PromptSample], probe: int, seed: int,
                      output_scale: float, max_output: int | None) -> float:
-    """Requests completed per second of a burst of ``probe`` requests sent at once."""
-    reqs = [replace(r, arrival_s=0.0) for r in poisson_phase(samples, 1.0, float(probe), seed, 0.0, output_scale,
-                                                              max_output, "probe")][:probe]
-    records = asyncio.run(run_requests(reqs, config))
+    """Requests completed per second of a burst of ``probe`` requests sent at once, after an
+    unmeasured burst of the same size."""
+    def burst(part: int, prefix: str) -> list[W.Request]:
+        # Own prompts per burst (``part``) and a seed the phases do not use: a prefix cache must
+        # not make the measured burst cheaper than the traffic it sizes.
+        reqs = P.text_requests(samples, probe, 1.0, seed + PROBE_SEED_OFFSET, output_scale, part=part)
+        return [replace(r, request_id=f"{prefix}-{i}", arrival_s=0.0,
+                        output_len=r.output_len if max_output is None else min(r.output_len, max_output))
+                for i, r in enumerate(reqs)]
+
+    asyncio.run(run_requests(burst(0, "warmup"), config))
+    records = asyncio.run(run_requests(burst(1, "probe"), config))
     ok = [r for r in records if r["status"] == "ok"]
     elapsed = max((r["end"] for r in ok), default=0.0)
     return len(ok) / elapsed if elapsed > 0 else 0.0

@@ -36,10 +36,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 def test_three_times_capacity_gets_429s_and_recovers(server: Server) -> None:
     # Outputs capped at 32 tokens: ShareGPT's long tail would keep the batch full for minutes
     # after any burst, which is the workload's recovery time, not the server's.
+    # The capacity burst is a full batch of the served config: a saturated server, not half of one.
+    probe = dummy_opt_yaml()["applications"][0]["args"]["scheduler"]["max_batch_size"]
     common = ["--base-url", server.base, "--api-key", API_KEY, "--output-scale", "0.25", "--window", "10",
               "--max-output-tokens", "32"]
     light = overload.run(overload.parse_args([*common, "--factor", "0.3", "--duration", "30", "--recovery", "0",
-                                              "--probe", "16"]))
+                                              "--probe", str(probe)]))
     baseline = statistics.median(w["per_token_p50_s"] for w in light["windows"] if w["per_token_p50_s"])
     result = overload.run(overload.parse_args([*common, "--capacity", str(light["capacity_req_s"]),
                                                "--factor", "3", "--duration", "30", "--recovery", "30"]))
