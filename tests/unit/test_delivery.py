@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -122,6 +124,25 @@ async def open_channel(client: ChannelClient, opened: Opened) -> str:
     return channel_id
 
 
+@dataclass
+class OneJob:
+    """A client with one open, acknowledged channel and job "a" accepted on it."""
+
+    opened: Opened
+    client: ChannelClient
+    channel_id: str
+    own: FakeJobStream
+    stream: Any
+
+
+async def job_on_open_channel(open_timeout_s: float) -> OneJob:
+    opened = Opened()
+    client = ChannelClient("in-1", opened, open_timeout_s=open_timeout_s)
+    channel_id = await open_channel(client, opened)
+    own = FakeJobStream([TokenDelta("a", replica_id="r1", channel_id=channel_id)])
+    return OneJob(opened, client, channel_id, own, client.submit("a", lambda: own))
+
+
 def test_jobs_read_their_tokens_from_the_channel_once_it_is_open() -> None:
     async def run() -> None:
         opened = Opened()
@@ -144,11 +165,8 @@ def test_jobs_read_their_tokens_from_the_channel_once_it_is_open() -> None:
 
 def test_a_broken_channel_fails_its_jobs_and_is_reopened_later() -> None:
     async def run() -> None:
-        opened = Opened()
-        client = ChannelClient("in-1", opened, open_timeout_s=0.2)
-        channel_id = await open_channel(client, opened)
-        own = FakeJobStream([TokenDelta("a", replica_id="r1", channel_id=channel_id)])
-        stream = client.submit("a", lambda: own)
+        job = await job_on_open_channel(0.2)
+        opened, client, channel_id, stream = job.opened, job.client, job.channel_id, job.stream
         reading = asyncio.create_task(drain(stream))
         opened.streams[0].queue.put_nowait((TokenDelta.token("a", 1),))
         await asyncio.sleep(0.01)
@@ -187,11 +205,8 @@ def test_a_channel_that_never_answers_is_given_up_after_its_timeout() -> None:
 
 def test_cancelling_a_job_on_a_channel_cancels_its_own_stream_and_drops_its_route() -> None:
     async def run() -> None:
-        opened = Opened()
-        client = ChannelClient("in-1", opened, open_timeout_s=5)
-        channel_id = await open_channel(client, opened)
-        own = FakeJobStream([TokenDelta("a", replica_id="r1", channel_id=channel_id)])
-        stream = client.submit("a", lambda: own)
+        job = await job_on_open_channel(5)
+        opened, client, channel_id, own, stream = job.opened, job.client, job.channel_id, job.own, job.stream
         assert (await stream.__anext__()).channel_id == channel_id
         stream.cancel()
         assert own.cancelled
@@ -326,11 +341,8 @@ def test_a_job_accepted_on_a_channel_whose_ack_is_still_in_flight_reads_it() -> 
 
 def test_a_channel_the_scheduler_ends_leaves_finished_jobs_alone_and_is_reopened_at_once() -> None:
     async def run() -> None:
-        opened = Opened()
-        client = ChannelClient("in-1", opened, open_timeout_s=5)
-        channel_id = await open_channel(client, opened)
-        own = FakeJobStream([TokenDelta("a", replica_id="r1", channel_id=channel_id)])
-        stream = client.submit("a", lambda: own)
+        job = await job_on_open_channel(5)
+        opened, client, stream = job.opened, job.client, job.stream
         opened.streams[0].queue.put_nowait((TokenDelta("a", (1,), "length"),))
         opened.streams[0].queue.put_nowait(StopAsyncIteration())   # idle: the subscribe call returns
         for _ in range(5):
