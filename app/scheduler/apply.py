@@ -1,7 +1,7 @@
-"""``Applier``: the only writer of job and KV-manager state.
+"""``Applier``: the only writer of job and KV-manager state (its transitions: ``Filing``).
 
 Runs what the planners decided (``apply``: blocks for the batch's runs, evictions, swaps, the
-stall breaker) and what an executor reported (``advance``, ``waste``, ``retire``, ``settle``),
+stall breaker) and what an executor reported (``advance``, ``waste``, ``abort``, ``settle``),
 keeping every job filed in the candidate sets its state and residency call for. The decisions
 themselves are made elsewhere (``batcher``, ``memory``, the policy's demotion and promotion).
 """
@@ -15,8 +15,9 @@ from app.kv.enst import EnstTable
 from app.kv.manager import Residency, Tier
 from app.kv.swap_planner import SwapDecision
 from app.scheduler.decision import Decision, Evict, Fetch, Run
+from app.scheduler.filing import Filing
 from app.scheduler.job import Job, JobState
-from app.scheduler.state import InFlight, SchedulerState
+from app.scheduler.state import InFlight
 
 
 @dataclass(frozen=True)
@@ -39,52 +40,7 @@ class Applied:
     chunks: dict[str, int] = field(default_factory=dict)   # non-final prefill chunks: their end
 
 
-class Applier:
-    def __init__(self, state: SchedulerState) -> None:
-        self.s = state
-
-    # ---- filing --------------------------------------------------------------------------
-    def set_level(self, job: Job, level: int) -> None:
-        """Enter ``level`` at its back (FIFO by time of entering), with no service yet."""
-        if job.level_seq:   # 0 until the job first joins a level (level_seq counts from 1)
-            self.s.queues.leave(job.level)
-        job.level = level
-        job.level_seq = next(self.s.level_seq) + 1
-        job.attained_s = 0.0
-        self.s.queues.join(level)
-
-    def place(self, job: Job) -> None:
-        """Put an idle job in the candidate sets its state and residency call for."""
-        s = self.s
-        lv = s.queues.level(job.level)
-        policy = s.policy
-        if job.state is JobState.WAITING:
-            lv.pending.add(job.job_id, policy.order_key(job))
-        elif job.state is JobState.RUNNABLE:
-            where = s.kv.residency(job.job_id)
-            if where is Residency.RESIDENT:
-                lv.ready.add(job.job_id, policy.order_key(job))
-                lv.evictable.add(job.job_id, policy.victim_key(job))
-            elif where is Residency.HOST:
-                lv.pending.add(job.job_id, policy.order_key(job))
-                lv.onhost.add(job.job_id, policy.prefetch_key(job))
-        else:
-            return
-        if policy.may_be_promoted(job):
-            if job.starve_due is None:
-                # Its wait begins: α for the backlog ahead of it now, fixed for this wait (a
-                # backlog that drains later does not make a long wait look like starvation).
-                wait = policy.starvation_wait(job.stats.promotions, s.alpha(job.level))
-                job.starve_due = job.last_served + wait
-            s.queues.starving.add(job.job_id, job.starve_due)
-
-    def unplace(self, job: Job) -> None:
-        self.s.queues.discard(job.level, job.job_id)
-
-    def count(self, job: Job, what: str) -> None:
-        setattr(job.stats, what, getattr(job.stats, what) + 1)
-        self.s.totals[what] += 1
-
+class Applier(Filing):
     # ---- intake and promotion ------------------------------------------------------------
     def add(self, job: Job, level: int, now: float) -> None:
         s = self.s
@@ -92,19 +48,19 @@ class Applier:
         job.state = JobState.WAITING
         s.jobs[job.job_id] = job
         s.num_unadmitted += 1
-        self.set_level(job, level)
-        self.place(job)
+        self._set_level(job, level)
+        self._place(job)
         s.reserve.note_arrival(now, s.kv.blocks_for(job.prompt_len))
         s.totals["added"] += 1
 
     def promote(self, job: Job, level: int, now: float) -> None:
-        self.unplace(job)
-        self.set_level(job, level)
+        self._unplace(job)
+        self._set_level(job, level)
         job.last_served = now   # the starve clock restarts with the promotion
         job.starve_due = None
         job.promoted = True
-        self.count(job, "promotions")
-        self.place(job)
+        self._count(job, "promotions")
+        self._place(job)
 
     # ---- a decision ----------------------------------------------------------------------
     def apply(self, decision: Decision, now: float, out: Applied) -> None:
@@ -146,7 +102,7 @@ class Applier:
         job = s.jobs[run.job_id]
         if run.swap_in_first:
             out.swap_in.append(s.kv.swap_in(job.job_id, step))
-            self.count(job, "swaps_in")
+            self._count(job, "swaps_in")
         # A first iteration in chunks takes the blocks of all of it with its first chunk.
         whole = job.next_context_len if run.prefill and not run.wasted else run.num_tokens
         if run.prefill and not run.wasted and s.kv.tier(job.job_id) is Tier.NONE:
@@ -198,14 +154,14 @@ class Applier:
         if fetch is not None:
             out.swap_in.append(fetch)
         self._note_prefix(job, whole, cached)
-        self.unplace(job)
+        self._unplace(job)
         self._admit(job)
         job.state = JobState.RUNNABLE
         job.prefilled = cached     # its next run computes from here, like a prefill chunk
         if job.blocked_since is None:
             job.blocked_since = now
         s.totals["prefix_fetches"] += 1
-        self.place(job)            # in transit: only the starvation clock keeps running
+        self._place(job)            # in transit: only the starvation clock keeps running
 
     def _note_prefix(self, job: Job, queried: int, cached: int) -> None:
         if not self.s.kv.caching:
@@ -215,14 +171,8 @@ class Applier:
         self.s.totals["prefix_cache_queries"] += queried
         self.s.totals["prefix_cache_hits"] += cached
 
-    def _admit(self, job: Job) -> None:
-        if not job.admitted:
-            job.admitted = True
-            job.admit_seq = next(self.s.admit_seq)
-            self.s.num_unadmitted -= 1
-
     def _start(self, job: Job, now: float) -> None:
-        self.unplace(job)
+        self._unplace(job)
         self._admit(job)
         job.state = JobState.RUNNING
         self._end_blocked(job, now)
@@ -242,12 +192,12 @@ class Applier:
             self._drop(job_id, table)
         for job_id in decision.swap_in:
             job = self._predict(job_id, table)
-            self.unplace(job)
+            self._unplace(job)
             out.swap_in.append(self.s.kv.swap_in(job_id, step))
             # Pinned while in transit; ``settle`` sets how long it stays pinned once it landed.
             job.pinned_until = step + self.s.kv_config.swap_pin_plans
-            self.count(job, "swaps_in")
-            self.place(job)   # in transit: only the starvation clock keeps running
+            self._count(job, "swaps_in")
+            self._place(job)   # in transit: only the starvation clock keeps running
         for job_id in decision.swap_out:
             self._swap_out(job_id, step, table, out, reuse_now=False)
 
@@ -260,22 +210,17 @@ class Applier:
 
     def _drop(self, job_id: str, table: EnstTable | None) -> None:
         job = self._predict(job_id, table)
-        self.unplace(job)
         self.s.kv.drop(job_id)
-        job.state = JobState.WAITING    # recompute: its next iteration is a prefill
-        job.prefilled = 0
-        job.pinned_until = None
-        self.count(job, "recomputes")
-        self.place(job)
+        self._to_waiting(job, "recomputes")
 
     def _swap_out(self, job_id: str, step: int, table: EnstTable | None, out: Applied,
                   reuse_now: bool) -> None:
         job = self._predict(job_id, table)
-        self.unplace(job)
+        self._unplace(job)
         out.swap_out.append(self.s.kv.swap_out(job_id, step, reuse_now=reuse_now))
         job.pinned_until = None
-        self.count(job, "swaps_out")
-        self.place(job)
+        self._count(job, "swaps_out")
+        self._place(job)
 
     def _predict(self, job_id: str, table: EnstTable | None) -> Job:
         """Record the ENST predicted at a swap decision (checked when the job next runs)."""
@@ -285,11 +230,6 @@ class Applier:
         return job
 
     # ---- results -------------------------------------------------------------------------
-    def note_step_time(self, seconds: float) -> None:
-        w = self.s.config.step_time_ewma_weight
-        prev = self.s.step_time_s
-        self.s.step_time_s = seconds if prev is None else (1 - w) * prev + w * seconds
-
     def advance(self, job: Job, token: int, served: Served, now: float) -> FinishReason | None:
         """A token for ``job``; returns why it finished (it is then retired), or None."""
         job.generated.append(token)
@@ -302,7 +242,7 @@ class Applier:
         self._served(job, served, now)
         reason = job.sampling.finish_reason(token, len(job.generated), self.s.eos_token_ids)
         if reason is not None:
-            self.retire(job, JobState.FINISHED, reason, now)
+            self._retire(job, JobState.FINISHED, reason, now)
             self.s.totals["finished"] += 1
             return reason
         self._idle_after_run(job)
@@ -323,21 +263,16 @@ class Applier:
         job.state = JobState.RUNNABLE
         level = self.s.policy.demotion_level(job) if may_demote else None
         if level is not None:
-            self.set_level(job, level)
-            self.count(job, "demotions")
-        self.place(job)
+            self._set_level(job, level)
+            self._count(job, "demotions")
+        self._place(job)
 
     def waste(self, job: Job, served: Served, now: float) -> None:
         """Naive MLFQ: the first iteration was cut at the quantum; its KV and token are lost,
         the time is spent, and the job moves down to start over."""
         self._served(job, served, now)
         self.s.kv.drop(job.job_id)
-        job.state = JobState.WAITING
-        job.prefilled = 0
-        self.count(job, "wasted_prefills")
-        self.set_level(job, self.s.policy.level_after_quantum(job))
-        self.count(job, "demotions")
-        self.place(job)
+        self._to_waiting(job, "wasted_prefills", self.s.policy.level_after_quantum(job))
 
     def _served(self, job: Job, served: Served, now: float) -> None:
         job.stats.execution_s += served.wall_s - served.swap_wait_s
@@ -347,14 +282,19 @@ class Applier:
         job.starve_due = None
         job.idle_since = now
 
-    def complete(self, step: int) -> tuple[InFlight, list[str]]:
-        """Plan ``step`` returned: its record, and the jobs whose swaps it settled."""
+    def complete(self, step: int, seconds: float | None) -> tuple[InFlight, list[str]]:
+        """Plan ``step`` returned after ``seconds`` (None: it ran no job, so it says nothing
+        of a step's cost): its record, and the jobs whose swaps it settled."""
+        if seconds is not None:
+            w = self.s.config.step_time_ewma_weight
+            prev = self.s.step_time_s
+            self.s.step_time_s = seconds if prev is None else (1 - w) * prev + w * seconds
         return self.s.inflight.pop(step), self.s.kv.complete(step)
 
     def fail_step(self, step: int) -> InFlight:
         """Plan ``step`` failed: the jobs it was swapping lose their KV (unknown contents)."""
         rec = self.s.inflight.pop(step)
-        self.lose_kv(self.s.kv.fail(step))
+        self._lose_kv(self.s.kv.fail(step))
         return rec
 
     def void_inflight(self) -> None:
@@ -369,7 +309,7 @@ class Applier:
                 job.state = JobState.RUNNABLE
 
     def fail_job(self, job: Job, now: float) -> None:
-        self.retire(job, JobState.FINISHED, "error", now)
+        self._retire(job, JobState.FINISHED, "error", now)
         self.s.totals["errors"] += 1
 
     def settle(self, job_ids: list[str], now: float) -> None:
@@ -386,25 +326,14 @@ class Applier:
                 if idle.pinned_until is not None:
                     idle.pinned_until = s.next_step + s.kv_config.swap_pin_plans - 1
                 self._end_blocked(idle, now)
-            self.place(idle)
+            self._place(idle)
 
-    def _end_blocked(self, job: Job, now: float) -> None:
-        if job.blocked_since is not None:
-            waited = now - job.blocked_since
-            job.blocked_s += waited
-            job.stats.longest_swap_blocked_s = max(job.stats.longest_swap_blocked_s, waited)
-            job.blocked_since = None
-
-    def lose_kv(self, job_ids: list[str]) -> None:
+    def _lose_kv(self, job_ids: list[str]) -> None:
         """A failed plan was swapping these jobs: their KV is gone, they will recompute."""
         for job_id in job_ids:
             job = self.s.jobs.get(job_id)
             if job is not None and job.state is JobState.RUNNABLE:
-                self.unplace(job)
-                job.state = JobState.WAITING
-                job.prefilled = 0
-                self.count(job, "recomputes")
-                self.place(job)
+                self._to_waiting(job, "recomputes")
 
     def lose_all_kv(self, steps: list[int]) -> None:
         """The data plane was lost (its workers are being rebuilt): the in-flight ``steps`` did
@@ -418,34 +347,15 @@ class Applier:
             if job.state is JobState.ABORTED:
                 self.forget_aborted(job)
             elif job.state in (JobState.RUNNABLE, JobState.RUNNING):
-                self.unplace(job)
                 s.kv.drop(job.job_id)
-                job.state = JobState.WAITING
-                job.prefilled = 0
-                job.pinned_until = None
-                self.count(job, "recomputes")
-                self.place(job)
+                self._to_waiting(job, "recomputes")
         s.kv.reset_prefix_cache()   # the workers' caches went with them
-
-    def retire(self, job: Job, state: JobState, reason: FinishReason, now: float) -> None:
-        """Take a job out of the queues for good; free its KV (deferred while in flight)."""
-        s = self.s
-        self.unplace(job)
-        s.queues.leave(job.level)
-        if not job.admitted:
-            s.num_unadmitted -= 1
-        job.state = state
-        s.kv.free(job.job_id)
-        job.stats.finish_time = now
-        job.stats.finish_reason = reason
-        s.finished.append(job.stats)
-        del s.jobs[job.job_id]
 
     def abort(self, job: Job, now: float) -> None:
         running = job.state is JobState.RUNNING
         if not running:
             job.stats.queueing_s += now - job.idle_since
-        self.retire(job, JobState.ABORTED, "abort", now)
+        self._retire(job, JobState.ABORTED, "abort", now)
         if running:
             self.s.jobs[job.job_id] = job   # forgotten at the update of its plan
         self.s.totals["aborted"] += 1

@@ -194,12 +194,10 @@ class Scheduler:
     def update(self, plan: BatchPlan, output: StepOutput, now: float) -> list[TokenDelta]:
         """Apply one plan's output: tokens, finishes, quanta, demotions, settled swaps."""
         s = self.state
-        rec, settled = self.applier.complete(plan.step_id)
         timings = output.timings
-        duration = timings.get("total", now - rec.scheduled_at)
+        duration = timings.get("total", now - s.inflight[plan.step_id].scheduled_at)
         swap_wait = timings.get("swap_wait", 0.0)
-        if plan.entries:
-            self.applier.note_step_time(duration)
+        rec, settled = self.applier.complete(plan.step_id, duration if plan.entries else None)
         shares = service_charges(plan.entries, s.profile)
         deltas: list[TokenDelta] = []
         for job_id in rec.job_ids:
