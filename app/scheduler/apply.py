@@ -8,6 +8,7 @@ themselves are made elsewhere (``batcher``, ``memory``, the policy's demotion an
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from actors.messages import BatchEntry, BatchPlan, FinishReason, SwapCommand
@@ -75,10 +76,7 @@ class Applier(Filing):
                 self._fetch(s.jobs[action.job_id], action.host_hits, step, now, out)
             else:
                 self._run(action, step, now, out)
-        for job_id in decision.batch.wanted_host:
-            job = s.jobs[job_id]
-            if job.blocked_since is None:
-                job.blocked_since = now
+        self._refresh_blocked(decision.batch.wanted_host, now)
         self._swap(decision.swaps, step, table, out)
         if decision.unstick.swap_out or decision.unstick.drop:
             s.totals["stall_breaks"] += 1
@@ -87,6 +85,20 @@ class Applier(Filing):
         spill = s.kv.flush_evicted(step)
         if spill is not None:
             out.swap_out.append(spill)
+
+    def _refresh_blocked(self, wanted: Mapping[str, int], now: float) -> None:
+        """A job waits for device space while a batch wants it and its KV is not there. Once a
+        batch no longer wants it (outranked since) and no copy of its is under way, the wait is
+        over: from then on it waits in its queue, like any job the batch did not pick."""
+        s = self.s
+        for job_id in list(s.blocked):
+            job = s.jobs.get(job_id)
+            if job is None or job.blocked_since is None:
+                s.blocked.discard(job_id)
+            elif job_id not in wanted and s.kv.swap_step(job_id) is None:
+                self._end_blocked(job, now)
+        for job_id in wanted:
+            self._begin_blocked(s.jobs[job_id], now)
 
     def dispatch(self, step: int, now: float, out: Applied) -> BatchPlan:
         """The applied decision becomes plan ``step``, in flight until ``complete`` or a fail."""
@@ -158,8 +170,7 @@ class Applier(Filing):
         self._admit(job)
         job.state = JobState.RUNNABLE
         job.prefilled = cached     # its next run computes from here, like a prefill chunk
-        if job.blocked_since is None:
-            job.blocked_since = now
+        self._begin_blocked(job, now)
         s.totals["prefix_fetches"] += 1
         self._place(job)            # in transit: only the starvation clock keeps running
 

@@ -77,12 +77,20 @@ class Filing:
             job.admit_seq = next(self.s.admit_seq)
             self.s.num_unadmitted -= 1
 
+    def _begin_blocked(self, job: Job, now: float) -> None:
+        """A decision wants ``job`` and its KV is not on the device (on the host, or a cached
+        prefix being fetched): its wait for device space begins, unless it already has."""
+        if job.blocked_since is None:
+            job.blocked_since = now
+            self.s.blocked.add(job.job_id)
+
     def _end_blocked(self, job: Job, now: float) -> None:
         if job.blocked_since is not None:
             waited = now - job.blocked_since
             job.blocked_s += waited
             job.stats.longest_swap_blocked_s = max(job.stats.longest_swap_blocked_s, waited)
             job.blocked_since = None
+            self.s.blocked.discard(job.job_id)
 
     def _retire(self, job: Job, state: JobState, reason: FinishReason, now: float) -> None:
         """Take a job out of the queues for good; free its KV (deferred while in flight)."""

@@ -81,6 +81,8 @@ class SchedulerState:
         self.totals: Counter[str] = Counter()
         #: Running mean of measured step durations (None until the first step returns).
         self.step_time_s: float | None = None
+        #: Jobs waiting for device space the last decision wanted them for (``Job.blocked_since``).
+        self.blocked: set[str] = set()
 
     def alpha(self, level: int | None = None) -> float:
         """α for a job whose wait begins now in ``level`` (None: the lowest level, behind every

@@ -1,5 +1,6 @@
 """The smaller rules of the scheduler's round 3 (issue: "Skip-join MLFQ as the paper means it",
-item 6), each with hand-computed expectations: swap-blocked time ends when the swap lands, a
+item 6), each with hand-computed expectations: swap-blocked time ends when the swap lands or
+no batch wants the job any more, a
 swap-in's pin counts from when it lands, a chunked first iteration is not demoted before its
 first token, the batch walk leaves the queues whole when it raises, and the adaptive reserve
 never takes the whole pool.
@@ -38,6 +39,33 @@ def test_swap_blocked_time_ends_when_the_swap_in_lands() -> None:
     assert [ids(step(s, 11.0 + k, 1.0)[0]) for k in range(3)] == [["c"], ["c"], ["b"]]
     assert b.stats.swap_blocked_s == b.stats.longest_swap_blocked_s == 1.0
     assert b.stats.queueing_s == (10.0 - 1.0) + (13.0 - 11.0)
+
+
+def test_swap_blocked_time_ends_when_no_batch_wants_the_job_any_more() -> None:
+    # b's KV is on the host. Decision 2 (t = 5) wants b but brings it in with no swap (no room
+    # kept for it); decision 3 (t = 7) no longer wants it (outranked). b waited for device space
+    # 5 → 7 only: what follows until it is wanted again is queueing. Wanted again at t = 20, it
+    # is swapped in by that plan (landing at 21): a second wait of 1 s.
+    s = make(batch=1)
+    b = s.add(req("b", 32, max_tokens=8), 0.0)
+    step(s, 0.0, 1.0)
+    s.applier.apply(Decision(1, BatchDecision(), SwapDecision(swap_out=["b"])), 1.0, Applied())
+    s.state.next_step = 2
+    s.applier.settle(s.kv.complete(1), 1.0)
+    wanted = BatchDecision(wanted_host={"b": 3})
+    s.applier.apply(Decision(2, wanted, SwapDecision()), 5.0, Applied())
+    assert b.blocked_since == 5.0
+    s.applier.apply(Decision(3, BatchDecision(), SwapDecision()), 7.0, Applied())
+    assert b.blocked_since is None and b.stats.longest_swap_blocked_s == 2.0
+    s.applier.apply(Decision(4, BatchDecision(wanted_host={"b": 3}), SwapDecision(swap_in=["b"])), 20.0,
+                    Applied())
+    s.applier.apply(Decision(5, BatchDecision(), SwapDecision()), 20.5, Applied())
+    assert b.blocked_since == 20.0                       # its copy is under way: still waiting
+    s.state.next_step = 6
+    s.applier.settle(s.kv.complete(4), 21.0)
+    s.check_invariants()
+    assert b.blocked_since is None and b.blocked_s == 2.0 + 1.0
+    assert b.stats.longest_swap_blocked_s == 2.0
 
 
 def test_a_swap_in_pin_counts_from_when_it_lands() -> None:
