@@ -29,7 +29,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from actors.messages import blocks_for
+from actors.messages import DEFAULT_BLOCK_SIZE, blocks_for
 from actors.spec import EngineSpec, ModelSpec
 from app.config_layout import ParallelArgs, PipelineArgs
 from app.config_model import ModelArgs, ProfileArgs, Strict, resolve_path
@@ -37,6 +37,8 @@ from app.config_server import ServerArgs
 from app.drain import DrainArgs, graceful_shutdown_timeout_s
 from app.scheduler.config import EngineConfig, KVCacheConfig, SchedulerConfig
 from app.scheduler.profile import Profile
+
+GIB = 1 << 30
 
 
 class ProfileMismatchWarning(UserWarning):
@@ -55,6 +57,35 @@ class AppArgs(Strict):
     pipeline: PipelineArgs = Field(default_factory=PipelineArgs)
     server: ServerArgs = Field(default_factory=ServerArgs)
     drain: DrainArgs = Field(default_factory=DrainArgs)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _pools_from_memory(cls, data: Any) -> Any:
+        """``kv_cache.device_memory_gib`` / ``host_memory_gib``: the block counts they buy for
+        this model on this machine (the dtype decides the bytes per block)."""
+        if not isinstance(data, dict) or not isinstance(data.get("kv_cache"), dict):
+            return data
+        kv = dict(data["kv_cache"])
+        sized = [(tier, gib) for tier in ("device", "host") if (gib := kv.get(f"{tier}_memory_gib")) is not None]
+        if not sized:
+            return data
+        model = ModelArgs.model_validate(data.get("model"))
+        block = model.kv_bytes_per_block(int(kv.get("block_size", DEFAULT_BLOCK_SIZE)))
+        for tier, gib in sized:
+            if kv.get(f"num_{tier}_blocks") is not None:
+                raise ValueError(f"kv_cache: set num_{tier}_blocks or {tier}_memory_gib, not both "
+                                 f"(got {kv[f'num_{tier}_blocks']} and {gib})")
+            kv[f"num_{tier}_blocks"] = int(float(gib) * GIB // block)
+        return {**data, "kv_cache": kv}
+
+    def replica_args(self) -> dict[str, Any]:
+        """These args as the replicas get them: block counts that memory sizes stay unset, so
+        each replica works them out on its own machine (its dtype may differ from here)."""
+        raw = self.model_dump(mode="json")
+        for tier in ("device", "host"):
+            if raw["kv_cache"][f"{tier}_memory_gib"] is not None:
+                del raw["kv_cache"][f"num_{tier}_blocks"]
+        return raw
 
     @model_validator(mode="after")
     def _consistent(self) -> AppArgs:

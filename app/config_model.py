@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from actors.model.config import ModelConfig, load_model_config
 from app.generation_config import CONFIG_FILE, eos_token_ids
 from app.tokenizer import Tokenizer, load_tokenizer
+from kernels.cpu_features import cpu_has_bf16
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 #: Validation-context key that lets the schema test skip the profile file check.
@@ -95,6 +96,17 @@ class ModelArgs(Strict):
             folders.append(resolve_path(self.model_path))
         config_file = config / CONFIG_FILE if config.is_dir() else config
         return eos_token_ids(folders, config_file, self.tokenizer().eos_token_id)
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes one KV block of ``block_size`` tokens takes over all layers, in the dtype this
+        machine runs the model in (``auto``: bf16 where the CPU has it natively, as
+        ``actors.executor.resolve_dtype`` picks; 2 bytes on a GPU)."""
+        return block_size * self.hf_config().kv_bytes_per_token(self.dtype_bytes())
+
+    def dtype_bytes(self) -> int:
+        if self.dtype == "auto":
+            return 2 if self.device == "cuda" or cpu_has_bf16() else 4
+        return 4 if self.dtype == "float32" else 2
 
     def context_len(self) -> int:
         """The longest prompt + output a request may have."""

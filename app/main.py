@@ -35,7 +35,7 @@ def build_app(args: AppArgs) -> Application:
     """Serve calls this with the YAML's ``args`` validated as ``AppArgs`` (via the annotation)."""
     if not isinstance(args, AppArgs):   # called directly with a dict (tests, scripts)
         args = AppArgs.model_validate(args)
-    raw = args.model_dump(mode="json")
+    raw = args.replica_args()
     # The router sends each ingress replica's delivery channel to the replica it asked for.
     scheduler = serve.deployment(name="Scheduler", **args.scheduler_deployment_defaults(),
                                  request_router_config={"request_router_class": ROUTER_CLASS})(

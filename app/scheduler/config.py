@@ -140,6 +140,12 @@ class KVCacheConfig(_Strict):
     block_size: int = Field(default=DEFAULT_BLOCK_SIZE, ge=1)
     num_device_blocks: int = Field(ge=1)
     num_host_blocks: int = Field(default=0, ge=0)
+    #: Size a pool by memory instead, as vLLM's CPU build sizes its KV space
+    #: (``VLLM_CPU_KVCACHE_SPACE``, GiB): the GiB of KV of the whole model copy (all layers and
+    #: ranks), in the dtype the replica's machine resolves. Set one of the two per tier; the
+    #: block count is then worked out where the replica starts (``app.config``).
+    device_memory_gib: float | None = Field(default=None, gt=0)
+    host_memory_gib: float | None = Field(default=None, gt=0)
     #: proactive = ENST-driven prefetch/offload overlapped with compute (the paper);
     #: reactive = swap in only when scheduled, evict only when needed; recompute = drop + redo.
     swap_mode: SwapMode = "proactive"

@@ -247,3 +247,38 @@ def test_the_race_config_matches_the_vllm_peer_it_is_raced_against() -> None:
     block_bytes = 2 * hf.num_hidden_layers * args.kv_cache.block_size * hf.hidden_size * 4   # K and V, fp32
     assert args.scheduler.max_batch_size == 16
     assert 4 * 2**30 - block_bytes < args.kv_cache.num_device_blocks * block_bytes <= 4 * 2**30
+
+
+def test_pools_sized_by_memory_as_vllm_sizes_its_kv_space() -> None:
+    # OPT-125M in fp32: 2 (K, V) × 12 layers × 12 heads × 64 × 4 B = 73,728 B per token,
+    # 1,179,648 B per 16-token block: 1 GiB buys 910 blocks, 2.5 GiB 2,275.
+    args = demo_args()
+    kv = args["kv_cache"]
+    del kv["num_device_blocks"], kv["num_host_blocks"]
+    kv["device_memory_gib"], kv["host_memory_gib"] = 1, 2.5
+    parsed = AppArgs.model_validate(args)
+    assert (parsed.kv_cache.num_device_blocks, parsed.kv_cache.num_host_blocks) == (910, 2275)
+    assert parsed.engine_spec().model.num_device_blocks == 910
+    # Replicas get the GiB, not this machine's count, and work it out again where they run.
+    raw = parsed.replica_args()
+    assert "num_device_blocks" not in raw["kv_cache"] and raw["kv_cache"]["device_memory_gib"] == 1
+    assert AppArgs.model_validate(raw).kv_cache == parsed.kv_cache
+
+
+def test_memory_sized_pool_follows_the_dtype_this_machine_resolves(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = demo_args()
+    args["model"]["dtype"] = "auto"
+    del args["kv_cache"]["num_device_blocks"]
+    args["kv_cache"]["device_memory_gib"] = 1
+    counts = {}
+    for bf16 in (True, False):
+        monkeypatch.setattr("app.config_model.cpu_has_bf16", lambda bf16=bf16: bf16)
+        counts[bf16] = AppArgs.model_validate(args).kv_cache.num_device_blocks
+    assert counts == {True: 1820, False: 910}
+
+
+def test_a_pool_sized_twice_is_refused_naming_both() -> None:
+    args = demo_args()
+    args["kv_cache"]["device_memory_gib"] = 1
+    msg = error_of(args)
+    assert "set num_device_blocks or device_memory_gib, not both" in msg and "got 256 and 1" in msg
