@@ -34,8 +34,11 @@ import httpx
 import yaml
 
 from app.scheduler.profile import Profile
+from app.step_stats import diff_totals
+from app.step_stats import summarize as summarize_steps
 from loadtest import chat as C
 from loadtest import prompts as P
+from loadtest.breakdown import STATS_PATH, engine_totals
 from loadtest.client import ClientConfig, run_requests, save_jsonl
 from loadtest.experiments.common import RESULTS_DIR
 from loadtest.experiments.server import ROOT, ServeApps
@@ -53,7 +56,8 @@ class EngineWatch:
     """Reads ``/debug/engine`` every second in a thread: the largest α and the step times seen."""
 
     def __init__(self, url: str) -> None:
-        self.url = url + "/debug/engine"
+        self.url = url + STATS_PATH
+        self.steps_summary: dict[str, dict[str, float]] = {}
         self.alpha_max = 0.0
         self.steps: list[float] = []
         self._stop = threading.Event()
@@ -71,12 +75,15 @@ class EngineWatch:
                     self.steps.append(float(stats["step_time_s"]))
 
     def __enter__(self) -> EngineWatch:
+        self._before = engine_totals(self.url.removesuffix(STATS_PATH))
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        self.steps_summary = summarize_steps(diff_totals(engine_totals(self.url.removesuffix(STATS_PATH)),
+                                                         self._before))
 
 
 def per_job(records: Sequence[dict[str, Any]]) -> dict[str, float]:
@@ -104,7 +111,8 @@ def run_point(url: str, requests: Sequence[Any], args: argparse.Namespace, batch
     step = statistics.fmean(watch.steps) if watch.steps else float("nan")
     jobs = per_job(records)
     bound = watch.alpha_max + batch * step
-    return {"completed": summary.num_completed, "failed": summary.num_failed,
+    return {"offered": len(records), "completed": summary.num_completed, "failed": summary.num_failed,
+            "steps": watch.steps_summary,
             "per_token_mean_s": summary.per_token.mean, "per_token_p95_s": summary.per_token.p95,
             "ttft_mean_s": summary.ttft.mean, "output_tok_s": summary.output_token_throughput,
             "alpha_max_s": watch.alpha_max, "step_mean_s": step, "kv_wait_bound_s": bound,
@@ -116,6 +124,27 @@ def demo_q1() -> float:
     """q1 of the profile ``config/demo.yaml`` names (one decode iteration)."""
     raw = yaml.safe_load(DEMO.read_text(encoding="utf-8"))
     return Profile.load(ROOT / raw["applications"][0]["args"]["profile"]["path"]).q1
+
+
+def demo_dtype() -> str:
+    raw = yaml.safe_load(DEMO.read_text(encoding="utf-8"))
+    return str(raw["applications"][0]["args"]["model"]["dtype"])
+
+
+def print_steps(points: dict[str, list[dict[str, Any]]]) -> None:
+    """Where each point's steps went: how full a decode step was, how many steps carried a
+    prefill, and their mean cost (the engine's own breakdown, diffed over the point)."""
+    print("\nSteps per point (engine breakdown): decode-only and mixed (with a prefill or chunk)")
+    print("| policy | req/s | decode steps | jobs per decode | decode ms | mixed steps | jobs / tokens per mixed "
+          "| mixed ms | swap wait ms (decode / mixed) |")
+    print("|" + "---|" * 9)
+    for policy, rows in points.items():
+        for p in rows:
+            d, m = p["steps"].get("decode", {}), p["steps"].get("mixed", {})
+            print(f"| {policy} | {p['rate']:g} | {d.get('steps', 0):.0f} | {d.get('entries', 0):.1f} | "
+                  f"{d.get('execute_ms', 0):.1f} | {m.get('steps', 0):.0f} | {m.get('entries', 0):.1f} / "
+                  f"{m.get('tokens', 0):.0f} | {m.get('execute_ms', 0):.1f} | "
+                  f"{d.get('swap_wait_ms', 0):.2f} / {m.get('swap_wait_ms', 0):.2f} |")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -137,7 +166,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error("--mode: this experiment sends chat requests to the real model (real EOS)")
     overrides = {"kv_cache": {"num_device_blocks": args.device_blocks, "num_host_blocks": args.host_blocks},
                  "scheduler": {"max_batch_size": args.batch, "admission_queue_limit": 100_000},
-                 "engine": {"max_jobs": 100_000}}
+                 "engine": {"max_jobs": 100_000},
+                 # Every request admitted, under both policies: a 429 after the admission wait
+                 # would drop FCFS's slowest requests from its figures (it did: 19 of 40 at 1 req/s).
+                 "server": {"admission_timeout_s": args.max_total_s}}
     samples = P.load_prompts(args.dataset)
     points: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -156,18 +188,20 @@ def main(argv: Sequence[str] | None = None) -> None:
                       f"KV wait max {point.get('kv_wait_max_s', 0):.2f} s (bound {point['kv_wait_bound_s']:.2f})",
                       flush=True)
     print()
-    print(f"Real server, {cpu_model()}: SmolLM2-135M fp32, {args.dataset} chat (real EOS), "
+    print(f"Real server, {cpu_model()}: SmolLM2-135M dtype {demo_dtype()}, {args.dataset} chat (real EOS), "
           f"{args.num_prompts} prompts per rate, {args.device_blocks} device blocks, batch {args.batch}")
-    header = ("| policy | req/s | s/token mean | P95 | TTFT | tok/s | demotions/job | promotions/job | "
+    header = ("| policy | req/s | completed | s/token mean | P95 | TTFT | tok/s | demotions/job | promotions/job | "
               "swap-outs/job | KV wait mean / longest (s) | bound α + B·step (s) |")
     print(header)
-    print("|" + "---|" * 11)
+    print("|" + "---|" * 12)
     for policy in POLICIES:
         for p in points[policy]:
-            print(f"| {policy} | {p['rate']:g} | {p['per_token_mean_s']:.3f} | {p['per_token_p95_s']:.3f} | "
+            print(f"| {policy} | {p['rate']:g} | {p['completed']}/{p['offered']} | "
+                  f"{p['per_token_mean_s']:.3f} | {p['per_token_p95_s']:.3f} | "
                   f"{p['ttft_mean_s']:.2f} | {p['output_tok_s']:.1f} | {p.get('demotions', 0):.2f} | "
                   f"{p.get('promotions', 0):.2f} | {p.get('swaps_out', 0):.2f} | "
                   f"{p.get('kv_wait_mean_s', 0):.2f} / {p.get('kv_wait_max_s', 0):.2f} | {p['kv_wait_bound_s']:.2f} |")
+    print_steps(points)
     slo = args.slo or SLO_ITERATIONS * demo_q1()
     at_slo = {policy: {stat: asdict(throughput_at_slo([p["rate"] for p in points[policy]],
                                                [p[f"per_token_{stat}_s"] for p in points[policy]], slo))
