@@ -13,9 +13,10 @@ cover exactly these requests. It reports, per load:
   each token, not time between tokens;
 - TTFT, of which queueing and the first iteration.
 
-``--model-profile`` adds, in this process (no server needed), the model's own decode step at
-batch 1 and 16 split by operator family (linear layers, LM head, decode attention, other) with
-torch's profiler. Prints tables and, last, one JSON object with every figure and the CPU model.
+``--model-profile`` adds (``--model-only``: alone, no server), in this process, the model's own
+decode step at ``--batches`` (``--model-config``, ``--dtype``) split by operator family (linear
+layers, LM head, decode attention, other) with torch's profiler, and the operators with the most
+self time. Prints tables and, last, one JSON object with every figure and the CPU model.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ STATS_PATH = "/debug/engine"
 DEFAULT_OUTPUT_TOKENS = 64
 DEFAULT_CONCURRENCY = 16
 DEFAULT_ROUNDS = 2
+DEFAULT_MODEL_CONFIG = "config/models/opt-125m"
+#: Operators listed by self time in the model profile.
+TOP_OPS = 8
 
 
 def engine_totals(base_url: str) -> dict[str, dict[str, float]]:
@@ -84,8 +88,10 @@ def measure(base_url: str, streams: int, rounds: int, output_tokens: int, seed: 
     }
 
 
-def model_profile(batch_sizes: Sequence[int], context: int) -> dict[str, dict[str, float]]:
-    """The model's decode step in this process, ms per step by operator family."""
+def model_profile(batch_sizes: Sequence[int], context: int, model_config: str = DEFAULT_MODEL_CONFIG,
+                  dtype: str = "float32") -> dict[str, dict[str, Any]]:
+    """The model's decode step in this process, ms per step by operator family, and the
+    operators that took the most of it (``top_ops``: self time, ms per step)."""
     from torch.profiler import ProfilerActivity, profile
 
     from actors.executor import InProcessExecutor
@@ -98,7 +104,7 @@ def model_profile(batch_sizes: Sequence[int], context: int) -> dict[str, dict[st
     steps = 5
     for b in batch_sizes:
         per_seq = blocks_for(context + steps + 2, 16)
-        ex = InProcessExecutor(ModelSpec(resolve_path("config/models/opt-125m"), b * per_seq, 0, 16))
+        ex = InProcessExecutor(ModelSpec(resolve_path(model_config), b * per_seq, 0, 16, dtype))
         tables = [tuple(range(j * per_seq, (j + 1) * per_seq)) for j in range(b)]
         prompt = tuple(range(2, 2 + context))
         ex.execute(BatchPlan(0, tuple(BatchEntry(str(j), prompt, 0, tables[j], True, greedy) for j in range(b))))
@@ -124,7 +130,9 @@ def model_profile(batch_sizes: Sequence[int], context: int) -> dict[str, dict[st
             elif evt.name.startswith("aten::"):
                 families["other_ops"] += ms
         step_ms = 1e3 * statistics.fmean(t["total"] for t in timings)
-        row = {name: ms / steps for name, ms in families.items()}
+        row: dict[str, Any] = {name: ms / steps for name, ms in families.items()}
+        by_self = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[:TOP_OPS]
+        row["top_ops"] = {a.key: a.self_cpu_time_total / 1e3 / steps for a in by_self}
         row["step_ms"] = step_ms
         # What the profiler does not see: the C decode attention (ctypes) and Python around ops.
         row["attention_and_python"] = step_ms - sum(row[k] for k in families)
@@ -153,6 +161,7 @@ def print_tables(result: dict[str, Any]) -> None:
         print(f"model decode step, batch {b}: {row['step_ms']:.1f} ms = linear {row['linear']:.1f} + "
               f"LM head {row['lm_head']:.1f} + other ops {row['other_ops']:.1f} + "
               f"attention (C) and Python {row['attention_and_python']:.1f}")
+        print("    most self time (ms/step): " + ", ".join(f"{k} {v:.2f}" for k, v in row["top_ops"].items()))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -164,14 +173,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model-profile", action="store_true", help="also profile the model in process")
     parser.add_argument("--context", type=int, default=170, help="context length for --model-profile")
+    parser.add_argument("--model-only", action="store_true",
+                        help="only the in-process model profile (no server), at --batches")
+    parser.add_argument("--model-config", default=DEFAULT_MODEL_CONFIG, help="for the model profile")
+    parser.add_argument("--dtype", default="float32", help="for the model profile (auto: as the server resolves)")
+    parser.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16])
     args = parser.parse_args(argv)
+    if args.model_only:
+        result = {"cpu": cpu_model(), "model_config": args.model_config, "dtype": args.dtype,
+                  "context": args.context,
+                  "model_profile": model_profile(args.batches, args.context, args.model_config, args.dtype)}
+        print(f"CPU: {result['cpu']}; {args.model_config}, dtype {args.dtype}, context {args.context}")
+        print_tables({**result, "output_tokens": 0, "loads": {}})
+        print(json.dumps(result))
+        return
     base = check_base_url(args.base_url)
     result: dict[str, Any] = {"cpu": cpu_model(), "output_tokens": args.output_tokens, "loads": {}}
     result["loads"]["light (1)"] = measure(base, 1, 4 * args.rounds, args.output_tokens, args.seed)
     result["loads"][f"saturated ({args.concurrency})"] = measure(base, args.concurrency, args.rounds,
                                                                  args.output_tokens, args.seed)
     if args.model_profile:
-        result["model_profile"] = model_profile((1, args.concurrency), args.context)
+        result["model_profile"] = model_profile(args.batches, args.context, args.model_config, args.dtype)
     print_tables(result)
     print(json.dumps(result))
 
