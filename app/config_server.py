@@ -43,9 +43,12 @@ class ServerArgs(Strict):
     #: could jump the queue); off by default.
     allow_priority: bool = False
     #: Offer ``POST /reset_prefix_cache`` (vLLM's): every cached KV block not in use is
-    #: forgotten (benchmarks, or after a weight change). Off by default, and to stay off in any
-    #: config that binds beyond loopback: any caller could empty the cache of every user.
+    #: forgotten, on every scheduler replica (benchmarks, or after a weight change). Off by
+    #: default, and to stay off in any config that binds beyond loopback: any caller could empty
+    #: the cache of every user.
     allow_reset_prefix_cache: bool = False
+    #: How long ``POST /reset_prefix_cache`` waits for every scheduler replica to answer.
+    reset_timeout_s: float = Field(default=30.0, gt=0)
     #: How long ``/health`` waits for a scheduler replica to answer before reporting 503.
     health_timeout_s: float = Field(default=5.0, gt=0)
     #: How often each scheduler replica records its state gauges and mirrored counters (Ray

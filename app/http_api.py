@@ -97,10 +97,15 @@ def make_api(server: OpenAIServer) -> FastAPI:
     if server.ctx.allow_reset_prefix_cache:
         @api.post("/reset_prefix_cache")
         async def reset_prefix_cache(request: Request) -> JSONResponse:
-            """vLLM's endpoint: forget the cached KV blocks no job uses (of the scheduler
-            replica the call reaches). Only when ``server.allow_reset_prefix_cache`` is on."""
+            """vLLM's endpoint: every scheduler replica forgets the cached KV blocks no job uses;
+            503 if one does not answer within ``server.reset_timeout_s``. Only when
+            ``server.allow_reset_prefix_cache`` is on."""
             server.check_auth(request.headers.get("authorization"))
-            return JSONResponse(await server.backend.reset_prefix_cache())
+            try:
+                return JSONResponse(await server.backend.reset_prefix_cache())
+            except TimeoutError as exc:
+                return JSONResponse(error_body(f"reset_prefix_cache: {exc}", "service_unavailable", None,
+                                               "timeout"), status_code=503)
 
     @api.get("/metrics")
     async def metrics() -> Response:

@@ -36,10 +36,12 @@ class ServeBackend:
     delivery channels (one message per step per scheduler replica, ``app.delivery``) once one is
     open to the replica a job landed on; without, each job's tokens come on its own stream."""
 
-    def __init__(self, scheduler: Any, metrics: AgentMetrics, channels: ChannelClient | None = None) -> None:
+    def __init__(self, scheduler: Any, metrics: AgentMetrics, channels: ChannelClient | None,
+                 reset_timeout_s: float) -> None:
         self._generate = scheduler.options(stream=True).generate
         self._stats = scheduler.stats
-        self._reset = scheduler.reset_prefix_cache
+        self._scheduler = scheduler
+        self._reset_timeout_s = reset_timeout_s
         self._health = scheduler.health
         self._metrics = metrics
         self.channels = channels
@@ -55,8 +57,11 @@ class ServeBackend:
         return await self._metrics.text()
 
     async def reset_prefix_cache(self) -> dict[str, Any]:
-        out: dict[str, Any] = await self._reset.remote()
-        return out
+        """Every running scheduler replica forgets its cached blocks (Serve's broadcast: one call
+        per replica; each model copy has its own cache). Raises TimeoutError past the bound."""
+        replies = await self._scheduler.broadcast("reset_prefix_cache").results_async(
+            timeout_s=self._reset_timeout_s)
+        return {"reset_blocks": sum(int(r["reset_blocks"]) for r in replies), "replicas": len(replies)}
 
     async def engine_stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = await self._stats.remote()
@@ -91,7 +96,8 @@ class Ingress:
         srv = app_args.server
         channels = channel_client(scheduler, _ingress_replica_id(), srv.channel_open_timeout_s) \
             if srv.delivery_channels else None
-        backend = ServeBackend(scheduler, AgentMetrics(srv.metrics_agent_timeout_s), channels)
+        backend = ServeBackend(scheduler, AgentMetrics(srv.metrics_agent_timeout_s), channels,
+                               srv.reset_timeout_s)
         self.server = OpenAIServer(ctx, backend, IngressMetrics(ctx.model_name))
         log.info("ingress ready in %.1f s for model %s", time.monotonic() - started, ctx.model_name)
 

@@ -336,6 +336,7 @@ def test_a_downscale_during_streams_drains_them_whole_and_the_replica_stops_afte
     import threading
 
     config = dummy_opt_yaml()
+    config["applications"][0]["args"]["server"]["allow_reset_prefix_cache"] = True
     ingress_options(config)["num_replicas"] = 2                         # as the tests above left it
     scheduler_options(config).update(num_replicas=2, max_ongoing_requests=512)
     timeout_s = AppArgs.model_validate(config["applications"][0]["args"]).scheduler_deployment_defaults()[
@@ -346,6 +347,10 @@ def test_a_downscale_during_streams_drains_them_whole_and_the_replica_stops_afte
                and settled("Ingress", 2, graceful_shutdown_timeout_s=timeout_s), STARTUP_TIMEOUT_S)
     complete(cluster, "Warm up", 2)
     replica_ids = {r["replica_id"] for r in running_replicas("Scheduler")}
+    # The reset reaches both model copies (each has its own cache); the warm-up's few tokens
+    # filled no 16-token block, so none was cached.
+    reset = httpx.post(cluster.base + "/reset_prefix_cache", headers=AUTH, timeout=REQUEST_TIMEOUT_S)
+    assert reset.status_code == 200 and reset.json() == {"reset_blocks": 0, "replicas": 2}, reset.text
 
     events: list[list[str]] = [[] for _ in range(MAX_DRAIN_STREAMS)]
     ended_at: list[float] = [0.0] * MAX_DRAIN_STREAMS

@@ -38,3 +38,16 @@ def test_reset_prefix_cache_is_offered_only_when_allowed() -> None:
     resp = post(on, "/reset_prefix_cache", {}, allow_reset_prefix_cache=True)
     assert resp.status_code == 200 and resp.json() == {"reset_blocks": 0} and on.resets == 1
 
+
+
+class UnansweredReset(ScriptedBackend):
+    """A scheduler replica did not answer the broadcast within ``server.reset_timeout_s``."""
+
+    async def reset_prefix_cache(self) -> dict[str, object]:
+        raise TimeoutError("Timed out waiting for broadcast results.")
+
+
+def test_a_reset_some_replica_does_not_answer_is_a_503_naming_it() -> None:
+    resp = post(UnansweredReset(lambda req: []), "/reset_prefix_cache", {}, allow_reset_prefix_cache=True)
+    assert resp.status_code == 503
+    assert resp.json()["error"]["message"] == "reset_prefix_cache: Timed out waiting for broadcast results."
