@@ -52,7 +52,7 @@ class ServerArgs(Strict):
     #: then exports them every ``RAY_metrics_report_interval_ms``).
     metrics_sample_interval_s: float = Field(default=0.5, gt=0)
     #: Deliver tokens on one channel per ingress replica and scheduler replica, one message per
-    #: step (``app.delivery``), instead of on each job's own stream (one message per job per step).
+    #: step (``app.engine.delivery``), instead of on each job's own stream (one message per job per step).
     delivery_channels: bool = True
     #: How long an ingress replica waits for a new delivery channel to open; one that did not is
     #: retried after as long (its jobs use their own streams meanwhile).

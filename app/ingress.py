@@ -21,10 +21,10 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from app.choices import LogprobFormatter, merge_logprobs, merged
-from app.delivery import DeltaStream
+from app.engine.delivery import DeltaStream
+from app.engine.metrics import IngressMetrics
 from app.ingress_requests import Prepared, RequestPreparer, ServerContext
 from app.ingress_streams import DeliveryDelay, Replayed
-from app.metrics import IngressMetrics
 from app.protocol import APIError, error_body
 from app.protocol_output import (
     StopStringMatcher,
@@ -47,7 +47,7 @@ SERVER_ENDED = {"abort": (503, "the server stopped the request (shutting down?)"
                 "error": (500, "generation failed inside the engine")}
 
 #: A scheduler stream: an async iterator of ``TokenDelta``s that can be cancelled (a job's own
-#: Serve stream, or ``app.delivery.JobStream`` reading it and its channel).
+#: Serve stream, or ``app.engine.delivery.JobStream`` reading it and its channel).
 Stream = DeltaStream
 
 

@@ -2,7 +2,7 @@
 
 Owns the production wiring of ``app.ingress.OpenAIServer``: ``ServeBackend`` (the Scheduler
 deployment's handle, Ray's metrics agents), this replica's delivery channels
-(``channel_client``, ``app.delivery``), and ``Ingress``, the deployment class ``app.main``
+(``channel_client``, ``app.engine.delivery``), and ``Ingress``, the deployment class ``app.main``
 binds; its FastAPI app (``app.http_api.make_api``) is built per replica.
 """
 
@@ -16,12 +16,12 @@ from fastapi import FastAPI
 from ray import serve
 
 from app.config import AppArgs
-from app.delivery import ChannelClient, MessageStream
+from app.engine.delivery import ChannelClient, MessageStream
+from app.engine.metrics import IngressMetrics
 from app.http_api import make_api
 from app.ingress import OpenAIServer, Stream
 from app.ingress_requests import ServerContext
 from app.logs import join_serve_logs
-from app.metrics import IngressMetrics
 from app.metrics_export import AgentMetrics
 from app.routing import PIN_KWARG
 from app.scheduler.job import JobRequest
@@ -33,7 +33,7 @@ class ServeBackend:
     """The production ``Backend``: the Scheduler deployment's handle, Ray's metrics agents.
 
     With ``channels`` (``server.delivery_channels``), jobs' tokens come on this ingress replica's
-    delivery channels (one message per step per scheduler replica, ``app.delivery``) once one is
+    delivery channels (one message per step per scheduler replica, ``app.engine.delivery``) once one is
     open to the replica a job landed on; without, each job's tokens come on its own stream."""
 
     def __init__(self, scheduler: Any, metrics: AgentMetrics, channels: ChannelClient | None = None) -> None:

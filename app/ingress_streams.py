@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from app.delivery import DeltaStream
+from app.engine.delivery import DeltaStream
 from app.scheduler.job import TokenDelta
 
 

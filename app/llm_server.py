@@ -36,12 +36,12 @@ from ray.llm._internal.serve.core.engine.protocol import LLMEngine
 from ray.serve.llm import LLMServer
 
 from app.config import AppArgs
+from app.engine.metrics import IngressMetrics
+from app.engine.replica import SchedulerReplica
 from app.ingress import OpenAIServer, Stream
 from app.ingress_requests import Prepared, ServerContext
-from app.metrics import IngressMetrics
 from app.protocol import APIError
 from app.scheduler.job import JobRequest, TokenDelta
-from app.serving import SchedulerReplica
 from app.tokenize_api import detokenize_response, tokenize_response
 
 

@@ -5,7 +5,7 @@ Owns the application graph and each deployment's default Serve options:
     Ingress (FastAPI, CPU)  ──generate──▶  Scheduler (× model copies, owns its executor)
                             ◀─channel──   (one message per step per ingress replica)
 
-Both record their metrics into Ray's metrics pipeline (``app.metrics``); the ingress's
+Both record their metrics into Ray's metrics pipeline (``app.engine.metrics``); the ingress's
 ``/metrics`` reads them back from Ray's metrics agents (``app.metrics_export``).
 
 ``args`` carry the model, scheduler and KV settings only. Replica counts, ``autoscaling_config``,
@@ -24,9 +24,9 @@ from ray import serve
 from ray.serve import Application
 
 from app.config import AppArgs
+from app.engine.replica import SchedulerReplica
 from app.ingress_deployment import Ingress
 from app.routing import ROUTER_CLASS
-from app.serving import SchedulerReplica
 
 APP_NAME = "fastserve"
 

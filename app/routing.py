@@ -2,7 +2,7 @@
 pinned to one replica.
 
 Owns one rule: a call with a ``pinned_replica`` keyword (``SchedulerReplica.subscribe``, an
-ingress replica's delivery channel, ``app.delivery``) goes to the running replica with that
+ingress replica's delivery channel, ``app.engine.delivery``) goes to the running replica with that
 unique id, or waits for it (the caller bounds the wait). Every other call (``generate``,
 ``stats``, ``health``) is routed as Serve routes by default.
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from app.step_stats import diff_totals, summarize
+from app.engine.step_stats import diff_totals, summarize
 from loadtest import prompts as P
 from loadtest.client import ClientConfig, check_base_url, run_requests
 from loadtest.metrics import RequestRecord

@@ -96,11 +96,11 @@ class LocalStream:
 
 
 def test_full_admission_queue_answers_429_and_aborts_free_blocks() -> None:
+    from app.engine.metrics import SchedulerMetrics
+    from app.engine.replica import SchedulerReplica
     from app.http_api import make_api
     from app.ingress import OpenAIServer
     from app.ingress_requests import ServerContext
-    from app.metrics import SchedulerMetrics
-    from app.serving import SchedulerReplica
     from tests.harness.metric_sinks import FakeSink
 
     raw = dummy_opt_yaml()["applications"][0]["args"]
@@ -170,11 +170,11 @@ def test_full_admission_queue_answers_429_and_aborts_free_blocks() -> None:
 def test_delivery_channel_carries_exact_tokens_one_message_per_step_and_breaking_it_frees_blocks() -> None:
     """A real scheduler replica and the ingress's ``ChannelClient``, in process (no Ray): the
     first job travels on its own stream and opens the channel; the next four share it."""
-    from app.delivery import ChannelClient
+    from app.engine.delivery import ChannelClient
+    from app.engine.replica import SchedulerReplica
     from app.ingress import OpenAIServer
     from app.ingress_requests import ServerContext
     from app.protocol import APIError
-    from app.serving import SchedulerReplica
 
     raw = dummy_opt_yaml()["applications"][0]["args"]
     raw["server"]["channel_idle_close_s"] = 600.0   # idle while the own-stream runs below: kept open
@@ -245,8 +245,8 @@ def test_an_idle_delivery_channel_ends_at_both_ends_and_the_next_job_reopens_it(
     """With ``server.channel_idle_close_s``, the scheduler replica ends a channel with no job on
     it (so Serve's drain of that replica is not held by it), not one with a job running; the
     ingress's next job there travels on its own stream and opens a new channel."""
-    from app.delivery import ChannelClient
-    from app.serving import SchedulerReplica
+    from app.engine.delivery import ChannelClient
+    from app.engine.replica import SchedulerReplica
 
     raw = dummy_opt_yaml()["applications"][0]["args"]
     raw["server"]["channel_idle_close_s"] = 0.3
@@ -309,7 +309,7 @@ def test_two_model_copies_each_with_a_ray_pipeline(tmp_path: Path) -> None:
     """Scheduler ``num_replicas: 2`` with PP 2: each copy places its stage workers in its own
     placement group (bundle 0 = replica, 1..2 = stages) and serves the same tokens as one
     in-process model. Runs before the demo server starts, so the two never share the box."""
-    from app.serving import SchedulerReplica
+    from app.engine.replica import SchedulerReplica
 
     args = dummy_opt_yaml()["applications"][0]["args"]
 
@@ -574,7 +574,7 @@ def test_gauges_match_the_schedulers_own_state_at_a_quiet_point(server: Server) 
 
 
 def test_metrics_families_have_their_types_and_parse(server: Server) -> None:
-    from app.metrics import INGRESS_FAMILIES, SCHEDULER_FAMILIES
+    from app.engine.metrics import INGRESS_FAMILIES, SCHEDULER_FAMILIES
 
     resp = httpx.get(server.url("/metrics"), timeout=30)
     assert resp.headers["content-type"].startswith("text/plain")

@@ -1,4 +1,4 @@
-"""Delivery channels (``app.delivery``) at both ends, without Ray: the scheduler replica's
+"""Delivery channels (``app.engine.delivery``) at both ends, without Ray: the scheduler replica's
 ``Channel`` with a real ``Engine`` over a fake executor, and the ingress replica's
 ``ChannelClient`` with fake Serve streams."""
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from app.delivery import Channel, ChannelClient, Message, merged_by_job
+from app.engine.delivery import Channel, ChannelClient, Message, merged_by_job
 from app.scheduler.job import TokenDelta
 
 

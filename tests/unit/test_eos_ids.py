@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from actors.messages import SamplingParams, StepOutput
+from app.engine.offline import load_app_args
 from app.generation_config import eos_token_ids
 from app.ingress import OpenAIServer
 from app.ingress_requests import ServerContext
-from app.offline import load_app_args
 from app.protocol import APIError
 from app.scheduler.config import KVCacheConfig, SchedulerConfig
 from app.scheduler.job import JobRequest

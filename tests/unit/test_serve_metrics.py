@@ -1,4 +1,4 @@
-"""The metric families (app.metrics) and the app's /metrics view of Ray's agents (app.metrics_export).
+"""The metric families (app.engine.metrics) and the app's /metrics view of Ray's agents (app.metrics_export).
 
 No Ray: recorders write into fake sinks; the exposition is fed text in the format Ray 2.60's
 metrics agent serves (names ``ray_<name>``, counters with ``_total``, Ray's own labels).
@@ -13,10 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.http_api import make_api
-from app.ingress import OpenAIServer
-from app.ingress_requests import ServerContext
-from app.metrics import (
+from app.engine.metrics import (
     INGRESS_FAMILIES,
     SCHEDULER_FAMILIES,
     TTFT_BUCKETS,
@@ -25,6 +22,9 @@ from app.metrics import (
     SchedulerMetrics,
     length_buckets,
 )
+from app.http_api import make_api
+from app.ingress import OpenAIServer
+from app.ingress_requests import ServerContext
 from app.metrics_export import our_families, render
 from app.scheduler.job import JobStats, TokenDelta
 from tests.harness.http_backends import CONTEXT, MODEL, TEXT_IDS, TOK, VOCAB, FakeBackend, FakeStream

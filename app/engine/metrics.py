@@ -22,8 +22,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
+from app.engine.request_timing import COMPLETED, TimingBatch
 from app.kv.manager import Tier
-from app.request_timing import COMPLETED, TimingBatch
 from app.scheduler.job import JobState, JobStats
 from app.scheduler.scheduler import Scheduler
 
@@ -240,7 +240,7 @@ class SchedulerMetrics(Recorder):
         self._mirror = CounterMirror()
 
     def record_timing(self, batch: TimingBatch) -> None:
-        """vLLM's token counters and latency histograms from the engine (``app.request_timing``)."""
+        """vLLM's token counters and latency histograms from the engine (``app.engine.request_timing``)."""
         self.inc("prompt_tokens", batch.prompt_tokens)
         self.inc("generation_tokens", batch.generation_tokens)
         for ttft in batch.ttfts:

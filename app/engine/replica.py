@@ -6,13 +6,13 @@ ingress's ``DeploymentHandle``; the first event says whether the job was accepte
 with the ``ErrorCode`` that picks the HTTP answer: admission queue full → 429, invalid → 400), the
 last carries the finish reason and the job's stats (``JobStats``). A cancelled stream (client
 gone, stop string matched) aborts the job, which frees its KV blocks. ``subscribe`` holds each
-ingress replica's delivery channel (``app.delivery``): its jobs' events after the accepted one
+ingress replica's delivery channel (``app.engine.delivery``): its jobs' events after the accepted one
 travel there, one message per step, instead of on their own streams.
 
 It also owns executor construction (``build_executor``): in process (``ThreadedExecutor`` over
 ``InProcessExecutor``) for TP·PP = 1, else the Ray pipeline of stage-worker actors placed in this
 replica's own placement group (bundle 0 is the replica, bundle 1 + s is stage s), and the
-replica's metrics (``app.metrics.SchedulerMetrics``): every ``metrics_sample_interval_s``, the
+replica's metrics (``app.engine.metrics.SchedulerMetrics``): every ``metrics_sample_interval_s``, the
 engine's per-step token counts and per-request timing since the last tick, finished jobs'
 accounting and the scheduler's state, recorded into Ray's metrics pipeline.
 """
@@ -30,11 +30,11 @@ from typing import Any
 from actors.spec import EngineSpec
 from app.config import AppArgs
 from app.config_model import resolve_path
-from app.delivery import Channel, Message
-from app.engine import Engine, Executor, SyncExecutor, ThreadedExecutor
+from app.engine.core import Engine, Executor, SyncExecutor, ThreadedExecutor
+from app.engine.delivery import Channel, Message
+from app.engine.metrics import SchedulerMetrics
 from app.errors import AdmissionQueueFull, RequestError
 from app.logs import join_serve_logs
-from app.metrics import SchedulerMetrics
 from app.scheduler.job import JobRequest, TokenDelta
 from app.scheduler.profile import Profile
 from app.scheduler.scheduler import Scheduler
@@ -169,7 +169,7 @@ class SchedulerReplica:
 
     async def subscribe(self, ingress_id: str, channel_id: str,
                         pinned_replica: str) -> AsyncIterator[Message]:
-        """An ingress replica's delivery channel (``app.delivery``): an empty message once it is
+        """An ingress replica's delivery channel (``app.engine.delivery``): an empty message once it is
         open, then one message per step with the deltas of that replica's jobs on it. Routed here
         by ``pinned_replica`` (``app.routing``). Ending it (the ingress went away) aborts them.
         It returns by itself once no job has been on it for ``server.channel_idle_close_s``: an
