@@ -2,7 +2,7 @@
 
 ``ServerArgs``: the API key (``FASTSERVE_API_KEY`` wins), request size and OpenAI field limits,
 timeouts, what callers may ask for (``priority``, ``/reset_prefix_cache``), metrics sampling and
-the delivery channels. The ingress reads it through ``app.ingress_requests.ServerContext``.
+the delivery channels. The ingress reads it through ``app.server.ingress_requests.ServerContext``.
 """
 
 from __future__ import annotations

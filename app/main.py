@@ -6,7 +6,7 @@ Owns the application graph and each deployment's default Serve options:
                             ◀─channel──   (one message per step per ingress replica)
 
 Both record their metrics into Ray's metrics pipeline (``app.engine.metrics``); the ingress's
-``/metrics`` reads them back from Ray's metrics agents (``app.metrics_export``).
+``/metrics`` reads them back from Ray's metrics agents (``app.server.metrics_export``).
 
 ``args`` carry the model, scheduler and KV settings only. Replica counts, ``autoscaling_config``,
 ``max_ongoing_requests`` and ``ray_actor_options`` go in the YAML's standard ``deployments:``
@@ -25,8 +25,8 @@ from ray.serve import Application
 
 from app.config import AppArgs
 from app.engine.replica import SchedulerReplica
-from app.ingress_deployment import Ingress
-from app.routing import ROUTER_CLASS
+from app.server.ingress_deployment import Ingress
+from app.server.routing import ROUTER_CLASS
 
 APP_NAME = "fastserve"
 

@@ -3,7 +3,7 @@
 A job's tokens used to travel on its own Serve stream: at batch 16 a step sent 16 stream items,
 each a Ray object and an RPC through two busy processes. An ingress replica now opens one
 long-lived stream to each scheduler replica it has jobs on (``SchedulerReplica.subscribe``,
-routed to that replica by ``app.routing``); the scheduler replica puts every job of that ingress
+routed to that replica by ``app.server.routing``); the scheduler replica puts every job of that ingress
 replica into its ``Channel``, which sends the deltas of each step as one message.
 
 Owns both ends, and neither imports ray:
@@ -279,7 +279,7 @@ class ChannelClient:
 
 
 class JobStream:
-    """One job's events as its request reads them (``app.ingress.Stream``)."""
+    """One job's events as its request reads them (``app.server.ingress.Stream``)."""
 
     def __init__(self, job_id: str, job_stream: DeltaStream, client: ChannelClient,
                  queue: asyncio.Queue[TokenDelta]) -> None:

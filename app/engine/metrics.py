@@ -9,7 +9,7 @@ agent exports them and KubeRay's PodMonitor scrapes them. Nothing here sums acro
 Names follow vLLM's (same suffix, unit, buckets, ``model_name`` label) under our own prefix.
 Ray forbids ``:`` in metric names and prefixes ``ray_``, so ``fastserve_<suffix>`` is exported by
 the agents as ``ray_fastserve_<suffix>`` — exactly as vLLM on Ray exports ``ray_vllm_<suffix>``;
-``app.metrics_export`` shows them on the app's own ``/metrics`` as ``fastserve:<suffix>``, the
+``app.server.metrics_export`` shows them on the app's own ``/metrics`` as ``fastserve:<suffix>``, the
 way standalone vLLM shows ``vllm:<suffix>``.
 
 Counters mirrored from the scheduler's cumulative totals are advanced by their difference since

@@ -171,7 +171,7 @@ class SchedulerReplica:
                         pinned_replica: str) -> AsyncIterator[Message]:
         """An ingress replica's delivery channel (``app.engine.delivery``): an empty message once it is
         open, then one message per step with the deltas of that replica's jobs on it. Routed here
-        by ``pinned_replica`` (``app.routing``). Ending it (the ingress went away) aborts them.
+        by ``pinned_replica`` (``app.server.routing``). Ending it (the ingress went away) aborts them.
         It returns by itself once no job has been on it for ``server.channel_idle_close_s``: an
         open call is a request in flight, which Serve's graceful shutdown waits for."""
         if pinned_replica != self.replica_id:

@@ -98,9 +98,9 @@ class LocalStream:
 def test_full_admission_queue_answers_429_and_aborts_free_blocks() -> None:
     from app.engine.metrics import SchedulerMetrics
     from app.engine.replica import SchedulerReplica
-    from app.http_api import make_api
-    from app.ingress import OpenAIServer
-    from app.ingress_requests import ServerContext
+    from app.server.http_api import make_api
+    from app.server.ingress import OpenAIServer
+    from app.server.ingress_requests import ServerContext
     from tests.harness.metric_sinks import FakeSink
 
     raw = dummy_opt_yaml()["applications"][0]["args"]
@@ -172,9 +172,9 @@ def test_delivery_channel_carries_exact_tokens_one_message_per_step_and_breaking
     first job travels on its own stream and opens the channel; the next four share it."""
     from app.engine.delivery import ChannelClient
     from app.engine.replica import SchedulerReplica
-    from app.ingress import OpenAIServer
-    from app.ingress_requests import ServerContext
-    from app.protocol import APIError
+    from app.server.ingress import OpenAIServer
+    from app.server.ingress_requests import ServerContext
+    from app.server.protocol import APIError
 
     raw = dummy_opt_yaml()["applications"][0]["args"]
     raw["server"]["channel_idle_close_s"] = 600.0   # idle while the own-stream runs below: kept open

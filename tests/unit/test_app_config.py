@@ -192,7 +192,7 @@ def test_profile_tp_mismatch_is_reported_when_the_file_is_present() -> None:
 
 
 def test_temperature_below_epsilon_is_greedy() -> None:
-    from app.protocol import CompletionRequest
+    from app.server.protocol import CompletionRequest
 
     req = CompletionRequest(model="m", prompt="x", temperature=1e-30)
     assert req.to_sampling(16).temperature == 0.0

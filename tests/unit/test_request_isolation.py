@@ -221,10 +221,10 @@ def test_health_on_the_http_port_turns_503_when_a_step_is_stuck() -> None:
     work has waited for a step longer than engine.watchdog_s."""
     import httpx
 
-    from app.http_api import make_api
-    from app.ingress import OpenAIServer
-    from app.ingress_requests import ServerContext
     from app.scheduler.config import EngineConfig
+    from app.server.http_api import make_api
+    from app.server.ingress import OpenAIServer
+    from app.server.ingress_requests import ServerContext
     from app.tokenizer import Tokenizer
 
     async def run() -> list[int]:

@@ -1,4 +1,4 @@
-"""The metric families (app.engine.metrics) and the app's /metrics view of Ray's agents (app.metrics_export).
+"""The metric families (app.engine.metrics) and the app's /metrics view of Ray's agents (app.server.metrics_export).
 
 No Ray: recorders write into fake sinks; the exposition is fed text in the format Ray 2.60's
 metrics agent serves (names ``ray_<name>``, counters with ``_total``, Ray's own labels).
@@ -22,11 +22,11 @@ from app.engine.metrics import (
     SchedulerMetrics,
     length_buckets,
 )
-from app.http_api import make_api
-from app.ingress import OpenAIServer
-from app.ingress_requests import ServerContext
-from app.metrics_export import our_families, render
 from app.scheduler.job import JobStats, TokenDelta
+from app.server.http_api import make_api
+from app.server.ingress import OpenAIServer
+from app.server.ingress_requests import ServerContext
+from app.server.metrics_export import our_families, render
 from tests.harness.http_backends import CONTEXT, MODEL, TEXT_IDS, TOK, VOCAB, FakeBackend, FakeStream
 from tests.harness.metric_sinks import FakeSink, sinks
 

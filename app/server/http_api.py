@@ -1,10 +1,10 @@
 """The FastAPI app of the OpenAI-compatible server: its routes and how errors become bodies.
 
 Owns ``make_api``: the generation routes (``/v1/completions``, ``/v1/chat/completions``, served
-by ``app.ingress.OpenAIServer`` through ``respond``), the model and tokenizer routes (``app.tokenize_api``),
-``/health``, ``/debug/engine`` and ``/metrics``, and the exception handlers that turn every
-failure into an OpenAI error body with its status. Used by the Serve deployment
-(``app.ingress_deployment.Ingress``), the Ray Serve LLM adapter's tests and the unit tests.
+by ``app.server.ingress.OpenAIServer`` through ``respond``), the model and tokenizer routes
+(``app.server.tokenize_api``), ``/health``, ``/debug/engine`` and ``/metrics``, and the exception
+handlers that turn every failure into an OpenAI error body with its status. Used by the Serve deployment
+(``app.server.ingress_deployment.Ingress``), the Ray Serve LLM adapter's tests and the unit tests.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.metrics_export import CONTENT_TYPE
-from app.protocol import APIError, error_body
-from app.request_limits import read_body, wait_for_disconnect
-from app.tokenize_api import add_routes as add_info_routes
+from app.server.metrics_export import CONTENT_TYPE
+from app.server.protocol import APIError, error_body
+from app.server.request_limits import read_body, wait_for_disconnect
+from app.server.tokenize_api import add_routes as add_info_routes
 
 if TYPE_CHECKING:
-    from app.ingress import OpenAIServer
+    from app.server.ingress import OpenAIServer
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ runs (``FastServeEngine``). With it, a Ray Serve LLM application (``build_openai
 a model with FastServe's skip-join MLFQ scheduler and proactive KV swapping instead of vLLM's:
 
     LLMConfig(model_loading_config={"model_id": "opt-125m"},
-              server_cls="app.llm_server:FastServeLLMServer",
+              server_cls="app.server.llm_server:FastServeLLMServer",
               engine_kwargs={<our AppArgs: model, parallel, profile, scheduler, kv_cache, ...>})
 
 ``engine_kwargs`` are validated as ``app.config.AppArgs`` (``model.name`` defaults to the
@@ -38,11 +38,11 @@ from ray.serve.llm import LLMServer
 from app.config import AppArgs
 from app.engine.metrics import IngressMetrics
 from app.engine.replica import SchedulerReplica
-from app.ingress import OpenAIServer, Stream
-from app.ingress_requests import Prepared, ServerContext
-from app.protocol import APIError
 from app.scheduler.job import JobRequest, TokenDelta
-from app.tokenize_api import detokenize_response, tokenize_response
+from app.server.ingress import OpenAIServer, Stream
+from app.server.ingress_requests import Prepared, ServerContext
+from app.server.protocol import APIError
+from app.server.tokenize_api import detokenize_response, tokenize_response
 
 
 def app_args(llm_config: LLMConfig) -> AppArgs:
@@ -100,7 +100,7 @@ class LocalBackend:
 
 def _client_fields(request: Any) -> bytes:
     """Only the fields the client sent (vLLM's model filled defaults in; Ray's own request_id
-    is not the client's, and our models refuse a client's request_id, app.request_fields)."""
+    is not the client's, and our models refuse a client's request_id, app.server.request_fields)."""
     raw: bytes = request.model_dump_json(exclude_unset=True, exclude={"request_id"}).encode()
     return raw
 
@@ -154,7 +154,7 @@ class FastServeEngine(LLMEngine):
         """Our validation and scheduling on the client's fields; SSE strings or one response."""
         assert self.server is not None, "start() first"
         # Only the fields the client sent: Ray's own request_id is not the client's (our models
-        # refuse a client's request_id, app.request_fields).
+        # refuse a client's request_id, app.server.request_fields).
         raw = _client_fields(request)
         server = self.server
         try:
@@ -173,7 +173,7 @@ class FastServeEngine(LLMEngine):
 
     async def tokenize(
             self, request: Any, raw_request_info: Any = None) -> AsyncGenerator[Any, None]:
-        """``/tokenize`` as our own server answers it (``app.tokenize_api``). Ray's router parses
+        """``/tokenize`` as our own server answers it (``app.server.tokenize_api``). Ray's router parses
         the body as vLLM's ``TokenizeCompletionRequest`` first: a chat (``messages``) body is
         refused there with a 400 before it reaches us."""
         assert self.server is not None, "start() first"

@@ -1,9 +1,9 @@
 """The ``Ingress`` Serve deployment: the HTTP server in front of the Scheduler deployment.
 
-Owns the production wiring of ``app.ingress.OpenAIServer``: ``ServeBackend`` (the Scheduler
+Owns the production wiring of ``app.server.ingress.OpenAIServer``: ``ServeBackend`` (the Scheduler
 deployment's handle, Ray's metrics agents), this replica's delivery channels
 (``channel_client``, ``app.engine.delivery``), and ``Ingress``, the deployment class ``app.main``
-binds; its FastAPI app (``app.http_api.make_api``) is built per replica.
+binds; its FastAPI app (``app.server.http_api.make_api``) is built per replica.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from ray import serve
 from app.config import AppArgs
 from app.engine.delivery import ChannelClient, MessageStream
 from app.engine.metrics import IngressMetrics
-from app.http_api import make_api
-from app.ingress import OpenAIServer, Stream
-from app.ingress_requests import ServerContext
 from app.logs import join_serve_logs
-from app.metrics_export import AgentMetrics
-from app.routing import PIN_KWARG
 from app.scheduler.job import JobRequest
+from app.server.http_api import make_api
+from app.server.ingress import OpenAIServer, Stream
+from app.server.ingress_requests import ServerContext
+from app.server.metrics_export import AgentMetrics
+from app.server.routing import PIN_KWARG
 
 log = logging.getLogger(__name__)
 
