@@ -5,7 +5,7 @@ composed of the control plane's own models (``SchedulerConfig``, ``KVCacheConfig
 ``EngineConfig`` from ``app.scheduler.config``, imported, never duplicated) plus the sections
 declared beside this module: the model and the profile (``app.config_model``), the parallel
 layout and the pipeline's waits (``app.config_layout``), the HTTP server (``app.config_server``)
-and the drain (``app.drain``). Serve's deployment options (replicas,
+and the drain (``app.config_drain``). Serve's deployment options (replicas,
 autoscaling, ``max_ongoing_requests``, actor options) are not here: they belong in the YAML's
 standard ``deployments:`` section, over the defaults ``INGRESS_DEFAULTS``/``SCHEDULER_DEFAULTS``
 (Serve hashes ``args`` into the code version, so an option here would restart model copies).
@@ -31,10 +31,10 @@ from pydantic import Field, model_validator
 
 from actors.messages import DEFAULT_BLOCK_SIZE, blocks_for
 from actors.spec import EngineSpec, ModelSpec
+from app.config_drain import DrainArgs, graceful_shutdown_timeout_s
 from app.config_layout import ParallelArgs, PipelineArgs
 from app.config_model import ModelArgs, ProfileArgs, Strict, resolve_path
 from app.config_server import ServerArgs
-from app.drain import DrainArgs, graceful_shutdown_timeout_s
 from app.scheduler.config import EngineConfig, KVCacheConfig, SchedulerConfig
 from app.scheduler.profile import Profile
 

@@ -11,7 +11,7 @@ Both record their metrics into Ray's metrics pipeline (``app.engine.metrics``); 
 ``args`` carry the model, scheduler and KV settings only. Replica counts, ``autoscaling_config``,
 ``max_ongoing_requests`` and ``ray_actor_options`` go in the YAML's standard ``deployments:``
 section, which Serve applies over the defaults set here (``app.config.INGRESS_DEFAULTS`` and
-``SCHEDULER_DEFAULTS``, with ``graceful_shutdown_timeout_s`` sized by ``app.drain``) as a
+``SCHEDULER_DEFAULTS``, with ``graceful_shutdown_timeout_s`` sized by ``app.config_drain``) as a
 lightweight update. Each Scheduler replica reserves its whole model
 copy with ``placement_group_bundles`` (bundle 0 for the replica, one per pipeline stage with its
 TP ranks' GPUs), so when Serve's autoscaler adds a replica, the KubeRay autoscaler behind it sees

@@ -24,7 +24,7 @@ def test_demo_config_validates_with_the_papers_settings() -> None:
     assert args.placement_group_bundles() == [{"CPU": 0.01}]
     assert args.scheduler_deployment_defaults() == {
         "max_ongoing_requests": 1024, "ray_actor_options": {"num_cpus": 0}, "placement_group_strategy": "PACK",
-        # 1.5 × 2048 tokens × the profile's 78.5 ms decode step at batch 32, rounded up (app.drain)
+        # 1.5 × 2048 tokens × the profile's 78.5 ms decode step at batch 32, rounded up (app.config_drain)
         "graceful_shutdown_timeout_s": 242.0, "placement_group_bundles": [{"CPU": 0.01}]}
 
 

@@ -1,4 +1,4 @@
-"""Serve's graceful_shutdown_timeout_s sized for a max_tokens stream at a TPOT (app.drain)."""
+"""Serve's graceful_shutdown_timeout_s sized for a max_tokens stream at a TPOT (app.config_drain)."""
 
 from __future__ import annotations
 
