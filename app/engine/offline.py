@@ -2,7 +2,7 @@
 
 ``python -m app.engine.offline --config config/demo.yaml`` reads the Serve YAML's application ``args``
 (validated as ``AppArgs``), builds the scheduler and the in-process executor exactly as a
-``Scheduler`` replica does, runs a few prompts concurrently through the engine loop and prints
+``Engine`` replica does, runs a few prompts concurrently through the engine loop and prints
 each completion with its accounting. Configs that ask for the Ray pipeline (TP·PP > 1) are run
 here on one in-process model copy instead: the point is a quick look, not their hardware.
 """

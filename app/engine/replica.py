@@ -1,6 +1,6 @@
-"""The ``Scheduler`` deployment: one replica = one model copy, its executor and its engine loop.
+"""The ``Engine`` deployment: one replica = one model copy, its executor and its engine loop.
 
-Owns the replica side of a request: ``SchedulerReplica.generate`` submits the ingress's
+Owns the replica side of a request: ``EngineReplica.generate`` submits the ingress's
 ``JobRequest`` to the replica's ``Engine`` and streams the job's ``TokenDelta``s back through the
 ingress's ``DeploymentHandle``; the first event says whether the job was accepted (or refused,
 with the ``ErrorCode`` that picks the HTTP answer: admission queue full → 429, invalid → 400), the
@@ -79,8 +79,8 @@ def build_scheduler(args: AppArgs) -> Scheduler:
     return Scheduler(args.scheduler, args.kv_cache, profile, eos_token_ids=args.model.eos_token_ids())
 
 
-class SchedulerReplica:
-    """The body of the ``Scheduler`` deployment (``app.main`` applies the Serve options)."""
+class EngineReplica:
+    """The body of the ``Engine`` deployment (``app.main`` applies the Serve options)."""
 
     # Serve awaits an async constructor: the replica is ready only once its model is loaded.
     async def __init__(self, args: dict[str, Any] | AppArgs) -> None:  # type: ignore[misc]
@@ -98,11 +98,11 @@ class SchedulerReplica:
         self._channels: dict[str, Channel] = {}   # ingress replica id → its delivery channel here
         self._sample_task = asyncio.get_running_loop().create_task(self._sample_metrics_forever())
         self._closed = False
-        log.info("scheduler replica %s ready (%s, policy %s, swap %s)", self.replica_id,
+        log.info("engine replica %s ready (%s, policy %s, swap %s)", self.replica_id,
                  self.args.model.name, self.args.scheduler.policy, self.args.kv_cache.swap_mode)
 
     @classmethod
-    async def create(cls, args: dict[str, Any] | AppArgs) -> SchedulerReplica:
+    async def create(cls, args: dict[str, Any] | AppArgs) -> EngineReplica:
         """Construct outside Serve (tests, tools): Python cannot await a constructor itself."""
         replica = cls.__new__(cls)
         await replica.__init__(args)   # type: ignore[misc]

@@ -77,12 +77,12 @@ def make_api(server: OpenAIServer) -> FastAPI:
 
     @api.get("/health")
     async def health() -> Response:
-        """200 while a scheduler replica answers healthy; 503 naming the problem otherwise (load
+        """200 while an engine replica answers healthy; 503 naming the problem otherwise (load
         balancers and KubeRay probes need no API key for it)."""
         try:
             state = await asyncio.wait_for(server.backend.health(), server.ctx.limits.health_timeout_s)
         except Exception as exc:   # no replica answered: unhealthy, whatever the cause
-            state = {"healthy": False, "problem": f"no scheduler replica answered: {type(exc).__name__}"}
+            state = {"healthy": False, "problem": f"no engine replica answered: {type(exc).__name__}"}
         if state.get("healthy"):
             return PlainTextResponse("ok")
         return JSONResponse(error_body(f"unhealthy: {state.get('problem')}", "service_unavailable", None,
@@ -90,7 +90,7 @@ def make_api(server: OpenAIServer) -> FastAPI:
 
     @api.get("/debug/engine")
     async def engine_stats(request: Request) -> JSONResponse:
-        """One scheduler replica's counters and step breakdown (``loadtest.breakdown`` reads it)."""
+        """One engine replica's counters and step breakdown (``loadtest.breakdown`` reads it)."""
         server.check_auth(request.headers.get("authorization"))
         return JSONResponse(await server.backend.engine_stats())
 

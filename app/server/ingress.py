@@ -1,7 +1,7 @@
 """The OpenAI-compatible server's generation logic (the HTTP app is ``app.server.http_api``).
 
 Owns what happens once a request is prepared (``app.server.ingress_requests``: auth, parsing,
-tokenization, validation): the call to a ``Scheduler`` replica through a streaming backend,
+tokenization, validation): the call to a ``Engine`` replica through a streaming backend,
 detokenization with stop strings, the non-streaming body and the SSE stream, every failure
 turned into an OpenAI error with the right status, and how each request ended for its client
 (``request_success{finished_reason}``). Imports no ray and no FastAPI.
@@ -288,7 +288,7 @@ class OpenAIServer(RequestPreparer):
             yield b"data: " + json.dumps(exc.body()).encode() + b"\n\n"
             yield SSE_DONE
             return
-        except Exception as exc:   # e.g. the scheduler replica died mid-stream
+        except Exception as exc:   # e.g. the engine replica died mid-stream
             log.exception("stream %s failed", rid)
             body = error_body(f"internal error: {type(exc).__name__}", "internal_error", None, "internal_error")
             yield b"data: " + json.dumps(body).encode() + b"\n\n"

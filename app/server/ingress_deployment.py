@@ -1,6 +1,6 @@
-"""The ``Ingress`` Serve deployment: the HTTP server in front of the Scheduler deployment.
+"""The ``Ingress`` Serve deployment: the HTTP server in front of the Engine deployment.
 
-Owns the production wiring of ``app.server.ingress.OpenAIServer``: ``ServeBackend`` (the Scheduler
+Owns the production wiring of ``app.server.ingress.OpenAIServer``: ``ServeBackend`` (the Engine
 deployment's handle, Ray's metrics agents), this replica's delivery channels
 (``channel_client``, ``app.engine.delivery``), and ``Ingress``, the deployment class ``app.main``
 binds; its FastAPI app (``app.server.http_api.make_api``) is built per replica.
@@ -30,10 +30,10 @@ log = logging.getLogger(__name__)
 
 
 class ServeBackend:
-    """The production ``Backend``: the Scheduler deployment's handle, Ray's metrics agents.
+    """The production ``Backend``: the Engine deployment's handle, Ray's metrics agents.
 
     With ``channels`` (``server.delivery_channels``), jobs' tokens come on this ingress replica's
-    delivery channels (one message per step per scheduler replica, ``app.engine.delivery``) once one is
+    delivery channels (one message per step per engine replica, ``app.engine.delivery``) once one is
     open to the replica a job landed on; without, each job's tokens come on its own stream."""
 
     def __init__(self, scheduler: Any, metrics: AgentMetrics, channels: ChannelClient | None = None) -> None:
@@ -68,7 +68,7 @@ class ServeBackend:
 
 
 def channel_client(scheduler: Any, ingress_id: str, open_timeout_s: float) -> ChannelClient:
-    """This ingress replica's delivery channels over the Scheduler deployment's handle."""
+    """This ingress replica's delivery channels over the Engine deployment's handle."""
     subscribe = scheduler.options(stream=True).subscribe
 
     def open_channel(ingress: str, replica_id: str, channel_id: str) -> MessageStream:
@@ -100,5 +100,5 @@ class Ingress:
 
 
 def _ingress_replica_id() -> str:
-    """This Serve replica's unique id: the scheduler replicas key its delivery channel by it."""
+    """This Serve replica's unique id: the engine replicas key its delivery channel by it."""
     return str(serve.get_replica_context().replica_id.unique_id)

@@ -9,7 +9,7 @@ a model with FastServe's skip-join MLFQ scheduler and proactive KV swapping inst
               engine_kwargs={<our AppArgs: model, parallel, profile, scheduler, kv_cache, ...>})
 
 ``engine_kwargs`` are validated as ``app.config.AppArgs`` (``model.name`` defaults to the
-``model_id``). Each replica is one model copy: the engine runs a ``SchedulerReplica`` in
+``model_id``). Each replica is one model copy: the engine runs a ``EngineReplica`` in
 process, with its placement group derived from the parallel layout exactly as in our own app,
 and answers through our ``OpenAIServer`` (same validation, stop strings, ``job_stats``).
 Subclassing ``LLMServer`` keeps Ray Serve LLM's own behaviour around it: request ids, stream
@@ -37,7 +37,7 @@ from ray.serve.llm import LLMServer
 
 from app.config import AppArgs
 from app.engine.metrics import IngressMetrics
-from app.engine.replica import SchedulerReplica
+from app.engine.replica import EngineReplica
 from app.scheduler.job import JobRequest, TokenDelta
 from app.server.ingress import OpenAIServer, Stream
 from app.server.ingress_requests import Prepared, ServerContext
@@ -57,7 +57,7 @@ def app_args(llm_config: LLMConfig) -> AppArgs:
 
 
 class LocalStream:
-    """A ``SchedulerReplica.generate`` stream in this process, cancellable like a Serve stream."""
+    """A ``EngineReplica.generate`` stream in this process, cancellable like a Serve stream."""
 
     def __init__(self, gen: AsyncGenerator[TokenDelta, None]) -> None:
         self._gen = gen
@@ -76,9 +76,9 @@ class LocalStream:
 
 
 class LocalBackend:
-    """``OpenAIServer``'s backend: the scheduler replica living in this Serve replica."""
+    """``OpenAIServer``'s backend: the engine replica living in this Serve replica."""
 
-    def __init__(self, replica: SchedulerReplica) -> None:
+    def __init__(self, replica: EngineReplica) -> None:
         self.replica = replica
 
     def generate(self, req: JobRequest) -> Stream:
@@ -123,11 +123,11 @@ class FastServeEngine(LLMEngine):
     def __init__(self, llm_config: LLMConfig) -> None:
         self.llm_config = llm_config
         self.args = app_args(llm_config)
-        self.replica: SchedulerReplica | None = None
+        self.replica: EngineReplica | None = None
         self.server: OpenAIServer | None = None
 
     async def start(self) -> None:
-        self.replica = await SchedulerReplica.create(self.args)
+        self.replica = await EngineReplica.create(self.args)
         ctx = ServerContext.from_args(self.args)
         self.server = OpenAIServer(ctx, LocalBackend(self.replica), IngressMetrics(ctx.model_name))
 
@@ -226,12 +226,12 @@ class FastServeLLMServer(LLMServer):
 
     @classmethod
     def get_deployment_options(cls, llm_config: LLMConfig) -> dict[str, Any]:  # type: ignore[override]
-        """Our Scheduler deployment's defaults and placement group, under ``deployment_config``."""
+        """Our Engine deployment's defaults and placement group, under ``deployment_config``."""
         args = app_args(llm_config)
         options = copy.deepcopy(dict(llm_config.deployment_config))
         for key in ("placement_group_bundles", "placement_group_strategy"):
             if key in options:
                 raise ValueError(f"deployment_config.{key} is derived from engine_kwargs.parallel; do not set it")
-        defaults = args.scheduler_deployment_defaults()
+        defaults = args.engine_deployment_defaults()
         options.setdefault("ray_actor_options", defaults["ray_actor_options"])
         return {**defaults, **options}

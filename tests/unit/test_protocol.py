@@ -424,7 +424,7 @@ def test_health_reports_the_schedulers_state() -> None:
             raise RuntimeError("no replica")
 
     resp = asyncio.run(get(Gone(TEXT_IDS)))
-    assert resp.status_code == 503 and "no scheduler replica answered" in resp.json()["error"]["message"]
+    assert resp.status_code == 503 and "no engine replica answered" in resp.json()["error"]["message"]
 
 
 def test_an_unavailable_engine_answers_503_with_retry_after() -> None:

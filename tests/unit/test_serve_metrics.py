@@ -91,7 +91,7 @@ def test_counter_mirror_only_moves_forward() -> None:
 
 AGENT_A = """# HELP ray_fastserve_prompt_tokens_total Number of prefill tokens processed.
 # TYPE ray_fastserve_prompt_tokens_total counter
-ray_fastserve_prompt_tokens_total{WorkerId="w1",deployment="Scheduler",model_name="opt-125m",replica="r1"} 12.0
+ray_fastserve_prompt_tokens_total{WorkerId="w1",deployment="Engine",model_name="opt-125m",replica="r1"} 12.0
 # HELP ray_fastserve_e2e_request_latency_seconds Histogram of e2e request latency in seconds.
 # TYPE ray_fastserve_e2e_request_latency_seconds histogram
 ray_fastserve_e2e_request_latency_seconds_bucket{le="0.3",model_name="opt-125m",replica="r1"} 1.0
@@ -104,7 +104,7 @@ ray_serve_num_http_requests_total{route="/"} 9.0
 """
 AGENT_B = """# HELP ray_fastserve_prompt_tokens_total Number of prefill tokens processed.
 # TYPE ray_fastserve_prompt_tokens_total counter
-ray_fastserve_prompt_tokens_total{WorkerId="w2",deployment="Scheduler",model_name="opt-125m",replica="r2"} 30.0
+ray_fastserve_prompt_tokens_total{WorkerId="w2",deployment="Engine",model_name="opt-125m",replica="r2"} 30.0
 # HELP ray_fastserve_kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
 # TYPE ray_fastserve_kv_cache_usage_perc gauge
 ray_fastserve_kv_cache_usage_perc{model_name="opt-125m",replica="r2"} 0.25
