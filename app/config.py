@@ -179,7 +179,7 @@ class AppArgs(Strict):
         """Serve options of the ``Engine`` deployment before the YAML's ``deployments:``.
 
         The placement group is derived from the model's layout; the rest are plain defaults that
-        ``deployments: [{name: Scheduler, ...}]`` overrides without restarting replicas (except
+        ``deployments: [{name: Engine, ...}]`` overrides without restarting replicas (except
         ``ray_actor_options`` and the placement group: Serve applies those by starting new replicas).
         """
         actor_options: dict[str, Any] = dict(ENGINE_DEFAULTS["ray_actor_options"])
