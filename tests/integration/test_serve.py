@@ -557,13 +557,17 @@ def test_disconnected_stream_aborts_and_frees_its_blocks(server: Server) -> None
 
 @contextlib.contextmanager
 def driver(srv: Server) -> Iterator[None]:
-    """This test process as a Ray driver of ``srv``'s cluster, disconnected afterwards."""
+    """This test process as a Ray driver of ``srv``'s cluster, disconnected afterwards (Serve's
+    cached controller client too: a later cluster's first driver has the same job id, and Serve
+    would take the dead controller's client for its own)."""
     import ray
+    from ray.serve.context import _disconnect
 
     ray.init(address=srv.ray_address, log_to_driver=False, configure_logging=False)
     try:
         yield
     finally:
+        _disconnect()
         ray.shutdown()
 
 
