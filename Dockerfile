@@ -2,7 +2,7 @@
 #
 #   GPU (A100/H100 nodes, CUDA 12; what rayservice-opt175b.yaml runs):
 #     docker build -t fastserve-ray:0.1.0-cu121 .
-#   ... with Ray Serve LLM (app.llm_server, config/serve-llm-demo.yaml):
+#   ... with Ray Serve LLM (app.server.llm_server, config/serve-llm-demo.yaml):
 #     docker build -t fastserve-ray:0.1.0-cu121-llm --build-arg EXTRAS=gpu,serve-llm .
 #   CPU (the kind/minikube demo, rayservice-demo.yaml; CPU-only torch, ~1 GB smaller):
 #     docker build -t fastserve-ray:0.1.0-cpu --build-arg RAY_IMAGE=rayproject/ray:2.60.0-py311-cpu \

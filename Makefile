@@ -57,7 +57,7 @@ lint: install
 	$(BIN)/mypy app
 
 profile: install
-	$(BIN)/python -m app.profiler --model config/models/opt-125m
+	$(BIN)/python -m app.engine.profiler --model config/models/opt-125m
 
 bench: install
 	$(BIN)/python -m loadtest.bench_engine

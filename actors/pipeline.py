@@ -8,7 +8,7 @@ caller guarantees a job is in at most one of them (paper §4.3).
 
 Placement: one bundle per stage holding its T ranks (a bundle lives on one node, so a stage's TP
 ranks are packed; stages may span nodes). The executor creates that placement group, or uses a
-caller's (a Serve ``Scheduler`` replica reserves its model copy in its own group: bundle 0 is the
+caller's (a Serve ``Engine`` replica reserves its model copy in its own group: bundle 0 is the
 replica, ``bundle_offset`` 1 the first stage). ``ParallelSpec.stage_bundles`` says what to reserve.
 
 Failure: a worker that dies surfaces as ``PipelineError`` from ``execute`` within seconds (workers

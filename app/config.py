@@ -5,9 +5,9 @@ composed of the control plane's own models (``SchedulerConfig``, ``KVCacheConfig
 ``EngineConfig`` from ``app.scheduler.config``, imported, never duplicated) plus the sections
 declared beside this module: the model and the profile (``app.config_model``), the parallel
 layout and the pipeline's waits (``app.config_layout``), the HTTP server (``app.config_server``)
-and the drain (``app.drain``). Serve's deployment options (replicas,
+and the drain (``app.config_drain``). Serve's deployment options (replicas,
 autoscaling, ``max_ongoing_requests``, actor options) are not here: they belong in the YAML's
-standard ``deployments:`` section, over the defaults ``INGRESS_DEFAULTS``/``SCHEDULER_DEFAULTS``
+standard ``deployments:`` section, over the defaults ``INGRESS_DEFAULTS``/``ENGINE_DEFAULTS``
 (Serve hashes ``args`` into the code version, so an option here would restart model copies).
 Every model is strict (``extra="forbid"``) so a misspelt key fails naming itself, and cross-field checks reject
 impossible sizes (TP·PP ≠ GPUs requested, a block size that does not divide the context, pools
@@ -31,10 +31,10 @@ from pydantic import Field, model_validator
 
 from actors.messages import DEFAULT_BLOCK_SIZE, blocks_for
 from actors.spec import EngineSpec, ModelSpec
+from app.config_drain import DrainArgs, graceful_shutdown_timeout_s
 from app.config_layout import ParallelArgs, PipelineArgs
 from app.config_model import ModelArgs, ProfileArgs, Strict, resolve_path
 from app.config_server import ServerArgs
-from app.drain import DrainArgs, graceful_shutdown_timeout_s
 from app.scheduler.config import EngineConfig, KVCacheConfig, SchedulerConfig
 from app.scheduler.profile import Profile
 
@@ -165,7 +165,7 @@ class AppArgs(Strict):
     # ---- derived deployment settings ------------------------------------------------------
 
     def placement_group_bundles(self) -> list[dict[str, float]]:
-        """One bundle for the scheduler replica, then the pipeline's stage bundles (the very ones
+        """One bundle for the engine replica, then the pipeline's stage bundles (the very ones
         ``actors.pipeline`` places its stages in: ``ParallelSpec.stage_bundles``)."""
         par = self.parallel
         replica = dict(par.replica_bundle)
@@ -175,22 +175,22 @@ class AppArgs(Strict):
             return [replica]
         return [replica] + par.spec().stage_bundles(self.model.device)
 
-    def scheduler_deployment_defaults(self) -> dict[str, Any]:
-        """Serve options of the ``Scheduler`` deployment before the YAML's ``deployments:``.
+    def engine_deployment_defaults(self) -> dict[str, Any]:
+        """Serve options of the ``Engine`` deployment before the YAML's ``deployments:``.
 
         The placement group is derived from the model's layout; the rest are plain defaults that
-        ``deployments: [{name: Scheduler, ...}]`` overrides without restarting replicas (except
+        ``deployments: [{name: Engine, ...}]`` overrides without restarting replicas (except
         ``ray_actor_options`` and the placement group: Serve applies those by starting new replicas).
         """
-        actor_options: dict[str, Any] = dict(SCHEDULER_DEFAULTS["ray_actor_options"])
+        actor_options: dict[str, Any] = dict(ENGINE_DEFAULTS["ray_actor_options"])
         if not self.parallel.uses_pipeline and self.parallel.num_gpus:
             actor_options["num_gpus"] = self.parallel.num_gpus   # the in-process model's GPUs
-        return {**SCHEDULER_DEFAULTS, "ray_actor_options": actor_options,
+        return {**ENGINE_DEFAULTS, "ray_actor_options": actor_options,
                 "placement_group_bundles": self.placement_group_bundles(),
                 "graceful_shutdown_timeout_s": graceful_shutdown_timeout_s(self)}
 
     def ingress_deployment_defaults(self) -> dict[str, Any]:
-        """Serve options of the ``Ingress`` deployment: it drains a stream as long as the Scheduler."""
+        """Serve options of the ``Ingress`` deployment: it drains a stream as long as the Engine."""
         return {**INGRESS_DEFAULTS, "graceful_shutdown_timeout_s": graceful_shutdown_timeout_s(self)}
 
 
@@ -206,8 +206,8 @@ INGRESS_DEFAULTS: dict[str, Any] = {
     # Tokenizing and streaming need little CPU; 0 keeps a 2-core box schedulable.
     "ray_actor_options": {"num_cpus": 0},
 }
-#: Serve options the builder gives the ``Scheduler`` deployment (one replica = one model copy).
-SCHEDULER_DEFAULTS: dict[str, Any] = {
+#: Serve options the builder gives the ``Engine`` deployment (one replica = one model copy).
+ENGINE_DEFAULTS: dict[str, Any] = {
     # Streams one replica accepts; beyond it Serve queues at the handle, outside admission control.
     "max_ongoing_requests": 1024,
     "ray_actor_options": {"num_cpus": 0},

@@ -35,7 +35,7 @@ class ParallelArgs(Strict):
     #: each stage worker). None keeps what Ray set: OMP_NUM_THREADS = the CPUs the actor
     #: reserved, i.e. 1 for a replica that reserves none (the demo's), whatever the cores.
     torch_threads: int | None = Field(default=None, ge=1)
-    #: Resources of the Scheduler replica's own bundle (bundle 0 of each model copy's placement
+    #: Resources of the Engine replica's own bundle (bundle 0 of each model copy's placement
     #: group); GPUs are added for an in-process model on cuda. It must hold the replica's
     #: ``ray_actor_options`` (``deployments:`` in the YAML). A sliver keeps a 2-core box schedulable.
     replica_bundle: dict[str, float] = Field(default_factory=lambda: {"CPU": 0.01})

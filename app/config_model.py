@@ -115,7 +115,7 @@ class ModelArgs(Strict):
 
 
 class ProfileArgs(Strict):
-    """The job profiler's output the scheduler interpolates (``python -m app.profiler``)."""
+    """The job profiler's output the scheduler interpolates (``python -m app.engine.profiler``)."""
 
     path: str
 
@@ -126,6 +126,6 @@ class ProfileArgs(Strict):
         if required and not resolve_path(value).is_file():
             raise ValueError(
                 f"profile file {value!r} not found (resolved to {resolve_path(value)}); "
-                "write it with `python -m app.profiler`"
+                "write it with `python -m app.engine.profiler`"
             )
         return value

@@ -2,7 +2,7 @@
 
 ``ServerArgs``: the API key (``FASTSERVE_API_KEY`` wins), request size and OpenAI field limits,
 timeouts, what callers may ask for (``priority``, ``/reset_prefix_cache``), metrics sampling and
-the delivery channels. The ingress reads it through ``app.ingress_requests.ServerContext``.
+the delivery channels. The ingress reads it through ``app.server.ingress_requests.ServerContext``.
 """
 
 from __future__ import annotations
@@ -43,24 +43,24 @@ class ServerArgs(Strict):
     #: could jump the queue); off by default.
     allow_priority: bool = False
     #: Offer ``POST /reset_prefix_cache`` (vLLM's): every cached KV block not in use is
-    #: forgotten, on every scheduler replica (benchmarks, or after a weight change). Off by
+    #: forgotten, on every engine replica (benchmarks, or after a weight change). Off by
     #: default, and to stay off in any config that binds beyond loopback: any caller could empty
     #: the cache of every user.
     allow_reset_prefix_cache: bool = False
-    #: How long ``POST /reset_prefix_cache`` waits for every scheduler replica to answer.
+    #: How long ``POST /reset_prefix_cache`` waits for every engine replica to answer.
     reset_timeout_s: float = Field(default=30.0, gt=0)
-    #: How long ``/health`` waits for a scheduler replica to answer before reporting 503.
+    #: How long ``/health`` waits for an engine replica to answer before reporting 503.
     health_timeout_s: float = Field(default=5.0, gt=0)
-    #: How often each scheduler replica records its state gauges and mirrored counters (Ray
+    #: How often each engine replica records its state gauges and mirrored counters (Ray
     #: then exports them every ``RAY_metrics_report_interval_ms``).
     metrics_sample_interval_s: float = Field(default=0.5, gt=0)
-    #: Deliver tokens on one channel per ingress replica and scheduler replica, one message per
-    #: step (``app.delivery``), instead of on each job's own stream (one message per job per step).
+    #: Deliver tokens on one channel per ingress replica and engine replica, one message per
+    #: step (``app.engine.delivery``), instead of on each job's own stream (one message per job per step).
     delivery_channels: bool = True
     #: How long an ingress replica waits for a new delivery channel to open; one that did not is
     #: retried after as long (its jobs use their own streams meanwhile).
     channel_open_timeout_s: float = Field(default=5.0, gt=0)
-    #: A scheduler replica ends a delivery channel that had no job on it for this long (the
+    #: An engine replica ends a delivery channel that had no job on it for this long (the
     #: ingress opens another with its next job there). An open channel is a request in flight,
     #: and Serve's graceful shutdown of a replica waits for every one: this bounds how long an
     #: idle channel keeps a drained replica alive after its last stream.

@@ -353,5 +353,5 @@ def _cached(directory: Path) -> Tokenizer:
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """`Tokenizer.from_dir`, loaded once per process and folder (config validation, the ingress
-    and the scheduler replica of one process share it)."""
+    and the engine replica of one process share it)."""
     return _cached(Path(path).resolve())

@@ -2,7 +2,7 @@
 
 Against a running server of ours, at light load (one stream at a time) and at saturating load
 (``--concurrency`` streams at once), it sends real ShareGPT prompts with a fixed output length and
-reads the scheduler replica's step totals (``GET /debug/engine``) before and after, so the figures
+reads the engine replica's step totals (``GET /debug/engine``) before and after, so the figures
 cover exactly these requests. It reports, per load:
 
 - the engine's decode step (``schedule``, batch ``build``, ``forward``, ``sample`` = LM head and
@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from app.step_stats import diff_totals, summarize
+from app.engine.step_stats import diff_totals, summarize
 from loadtest import prompts as P
 from loadtest.client import ClientConfig, check_base_url, run_requests
 from loadtest.metrics import RequestRecord

@@ -149,7 +149,7 @@ def print_table(result: dict[str, Any]) -> None:
               f"{_fmt(w['per_token_p50_s']):>9} {_fmt(w['per_token_p95_s']):>9}")
     rss = result["scheduler_rss_bytes"]
     mib = {k: None if v is None else v / 2**20 for k, v in rss.items()}
-    print(f"scheduler replica RSS: {_fmt(mib['start'])} → {_fmt(mib['end'])} MiB")
+    print(f"engine replica RSS: {_fmt(mib['start'])} → {_fmt(mib['end'])} MiB")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -35,7 +35,7 @@ class TokenDelta:
     started ends with one event carrying an ``error`` code and its ``message``. An event with
     neither tokens nor a finish says the job was accepted; it names the scheduler replica
     (``replica_id``) and, when the job's later events travel on that replica's delivery channel
-    to the caller's ingress replica (``app.delivery``), the channel (``channel_id``).
+    to the caller's ingress replica (``app.engine.delivery``), the channel (``channel_id``).
     ``emitted_at`` (wall clock) lets the reader measure the delivery delay. ``logprobs`` (only
     for a job that asked) has one entry per token of ``token_ids`` and merges the same way.
     """

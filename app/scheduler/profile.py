@@ -1,6 +1,6 @@
 """The job profiler's output, as the scheduler reads it (paper §3.2 "Job Profiler").
 
-Owns the interpolation of the offline profile written by ``python -m app.profiler``:
+Owns the interpolation of the offline profile written by ``python -m app.engine.profiler``:
 ``t_init(prompt_len)`` (first-iteration time), ``t_dec(batch_size)`` (decode-iteration time),
 the smallest quantum ``q1`` and the number of MLFQ levels the profile implies.
 """

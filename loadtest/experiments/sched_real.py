@@ -33,9 +33,9 @@ from typing import Any
 import httpx
 import yaml
 
+from app.engine.step_stats import diff_totals
+from app.engine.step_stats import summarize as summarize_steps
 from app.scheduler.profile import Profile
-from app.step_stats import diff_totals
-from app.step_stats import summarize as summarize_steps
 from loadtest import chat as C
 from loadtest import prompts as P
 from loadtest.breakdown import STATS_PATH, engine_totals

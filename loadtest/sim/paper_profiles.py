@@ -2,7 +2,7 @@
 
 Owns the arithmetic that turns a handful of figures quoted in the paper (§4.1 Figure 5 for
 OPT-2.7B on one A100; §4.2 for OPT-175B on 16 A100s) and the OPT shapes in
-``config/models/opt_model_dims.csv`` into profile JSONs in the schema ``app/profiler.py`` writes
+``config/models/opt_model_dims.csv`` into profile JSONs in the schema ``app/engine/profiler.py`` writes
 (``t_init``, ``t_dec``, ``swap``), plus ``serving`` (pool sizes), ``source`` and ``assumptions``.
 
 ``python -m loadtest.sim.paper_profiles`` rewrites ``config/profiles/opt-{2.7b,13b,66b,175b}-a100-*``.

@@ -16,10 +16,10 @@ from typing import Any
 import httpx
 
 from app.errors import ErrorCode
-from app.http_api import make_api
-from app.ingress import OpenAIServer
-from app.ingress_requests import ServerContext
 from app.scheduler.job import JobRequest, JobStats, TokenDelta
+from app.server.http_api import make_api
+from app.server.ingress import OpenAIServer
+from app.server.ingress_requests import ServerContext
 from app.tokenizer import Tokenizer
 
 MODEL = "opt-125m"

@@ -5,7 +5,7 @@ Teardown stops exactly the processes it started, walking their process trees: ``
 also kill every other Ray on the machine.
 
 Also the dummy-OPT config most integration tests serve (``dummy_opt_yaml``), its tokenizer and
-the Scheduler's deployment options: no test module imports another.
+the Engine deployment options: no test module imports another.
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def dummy_opt_yaml() -> dict[str, Any]:
     return raw
 
 
-def scheduler_options(config: dict[str, Any]) -> dict[str, Any]:
-    """The Scheduler's entry in the config's Serve ``deployments:`` section."""
-    (options,) = [d for d in config["applications"][0]["deployments"] if d["name"] == "Scheduler"]
+def engine_options(config: dict[str, Any]) -> dict[str, Any]:
+    """The Engine deployment's entry in the config's Serve ``deployments:`` section."""
+    (options,) = [d for d in config["applications"][0]["deployments"] if d["name"] == "Engine"]
     return options

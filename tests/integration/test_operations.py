@@ -1,5 +1,5 @@
 """Operating the app on a Ray cluster the way an operator does: ``serve run`` of changed configs
-on a running cluster, a Scheduler replica killed and replaced, scheduler autoscaling.
+on a running cluster, an Engine replica killed and replaced, engine autoscaling.
 
 One private Ray head for the module (as ``test_serve``'s, with Ray's metrics reporting every
 0.5 s); the app is (re)deployed with ``serve run --non-blocking <config>`` — the CLI an operator
@@ -40,8 +40,8 @@ from tests.harness.serve import (
     ROOT,
     STARTUP_TIMEOUT_S,
     dummy_opt_yaml,
+    engine_options,
     free_port,
-    scheduler_options,
     stop_tree,
 )
 
@@ -154,8 +154,8 @@ def complete(cluster: Cluster, prompt: str, max_tokens: int) -> None:
     assert resp.status_code == 200, resp.text
 
 
-def scheduler_actor_ids() -> set[str]:
-    return {r["actor_id"] for r in running_replicas("Scheduler")}
+def engine_actor_ids() -> set[str]:
+    return {r["actor_id"] for r in running_replicas("Engine")}
 
 
 def quiet_metrics(cluster: Cluster) -> metrics_view.Scrape:
@@ -168,20 +168,20 @@ def quiet_metrics(cluster: Cluster) -> metrics_view.Scrape:
 def test_ingress_count_and_scheduler_max_ongoing_are_lightweight_updates(cluster: Cluster) -> None:
     config = dummy_opt_yaml()
     cluster.deploy(config, "v1")
-    wait_until("v1 running", lambda: settled("Scheduler", 1) and settled("Ingress", 1), STARTUP_TIMEOUT_S)
+    wait_until("v1 running", lambda: settled("Engine", 1) and settled("Ingress", 1), STARTUP_TIMEOUT_S)
     complete(cluster, "Hello", 4)
-    (actor,) = scheduler_actor_ids()
+    (actor,) = engine_actor_ids()
 
     ingress_options(config)["num_replicas"] = 2
     cluster.deploy(config, "v2")
     wait_until("2 ingress replicas", lambda: settled("Ingress", 2), DEPLOY_TIMEOUT_S)
-    assert scheduler_actor_ids() == {actor}
+    assert engine_actor_ids() == {actor}
 
-    scheduler_options(config)["max_ongoing_requests"] = 512
+    engine_options(config)["max_ongoing_requests"] = 512
     cluster.deploy(config, "v3")
-    wait_until("max_ongoing_requests 512", lambda: settled("Scheduler", 1, max_ongoing_requests=512),
+    wait_until("max_ongoing_requests 512", lambda: settled("Engine", 1, max_ongoing_requests=512),
                DEPLOY_TIMEOUT_S)
-    assert scheduler_actor_ids() == {actor}   # the model copy was not restarted
+    assert engine_actor_ids() == {actor}   # the model copy was not restarted
     complete(cluster, "Hello again", 4)
 
 
@@ -197,9 +197,9 @@ def test_counters_do_not_decrease_when_a_scheduler_replica_is_replaced(cluster: 
     complete(cluster, "Before the kill", 8)
     before = metrics_view.wait_metrics(cluster.base, lambda m: m.total(tokens) == quiet.total(tokens) + 8)
     assert all(before.total(c) > 0 for c in COUNTERS)
-    (old,) = running_replicas("Scheduler")
+    (old,) = running_replicas("Engine")
     ray.kill(ray.get_actor(old["actor_name"], namespace="serve"), no_restart=True)
-    wait_until("a replacement replica", lambda: scheduler_actor_ids() not in (set(), {old["actor_id"]}),
+    wait_until("a replacement replica", lambda: engine_actor_ids() not in (set(), {old["actor_id"]}),
                STARTUP_TIMEOUT_S)
     complete(cluster, "After the kill", 8)
     # Token counters move at each metrics tick, so the last token may land a tick after the
@@ -215,7 +215,7 @@ def test_counters_do_not_decrease_when_a_scheduler_replica_is_replaced(cluster: 
 
 
 def scheduler_stats(cluster: Cluster) -> dict[str, Any]:
-    """The scheduler replica's stats through the ingress (``/debug/engine``). Not a handle from
+    """The engine replica's stats through the ingress (``/debug/engine``). Not a handle from
     this process: a Serve handle's router outlives ``ray.shutdown`` here, and once the cluster
     is gone Ray's core worker ends the whole test process after 60 s without GCS."""
     resp = httpx.get(cluster.base + "/debug/engine", headers=AUTH, timeout=REQUEST_TIMEOUT_S)
@@ -239,7 +239,7 @@ def test_a_stream_on_a_killed_scheduler_replica_ends_with_an_error_and_service_r
         return len(scheduler_stats(cluster)["delivery_channels"]) == ingresses
 
     wait_until("a delivery channel from every ingress replica", every_ingress_has_a_channel, REQUEST_TIMEOUT_S)
-    (old,) = running_replicas("Scheduler")
+    (old,) = running_replicas("Engine")
     body = {"model": MODEL, "prompt": "Go on forever", "max_tokens": 1500, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", cluster.base + "/v1/completions", json=body, headers=AUTH,
                       timeout=REQUEST_TIMEOUT_S) as resp:
@@ -254,7 +254,7 @@ def test_a_stream_on_a_killed_scheduler_replica_ends_with_an_error_and_service_r
     assert rest[-1] == "data: [DONE]"
     error = json.loads(rest[-2][len("data: "):])["error"]
     assert error["type"] == "internal_error", error
-    wait_until("a replacement replica", lambda: scheduler_actor_ids() not in (set(), {old["actor_id"]}),
+    wait_until("a replacement replica", lambda: engine_actor_ids() not in (set(), {old["actor_id"]}),
                STARTUP_TIMEOUT_S)
     wait_until("delivery channels to the replacement", every_ingress_has_a_channel, REQUEST_TIMEOUT_S)
 
@@ -270,14 +270,14 @@ def test_scheduler_autoscales_to_two_model_copies_and_both_serve(cluster: Cluste
     args["parallel"].update(use_ray_pipeline=True, transport="actor")
     bundles = AppArgs.model_validate(args).placement_group_bundles()
     assert len(bundles) == 2
-    options = scheduler_options(config)
+    options = engine_options(config)
     del options["num_replicas"]
     options["autoscaling_config"] = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
                                      "upscale_delay_s": 1, "downscale_delay_s": 600, "metrics_interval_s": 0.5,
                                      "look_back_period_s": 2}
     cluster.deploy(config, "autoscaling")
-    wait_until("autoscaling applied", lambda: settled("Scheduler", 1) and
-               deployment("Scheduler")["deployment_config"].get("autoscaling_config") is not None, DEPLOY_TIMEOUT_S)
+    wait_until("autoscaling applied", lambda: settled("Engine", 1) and
+               deployment("Engine")["deployment_config"].get("autoscaling_config") is not None, DEPLOY_TIMEOUT_S)
     before = metrics_view.scrape(cluster.base)
 
     async def burst() -> None:
@@ -288,10 +288,10 @@ def test_scheduler_autoscales_to_two_model_copies_and_both_serve(cluster: Cluste
                 assert resp.status_code == 200, resp.text
 
             deadline = time.monotonic() + STARTUP_TIMEOUT_S
-            while len(running_replicas("Scheduler")) < 2 and time.monotonic() < deadline:
+            while len(running_replicas("Engine")) < 2 and time.monotonic() < deadline:
                 await asyncio.gather(*(one(i) for i in range(6)))   # 6 ongoing vs a target of 1
     asyncio.run(burst())
-    replicas = running_replicas("Scheduler")
+    replicas = running_replicas("Engine")
     assert len(replicas) == 2
     groups = placement_group_table().values()
     for r in replicas:   # Serve names a replica's placement group after the replica's actor
@@ -327,7 +327,7 @@ GONE_AFTER_LAST_STREAM_S = 30.0
 
 def test_a_downscale_during_streams_drains_them_whole_and_the_replica_stops_after_the_last(
         cluster: Cluster) -> None:
-    """Scheduler 2 → 1 replicas (a lightweight update: Serve stops one of the two) while streams
+    """Engine 2 → 1 replicas (a lightweight update: Serve stops one of the two) while streams
     run on both. The stopped replica drains under the default ``graceful_shutdown_timeout_s``,
     sized for a context-length stream (242 s here): its streams complete with every token, and
     once the last one ends it stops within seconds, not at the timeout — its ingresses'
@@ -338,15 +338,15 @@ def test_a_downscale_during_streams_drains_them_whole_and_the_replica_stops_afte
     config = dummy_opt_yaml()
     config["applications"][0]["args"]["server"]["allow_reset_prefix_cache"] = True
     ingress_options(config)["num_replicas"] = 2                         # as the tests above left it
-    scheduler_options(config).update(num_replicas=2, max_ongoing_requests=512)
-    timeout_s = AppArgs.model_validate(config["applications"][0]["args"]).scheduler_deployment_defaults()[
+    engine_options(config).update(num_replicas=2, max_ongoing_requests=512)
+    timeout_s = AppArgs.model_validate(config["applications"][0]["args"]).engine_deployment_defaults()[
         "graceful_shutdown_timeout_s"]
     assert timeout_s == 242.0   # the default drain, not set in the config
     cluster.deploy(config, "drain-two")
-    wait_until("two scheduler replicas", lambda: settled("Scheduler", 2, graceful_shutdown_timeout_s=timeout_s)
+    wait_until("two engine replicas", lambda: settled("Engine", 2, graceful_shutdown_timeout_s=timeout_s)
                and settled("Ingress", 2, graceful_shutdown_timeout_s=timeout_s), STARTUP_TIMEOUT_S)
     complete(cluster, "Warm up", 2)
-    replica_ids = {r["replica_id"] for r in running_replicas("Scheduler")}
+    replica_ids = {r["replica_id"] for r in running_replicas("Engine")}
     # The reset reaches both model copies (each has its own cache); the warm-up's few tokens
     # filled no 16-token block, so none was cached.
     reset = httpx.post(cluster.base + "/reset_prefix_cache", headers=AUTH, timeout=REQUEST_TIMEOUT_S)
@@ -378,14 +378,14 @@ def test_a_downscale_during_streams_drains_them_whole_and_the_replica_stops_afte
     assert running_on_both(on_both), {r: on_both.total("fastserve:num_requests_running", replica=r)
                                       for r in replica_ids}
 
-    scheduler_options(config)["num_replicas"] = 1
+    engine_options(config)["num_replicas"] = 1
     cluster.deploy(config, "drain-one")
     stopping: dict[str, Any] | None = None
     deadline = time.monotonic() + STREAMS_END_WITHIN_S
     while stopping is None and any(r.is_alive() for r in readers) and time.monotonic() < deadline:
-        stopping = next((r for r in deployment("Scheduler")["replicas"] if r["state"] == "STOPPING"), None)
+        stopping = next((r for r in deployment("Engine")["replicas"] if r["state"] == "STOPPING"), None)
         time.sleep(0.2)
-    assert stopping is not None, "no Scheduler replica was seen draining while the streams ran"
+    assert stopping is not None, "no Engine replica was seen draining while the streams ran"
     running_while_stopping = metrics_view.scrape(cluster.base).total("fastserve:num_requests_running",
                                                                      replica=stopping["replica_id"])
     for reader in readers:
@@ -404,10 +404,10 @@ def test_a_downscale_during_streams_drains_them_whole_and_the_replica_stops_afte
 
     def gone() -> bool:
         assert stopping is not None
-        return stopping["replica_id"] not in {r["replica_id"] for r in deployment("Scheduler")["replicas"]}
+        return stopping["replica_id"] not in {r["replica_id"] for r in deployment("Engine")["replicas"]}
 
     wait_until("the drained replica gone", gone, timeout_s)
     gone_after = time.monotonic() - last_end
     assert gone_after < GONE_AFTER_LAST_STREAM_S, f"gone {gone_after:.1f} s after the last stream ended"
-    assert settled("Scheduler", 1)
+    assert settled("Engine", 1)
     complete(cluster, "After the downscale", 4)

@@ -181,7 +181,7 @@ def test_missing_resources_are_named(ray_local: None) -> None:
 
 
 def test_scheduler_engine_drives_the_pipeline(ray_local: None) -> None:
-    from app.engine import Engine, ThreadedExecutor
+    from app.engine.core import Engine, ThreadedExecutor
     from app.scheduler.config import KVCacheConfig, SchedulerConfig
     from app.scheduler.profile import Profile
     from app.scheduler.scheduler import Scheduler

@@ -15,7 +15,7 @@ from actors.executor import InProcessExecutor
 from actors.messages import SamplingParams
 from actors.pipeline import PipelineExecutor
 from actors.spec import ModelSpec
-from app.engine import Engine, Executor, ThreadedExecutor
+from app.engine.core import Engine, Executor, ThreadedExecutor
 from app.scheduler.config import EngineConfig, KVCacheConfig, SchedulerConfig
 from app.scheduler.scheduler import Scheduler
 from tests.harness.pipeline import (

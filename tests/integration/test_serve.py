@@ -40,7 +40,7 @@ from tests.harness.serve import (
     TOK,
     Server,
     dummy_opt_yaml,
-    scheduler_options,
+    engine_options,
     serve_app,
 )
 
@@ -70,8 +70,8 @@ def test_gpu_configs_validate_and_are_consistent(name: str) -> None:
     assert (args.kv_cache.block_size, args.scheduler.max_batch_size, args.scheduler.max_num_batched_tokens) == \
         (16, 16, 2048)
     assert args.kv_cache.num_host_blocks > 0 and args.kv_cache.swap_mode == "proactive"
-    scheduler = scheduler_options(raw)
-    assert scheduler["autoscaling_config"]["min_replicas"] == 1 and "num_replicas" not in scheduler
+    engine = engine_options(raw)
+    assert engine["autoscaling_config"]["min_replicas"] == 1 and "num_replicas" not in engine
     bundles = args.placement_group_bundles()
     assert sum(b.get("GPU", 0.0) for b in bundles) == gpus
     build_app(args)   # the application graph builds (no cluster needed to bind it)
@@ -80,7 +80,7 @@ def test_gpu_configs_validate_and_are_consistent(name: str) -> None:
 # ---- the 429 path through a real scheduler, in process (no Ray) ------------------------------
 
 class LocalStream:
-    """A ``SchedulerReplica.generate`` generator, cancellable as a Serve stream is."""
+    """A ``EngineReplica.generate`` generator, cancellable as a Serve stream is."""
 
     def __init__(self, agen: Any) -> None:
         self._agen = agen
@@ -96,11 +96,11 @@ class LocalStream:
 
 
 def test_full_admission_queue_answers_429_and_aborts_free_blocks() -> None:
-    from app.http_api import make_api
-    from app.ingress import OpenAIServer
-    from app.ingress_requests import ServerContext
-    from app.metrics import SchedulerMetrics
-    from app.serving import SchedulerReplica
+    from app.engine.metrics import SchedulerMetrics
+    from app.engine.replica import EngineReplica
+    from app.server.http_api import make_api
+    from app.server.ingress import OpenAIServer
+    from app.server.ingress_requests import ServerContext
     from tests.harness.metric_sinks import FakeSink
 
     raw = dummy_opt_yaml()["applications"][0]["args"]
@@ -108,7 +108,7 @@ def test_full_admission_queue_answers_429_and_aborts_free_blocks() -> None:
     raw["scheduler"].update(policy="fcfs", max_batch_size=1, admission_queue_limit=1)
 
     async def run() -> None:
-        replica = await SchedulerReplica.create(raw)
+        replica = await EngineReplica.create(raw)
         replica.metrics = SchedulerMetrics(MODEL, FakeSink)   # read back below
         recorded = replica.metrics._sinks
 
@@ -168,20 +168,20 @@ def test_full_admission_queue_answers_429_and_aborts_free_blocks() -> None:
 
 
 def test_delivery_channel_carries_exact_tokens_one_message_per_step_and_breaking_it_frees_blocks() -> None:
-    """A real scheduler replica and the ingress's ``ChannelClient``, in process (no Ray): the
+    """A real engine replica and the ingress's ``ChannelClient``, in process (no Ray): the
     first job travels on its own stream and opens the channel; the next four share it."""
-    from app.delivery import ChannelClient
-    from app.ingress import OpenAIServer
-    from app.ingress_requests import ServerContext
-    from app.protocol import APIError
-    from app.serving import SchedulerReplica
+    from app.engine.delivery import ChannelClient
+    from app.engine.replica import EngineReplica
+    from app.server.ingress import OpenAIServer
+    from app.server.ingress_requests import ServerContext
+    from app.server.protocol import APIError
 
     raw = dummy_opt_yaml()["applications"][0]["args"]
     raw["server"]["channel_idle_close_s"] = 600.0   # idle while the own-stream runs below: kept open
     prompts = ["The capital of France", "Once upon a time", "def main():", "Hello"]
 
     async def run() -> None:
-        replica = await SchedulerReplica.create(raw)
+        replica = await EngineReplica.create(raw)
         client = ChannelClient("ingress-1", lambda ingress, replica_id, channel_id: LocalStream(
             replica.subscribe(ingress, channel_id, replica_id)), open_timeout_s=30)
 
@@ -242,17 +242,17 @@ def test_delivery_channel_carries_exact_tokens_one_message_per_step_and_breaking
 
 
 def test_an_idle_delivery_channel_ends_at_both_ends_and_the_next_job_reopens_it() -> None:
-    """With ``server.channel_idle_close_s``, the scheduler replica ends a channel with no job on
+    """With ``server.channel_idle_close_s``, the engine replica ends a channel with no job on
     it (so Serve's drain of that replica is not held by it), not one with a job running; the
     ingress's next job there travels on its own stream and opens a new channel."""
-    from app.delivery import ChannelClient
-    from app.serving import SchedulerReplica
+    from app.engine.delivery import ChannelClient
+    from app.engine.replica import EngineReplica
 
     raw = dummy_opt_yaml()["applications"][0]["args"]
     raw["server"]["channel_idle_close_s"] = 0.3
 
     async def run() -> None:
-        replica = await SchedulerReplica.create(raw)
+        replica = await EngineReplica.create(raw)
         client = ChannelClient("ingress-1", lambda ingress, replica_id, channel_id: LocalStream(
             replica.subscribe(ingress, channel_id, replica_id)), open_timeout_s=30)
 
@@ -306,15 +306,15 @@ PIPELINE_PROMPTS = ("Hello", "The capital of France is", "Once upon a time")
 
 
 def test_two_model_copies_each_with_a_ray_pipeline(tmp_path: Path) -> None:
-    """Scheduler ``num_replicas: 2`` with PP 2: each copy places its stage workers in its own
+    """Engine ``num_replicas: 2`` with PP 2: each copy places its stage workers in its own
     placement group (bundle 0 = replica, 1..2 = stages) and serves the same tokens as one
     in-process model. Runs before the demo server starts, so the two never share the box."""
-    from app.serving import SchedulerReplica
+    from app.engine.replica import EngineReplica
 
     args = dummy_opt_yaml()["applications"][0]["args"]
 
     async def reference() -> list[list[int]]:
-        replica = await SchedulerReplica.create(args)
+        replica = await EngineReplica.create(args)
         try:
             out = []
             for prompt in PIPELINE_PROMPTS:
@@ -330,12 +330,31 @@ def test_two_model_copies_each_with_a_ray_pipeline(tmp_path: Path) -> None:
     config = dummy_opt_yaml()
     app_args = config["applications"][0]["args"]
     app_args["parallel"].update(pipeline_parallel_size=2, worker_cpus=0.01)
-    scheduler_options(config)["num_replicas"] = 2
+    engine_options(config)["num_replicas"] = 2
     with serve_app(tmp_path, config) as srv:
         got = [greedy(srv, p, 6) for p in PIPELINE_PROMPTS for _ in range(2)]
         assert got == [e for e in expected for _ in range(2)]
         m = wait_metrics(srv, lambda m: len(m.replicas("fastserve:num_requests_running")) == 2)
         assert len(m.replicas("fastserve:num_requests_running")) == 2   # both model copies record
+
+
+def test_a_config_naming_the_deprecated_scheduler_deployment_still_deploys(tmp_path: Path) -> None:
+    """A config written before the engine deployment's rename (``deployments: [{name: Scheduler}]``)
+    serves for one more release: the engine deployment takes the old name, the entry's options
+    apply to it, and the build logs the deprecation. Runs before the demo server starts."""
+    from ray.serve.context import _get_global_client
+
+    config = dummy_opt_yaml()
+    options = engine_options(config)
+    options.update(name="Scheduler", max_ongoing_requests=512)
+    with serve_app(tmp_path, config) as srv:   # up once a first completion has answered
+        assert len(greedy(srv, "Hello", 3)) == 3
+        with driver(srv):
+            deployments = _get_global_client().get_serve_details()["applications"]["fastserve"]["deployments"]
+        assert sorted(deployments) == ["Ingress", "Scheduler"]
+        assert deployments["Scheduler"]["deployment_config"]["max_ongoing_requests"] == 512
+        assert ("deployments: names 'Scheduler', the engine deployment's deprecated name: it is 'Engine' now"
+                in srv.log.read_text(errors="replace"))
 
 
 @pytest.fixture(scope="module")
@@ -538,13 +557,17 @@ def test_disconnected_stream_aborts_and_frees_its_blocks(server: Server) -> None
 
 @contextlib.contextmanager
 def driver(srv: Server) -> Iterator[None]:
-    """This test process as a Ray driver of ``srv``'s cluster, disconnected afterwards."""
+    """This test process as a Ray driver of ``srv``'s cluster, disconnected afterwards (Serve's
+    cached controller client too: a later cluster's first driver has the same job id, and Serve
+    would take the dead controller's client for its own)."""
     import ray
+    from ray.serve.context import _disconnect
 
     ray.init(address=srv.ray_address, log_to_driver=False, configure_logging=False)
     try:
         yield
     finally:
+        _disconnect()
         ray.shutdown()
 
 
@@ -561,20 +584,20 @@ def test_gauges_match_the_schedulers_own_state_at_a_quiet_point(server: Server) 
     assert busy.total("fastserve:num_requests_running") == 1 and kv_usage(busy) > 0
     quiet = wait_metrics(server, lambda m: m.total("fastserve:num_requests_running") == 0 and kv_usage(m) == 0)
     with driver(server):
-        handle = serve.get_deployment_handle("Scheduler", app_name="fastserve")
+        handle = serve.get_deployment_handle("Engine", app_name="fastserve")
         stats = handle.stats.remote().result(timeout_s=60)
         info = handle.replica_info.remote().result(timeout_s=60)
     (running,) = quiet.series("fastserve:num_requests_running")   # one replica, one series
     (usage,) = quiet.series("fastserve:kv_cache_usage_perc")
     blocks = stats["device_blocks"]
     assert running.labels["replica"] == usage.labels["replica"] == info["replica_id"]
-    assert running.labels["model_name"] == MODEL and running.labels["deployment"] == "Scheduler"
+    assert running.labels["model_name"] == MODEL and running.labels["deployment"] == "Engine"
     assert running.value == stats["running"] == 0
     assert usage.value == (blocks["total"] - blocks["free"]) / blocks["total"] == 0.0
 
 
 def test_metrics_families_have_their_types_and_parse(server: Server) -> None:
-    from app.metrics import INGRESS_FAMILIES, SCHEDULER_FAMILIES
+    from app.engine.metrics import INGRESS_FAMILIES, SCHEDULER_FAMILIES
 
     resp = httpx.get(server.url("/metrics"), timeout=30)
     assert resp.headers["content-type"].startswith("text/plain")

@@ -22,9 +22,9 @@ def test_demo_config_validates_with_the_papers_settings() -> None:
     assert args.kv_cache.block_size == 16
     assert args.model.device == "cpu" and args.model.load_format == "dummy"
     assert args.placement_group_bundles() == [{"CPU": 0.01}]
-    assert args.scheduler_deployment_defaults() == {
+    assert args.engine_deployment_defaults() == {
         "max_ongoing_requests": 1024, "ray_actor_options": {"num_cpus": 0}, "placement_group_strategy": "PACK",
-        # 1.5 × 2048 tokens × the profile's 78.5 ms decode step at batch 32, rounded up (app.drain)
+        # 1.5 × 2048 tokens × the profile's 78.5 ms decode step at batch 32, rounded up (app.config_drain)
         "graceful_shutdown_timeout_s": 242.0, "placement_group_bundles": [{"CPU": 0.01}]}
 
 
@@ -149,7 +149,7 @@ def test_shipped_deployments_sections_use_only_serve_keys(name: str) -> None:
     ServeDeploySchema.model_validate(raw)
     (app,) = raw["applications"]
     # Serve ignores unknown keys silently: a misspelt option would be dropped without a word.
-    assert {d["name"] for d in app["deployments"]} == {"Ingress", "Scheduler"}
+    assert {d["name"] for d in app["deployments"]} == {"Ingress", "Engine"}
     for dep in app["deployments"]:
         assert set(dep) <= set(DeploymentSchema.model_fields), dep
         assert set(dep.get("autoscaling_config", {})) <= set(AutoscalingConfig.model_fields), dep
@@ -166,7 +166,7 @@ def test_in_process_cuda_model_gets_its_gpus_on_the_replica() -> None:
     args["profile"]["path"] = "config/profiles/opt-125m-gpu-tp1-pp1.json"   # not measured: waived
     args["drain"] = {"tpot_s": 0.01}   # the drain's default TPOT comes from that profile
     parsed = AppArgs.model_validate(args, context={"require_profile": False})
-    defaults = parsed.scheduler_deployment_defaults()
+    defaults = parsed.engine_deployment_defaults()
     assert defaults["ray_actor_options"] == {"num_cpus": 0, "num_gpus": 1}
     assert defaults["placement_group_bundles"] == [{"CPU": 0.01, "GPU": 1.0}]
 
@@ -180,7 +180,7 @@ def test_pipeline_bundles_reserve_each_stage_with_its_tp_gpus() -> None:
     parsed = AppArgs.model_validate(args, context={"require_profile": False})
     assert parsed.placement_group_bundles() == [
         {"CPU": 0.01}, {"CPU": 2.0, "GPU": 2.0}, {"CPU": 2.0, "GPU": 2.0}]
-    assert "num_gpus" not in parsed.scheduler_deployment_defaults()["ray_actor_options"]
+    assert "num_gpus" not in parsed.engine_deployment_defaults()["ray_actor_options"]
 
 
 def test_profile_tp_mismatch_is_reported_when_the_file_is_present() -> None:
@@ -192,7 +192,7 @@ def test_profile_tp_mismatch_is_reported_when_the_file_is_present() -> None:
 
 
 def test_temperature_below_epsilon_is_greedy() -> None:
-    from app.protocol import CompletionRequest
+    from app.server.protocol import CompletionRequest
 
     req = CompletionRequest(model="m", prompt="x", temperature=1e-30)
     assert req.to_sampling(16).temperature == 0.0

@@ -25,7 +25,7 @@ from actors.messages import BatchEntry, BatchPlan, SamplingParams, StepOutput, S
 from actors.model.config import OPTConfig
 from actors.spec import ModelSpec
 from app.config import AppArgs
-from app.engine import Engine, ThreadedExecutor
+from app.engine.core import Engine, ThreadedExecutor
 from app.scheduler.config import (
     SWAP_MODES,
     ChunkedPrefillConfig,

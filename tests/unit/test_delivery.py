@@ -1,4 +1,4 @@
-"""Delivery channels (``app.delivery``) at both ends, without Ray: the scheduler replica's
+"""Delivery channels (``app.engine.delivery``) at both ends, without Ray: the engine replica's
 ``Channel`` with a real ``Engine`` over a fake executor, and the ingress replica's
 ``ChannelClient`` with fake Serve streams."""
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from app.delivery import Channel, ChannelClient, Message, merged_by_job
+from app.engine.delivery import Channel, ChannelClient, Message, merged_by_job
 from app.scheduler.job import TokenDelta
 
 
@@ -319,7 +319,7 @@ def test_closing_a_channel_still_sends_what_was_put_before() -> None:
 
 
 def test_a_job_accepted_on_a_channel_whose_ack_is_still_in_flight_reads_it() -> None:
-    """The scheduler replica takes jobs on a channel as soon as the ``subscribe`` call reaches
+    """The engine replica takes jobs on a channel as soon as the ``subscribe`` call reaches
     it, before the ingress has read its ack: such a job is on that channel, not failed."""
     async def run() -> None:
         opened = Opened()

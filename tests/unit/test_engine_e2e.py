@@ -13,7 +13,7 @@ import pytest
 from actors.executor import InProcessExecutor
 from actors.messages import SamplingParams
 from actors.spec import ModelSpec
-from app.engine import Engine, ThreadedExecutor
+from app.engine.core import Engine, ThreadedExecutor
 from app.scheduler.config import KVCacheConfig, SchedulerConfig, SwapMode
 from app.scheduler.profile import Profile
 from app.scheduler.scheduler import Scheduler

@@ -9,7 +9,7 @@ import math
 import torch
 
 from actors.messages import SamplingParams
-from app.choices import choice_sampling
+from app.server.choices import choice_sampling
 from tests.harness.fields import TINY, boost, recording, run_jobs, tiny_executor
 
 EOS = TINY.eos_token_id

@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 
 from actors.messages import SamplingParams, StepOutput
+from app.engine.offline import load_app_args
 from app.generation_config import eos_token_ids
-from app.ingress import OpenAIServer
-from app.ingress_requests import ServerContext
-from app.offline import load_app_args
-from app.protocol import APIError
 from app.scheduler.config import KVCacheConfig, SchedulerConfig
 from app.scheduler.job import JobRequest
 from app.scheduler.profile import Profile
 from app.scheduler.scheduler import Scheduler
+from app.server.ingress import OpenAIServer
+from app.server.ingress_requests import ServerContext
+from app.server.protocol import APIError
 from app.tokenizer import Tokenizer
 from tests.harness.tokenizers import LLAMA3_END_OF_TEXT, LLAMA3_EOT, LLAMA3_STYLE, require_smollm2
 

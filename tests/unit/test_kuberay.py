@@ -123,8 +123,8 @@ def test_a_model_copy_fits_the_gpu_pods_and_autoscaling_has_room() -> None:
     assert len(stages) == args.parallel.pipeline_parallel_size == 2
     for stage in stages:   # one stage per pod: its TP ranks share a bundle, a bundle one node
         assert stage["GPU"] == gpus and stage["CPU"] <= cpus
-    (scheduler,) = [d for d in app["deployments"] if d["name"] == "Scheduler"]
-    scaling = scheduler["autoscaling_config"]
+    (engine,) = [d for d in app["deployments"] if d["name"] == "Engine"]
+    scaling = engine["autoscaling_config"]
     assert gpu_group["minReplicas"] * gpus >= scaling["min_replicas"] * args.parallel.world_size
     assert gpu_group["maxReplicas"] * gpus >= scaling["max_replicas"] * args.parallel.world_size
 

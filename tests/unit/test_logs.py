@@ -23,8 +23,8 @@ def test_app_records_reach_the_serve_loggers_handlers_once() -> None:
     try:
         join_serve_logs()
         join_serve_logs()   # a second replica init in the same process adds nothing twice
-        logging.getLogger("app.delivery").info("channel to %s open", "r1")
-        assert collect.lines == ["app.delivery: channel to r1 open"]
+        logging.getLogger("app.engine.delivery").info("channel to %s open", "r1")
+        assert collect.lines == ["app.engine.delivery: channel to r1 open"]
     finally:
         serve.removeHandler(collect)
         ours.handlers[:] = saved[0]

@@ -1,4 +1,4 @@
-"""The OpenAI wire format (app.protocol) and the HTTP layer (app.ingress) over a fake scheduler.
+"""The OpenAI wire format (app.server.protocol) and the HTTP layer (app.server.ingress) over a fake scheduler.
 
 Exact error messages and bodies, sampling conversion, stop strings, SSE framing and usage; no Ray
 cluster (the scheduler side is a scripted ``Backend``).
@@ -13,18 +13,18 @@ from typing import Any
 import httpx
 import pytest
 
-from app.http_api import make_api, respond
-from app.ingress import OpenAIServer
-from app.ingress_requests import ServerContext
-from app.protocol import (
+from app.scheduler.job import JobRequest, TokenDelta
+from app.server.http_api import make_api, respond
+from app.server.ingress import OpenAIServer
+from app.server.ingress_requests import ServerContext
+from app.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     parse_request,
 )
-from app.protocol_output import StopStringMatcher
-from app.request_limits import RequestLimits
-from app.scheduler.job import JobRequest, TokenDelta
+from app.server.protocol_output import StopStringMatcher
+from app.server.request_limits import RequestLimits
 from tests.harness.http_backends import CONTEXT, FAKE_STATS, MODEL, TEXT_IDS, TOK, VOCAB, FakeBackend, FakeStream
 
 
@@ -424,7 +424,7 @@ def test_health_reports_the_schedulers_state() -> None:
             raise RuntimeError("no replica")
 
     resp = asyncio.run(get(Gone(TEXT_IDS)))
-    assert resp.status_code == 503 and "no scheduler replica answered" in resp.json()["error"]["message"]
+    assert resp.status_code == 503 and "no engine replica answered" in resp.json()["error"]["message"]
 
 
 def test_an_unavailable_engine_answers_503_with_retry_after() -> None:

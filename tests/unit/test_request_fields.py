@@ -1,4 +1,4 @@
-"""The request fields at the HTTP layer (``app.protocol``, ``app.request_fields``, ``app.choices``
+"""The request fields at the HTTP layer (``app.server.protocol``, ``app.server.request_fields``, ``app.server.choices``
 through ``OpenAIServer`` over a scripted backend): every field we do not honour is a 400 naming
 it, honoured fields reach the job's ``SamplingParams``, and the logprobs and ``n`` shapes, both
 streaming and not."""
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from actors.messages import SamplingParams, TokenLogprobs
-from app.request_fields import HARMLESS, REFUSED
 from app.scheduler.job import JobRequest, TokenDelta
+from app.server.request_fields import HARMLESS, REFUSED
 from app.tokenizer import Tokenizer
 from tests.harness.http_backends import MODEL, STATS, ScriptedBackend, post, sse_events
 

@@ -13,7 +13,7 @@ from actors.messages import SamplingParams
 from actors.model.config import OPTConfig
 from actors.sampler import Sampler
 from actors.spec import ModelSpec
-from app.engine import Engine, ThreadedExecutor
+from app.engine.core import Engine, ThreadedExecutor
 from app.scheduler.config import KVCacheConfig, SchedulerConfig
 from app.scheduler.profile import Profile
 from app.scheduler.scheduler import Scheduler
@@ -105,7 +105,7 @@ class StuckExecutor:
 
 
 def test_a_stuck_step_turns_the_engine_unhealthy_and_a_dead_loop_refuses_work() -> None:
-    from app.engine import EngineUnavailable
+    from app.engine.core import EngineUnavailable
     from app.scheduler.config import EngineConfig
 
     async def run() -> None:
@@ -221,10 +221,10 @@ def test_health_on_the_http_port_turns_503_when_a_step_is_stuck() -> None:
     work has waited for a step longer than engine.watchdog_s."""
     import httpx
 
-    from app.http_api import make_api
-    from app.ingress import OpenAIServer
-    from app.ingress_requests import ServerContext
     from app.scheduler.config import EngineConfig
+    from app.server.http_api import make_api
+    from app.server.ingress import OpenAIServer
+    from app.server.ingress_requests import ServerContext
     from app.tokenizer import Tokenizer
 
     async def run() -> list[int]:

@@ -1,4 +1,4 @@
-"""vLLM's per-token and per-request metrics from the engine loop (app.request_timing), exactly.
+"""vLLM's per-token and per-request metrics from the engine loop (app.engine.request_timing), exactly.
 
 The real ``Engine`` and ``Scheduler`` run on a manual clock; the data plane is a script that
 advances the clock by a chosen time per step (binary-exact, so every interval is exact) and
@@ -14,9 +14,9 @@ from collections.abc import Sequence
 import pytest
 
 from actors.messages import BatchPlan, StepOutput
-from app.engine import Engine
-from app.metrics import SchedulerMetrics
-from app.request_timing import RequestTimer, TimingBatch
+from app.engine.core import Engine
+from app.engine.metrics import SchedulerMetrics
+from app.engine.request_timing import RequestTimer, TimingBatch
 from app.scheduler.job import TokenDelta
 from tests.harness.metric_sinks import FakeSink, sinks
 from tests.harness.scheduling import TOKEN, make, req

@@ -14,7 +14,7 @@ import pytest
 from pydantic import ValidationError
 
 from actors.messages import BatchPlan, StepOutput
-from app.engine import Engine, ThreadedExecutor
+from app.engine.core import Engine, ThreadedExecutor
 from app.kv.enst import enst, level_waits
 from app.scheduler.config import (
     KVCacheConfig,

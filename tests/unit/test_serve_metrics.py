@@ -1,4 +1,4 @@
-"""The metric families (app.metrics) and the app's /metrics view of Ray's agents (app.metrics_export).
+"""The metric families (app.engine.metrics) and the app's /metrics view of Ray's agents (app.server.metrics_export).
 
 No Ray: recorders write into fake sinks; the exposition is fed text in the format Ray 2.60's
 metrics agent serves (names ``ray_<name>``, counters with ``_total``, Ray's own labels).
@@ -13,10 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.http_api import make_api
-from app.ingress import OpenAIServer
-from app.ingress_requests import ServerContext
-from app.metrics import (
+from app.engine.metrics import (
     INGRESS_FAMILIES,
     SCHEDULER_FAMILIES,
     TTFT_BUCKETS,
@@ -25,8 +22,11 @@ from app.metrics import (
     SchedulerMetrics,
     length_buckets,
 )
-from app.metrics_export import our_families, render
 from app.scheduler.job import JobStats, TokenDelta
+from app.server.http_api import make_api
+from app.server.ingress import OpenAIServer
+from app.server.ingress_requests import ServerContext
+from app.server.metrics_export import our_families, render
 from tests.harness.http_backends import CONTEXT, MODEL, TEXT_IDS, TOK, VOCAB, FakeBackend, FakeStream
 from tests.harness.metric_sinks import FakeSink, sinks
 
@@ -91,7 +91,7 @@ def test_counter_mirror_only_moves_forward() -> None:
 
 AGENT_A = """# HELP ray_fastserve_prompt_tokens_total Number of prefill tokens processed.
 # TYPE ray_fastserve_prompt_tokens_total counter
-ray_fastserve_prompt_tokens_total{WorkerId="w1",deployment="Scheduler",model_name="opt-125m",replica="r1"} 12.0
+ray_fastserve_prompt_tokens_total{WorkerId="w1",deployment="Engine",model_name="opt-125m",replica="r1"} 12.0
 # HELP ray_fastserve_e2e_request_latency_seconds Histogram of e2e request latency in seconds.
 # TYPE ray_fastserve_e2e_request_latency_seconds histogram
 ray_fastserve_e2e_request_latency_seconds_bucket{le="0.3",model_name="opt-125m",replica="r1"} 1.0
@@ -104,7 +104,7 @@ ray_serve_num_http_requests_total{route="/"} 9.0
 """
 AGENT_B = """# HELP ray_fastserve_prompt_tokens_total Number of prefill tokens processed.
 # TYPE ray_fastserve_prompt_tokens_total counter
-ray_fastserve_prompt_tokens_total{WorkerId="w2",deployment="Scheduler",model_name="opt-125m",replica="r2"} 30.0
+ray_fastserve_prompt_tokens_total{WorkerId="w2",deployment="Engine",model_name="opt-125m",replica="r2"} 30.0
 # HELP ray_fastserve_kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
 # TYPE ray_fastserve_kv_cache_usage_perc gauge
 ray_fastserve_kv_cache_usage_perc{model_name="opt-125m",replica="r2"} 0.25

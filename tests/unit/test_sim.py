@@ -16,7 +16,7 @@ from actors.executor import InProcessExecutor
 from actors.messages import SamplingParams
 from actors.model.config import OPTConfig
 from actors.spec import ModelSpec
-from app.engine import Engine, ThreadedExecutor
+from app.engine.core import Engine, ThreadedExecutor
 from app.scheduler.config import KVCacheConfig, PolicyName, SchedulerConfig
 from app.scheduler.profile import Profile
 from app.scheduler.scheduler import Scheduler

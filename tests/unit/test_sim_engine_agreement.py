@@ -21,7 +21,7 @@ from actors.executor import InProcessExecutor
 from actors.messages import BatchPlan, SamplingParams, StepOutput
 from actors.model.config import OPTConfig
 from actors.spec import ModelSpec
-from app.engine import Engine, ThreadedExecutor
+from app.engine.core import Engine, ThreadedExecutor
 from app.scheduler.config import KVCacheConfig, PolicyName, SchedulerConfig
 from app.scheduler.job import JobStats
 from app.scheduler.profile import Profile

@@ -34,7 +34,7 @@ from actors.executor import InProcessExecutor
 from actors.messages import BatchPlan, SamplingParams, StepOutput
 from actors.model.llama_config import LlamaConfig
 from actors.spec import ModelSpec
-from app.engine import Engine, ThreadedExecutor
+from app.engine.core import Engine, ThreadedExecutor
 from app.scheduler.config import ChunkedPrefillConfig, KVCacheConfig, SchedulerConfig
 from app.scheduler.profile import Profile
 from app.scheduler.scheduler import Scheduler

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from app.engine import RequestStream
+from app.engine.core import RequestStream
+from app.engine.step_stats import StepStats, diff_totals, summarize
 from app.errors import ErrorCode
 from app.scheduler.job import JobStats, TokenDelta
-from app.step_stats import StepStats, diff_totals, summarize
 
 
 def test_step_stats_means_per_kind_and_overhead_share() -> None:

@@ -1,10 +1,10 @@
 """The FastAPI app of the OpenAI-compatible server: its routes and how errors become bodies.
 
 Owns ``make_api``: the generation routes (``/v1/completions``, ``/v1/chat/completions``, served
-by ``app.ingress.OpenAIServer`` through ``respond``), the model and tokenizer routes (``app.tokenize_api``),
-``/health``, ``/debug/engine`` and ``/metrics``, and the exception handlers that turn every
-failure into an OpenAI error body with its status. Used by the Serve deployment
-(``app.ingress_deployment.Ingress``), the Ray Serve LLM adapter's tests and the unit tests.
+by ``app.server.ingress.OpenAIServer`` through ``respond``), the model and tokenizer routes
+(``app.server.tokenize_api``), ``/health``, ``/debug/engine`` and ``/metrics``, and the exception
+handlers that turn every failure into an OpenAI error body with its status. Used by the Serve deployment
+(``app.server.ingress_deployment.Ingress``), the Ray Serve LLM adapter's tests and the unit tests.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.metrics_export import CONTENT_TYPE
-from app.protocol import APIError, error_body
-from app.request_limits import read_body, wait_for_disconnect
-from app.tokenize_api import add_routes as add_info_routes
+from app.server.metrics_export import CONTENT_TYPE
+from app.server.protocol import APIError, error_body
+from app.server.request_limits import read_body, wait_for_disconnect
+from app.server.tokenize_api import add_routes as add_info_routes
 
 if TYPE_CHECKING:
-    from app.ingress import OpenAIServer
+    from app.server.ingress import OpenAIServer
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +77,12 @@ def make_api(server: OpenAIServer) -> FastAPI:
 
     @api.get("/health")
     async def health() -> Response:
-        """200 while a scheduler replica answers healthy; 503 naming the problem otherwise (load
+        """200 while an engine replica answers healthy; 503 naming the problem otherwise (load
         balancers and KubeRay probes need no API key for it)."""
         try:
             state = await asyncio.wait_for(server.backend.health(), server.ctx.limits.health_timeout_s)
         except Exception as exc:   # no replica answered: unhealthy, whatever the cause
-            state = {"healthy": False, "problem": f"no scheduler replica answered: {type(exc).__name__}"}
+            state = {"healthy": False, "problem": f"no engine replica answered: {type(exc).__name__}"}
         if state.get("healthy"):
             return PlainTextResponse("ok")
         return JSONResponse(error_body(f"unhealthy: {state.get('problem')}", "service_unavailable", None,
@@ -90,7 +90,7 @@ def make_api(server: OpenAIServer) -> FastAPI:
 
     @api.get("/debug/engine")
     async def engine_stats(request: Request) -> JSONResponse:
-        """One scheduler replica's counters and step breakdown (``loadtest.breakdown`` reads it)."""
+        """One engine replica's counters and step breakdown (``loadtest.breakdown`` reads it)."""
         server.check_auth(request.headers.get("authorization"))
         return JSONResponse(await server.backend.engine_stats())
 

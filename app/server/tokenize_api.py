@@ -14,7 +14,7 @@ the field; 404 for a model this server does not serve). Shapes are vLLM's
 Every field has to be one we honour: ``add_generation_prompt`` only true (our chat path always
 adds it), ``continue_final_message`` only false; ``chat_template``, ``tools`` and the other
 fields of vLLM's chat tokenize request are refused by name. ``tokenize_response`` and
-``detokenize_response`` are shared with the Ray Serve LLM adapter (``app.llm_server``).
+``detokenize_response`` are shared with the Ray Serve LLM adapter (``app.server.llm_server``).
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.chat_template import ChatTemplateError
-from app.protocol import APIError, ChatMessage, bad_request, parse_request
-from app.request_limits import read_body
+from app.server.protocol import APIError, ChatMessage, bad_request, parse_request
+from app.server.request_limits import read_body
 
 if TYPE_CHECKING:
-    from app.ingress import OpenAIServer
-    from app.ingress_requests import ServerContext
+    from app.server.ingress import OpenAIServer
+    from app.server.ingress_requests import ServerContext
 
 
 class TokenizeCompletionRequest(BaseModel):

@@ -1,14 +1,14 @@
-"""The OpenAI-compatible server's generation logic (the HTTP app is ``app.http_api``).
+"""The OpenAI-compatible server's generation logic (the HTTP app is ``app.server.http_api``).
 
-Owns what happens once a request is prepared (``app.ingress_requests``: auth, parsing,
-tokenization, validation): the call to a ``Scheduler`` replica through a streaming backend,
+Owns what happens once a request is prepared (``app.server.ingress_requests``: auth, parsing,
+tokenization, validation): the call to a ``Engine`` replica through a streaming backend,
 detokenization with stop strings, the non-streaming body and the SSE stream, every failure
 turned into an OpenAI error with the right status, and how each request ended for its client
 (``request_success{finished_reason}``). Imports no ray and no FastAPI.
 
 ``OpenAIServer`` holds the logic and talks to a ``Backend`` (the Serve handles in production,
-``app.ingress_deployment.ServeBackend``; a fake in unit tests); ``app.http_api.make_api`` builds
-the FastAPI app over it; ``app.ingress_deployment.Ingress`` is the Serve deployment class.
+``app.server.ingress_deployment.ServeBackend``; a fake in unit tests); ``app.server.http_api.make_api`` builds
+the FastAPI app over it; ``app.server.ingress_deployment.Ingress`` is the Serve deployment class.
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any, Protocol
 
-from app.choices import LogprobFormatter, merge_logprobs, merged
-from app.delivery import DeltaStream
-from app.ingress_requests import Prepared, RequestPreparer, ServerContext
-from app.ingress_streams import DeliveryDelay, Replayed
-from app.metrics import IngressMetrics
-from app.protocol import APIError, error_body
-from app.protocol_output import (
+from app.engine.delivery import DeltaStream
+from app.engine.metrics import IngressMetrics
+from app.scheduler.job import JobRequest, TokenDelta
+from app.server.choices import LogprobFormatter, merge_logprobs, merged
+from app.server.ingress_requests import Prepared, RequestPreparer, ServerContext
+from app.server.ingress_streams import DeliveryDelay, Replayed
+from app.server.protocol import APIError, error_body
+from app.server.protocol_output import (
     StopStringMatcher,
     chat_chunk,
     chat_response,
@@ -35,8 +36,7 @@ from app.protocol_output import (
     now_s,
     usage,
 )
-from app.request_limits import timed_out
-from app.scheduler.job import JobRequest, TokenDelta
+from app.server.request_limits import timed_out
 from app.tokenizer import IncrementalDecoder
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ SERVER_ENDED = {"abort": (503, "the server stopped the request (shutting down?)"
                 "error": (500, "generation failed inside the engine")}
 
 #: A scheduler stream: an async iterator of ``TokenDelta``s that can be cancelled (a job's own
-#: Serve stream, or ``app.delivery.JobStream`` reading it and its channel).
+#: Serve stream, or ``app.engine.delivery.JobStream`` reading it and its channel).
 Stream = DeltaStream
 
 
@@ -288,7 +288,7 @@ class OpenAIServer(RequestPreparer):
             yield b"data: " + json.dumps(exc.body()).encode() + b"\n\n"
             yield SSE_DONE
             return
-        except Exception as exc:   # e.g. the scheduler replica died mid-stream
+        except Exception as exc:   # e.g. the engine replica died mid-stream
             log.exception("stream %s failed", rid)
             body = error_body(f"internal error: {type(exc).__name__}", "internal_error", None, "internal_error")
             yield b"data: " + json.dumps(body).encode() + b"\n\n"

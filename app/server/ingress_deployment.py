@@ -1,9 +1,9 @@
-"""The ``Ingress`` Serve deployment: the HTTP server in front of the Scheduler deployment.
+"""The ``Ingress`` Serve deployment: the HTTP server in front of the Engine deployment.
 
-Owns the production wiring of ``app.ingress.OpenAIServer``: ``ServeBackend`` (the Scheduler
+Owns the production wiring of ``app.server.ingress.OpenAIServer``: ``ServeBackend`` (the Engine
 deployment's handle, Ray's metrics agents), this replica's delivery channels
-(``channel_client``, ``app.delivery``), and ``Ingress``, the deployment class ``app.main``
-binds; its FastAPI app (``app.http_api.make_api``) is built per replica.
+(``channel_client``, ``app.engine.delivery``), and ``Ingress``, the deployment class ``app.main``
+binds; its FastAPI app (``app.server.http_api.make_api``) is built per replica.
 """
 
 from __future__ import annotations
@@ -16,24 +16,24 @@ from fastapi import FastAPI
 from ray import serve
 
 from app.config import AppArgs
-from app.delivery import ChannelClient, MessageStream
-from app.http_api import make_api
-from app.ingress import OpenAIServer, Stream
-from app.ingress_requests import ServerContext
+from app.engine.delivery import ChannelClient, MessageStream
+from app.engine.metrics import IngressMetrics
 from app.logs import join_serve_logs
-from app.metrics import IngressMetrics
-from app.metrics_export import AgentMetrics
-from app.routing import PIN_KWARG
 from app.scheduler.job import JobRequest
+from app.server.http_api import make_api
+from app.server.ingress import OpenAIServer, Stream
+from app.server.ingress_requests import ServerContext
+from app.server.metrics_export import AgentMetrics
+from app.server.routing import PIN_KWARG
 
 log = logging.getLogger(__name__)
 
 
 class ServeBackend:
-    """The production ``Backend``: the Scheduler deployment's handle, Ray's metrics agents.
+    """The production ``Backend``: the Engine deployment's handle, Ray's metrics agents.
 
     With ``channels`` (``server.delivery_channels``), jobs' tokens come on this ingress replica's
-    delivery channels (one message per step per scheduler replica, ``app.delivery``) once one is
+    delivery channels (one message per step per engine replica, ``app.engine.delivery``) once one is
     open to the replica a job landed on; without, each job's tokens come on its own stream."""
 
     def __init__(self, scheduler: Any, metrics: AgentMetrics, channels: ChannelClient | None,
@@ -73,7 +73,7 @@ class ServeBackend:
 
 
 def channel_client(scheduler: Any, ingress_id: str, open_timeout_s: float) -> ChannelClient:
-    """This ingress replica's delivery channels over the Scheduler deployment's handle."""
+    """This ingress replica's delivery channels over the Engine deployment's handle."""
     subscribe = scheduler.options(stream=True).subscribe
 
     def open_channel(ingress: str, replica_id: str, channel_id: str) -> MessageStream:
@@ -106,5 +106,5 @@ class Ingress:
 
 
 def _ingress_replica_id() -> str:
-    """This Serve replica's unique id: the scheduler replicas key its delivery channel by it."""
+    """This Serve replica's unique id: the engine replicas key its delivery channel by it."""
     return str(serve.get_replica_context().replica_id.unique_id)

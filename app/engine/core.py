@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from actors.messages import BatchPlan, SamplingParams, StepOutput
+from app.engine.request_timing import RequestTimer
+from app.engine.step_stats import StepKind, StepStats
 from app.errors import AdmissionQueueFull, EngineUnavailable
-from app.request_timing import RequestTimer
 from app.scheduler.config import EngineConfig
 from app.scheduler.job import JobRequest, TokenDelta
 from app.scheduler.scheduler import Scheduler
-from app.step_stats import StepKind, StepStats
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ Owns the ``text_completion`` and ``chat.completion`` bodies and their ``.chunk``
 ``usage`` (with ``prompt_tokens_details.cached_tokens``), and ``StopStringMatcher``: OpenAI
 ``stop`` strings matched on the detokenized text, trimmed from the output, with just enough text
 held back while streaming that a stop string split across tokens is never sent. The request side
-is ``app.protocol``.
+is ``app.server.protocol``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Owns ``RequestLimits`` (the ``server.*`` limits, with ``ServerArgs``' defaults), reading a request
 body under its size limit (413 past it), watching the ASGI connection for the client leaving,
-and the error bodies of a timed-out request. Used by ``app.ingress``; imports no ray.
+and the error bodies of a timed-out request. Used by ``app.server.ingress``; imports no ray.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 from starlette.requests import Request
 
 from app.config_server import ServerArgs
-from app.protocol import APIError
+from app.server.protocol import APIError
 
 
 @dataclass(frozen=True)

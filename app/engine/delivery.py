@@ -2,15 +2,15 @@
 
 A job's tokens used to travel on its own Serve stream: at batch 16 a step sent 16 stream items,
 each a Ray object and an RPC through two busy processes. An ingress replica now opens one
-long-lived stream to each scheduler replica it has jobs on (``SchedulerReplica.subscribe``,
-routed to that replica by ``app.routing``); the scheduler replica puts every job of that ingress
+long-lived stream to each engine replica it has jobs on (``EngineReplica.subscribe``,
+routed to that replica by ``app.server.routing``); the engine replica puts every job of that ingress
 replica into its ``Channel``, which sends the deltas of each step as one message.
 
 Owns both ends, and neither imports ray:
 
-- ``Channel`` (scheduler replica): a ``DeltaSink`` per job, one message per wake-up holding the
+- ``Channel`` (engine replica): a ``DeltaSink`` per job, one message per wake-up holding the
   deltas put since the last one (one per job, merged), and which jobs are still open on it.
-- ``ChannelClient`` (ingress replica): its open channels (one per scheduler replica), the
+- ``ChannelClient`` (ingress replica): its open channels (one per engine replica), the
   routes from job id to the queue its request reads, and ``JobStream``, the ``Stream`` an HTTP
   request reads: the job's accepted event from its own Serve stream, then its tokens from the
   channel, or from its own stream when the job was accepted without one.
@@ -19,7 +19,7 @@ A job is put on a channel when it is accepted, or never: its events then all tra
 ordered stream. Its own Serve stream stays open until it ends, so cancelling that stream still
 aborts the job (client gone, stop string). A channel that breaks fails the jobs on it (``error``)
 at both ends: the scheduler aborts them, the ingress ends their requests. A channel with no job
-on it for ``server.channel_idle_close_s`` is ended by the scheduler replica (its ``subscribe``
+on it for ``server.channel_idle_close_s`` is ended by the engine replica (its ``subscribe``
 call returns), so an idle channel never holds a replica that Serve is draining; the ingress opens
 a new one with the next job accepted there.
 """
@@ -65,7 +65,7 @@ class DeltaStream(Protocol):
     def cancel(self) -> None: ...
 
 
-# ---- the scheduler replica's end ---------------------------------------------------------------
+# ---- the engine replica's end ---------------------------------------------------------------
 
 class _JobSink:
     """The engine's ``DeltaSink`` for one job on a channel."""
@@ -78,12 +78,12 @@ class _JobSink:
 
 
 class Channel:
-    """One ingress replica's channel in a scheduler replica (one ``subscribe`` call)."""
+    """One ingress replica's channel in an engine replica (one ``subscribe`` call)."""
 
     def __init__(self, channel_id: str, idle_close_s: float | None = None) -> None:
         self.channel_id = channel_id
         #: With no job open and nothing to send for this long, the channel ends (``messages``
-        #: returns): an open ``subscribe`` call is a request in flight on the scheduler replica,
+        #: returns): an open ``subscribe`` call is a request in flight on the engine replica,
         #: and Serve's drain waits for every one. None = only ``close()`` ends it.
         self.idle_close_s = idle_close_s
         self._pending: list[TokenDelta] = []
@@ -168,12 +168,12 @@ def merged_by_job(deltas: list[TokenDelta], emitted_at: float) -> Message:
 
 # ---- the ingress replica's end -----------------------------------------------------------------
 
-#: Opens a channel: (ingress replica id, scheduler replica id, channel id) → its message stream.
+#: Opens a channel: (ingress replica id, engine replica id, channel id) → its message stream.
 OpenChannel = Callable[[str, str, str], MessageStream]
 
 
 class ChannelClient:
-    """An ingress replica's channels, one per scheduler replica, and its jobs' routes.
+    """An ingress replica's channels, one per engine replica, and its jobs' routes.
 
     ``open_timeout_s`` bounds how long a new channel may take to answer; a channel that failed
     to open is not tried again for as long (its jobs travel on their own streams meanwhile).
@@ -184,11 +184,11 @@ class ChannelClient:
         self._open_channel = open_channel
         self._open_timeout_s = open_timeout_s
         self._routes: dict[str, asyncio.Queue[TokenDelta]] = {}   # job id → its request's queue
-        self._live: dict[str, str] = {}          # scheduler replica id → id of its open channel
+        self._live: dict[str, str] = {}          # engine replica id → id of its open channel
         self._current: dict[str, str] = {}       # … → id of its channel, open or opening
-        self._readers: dict[str, asyncio.Task[None]] = {}   # scheduler replica id → reader task
+        self._readers: dict[str, asyncio.Task[None]] = {}   # engine replica id → reader task
         self._on_channel: dict[str, set[str]] = {}   # channel id → its jobs here
-        self._failed_at: dict[str, float] = {}   # scheduler replica id → when opening failed
+        self._failed_at: dict[str, float] = {}   # engine replica id → when opening failed
         self.messages = 0                        # channel messages read (tests, operators)
 
     @property
@@ -215,7 +215,7 @@ class ChannelClient:
 
     def adopt(self, job_id: str, replica_id: str, channel_id: str) -> bool:
         """The job was accepted on ``channel_id``: True if that channel is the one open here, or
-        opening (the scheduler replica takes jobs on a channel before its ack reaches us)."""
+        opening (the engine replica takes jobs on a channel before its ack reaches us)."""
         if self._current.get(replica_id) != channel_id:
             return False
         self._on_channel.setdefault(channel_id, set()).add(job_id)
@@ -249,14 +249,14 @@ class ChannelClient:
                     queue = self._routes.get(delta.job_id)
                     if queue is not None:
                         queue.put_nowait(delta)
-            # Ended by the scheduler replica: idle (no job of ours left on it) or replaced by a
+            # Ended by the engine replica: idle (no job of ours left on it) or replaced by a
             # newer channel. The next job accepted there without one opens another.
-            log.debug("delivery channel to scheduler replica %s closed by it", replica_id)
+            log.debug("delivery channel to engine replica %s closed by it", replica_id)
         except BaseException as exc:   # the replica died, never answered, or Serve cancelled the call
             task = asyncio.current_task()
             if task is not None and task.cancelling():   # ours: close()
                 raise
-            log.warning("delivery channel to scheduler replica %s ended: %r", replica_id, exc)
+            log.warning("delivery channel to engine replica %s ended: %r", replica_id, exc)
             self._failed_at[replica_id] = time.monotonic()
         finally:
             stream.cancel()
@@ -279,7 +279,7 @@ class ChannelClient:
 
 
 class JobStream:
-    """One job's events as its request reads them (``app.ingress.Stream``)."""
+    """One job's events as its request reads them (``app.server.ingress.Stream``)."""
 
     def __init__(self, job_id: str, job_stream: DeltaStream, client: ChannelClient,
                  queue: asyncio.Queue[TokenDelta]) -> None:

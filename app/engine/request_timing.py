@@ -1,7 +1,7 @@
 """Per-request timestamps the engine loop sees, turned into vLLM's request and token metrics.
 
 Owns what vLLM's v1 engine measures per request (``RequestStateStats``) and per step
-(``IterationStats``), in the engine's own clock, for one scheduler replica:
+(``IterationStats``), in the engine's own clock, for one engine replica:
 
 - arrival (the job reaching the engine), first scheduled (the first plan that includes it:
   preemptions later do not move it), first token, last token;
@@ -18,7 +18,7 @@ Owns what vLLM's v1 engine measures per request (``RequestStateStats``) and per 
   Aborted and failed jobs leave no latency (their tokens still count).
 
 ``RequestTimer`` accumulates these between two ``drain`` calls; the replica's metrics tick drains
-them into Ray's metrics (``app.metrics.SchedulerMetrics.record_timing``). Imports no torch, no ray.
+them into Ray's metrics (``app.engine.metrics.SchedulerMetrics.record_timing``). Imports no torch, no ray.
 """
 
 from __future__ import annotations

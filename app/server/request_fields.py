@@ -1,7 +1,7 @@
 """Which request fields we honour and which we refuse: the decision table for every field that
 vLLM's ``ChatCompletionRequest`` / ``CompletionRequest`` (and OpenAI's) define.
 
-Honoured (declared on the request models in ``app.protocol``): ``model``, ``prompt`` /
+Honoured (declared on the request models in ``app.server.protocol``): ``model``, ``prompt`` /
 ``messages``, ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k``,
 ``min_p``, ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``,
 ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logprobs`` (chat: bool,

@@ -5,11 +5,11 @@ runs (``FastServeEngine``). With it, a Ray Serve LLM application (``build_openai
 a model with FastServe's skip-join MLFQ scheduler and proactive KV swapping instead of vLLM's:
 
     LLMConfig(model_loading_config={"model_id": "opt-125m"},
-              server_cls="app.llm_server:FastServeLLMServer",
+              server_cls="app.server.llm_server:FastServeLLMServer",
               engine_kwargs={<our AppArgs: model, parallel, profile, scheduler, kv_cache, ...>})
 
 ``engine_kwargs`` are validated as ``app.config.AppArgs`` (``model.name`` defaults to the
-``model_id``). Each replica is one model copy: the engine runs a ``SchedulerReplica`` in
+``model_id``). Each replica is one model copy: the engine runs a ``EngineReplica`` in
 process, with its placement group derived from the parallel layout exactly as in our own app,
 and answers through our ``OpenAIServer`` (same validation, stop strings, ``job_stats``).
 Subclassing ``LLMServer`` keeps Ray Serve LLM's own behaviour around it: request ids, stream
@@ -36,13 +36,13 @@ from ray.llm._internal.serve.core.engine.protocol import LLMEngine
 from ray.serve.llm import LLMServer
 
 from app.config import AppArgs
-from app.ingress import OpenAIServer, Stream
-from app.ingress_requests import Prepared, ServerContext
-from app.metrics import IngressMetrics
-from app.protocol import APIError
+from app.engine.metrics import IngressMetrics
+from app.engine.replica import EngineReplica
 from app.scheduler.job import JobRequest, TokenDelta
-from app.serving import SchedulerReplica
-from app.tokenize_api import detokenize_response, tokenize_response
+from app.server.ingress import OpenAIServer, Stream
+from app.server.ingress_requests import Prepared, ServerContext
+from app.server.protocol import APIError
+from app.server.tokenize_api import detokenize_response, tokenize_response
 
 
 def app_args(llm_config: LLMConfig) -> AppArgs:
@@ -57,7 +57,7 @@ def app_args(llm_config: LLMConfig) -> AppArgs:
 
 
 class LocalStream:
-    """A ``SchedulerReplica.generate`` stream in this process, cancellable like a Serve stream."""
+    """A ``EngineReplica.generate`` stream in this process, cancellable like a Serve stream."""
 
     def __init__(self, gen: AsyncGenerator[TokenDelta, None]) -> None:
         self._gen = gen
@@ -76,9 +76,9 @@ class LocalStream:
 
 
 class LocalBackend:
-    """``OpenAIServer``'s backend: the scheduler replica living in this Serve replica."""
+    """``OpenAIServer``'s backend: the engine replica living in this Serve replica."""
 
-    def __init__(self, replica: SchedulerReplica) -> None:
+    def __init__(self, replica: EngineReplica) -> None:
         self.replica = replica
 
     def generate(self, req: JobRequest) -> Stream:
@@ -100,7 +100,7 @@ class LocalBackend:
 
 def _client_fields(request: Any) -> bytes:
     """Only the fields the client sent (vLLM's model filled defaults in; Ray's own request_id
-    is not the client's, and our models refuse a client's request_id, app.request_fields)."""
+    is not the client's, and our models refuse a client's request_id, app.server.request_fields)."""
     raw: bytes = request.model_dump_json(exclude_unset=True, exclude={"request_id"}).encode()
     return raw
 
@@ -123,11 +123,11 @@ class FastServeEngine(LLMEngine):
     def __init__(self, llm_config: LLMConfig) -> None:
         self.llm_config = llm_config
         self.args = app_args(llm_config)
-        self.replica: SchedulerReplica | None = None
+        self.replica: EngineReplica | None = None
         self.server: OpenAIServer | None = None
 
     async def start(self) -> None:
-        self.replica = await SchedulerReplica.create(self.args)
+        self.replica = await EngineReplica.create(self.args)
         ctx = ServerContext.from_args(self.args)
         self.server = OpenAIServer(ctx, LocalBackend(self.replica), IngressMetrics(ctx.model_name))
 
@@ -154,7 +154,7 @@ class FastServeEngine(LLMEngine):
         """Our validation and scheduling on the client's fields; SSE strings or one response."""
         assert self.server is not None, "start() first"
         # Only the fields the client sent: Ray's own request_id is not the client's (our models
-        # refuse a client's request_id, app.request_fields).
+        # refuse a client's request_id, app.server.request_fields).
         raw = _client_fields(request)
         server = self.server
         try:
@@ -173,7 +173,7 @@ class FastServeEngine(LLMEngine):
 
     async def tokenize(
             self, request: Any, raw_request_info: Any = None) -> AsyncGenerator[Any, None]:
-        """``/tokenize`` as our own server answers it (``app.tokenize_api``). Ray's router parses
+        """``/tokenize`` as our own server answers it (``app.server.tokenize_api``). Ray's router parses
         the body as vLLM's ``TokenizeCompletionRequest`` first: a chat (``messages``) body is
         refused there with a 400 before it reaches us."""
         assert self.server is not None, "start() first"
@@ -226,12 +226,12 @@ class FastServeLLMServer(LLMServer):
 
     @classmethod
     def get_deployment_options(cls, llm_config: LLMConfig) -> dict[str, Any]:  # type: ignore[override]
-        """Our Scheduler deployment's defaults and placement group, under ``deployment_config``."""
+        """Our Engine deployment's defaults and placement group, under ``deployment_config``."""
         args = app_args(llm_config)
         options = copy.deepcopy(dict(llm_config.deployment_config))
         for key in ("placement_group_bundles", "placement_group_strategy"):
             if key in options:
                 raise ValueError(f"deployment_config.{key} is derived from engine_kwargs.parallel; do not set it")
-        defaults = args.scheduler_deployment_defaults()
+        defaults = args.engine_deployment_defaults()
         options.setdefault("ray_actor_options", defaults["ray_actor_options"])
         return {**defaults, **options}

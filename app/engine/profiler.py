@@ -1,6 +1,6 @@
 """The job profiler (paper §3.2): measure iteration times offline, write a profile JSON.
 
-``python -m app.profiler --model config/models/opt-125m`` measures, on the in-process executor,
+``python -m app.engine.profiler --model config/models/opt-125m`` measures, on the in-process executor,
 the first-iteration time ``t_init(s)`` over a grid of prompt lengths, the decode-iteration time
 ``t_dec(b)`` over a grid of batch sizes, and the cost of swapping one KV block, and writes
 ``config/profiles/<model>-<hardware>-tp1-pp1.json``. The scheduler interpolates it
@@ -23,7 +23,7 @@ from actors.executor import InProcessExecutor
 from actors.messages import BatchEntry, BatchPlan, SamplingParams, SwapCommand, blocks_for
 from actors.spec import ModelSpec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PROMPT_LENS = (1, 16, 32, 64, 128, 256, 512, 1024)
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 #: Context each decoding sequence has when t_dec is measured (ShareGPT's mean prompt is ~160).

@@ -2,9 +2,9 @@
 
 Owns ``ServerContext`` (model name, tokenizer, limits, API key), ``Prepared`` (a parsed request
 and the ``JobRequest`` per choice it asks for) and ``RequestPreparer``: authentication, parsing
-and checking a body (``app.protocol``), tokenization and chat templating (``app.tokenizer``), the
+and checking a body (``app.server.protocol``), tokenization and chat templating (``app.tokenizer``), the
 one validation (``app.errors.validate_request``) and how a refusal reads to the client. The
-generation side, ``app.ingress.OpenAIServer``, extends it. Imports no ray and no FastAPI.
+generation side, ``app.server.ingress.OpenAIServer``, extends it. Imports no ray and no FastAPI.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 
 from actors.messages import SamplingParams
 from app.chat_template import ChatTemplateError
-from app.choices import choice_job_id, choice_sampling
 from app.config import AppArgs
 from app.errors import ErrorCode, RequestError, validate_request
-from app.protocol import (
+from app.scheduler.job import JobRequest
+from app.server.choices import choice_job_id, choice_sampling
+from app.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     APIError,
     ChatCompletionRequest,
@@ -26,9 +27,8 @@ from app.protocol import (
     bad_request,
     parse_request,
 )
-from app.protocol_output import now_s
-from app.request_limits import RequestLimits
-from app.scheduler.job import JobRequest
+from app.server.protocol_output import now_s
+from app.server.request_limits import RequestLimits
 from app.tokenizer import Tokenizer
 
 #: How a refusal's message reads to the client, by its code (default: the message as is).

@@ -1,4 +1,4 @@
-"""Helpers for reading one job's stream at the ingress (``app.ingress.OpenAIServer``).
+"""Helpers for reading one job's stream at the ingress (``app.server.ingress.OpenAIServer``).
 
 ``Replayed`` gives back a first item already read (the ingress waits for a job's first output
 before answering); ``DeliveryDelay`` measures the mean delay from the scheduler emitting an
@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from app.delivery import DeltaStream
+from app.engine.delivery import DeltaStream
 from app.scheduler.job import TokenDelta
 
 

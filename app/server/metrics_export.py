@@ -23,7 +23,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from app.metrics import PREFIX
+from app.engine.metrics import PREFIX
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ for) and ``tpot_s`` to the profile's decode step at ``scheduler.max_batch_size``
 time per output token of a full batch); ``slack`` covers what a step time does not (other jobs'
 prefills, MLFQ waits, swaps). No request outlives ``server.request_timeout_s``, so no drain is
 longer. A replica with nothing left in flight stops at once, whatever the timeout: its delivery
-channels end once idle (``server.channel_idle_close_s``, ``app.delivery``), so a long timeout
+channels end once idle (``server.channel_idle_close_s``, ``app.engine.delivery``), so a long timeout
 costs only the streams it saves. The YAML's ``deployments:`` section still overrides the result
 per deployment.
 """

@@ -1,7 +1,7 @@
 """Prometheus metrics, recorded through Ray's metrics pipeline where the events happen.
 
 Owns the metric families (name, type, labels, buckets, help) and the two recorders that write
-them: ``SchedulerMetrics`` in each ``Scheduler`` replica, ``IngressMetrics`` in each ``Ingress``
+them: ``SchedulerMetrics`` in each ``Engine`` replica, ``IngressMetrics`` in each ``Ingress``
 replica. Both record with ``ray.serve.metrics`` (``ray.util.metrics`` plus the ``deployment``,
 ``replica`` and ``application`` tags Serve adds inside a replica), so every Ray node's metrics
 agent exports them and KubeRay's PodMonitor scrapes them. Nothing here sums across replicas.
@@ -9,7 +9,7 @@ agent exports them and KubeRay's PodMonitor scrapes them. Nothing here sums acro
 Names follow vLLM's (same suffix, unit, buckets, ``model_name`` label) under our own prefix.
 Ray forbids ``:`` in metric names and prefixes ``ray_``, so ``fastserve_<suffix>`` is exported by
 the agents as ``ray_fastserve_<suffix>`` — exactly as vLLM on Ray exports ``ray_vllm_<suffix>``;
-``app.metrics_export`` shows them on the app's own ``/metrics`` as ``fastserve:<suffix>``, the
+``app.server.metrics_export`` shows them on the app's own ``/metrics`` as ``fastserve:<suffix>``, the
 way standalone vLLM shows ``vllm:<suffix>``.
 
 Counters mirrored from the scheduler's cumulative totals are advanced by their difference since
@@ -22,8 +22,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
+from app.engine.request_timing import COMPLETED, TimingBatch
 from app.kv.manager import Tier
-from app.request_timing import COMPLETED, TimingBatch
 from app.scheduler.job import JobState, JobStats
 from app.scheduler.scheduler import Scheduler
 
@@ -80,7 +80,7 @@ def _families(*items: Family) -> dict[str, Family]:
     return {f.suffix: f for f in items}
 
 
-#: Recorded in each Scheduler replica. vLLM's families first, then the scheduler's own.
+#: Recorded in each Engine replica. vLLM's families first, then the scheduler's own.
 #: Buckets of the two token-length families are rebuilt for the model's context length.
 SCHEDULER_FAMILIES = _families(
     Family("num_requests_running", "gauge", "Number of requests in model execution batches."),
@@ -230,7 +230,7 @@ def scheduler_families(max_model_len: int) -> dict[str, Family]:
 
 
 class SchedulerMetrics(Recorder):
-    """What one Scheduler replica records every sampling tick: the engine's per-step and
+    """What one Engine replica records every sampling tick: the engine's per-step and
     per-request timing since the last tick (``record_timing``), the scheduler's accounting of
     finished jobs (``job_finished``), and its state (``sample``)."""
 
@@ -240,7 +240,7 @@ class SchedulerMetrics(Recorder):
         self._mirror = CounterMirror()
 
     def record_timing(self, batch: TimingBatch) -> None:
-        """vLLM's token counters and latency histograms from the engine (``app.request_timing``)."""
+        """vLLM's token counters and latency histograms from the engine (``app.engine.request_timing``)."""
         self.inc("prompt_tokens", batch.prompt_tokens)
         self.inc("generation_tokens", batch.generation_tokens)
         for ttft in batch.ttfts:

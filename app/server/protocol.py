@@ -8,7 +8,7 @@ Owns what crosses the HTTP boundary inwards and its exact error messages:
 * ``APIError`` and ``error_body``: the OpenAI error body ``{"error": {message, type, param, code}}``
   used for every non-2xx answer.
 
-What goes back (response bodies, stream chunks, ``usage``, stop strings) is ``app.protocol_output``.
+What goes back (response bodies, stream chunks, ``usage``, stop strings) is ``app.server.protocol_output``.
 
 Beyond OpenAI, as vLLM accepts them: ``top_k`` (0 or -1 disables it), ``ignore_eos`` (benchmark
 clients fix output lengths with it), ``return_token_ids`` (the generated ids beside the text), and
@@ -16,7 +16,7 @@ clients fix output lengths with it), ``return_token_ids`` (the generated ids bes
 clamped to the existing levels; single-level policies ignore it). Responses carry ``job_stats``: the scheduler's
 per-job accounting (queueing, execution and swap-blocked seconds, demotions, promotions, swaps).
 
-Every other field a client may send is honoured or refused by the table in ``app.request_fields``
+Every other field a client may send is honoured or refused by the table in ``app.server.request_fields``
 (vLLM's sampling extras ``min_p``, ``min_tokens``, ``stop_token_ids``, ``repetition_penalty``,
 ``skip_special_tokens`` are honoured; ``n`` fans out into one job per choice at the ingress).
 """
@@ -29,7 +29,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from actors.messages import SamplingParams
-from app.request_fields import refused_field
+from app.server.request_fields import refused_field
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's legacy completions default
 #: Temperatures below this are greedy (as vLLM): dividing logits by ~0 would overflow softmax.
@@ -76,7 +76,7 @@ class StreamOptions(BaseModel):
 
 class _GenerationRequest(BaseModel):
     """Fields both endpoints share. Undeclared fields are kept (``extra="allow"``) only to be
-    judged by ``app.request_fields``: harmless ones pass, every other one is refused."""
+    judged by ``app.server.request_fields``: harmless ones pass, every other one is refused."""
 
     model_config = ConfigDict(extra="allow")
 

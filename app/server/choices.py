@@ -1,4 +1,4 @@
-"""What a request with several choices or logprobs needs at the ingress, beside ``app.ingress``.
+"""What a request with several choices or logprobs needs at the ingress, beside ``app.server.ingress``.
 
 Owns the ``n`` fan-out (one job per choice, each through the scheduler like any request, its
 seed derived from the request's as vLLM does: ``seed + index``, so choices differ and repeat),

@@ -1,8 +1,8 @@
-"""The ``Scheduler`` deployment's request router: Serve's power of two choices, except for calls
+"""The ``Engine`` deployment's request router: Serve's power of two choices, except for calls
 pinned to one replica.
 
-Owns one rule: a call with a ``pinned_replica`` keyword (``SchedulerReplica.subscribe``, an
-ingress replica's delivery channel, ``app.delivery``) goes to the running replica with that
+Owns one rule: a call with a ``pinned_replica`` keyword (``EngineReplica.subscribe``, an
+ingress replica's delivery channel, ``app.engine.delivery``) goes to the running replica with that
 unique id, or waits for it (the caller bounds the wait). Every other call (``generate``,
 ``stats``, ``health``) is routed as Serve routes by default.
 
@@ -28,5 +28,5 @@ class PinnedReplicaRouter(PowerOfTwoChoicesRequestRouter):
         return [[replica for replica in candidate_replicas if replica.replica_id.unique_id == target]]
 
 
-#: ``serve.deployment(request_router_config=...)``'s value for the Scheduler deployment.
+#: ``serve.deployment(request_router_config=...)``'s value for the Engine deployment.
 ROUTER_CLASS = f"{__name__}:{PinnedReplicaRouter.__name__}"

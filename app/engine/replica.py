@@ -1,18 +1,18 @@
-"""The ``Scheduler`` deployment: one replica = one model copy, its executor and its engine loop.
+"""The ``Engine`` deployment: one replica = one model copy, its executor and its engine loop.
 
-Owns the replica side of a request: ``SchedulerReplica.generate`` submits the ingress's
+Owns the replica side of a request: ``EngineReplica.generate`` submits the ingress's
 ``JobRequest`` to the replica's ``Engine`` and streams the job's ``TokenDelta``s back through the
 ingress's ``DeploymentHandle``; the first event says whether the job was accepted (or refused,
 with the ``ErrorCode`` that picks the HTTP answer: admission queue full → 429, invalid → 400), the
 last carries the finish reason and the job's stats (``JobStats``). A cancelled stream (client
 gone, stop string matched) aborts the job, which frees its KV blocks. ``subscribe`` holds each
-ingress replica's delivery channel (``app.delivery``): its jobs' events after the accepted one
+ingress replica's delivery channel (``app.engine.delivery``): its jobs' events after the accepted one
 travel there, one message per step, instead of on their own streams.
 
 It also owns executor construction (``build_executor``): in process (``ThreadedExecutor`` over
 ``InProcessExecutor``) for TP·PP = 1, else the Ray pipeline of stage-worker actors placed in this
 replica's own placement group (bundle 0 is the replica, bundle 1 + s is stage s), and the
-replica's metrics (``app.metrics.SchedulerMetrics``): every ``metrics_sample_interval_s``, the
+replica's metrics (``app.engine.metrics.SchedulerMetrics``): every ``metrics_sample_interval_s``, the
 engine's per-step token counts and per-request timing since the last tick, finished jobs'
 accounting and the scheduler's state, recorded into Ray's metrics pipeline.
 """
@@ -30,11 +30,11 @@ from typing import Any
 from actors.spec import EngineSpec
 from app.config import AppArgs
 from app.config_model import resolve_path
-from app.delivery import Channel, Message
-from app.engine import Engine, Executor, SyncExecutor, ThreadedExecutor
+from app.engine.core import Engine, Executor, SyncExecutor, ThreadedExecutor
+from app.engine.delivery import Channel, Message
+from app.engine.metrics import SchedulerMetrics
 from app.errors import AdmissionQueueFull, RequestError
 from app.logs import join_serve_logs
-from app.metrics import SchedulerMetrics
 from app.scheduler.job import JobRequest, TokenDelta
 from app.scheduler.profile import Profile
 from app.scheduler.scheduler import Scheduler
@@ -79,8 +79,8 @@ def build_scheduler(args: AppArgs) -> Scheduler:
     return Scheduler(args.scheduler, args.kv_cache, profile, eos_token_ids=args.model.eos_token_ids())
 
 
-class SchedulerReplica:
-    """The body of the ``Scheduler`` deployment (``app.main`` applies the Serve options)."""
+class EngineReplica:
+    """The body of the ``Engine`` deployment (``app.main`` applies the Serve options)."""
 
     # Serve awaits an async constructor: the replica is ready only once its model is loaded.
     async def __init__(self, args: dict[str, Any] | AppArgs) -> None:  # type: ignore[misc]
@@ -98,11 +98,11 @@ class SchedulerReplica:
         self._channels: dict[str, Channel] = {}   # ingress replica id → its delivery channel here
         self._sample_task = asyncio.get_running_loop().create_task(self._sample_metrics_forever())
         self._closed = False
-        log.info("scheduler replica %s ready (%s, policy %s, swap %s)", self.replica_id,
+        log.info("engine replica %s ready (%s, policy %s, swap %s)", self.replica_id,
                  self.args.model.name, self.args.scheduler.policy, self.args.kv_cache.swap_mode)
 
     @classmethod
-    async def create(cls, args: dict[str, Any] | AppArgs) -> SchedulerReplica:
+    async def create(cls, args: dict[str, Any] | AppArgs) -> EngineReplica:
         """Construct outside Serve (tests, tools): Python cannot await a constructor itself."""
         replica = cls.__new__(cls)
         await replica.__init__(args)   # type: ignore[misc]
@@ -169,9 +169,9 @@ class SchedulerReplica:
 
     async def subscribe(self, ingress_id: str, channel_id: str,
                         pinned_replica: str) -> AsyncIterator[Message]:
-        """An ingress replica's delivery channel (``app.delivery``): an empty message once it is
+        """An ingress replica's delivery channel (``app.engine.delivery``): an empty message once it is
         open, then one message per step with the deltas of that replica's jobs on it. Routed here
-        by ``pinned_replica`` (``app.routing``). Ending it (the ingress went away) aborts them.
+        by ``pinned_replica`` (``app.server.routing``). Ending it (the ingress went away) aborts them.
         It returns by itself once no job has been on it for ``server.channel_idle_close_s``: an
         open call is a request in flight, which Serve's graceful shutdown waits for."""
         if pinned_replica != self.replica_id:

@@ -1,8 +1,8 @@
 """Offline generation: the same Engine as the server, in this process, without Ray or HTTP.
 
-``python -m app.offline --config config/demo.yaml`` reads the Serve YAML's application ``args``
+``python -m app.engine.offline --config config/demo.yaml`` reads the Serve YAML's application ``args``
 (validated as ``AppArgs``), builds the scheduler and the in-process executor exactly as a
-``Scheduler`` replica does, runs a few prompts concurrently through the engine loop and prints
+``Engine`` replica does, runs a few prompts concurrently through the engine loop and prints
 each completion with its accounting. Configs that ask for the Ray pipeline (TP·PP > 1) are run
 here on one in-process model copy instead: the point is a quick look, not their hardware.
 """
@@ -20,8 +20,8 @@ import yaml
 
 from actors.messages import SamplingParams
 from app.config import AppArgs
-from app.engine import Engine
-from app.serving import build_scheduler, in_process_executor
+from app.engine.core import Engine
+from app.engine.replica import build_scheduler, in_process_executor
 
 DEFAULT_PROMPTS = (
     "Hello, my name is",

@@ -1,0 +1,11 @@
+"""The engine room: what runs a model copy's step loop, and the Serve replica that holds it.
+
+``core`` (the ``Engine``: schedule → execute → update, recovery, the executor protocols),
+``replica`` (``EngineReplica``, the ``Engine`` Serve deployment: one model copy), ``delivery``
+(the channel a replica sends its steps' tokens on, and the ingress's end of it), ``metrics`` and
+``request_timing`` (what a replica records), ``step_stats``, and the tools that run the same
+engine without Serve: ``offline`` (one config in process) and ``profiler`` (the job profile).
+
+Imports flow ``app.server → app.engine → app.scheduler, app.kv``: nothing here imports the
+server room (``tests/unit/test_import_tower.py`` checks it).
+"""
