@@ -170,6 +170,7 @@ DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, bf16_at)
 
 #define TILE 16            /* tokens per score tile: one register of float32 scores */
 #define MAX_TILE_HEADS 4   /* query heads per run: 4 heads x 4 tokens of score accumulators */
+#define PREFETCH_TOKENS 16 /* rows fetched this many tokens ahead (blocks scatter; fp32 batch 16 -10%) */
 #define VALUE_DIMS 64      /* dims per value pass: 4 heads x 4 registers of accumulators */
 
 enum cache_kind { CACHE_F32, CACHE_BF16_WIDEN, CACHE_BF16_DOT };
@@ -236,6 +237,12 @@ static inline __attribute__((always_inline)) void score_quad(
         row[j] = kind == CACHE_F32 ? (const void *)((const float *)it->key + it->rows[p])
                                    : (const void *)((const uint16_t *)it->key + it->rows[p]);
     }
+    for (int j = 0; j < 4; ++j)
+        if (p0 + j + PREFETCH_TOKENS < it->context) {
+            const char *ahead = (const char *)it->key
+                + it->rows[p0 + j + PREFETCH_TOKENS] * (kind == CACHE_F32 ? 4 : 2);
+            for (int b = 0; b < D * (kind == CACHE_F32 ? 4 : 2); b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+        }
     __m512 acc[MAX_TILE_HEADS][4];
     for (int g = 0; g < NG; ++g)
         for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_setzero_ps();
@@ -313,7 +320,13 @@ static inline __attribute__((always_inline)) void value_run(
     __m512 acc[MAX_TILE_HEADS][VALUE_DIMS / 16];
     for (int g = 0; g < NG; ++g)
         for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_setzero_ps();
+    const int row_bytes = it->head_dim * (kind == CACHE_F32 ? 4 : 2);
     for (int p = 0; p < it->context; ++p) {
+        if (p + PREFETCH_TOKENS < it->context) {
+            const char *ahead = (const char *)it->value
+                + (it->rows[p + PREFETCH_TOKENS] + d0) * (kind == CACHE_F32 ? 4 : 2);
+            for (int b = 0; b < row_bytes && b < 4 * VALUE_DIMS; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+        }
         __m512 x[VALUE_DIMS / 16];
         for (int v = 0; v < NV; ++v)
             x[v] = kind == CACHE_F32 ? _mm512_loadu_ps((const float *)it->value + it->rows[p] + d0 + 16 * v)
