@@ -93,19 +93,25 @@ def build(source: Path, compiler: str | None = None) -> Path:
     return target
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    try:
-        lib = ctypes.CDLL(str(build(PAGED_ATTENTION_SOURCE)))
-    except (KernelBuildError, OSError, subprocess.TimeoutExpired) as exc:
-        _log.warning("CPU kernels unavailable, using the torch reference: %s", exc)
-        return None
+def load(source: Path) -> ctypes.CDLL:
+    """Build ``source`` (a paged-attention C source with the entry points of KERNEL_FOR_CACHE) and
+    load it with their signatures set; the benchmark loads an older revision this way."""
+    lib = ctypes.CDLL(str(build(source)))
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     for name in KERNEL_FOR_CACHE.values():
         fn = getattr(lib, name)
         fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i32, i32, i32, i32, i32, ctypes.c_float, ptr, i32]
         fn.restype = ctypes.c_int
     return lib
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    try:
+        return load(PAGED_ATTENTION_SOURCE)
+    except (KernelBuildError, OSError, subprocess.TimeoutExpired) as exc:
+        _log.warning("CPU kernels unavailable, using the torch reference: %s", exc)
+        return None
 
 
 def available() -> bool:
@@ -129,10 +135,13 @@ def paged_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    library: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """Same contract as ``kernels.reference.paged_attention``; CPU, a float32 or bfloat16 cache
-    (``supports``). The output has the query's dtype."""
-    lib = _library()
+    (``supports``). The output has the query's dtype. ``library``: another build of the kernel
+    (``load``) instead of this checkout's, for comparisons."""
+    lib = library or _library()
     if lib is None:
         raise KernelBuildError("CPU kernels are not available on this machine")
     if key_cache.stride() != value_cache.stride() or key_cache.shape != value_cache.shape:
