@@ -165,8 +165,17 @@ def quiet_metrics(cluster: Cluster) -> metrics_view.Scrape:
 
 # ---- the tests, in order: each starts from the deployment the previous one left ----------------
 
+#: The deployments v1–v3 (the first three tests) keep an idle delivery channel open this long: the
+#: kill test checks that its stream's job travels on a channel, and with the 2 s default an idle
+#: channel can close between its "every ingress has a channel" check and the stream on a loaded
+#: machine (CI saw it: the job went on its own stream). Short enough that the replicas the
+#: autoscaling test replaces still drain soon; the drain test keeps the default.
+CHANNEL_IDLE_CLOSE_S = 30.0
+
+
 def test_ingress_count_and_scheduler_max_ongoing_are_lightweight_updates(cluster: Cluster) -> None:
     config = dummy_opt_yaml()
+    config["applications"][0]["args"]["server"]["channel_idle_close_s"] = CHANNEL_IDLE_CLOSE_S
     cluster.deploy(config, "v1")
     wait_until("v1 running", lambda: settled("Engine", 1) and settled("Ingress", 1), STARTUP_TIMEOUT_S)
     complete(cluster, "Hello", 4)
