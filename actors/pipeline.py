@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Coroutine
 from typing import Any
@@ -37,7 +38,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.messages import BatchPlan, StepOutput
 from actors.model.config import ModelConfig
 from actors.parallel import BACKENDS, layer_ranges
-from actors.spec import EngineSpec
+from actors.spec import OMP_WAIT_POLICY_ENV, EngineSpec
 from actors.transport import TRANSPORTS, Transport, check_nccl_binding, make_transport, uses_nccl_channels
 from actors.worker import StageInput, StageWorker, StepRecord, WorkerSpec
 
@@ -219,7 +220,9 @@ class PipelineExecutor:
                 f"has {ray.cluster_resources()} in total, {ray.available_resources()} available")
 
     def _create_workers(self, pg: PlacementGroup) -> list[list[ActorHandle]]:
-        env = {"env_vars": {CHANNEL_BUFFER_ENV: str(self.timeouts.channel_buffer_bytes)}}
+        # The replica's OpenMP wait policy (its runtime_env's) holds in the workers that run the model.
+        inherited = {k: os.environ[k] for k in (OMP_WAIT_POLICY_ENV,) if k in os.environ}
+        env = {"env_vars": {**inherited, CHANNEL_BUFFER_ENV: str(self.timeouts.channel_buffer_bytes)}}
         gpus = 1 if self.spec.model.device == "cuda" else 0
         grid = []
         for s, stage in enumerate(self._specs):

@@ -19,6 +19,10 @@ from pathlib import Path
 from actors.messages import DEFAULT_BLOCK_SIZE
 from actors.model.config import ModelConfig, as_model_config
 
+#: The variable OpenMP (libgomp, as torch's CPU wheels ship it) reads its wait policy from, once,
+#: as torch loads: a process that runs the model must have it in its environment from the start.
+OMP_WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
+
 
 @dataclass(frozen=True)
 class ModelSpec:

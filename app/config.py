@@ -30,7 +30,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from actors.messages import DEFAULT_BLOCK_SIZE, blocks_for
-from actors.spec import EngineSpec, ModelSpec
+from actors.spec import OMP_WAIT_POLICY_ENV, EngineSpec, ModelSpec
 from app.config_drain import DrainArgs, graceful_shutdown_timeout_s
 from app.config_layout import ParallelArgs, PipelineArgs
 from app.config_model import ModelArgs, ProfileArgs, Strict, resolve_path
@@ -185,9 +185,18 @@ class AppArgs(Strict):
         actor_options: dict[str, Any] = dict(ENGINE_DEFAULTS["ray_actor_options"])
         if not self.parallel.uses_pipeline and self.parallel.num_gpus:
             actor_options["num_gpus"] = self.parallel.num_gpus   # the in-process model's GPUs
+        env = self.engine_env_vars()
+        if env:   # read by libgomp as torch loads: it must be in the process's environment
+            actor_options["runtime_env"] = {"env_vars": env}
         return {**ENGINE_DEFAULTS, "ray_actor_options": actor_options,
                 "placement_group_bundles": self.placement_group_bundles(),
                 "graceful_shutdown_timeout_s": graceful_shutdown_timeout_s(self)}
+
+    def engine_env_vars(self) -> dict[str, str]:
+        """Environment an Engine replica needs before it loads torch (its stage workers inherit
+        it): ``OMP_WAIT_POLICY`` from ``parallel.omp_wait_policy``."""
+        policy = self.parallel.omp_wait_policy
+        return {OMP_WAIT_POLICY_ENV: policy.upper()} if policy else {}
 
     def ingress_deployment_defaults(self) -> dict[str, Any]:
         """Serve options of the ``Ingress`` deployment: it drains a stream as long as the Engine."""

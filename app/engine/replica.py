@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import replace
 from typing import Any
 
-from actors.spec import EngineSpec
+from actors.spec import OMP_WAIT_POLICY_ENV, EngineSpec
 from app.config import AppArgs
 from app.config_model import resolve_path
 from app.engine.core import Engine, Executor, SyncExecutor, ThreadedExecutor
@@ -88,6 +89,7 @@ class EngineReplica:
         if not self.replica_id.startswith(LOCAL_REPLICA):
             join_serve_logs()
         self.args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
+        _check_environment(self.args.engine_env_vars())
         self.metrics = SchedulerMetrics(self.args.model.name, max_model_len=self.args.model.context_len())
         self.spec = self.args.engine_spec()
         executor = await build_executor(self.spec)
@@ -211,6 +213,7 @@ class EngineReplica:
         breakdown tool; not on the request path)."""
         return {**self.scheduler.stats(), "step_totals": self.engine.step_stats.totals(),
                 "process_rss_bytes": process_rss_bytes(), "torch_threads": _torch_threads(),
+                "omp_wait_policy": os.environ.get(OMP_WAIT_POLICY_ENV),
                 "delivery_channels": {ingress: len(channel.job_ids) for ingress, channel in self._channels.items()},
                 "rebuilds": self.engine.rebuilds}
 
@@ -265,6 +268,18 @@ class EngineReplica:
         except RuntimeError:
             return None
         return self.close()
+
+
+def _check_environment(wanted: dict[str, str]) -> None:
+    """Say so when the environment the config asks for is not this process's: a YAML whose
+    ``deployments:`` entry sets its own ``ray_actor_options`` replaces the ``runtime_env`` that
+    carried it, and libgomp read its settings when torch loaded (too late to set them here)."""
+    for name, value in wanted.items():
+        if os.environ.get(name) != value:
+            log.warning("%s is %r in this engine replica, not %r as the config asks: the Engine's "
+                        "ray_actor_options in the YAML replaced its runtime_env; add "
+                        "runtime_env: {env_vars: {%s: %s}} there", name, os.environ.get(name),
+                        value, name, value)
 
 
 def _torch_threads() -> int:

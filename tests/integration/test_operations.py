@@ -356,6 +356,10 @@ def test_a_downscale_during_streams_drains_them_whole_and_the_replica_stops_afte
                and settled("Ingress", 2, graceful_shutdown_timeout_s=timeout_s), STARTUP_TIMEOUT_S)
     complete(cluster, "Warm up", 2)
     replica_ids = {r["replica_id"] for r in running_replicas("Engine")}
+    # Two model copies share two cores: their OpenMP threads sleep when out of work (the
+    # builder's runtime_env, parallel.omp_wait_policy). Spinning, these streams took 4x longer
+    # and outlasted the drain timeout (a CI failure).
+    assert scheduler_stats(cluster)["omp_wait_policy"] == "PASSIVE"
 
     events: list[list[str]] = [[] for _ in range(MAX_DRAIN_STREAMS)]
     ended_at: list[float] = [0.0] * MAX_DRAIN_STREAMS
