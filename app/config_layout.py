@@ -36,13 +36,14 @@ class ParallelArgs(Strict):
     #: reserved, i.e. 1 for a replica that reserves none (the demo's), whatever the cores.
     torch_threads: int | None = Field(default=None, ge=1)
     #: OpenMP's wait policy (``OMP_WAIT_POLICY``) in the Engine replica and its stage workers,
-    #: set through the replica's ``runtime_env``. ``passive``: a thread out of work sleeps
-    #: instead of spinning, so the model's threads do not take cores from the ingress, the
-    #: proxy and other model copies on the node. Measured (2-core AMD EPYC Zen 4, two processes
-    #: of 2 threads each running small GEMMs): 120 ms a step spinning against 29 ms passive,
-    #: 22–26 ms alone either way; two dummy OPT-125M replicas streamed 800 tokens in 240–254 s
-    #: spinning against 62–63 s passive. None leaves the environment's (libgomp spins a while).
-    omp_wait_policy: Literal["passive", "active"] | None = "passive"
+    #: set through the replica's ``runtime_env``; None leaves libgomp's default (a thread out of
+    #: work spins a while, then sleeps). ``passive`` (sleep at once) is for model copies that
+    #: share cores: spinning threads take them from each other. Measured on the 2-core AMD EPYC
+    #: Zen 4: two dummy OPT-125M replicas of 2 threads streamed 800 tokens in 240–272 s with the
+    #: default, 62–76 s passive; but one SmolLM2 replica (the demo) answered ShareGPT chats at
+    #: 0.154 against 0.098 s per token passive vs default at 0.5 req/s, 0.201 vs 0.189 at 2
+    #: (``loadtest/results/omp-passive-vs-spin/``): each op's threads then wake from sleep.
+    omp_wait_policy: Literal["passive", "active"] | None = None
     #: Resources of the Engine replica's own bundle (bundle 0 of each model copy's placement
     #: group); GPUs are added for an in-process model on cuda. It must hold the replica's
     #: ``ray_actor_options`` (``deployments:`` in the YAML). A sliver keeps a 2-core box schedulable.

@@ -23,9 +23,7 @@ def test_demo_config_validates_with_the_papers_settings() -> None:
     assert args.model.device == "cpu" and args.model.load_format == "dummy"
     assert args.placement_group_bundles() == [{"CPU": 0.01}]
     assert args.engine_deployment_defaults() == {
-        "max_ongoing_requests": 1024, "placement_group_strategy": "PACK",
-        # OpenMP threads that run out of work sleep (parallel.omp_wait_policy's default)
-        "ray_actor_options": {"num_cpus": 0, "runtime_env": {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}},
+        "max_ongoing_requests": 1024, "ray_actor_options": {"num_cpus": 0}, "placement_group_strategy": "PACK",
         # 1.5 × 2048 tokens × the profile's 78.5 ms decode step at batch 32, rounded up (app.config_drain)
         "graceful_shutdown_timeout_s": 242.0, "placement_group_bundles": [{"CPU": 0.01}]}
 
@@ -161,7 +159,8 @@ def test_shipped_deployments_sections_use_only_serve_keys(name: str) -> None:
             assert dep["max_ongoing_requests"] >= scaling["target_ongoing_requests"]
 
 
-@pytest.mark.parametrize("policy,env", [("active", {"OMP_WAIT_POLICY": "ACTIVE"}), (None, None)])
+@pytest.mark.parametrize("policy,env", [("passive", {"OMP_WAIT_POLICY": "PASSIVE"}),
+                                        ("active", {"OMP_WAIT_POLICY": "ACTIVE"}), (None, None)])
 def test_omp_wait_policy_reaches_the_engine_replicas_environment(policy: str | None,
                                                                  env: dict[str, str] | None) -> None:
     args = demo_args()
@@ -185,8 +184,7 @@ def test_in_process_cuda_model_gets_its_gpus_on_the_replica() -> None:
     args["drain"] = {"tpot_s": 0.01}   # the drain's default TPOT comes from that profile
     parsed = AppArgs.model_validate(args, context={"require_profile": False})
     defaults = parsed.engine_deployment_defaults()
-    assert defaults["ray_actor_options"] == {"num_cpus": 0, "num_gpus": 1,
-                                             "runtime_env": {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}}
+    assert defaults["ray_actor_options"] == {"num_cpus": 0, "num_gpus": 1}
     assert defaults["placement_group_bundles"] == [{"CPU": 0.01, "GPU": 1.0}]
 
 
