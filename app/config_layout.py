@@ -43,6 +43,7 @@ class ParallelArgs(Strict):
     #: default, 62–76 s passive; but one SmolLM2 replica (the demo) answered ShareGPT chats at
     #: 0.154 against 0.098 s per token passive vs default at 0.5 req/s, 0.201 vs 0.189 at 2
     #: (``loadtest/results/omp-passive-vs-spin/``): each op's threads then wake from sleep.
+    #: ``active`` (spin forever) was no faster there, and an idle replica's threads hold a core.
     omp_wait_policy: Literal["passive", "active"] | None = None
     #: Resources of the Engine replica's own bundle (bundle 0 of each model copy's placement
     #: group); GPUs are added for an in-process model on cuda. It must hold the replica's
