@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
+
+from annotated_types import Ge, Gt
 
 from actors.messages import DEFAULT_BLOCK_SIZE
 from actors.model.config import ModelConfig, as_model_config
@@ -98,22 +101,28 @@ DEFAULT_CHANNEL_BUFFER_BYTES = 64 * 1024 * 1024
 
 @dataclass(frozen=True)
 class PipelineTimeouts:
-    """The pipeline's waits and its channel size (``pipeline.*`` in the config, same defaults)."""
+    """The Ray pipeline's waits and its compiled-graph channel size: also the config's
+    ``pipeline:`` section, which pydantic validates against these very fields and bounds
+    (``Annotated``; an unknown key is refused), so each is declared once, here."""
 
-    channel_buffer_bytes: int = DEFAULT_CHANNEL_BUFFER_BYTES
-    placement_timeout_s: float = 60.0
-    startup_timeout_s: float = 300.0
+    #: Compiled-graph channel size: above the largest activation message (else Ray resizes it).
+    channel_buffer_bytes: Annotated[int, Ge(1024)] = DEFAULT_CHANNEL_BUFFER_BYTES
+    #: How long the stage workers' placement group may take to be placed.
+    placement_timeout_s: Annotated[float, Gt(0)] = 60.0
+    #: How long the stage workers may take to start (weights loaded).
+    startup_timeout_s: Annotated[float, Gt(0)] = 300.0
     #: TP rendezvous timeout, also gloo/NCCL's collective timeout (a rank whose peer died).
-    tp_timeout_s: float = 120.0
+    tp_timeout_s: Annotated[float, Gt(0)] = 120.0
     #: While a plan is overdue by this much, the workers are pinged to tell slow from dead.
-    liveness_interval_s: float = 1.0
-    ping_timeout_s: float = 5.0
+    liveness_interval_s: Annotated[float, Gt(0)] = 1.0
+    ping_timeout_s: Annotated[float, Gt(0)] = 5.0
     #: A live worker that answers no ping for this long (wedged) fails the pipeline too. Dead
     #: workers fail it at once; a slow answer on a starved machine must not.
-    unresponsive_s: float = 60.0
+    unresponsive_s: Annotated[float, Gt(0)] = 60.0
     #: After a transport error, how long to keep probing for the worker death behind it.
-    diagnose_s: float = 5.0
-    teardown_timeout_s: float = 15.0
+    diagnose_s: Annotated[float, Ge(0)] = 5.0
+    #: How long tearing the graph and the workers down may take.
+    teardown_timeout_s: Annotated[float, Gt(0)] = 15.0
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,9 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from actors.messages import DEFAULT_BLOCK_SIZE, blocks_for
-from actors.spec import OMP_WAIT_POLICY_ENV, EngineSpec, ModelSpec
+from actors.spec import OMP_WAIT_POLICY_ENV, EngineSpec, ModelSpec, PipelineTimeouts
 from app.config_drain import DrainArgs, graceful_shutdown_timeout_s
-from app.config_layout import ParallelArgs, PipelineArgs
+from app.config_layout import ParallelArgs
 from app.config_model import ModelArgs, ProfileArgs, Strict, resolve_path
 from app.config_server import ServerArgs
 from app.scheduler.config import EngineConfig, KVCacheConfig, SchedulerConfig
@@ -54,7 +54,7 @@ class AppArgs(Strict):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     kv_cache: KVCacheConfig
     engine: EngineConfig = Field(default_factory=EngineConfig)
-    pipeline: PipelineArgs = Field(default_factory=PipelineArgs)
+    pipeline: PipelineTimeouts = Field(default_factory=PipelineTimeouts)
     server: ServerArgs = Field(default_factory=ServerArgs)
     drain: DrainArgs = Field(default_factory=DrainArgs)
 
@@ -160,7 +160,7 @@ class AppArgs(Strict):
         model = ModelSpec(resolve_path(m.config_path), kv.num_device_blocks, kv.num_host_blocks,
                           kv.block_size, m.dtype, m.device, m.seed, m.load_format, m.model_path,
                           self.parallel.torch_threads)
-        return EngineSpec(model, self.parallel.spec(), self.pipeline.timeouts())
+        return EngineSpec(model, self.parallel.spec(), self.pipeline)
 
     # ---- derived deployment settings ------------------------------------------------------
 

@@ -1,9 +1,9 @@
 """The ``parallel`` and ``pipeline`` sections of a config: how one model copy is laid out.
 
 ``ParallelArgs``: TP ranks per stage × PP stages, the GPUs that takes, the stage workers' CPUs and
-threads and the replica's own bundle; ``PipelineArgs``: the Ray pipeline's waits and channel size
-(defaults: ``actors.spec.PipelineTimeouts``). Cross-section checks (TP·PP against GPUs, against
-the model's shapes) are ``app.config.AppArgs``'s.
+threads and the replica's own bundle. (The ``pipeline`` section, the Ray pipeline's waits and
+channel size, is ``actors.spec.PipelineTimeouts`` itself, validated as it stands.) Cross-section
+checks (TP·PP against GPUs, against the model's shapes) are ``app.config.AppArgs``'s.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from actors.spec import ParallelSpec, PipelineTimeouts
+from actors.spec import ParallelSpec
 from app.config_model import Strict
 
 
@@ -69,31 +69,3 @@ class ParallelArgs(Strict):
     @property
     def uses_pipeline(self) -> bool:
         return self.spec().uses_pipeline
-
-
-_WAITS = PipelineTimeouts()
-
-
-class PipelineArgs(Strict):
-    """The Ray pipeline's waits and its compiled-graph channel size (defaults: ``PipelineTimeouts``)."""
-
-    #: Compiled-graph channel size: above the largest activation message (else Ray resizes it).
-    channel_buffer_bytes: int = Field(default=_WAITS.channel_buffer_bytes, ge=1024)
-    #: How long the stage workers' placement group may take to be placed.
-    placement_timeout_s: float = Field(default=_WAITS.placement_timeout_s, gt=0)
-    #: How long the stage workers may take to start (weights loaded).
-    startup_timeout_s: float = Field(default=_WAITS.startup_timeout_s, gt=0)
-    #: TP rendezvous timeout, also gloo/NCCL's collective timeout (a rank whose peer died).
-    tp_timeout_s: float = Field(default=_WAITS.tp_timeout_s, gt=0)
-    #: While a plan is overdue by this much, the workers are pinged to tell slow from dead.
-    liveness_interval_s: float = Field(default=_WAITS.liveness_interval_s, gt=0)
-    ping_timeout_s: float = Field(default=_WAITS.ping_timeout_s, gt=0)
-    #: A live worker that answers no ping for this long (wedged) fails the pipeline.
-    unresponsive_s: float = Field(default=_WAITS.unresponsive_s, gt=0)
-    #: After a transport error, how long to keep probing for the worker death behind it.
-    diagnose_s: float = Field(default=_WAITS.diagnose_s, ge=0)
-    #: How long tearing the graph and the workers down may take.
-    teardown_timeout_s: float = Field(default=_WAITS.teardown_timeout_s, gt=0)
-
-    def timeouts(self) -> PipelineTimeouts:
-        return PipelineTimeouts(**self.model_dump())

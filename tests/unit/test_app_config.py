@@ -254,6 +254,13 @@ def test_one_engine_spec_is_built_from_the_args_with_the_pipeline_waits_in_confi
     args["pipeline"] = {"tp_timout_s": 1.0}
     with pytest.raises(ValidationError, match="tp_timout_s"):
         AppArgs.model_validate(args)
+    # The bounds are the dataclass's own (declared once, in actors.spec).
+    args["pipeline"] = {"tp_timeout_s": 0}
+    with pytest.raises(ValidationError, match=r"pipeline\.tp_timeout_s\n  Input should be greater than 0"):
+        AppArgs.model_validate(args)
+    args["pipeline"] = {"channel_buffer_bytes": 512}
+    with pytest.raises(ValidationError, match="greater than or equal to 1024"):
+        AppArgs.model_validate(args)
 
 
 def test_the_race_config_matches_the_vllm_peer_it_is_raced_against() -> None:

@@ -65,3 +65,18 @@ def test_the_built_application_names_its_deployments_engine_and_ingress() -> Non
 
     built = serve_build(build_app(shipped_config()["args"]), name="fastserve")
     assert sorted(d.name for d in built.deployments) == ["Engine", "Ingress"]
+
+
+def test_the_serve_llm_server_class_loads_from_its_old_path_with_a_deprecation() -> None:
+    """A Serve LLM config's ``server_cls: app.llm_server:FastServeLLMServer`` (the class's path
+    before ``app/server/``) still loads the same class, for one release, and says so."""
+    import importlib
+    import sys
+
+    pytest.importorskip("ray.serve.llm", reason="needs the serve-llm extra: pip install -e '.[serve-llm]'")
+    from app.server.llm_server import FastServeLLMServer
+
+    sys.modules.pop("app.llm_server", None)
+    with pytest.warns(DeprecationWarning, match=r"moved to app\.server\.llm_server"):
+        old = importlib.import_module("app.llm_server")
+    assert old.FastServeLLMServer is FastServeLLMServer
