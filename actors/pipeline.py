@@ -26,7 +26,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from typing import Any
 
 import ray
@@ -38,7 +38,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.messages import BatchPlan, StepOutput
 from actors.model.config import ModelConfig
 from actors.parallel import BACKENDS, layer_ranges
-from actors.spec import OMP_WAIT_POLICY_ENV, EngineSpec
+from actors.spec import OMP_WAIT_POLICY_ENV, EngineSpec, PipelineTimeouts
 from actors.transport import TRANSPORTS, Transport, check_nccl_binding, make_transport, uses_nccl_channels
 from actors.worker import StageInput, StageWorker, StepRecord, WorkerSpec
 
@@ -111,6 +111,13 @@ class _Liveness:
             return f"{name} died ({type(exc).__name__})"
         self._silent_since.pop(name, None)
         return None
+
+
+def worker_runtime_env(timeouts: PipelineTimeouts, environ: Mapping[str, str]) -> dict[str, Any]:
+    """The stage workers' ``runtime_env``: the channel size, and the replica's OpenMP wait policy
+    (from its own ``runtime_env``) so that it holds in the workers that run the model."""
+    inherited = {k: environ[k] for k in (OMP_WAIT_POLICY_ENV,) if k in environ}
+    return {"env_vars": {**inherited, CHANNEL_BUFFER_ENV: str(timeouts.channel_buffer_bytes)}}
 
 
 class PipelineExecutor:
@@ -220,9 +227,7 @@ class PipelineExecutor:
                 f"has {ray.cluster_resources()} in total, {ray.available_resources()} available")
 
     def _create_workers(self, pg: PlacementGroup) -> list[list[ActorHandle]]:
-        # The replica's OpenMP wait policy (its runtime_env's) holds in the workers that run the model.
-        inherited = {k: os.environ[k] for k in (OMP_WAIT_POLICY_ENV,) if k in os.environ}
-        env = {"env_vars": {**inherited, CHANNEL_BUFFER_ENV: str(self.timeouts.channel_buffer_bytes)}}
+        env = worker_runtime_env(self.timeouts, os.environ)
         gpus = 1 if self.spec.model.device == "cuda" else 0
         grid = []
         for s, stage in enumerate(self._specs):

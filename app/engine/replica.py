@@ -276,9 +276,10 @@ def _check_environment(wanted: dict[str, str]) -> None:
     carried it, and libgomp read its settings when torch loaded (too late to set them here)."""
     for name, value in wanted.items():
         if os.environ.get(name) != value:
-            log.warning("%s is %r in this engine replica, not %r as the config asks: the Engine's "
-                        "ray_actor_options in the YAML replaced its runtime_env; add "
-                        "runtime_env: {env_vars: {%s: %s}} there", name, os.environ.get(name),
+            log.warning("%s is %r in this engine replica, not %r as the config asks (under Serve: "
+                        "a ray_actor_options set for the Engine in the YAML replaced the builder's "
+                        "runtime_env; add runtime_env: {env_vars: {%s: %s}} there; outside Serve: "
+                        "set it in the environment before starting)", name, os.environ.get(name),
                         value, name, value)
 
 
