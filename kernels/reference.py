@@ -253,7 +253,7 @@ def copy_blocks(
         if source.device.type == target.device.type == "cpu" and source.is_contiguous() and target.is_contiguous():
             # One thread's memcpy: a torch copy this large is an OpenMP region, and the KV store
             # runs swaps on its own thread, whose OpenMP team would throttle the model's (see
-            # app.engine.core.ThreadedExecutor).
+            # app.engine.async_engine.ThreadedExecutor).
             np.copyto(_as_bytes(target), _as_bytes(source))
         else:
             target.copy_(source, non_blocking=non_blocking)

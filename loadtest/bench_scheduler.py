@@ -1,4 +1,5 @@
-"""Scheduler cost benchmark: time of one ``schedule()`` + ``update()`` with N queued jobs.
+"""Scheduler cost benchmark: time of one ``EngineCore`` step's two halves (``schedule()`` +
+``update()``, the executor excluded) with N queued jobs.
 
 ``python -m loadtest.bench_scheduler`` runs every policy at 100 / 1,000 / 10,000 queued jobs
 (batch 16, a device pool big enough for all of them, synthetic outputs from the cost-model
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 
 from actors.messages import SamplingParams, blocks_for
+from app.engine.core import EngineCore, VirtualClock
 from app.scheduler.config import POLICIES, KVCacheConfig, PolicyName, SchedulerConfig
 from app.scheduler.job import JobRequest
 from app.scheduler.profile import Profile
@@ -63,30 +65,31 @@ def bench(policy: PolicyName, queued: int, iters: int, warmup: int, seed: int = 
                                     num_host_blocks=queued * per_job),
                       profile, eos_token_ids=frozenset({EOS}))
     executor = CostModelExecutor(profile, constant_tokens(FILLER_TOKEN))
-    now = 0.0
+    clock = VirtualClock()
+    core = EngineCore(sched, clock)
     next_id = 0
     for _ in range(queued):
-        sched.add(_request(rng, next_id), now)
+        core.add(_request(rng, next_id))
         next_id += 1
     wall: list[float] = []
     cpu: list[float] = []
     for it in range(warmup + iters):
         t0, c0 = time.perf_counter(), time.thread_time()
-        plan = sched.schedule(now)
+        plan = core.schedule()
         t1, c1 = time.perf_counter(), time.thread_time()
         if plan is None:
             raise RuntimeError(f"{policy}: nothing scheduled with {queued} queued jobs")
         out = executor.execute(plan)
-        now += out.timings["total"]
+        clock.advance(out.timings["total"])
         t2, c2 = time.perf_counter(), time.thread_time()
-        deltas = sched.update(plan, out, now)
+        deltas = core.update(plan, out).deltas
         t3, c3 = time.perf_counter(), time.thread_time()
         if it >= warmup:
             wall.append((t1 - t0) + (t3 - t2))
             cpu.append((c1 - c0) + (c3 - c2))
         for d in deltas:   # keep the queue at `queued` jobs
             if d.finished:
-                sched.add(_request(rng, next_id), now)
+                core.add(_request(rng, next_id))
                 next_id += 1
     return wall, cpu
 

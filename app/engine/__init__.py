@@ -1,6 +1,9 @@
 """The engine room: what runs a model copy's step loop, and the Serve replica that holds it.
 
-``core`` (the ``Engine``: schedule → execute → update, recovery, the executor protocols),
+``core`` (``EngineCore``: one step, schedule → execute → update, that the server, the simulator
+and the tests all drive), ``async_engine`` (``AsyncEngine``: the server's asyncio loop around the
+core, with delivery to each job's sink, the watchdog, step statistics, recovery, and the
+executor protocols),
 ``replica`` (``EngineReplica``, the ``Engine`` Serve deployment: one model copy), ``delivery``
 (the channel a replica sends its steps' tokens on, and the ingress's end of it), ``metrics`` and
 ``request_timing`` (what a replica records), ``step_stats``, and the tools that run the same

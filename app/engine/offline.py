@@ -1,4 +1,4 @@
-"""Offline generation: the same Engine as the server, in this process, without Ray or HTTP.
+"""Offline generation: the same ``AsyncEngine`` as the server, in this process, without Ray or HTTP.
 
 ``python -m app.engine.offline --config config/demo.yaml`` reads the Serve YAML's application ``args``
 (validated as ``AppArgs``), builds the scheduler and the in-process executor exactly as a
@@ -20,7 +20,7 @@ import yaml
 
 from actors.messages import SamplingParams
 from app.config import AppArgs
-from app.engine.core import Engine
+from app.engine.async_engine import AsyncEngine
 from app.engine.replica import build_scheduler, in_process_executor
 
 DEFAULT_PROMPTS = (
@@ -47,7 +47,7 @@ async def generate_all(args: AppArgs, prompts: Sequence[str], sampling: Sampling
     chat template (as ``/v1/chat/completions`` renders it)."""
     tokenizer = args.model.tokenizer()
     executor = await in_process_executor(args.engine_spec())
-    engine = Engine(build_scheduler(args), executor, config=args.engine)
+    engine = AsyncEngine(build_scheduler(args), executor, config=args.engine)
     await engine.start()
 
     async def one(i: int, prompt: str) -> dict[str, Any]:

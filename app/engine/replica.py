@@ -1,7 +1,7 @@
 """The ``Engine`` deployment: one replica = one model copy, its executor and its engine loop.
 
 Owns the replica side of a request: ``EngineReplica.generate`` submits the ingress's
-``JobRequest`` to the replica's ``Engine`` and streams the job's ``TokenDelta``s back through the
+``JobRequest`` to the replica's ``AsyncEngine`` and streams the job's ``TokenDelta``s back through the
 ingress's ``DeploymentHandle``; the first event says whether the job was accepted (or refused,
 with the ``ErrorCode`` that picks the HTTP answer: admission queue full → 429, invalid → 400), the
 last carries the finish reason and the job's stats (``JobStats``). A cancelled stream (client
@@ -31,7 +31,8 @@ from typing import Any
 from actors.spec import OMP_WAIT_POLICY_ENV, EngineSpec
 from app.config import AppArgs
 from app.config_model import resolve_path
-from app.engine.core import Engine, Executor, SyncExecutor, ThreadedExecutor
+from app.engine.async_engine import AsyncEngine, Executor, ThreadedExecutor
+from app.engine.core import SyncExecutor
 from app.engine.delivery import Channel, Message
 from app.engine.metrics import SchedulerMetrics
 from app.errors import AdmissionQueueFull, RequestError
@@ -95,7 +96,7 @@ class EngineReplica:
         executor = await build_executor(self.spec)
         # A lost pipeline (a stage worker died) is rebuilt in this replica's placement group.
         rebuild = (lambda: build_executor(self.spec)) if self.spec.parallel.uses_pipeline else None
-        self.engine = Engine(build_scheduler(self.args), executor, config=self.args.engine, rebuild=rebuild)
+        self.engine = AsyncEngine(build_scheduler(self.args), executor, config=self.args.engine, rebuild=rebuild)
         await self.engine.start()
         self._channels: dict[str, Channel] = {}   # ingress replica id → its delivery channel here
         self._sample_task = asyncio.get_running_loop().create_task(self._sample_metrics_forever())

@@ -3,9 +3,9 @@
 ``CostModelExecutor`` answers a ``BatchPlan`` like an executor would — one token per entry, from
 a per-job script — and reports the plan's time from ``loadtest.sim.cost.CostModel`` (the one cost
 model: the simulator, the scheduler's tests and its benchmark all price plans with it). ``drive``
-replays arrivals through a ``Scheduler`` on a virtual clock with up to P plans in flight, calling
-an observer after every decision and update (the rule and property tests). For paper-scale
-replays with metrics, use ``loadtest.sim.simulate``.
+replays arrivals through an ``EngineCore`` on a virtual clock with up to P plans in flight between
+the step's two halves, calling an observer after every decision and update (the rule and
+property tests). For paper-scale replays with metrics, use ``loadtest.sim.simulate``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from actors.messages import BatchPlan, StepOutput
+from app.engine.core import EngineCore, VirtualClock
 from app.scheduler.job import JobRequest, TokenDelta
 from app.scheduler.profile import Profile
 from app.scheduler.scheduler import Scheduler
@@ -79,7 +80,8 @@ def drive(scheduler: Scheduler, executor: CostModelExecutor,
     pending = deque(sorted(arrivals, key=lambda a: a[0]))
     inflight: deque[tuple[float, BatchPlan, StepOutput]] = deque()
     result = DriveResult()
-    now = 0.0
+    clock = VirtualClock()
+    core = EngineCore(scheduler, clock)
     stage_free = 0.0
 
     def collect(deltas: list[TokenDelta]) -> None:
@@ -87,14 +89,15 @@ def drive(scheduler: Scheduler, executor: CostModelExecutor,
             if d.token_id is not None:
                 result.tokens.setdefault(d.job_id, []).append(d.token_id)
             if d.finished:
-                result.finish_times[d.job_id] = now
+                result.finish_times[d.job_id] = clock.now
                 result.reasons[d.job_id] = d.finish_reason
 
     while True:
+        now = clock.now
         while pending and pending[0][0] <= now:
-            scheduler.add(pending.popleft()[1], now)
+            core.add(pending.popleft()[1])
         if len(inflight) < pipeline_depth and now >= stage_free:
-            plan = scheduler.schedule(now)
+            plan = core.schedule()
             if plan is not None:
                 out = executor.execute(plan)
                 total = out.timings["total"]
@@ -116,11 +119,11 @@ def drive(scheduler: Scheduler, executor: CostModelExecutor,
                 raise Stalled(f"t={now}: work remains but nothing is scheduled: "
                               f"{scheduler.stats()}")
             break
-        now = max(now, min(events))
+        clock.now = now = max(now, min(events))
         while inflight and inflight[0][0] <= now:
             _, plan, out = inflight.popleft()
-            collect(scheduler.update(plan, out, now))
+            collect(core.update(plan, out).deltas)
             if observe is not None:
                 observe(scheduler, None, now)
-    result.end_time = now
+    result.end_time = clock.now
     return result

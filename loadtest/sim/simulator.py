@@ -1,10 +1,11 @@
 """Discrete-event replay of a workload through the real ``Scheduler`` and ``KVCacheManager``.
 
-Owns the event loop and what it observes. Arrivals call ``Scheduler.add`` at their arrival time;
-whenever fewer than ``pp`` plans are in flight the loop calls ``Scheduler.schedule(now)`` and
-hands the plan to ``SimPipeline`` (the cost model), and at each plan's completion it calls
-``Scheduler.update(plan, output, now)`` — the engine loop of DESIGN.md with simulated time, and
-the very objects the server runs (no copies of their logic; no Ray, no torch).
+Owns the event loop and what it observes. It drives the server's own ``EngineCore`` on a
+``VirtualClock``: arrivals are ``add``ed at their arrival time; whenever fewer than ``pp`` plans
+are in flight the loop takes the step's first half (``schedule``) and hands the plan to
+``SimPipeline`` (the cost model), and at each plan's completion it applies the second half
+(``update``) — the engine loop of DESIGN.md with simulated time, and the very objects the
+server runs (no copies of their logic; no Ray, no torch).
 
 Output lengths are fixed (``ignore_eos`` semantics): every entry emits a fake token and the
 scheduler finishes the job at ``max_tokens`` = the request's output length. Observed per request:
@@ -24,6 +25,7 @@ from itertools import count
 from typing import Any
 
 from actors.messages import BatchPlan, SamplingParams, StepOutput
+from app.engine.core import EngineCore, VirtualClock
 from app.scheduler.config import EngineConfig, KVCacheConfig, SchedulerConfig
 from app.scheduler.job import JobRequest, JobStats, TokenDelta
 from app.scheduler.profile import Profile
@@ -128,10 +130,8 @@ class _RunState:
     order: list[str] = field(default_factory=list)
     stats: dict[str, JobStats] = field(default_factory=dict)
     seq: Iterator[int] = field(default_factory=count)
-    now: float = 0.0
     next_request: int = 0
     idle_polls: int = 0
-    steps: int = 0
 
     def __post_init__(self) -> None:
         self.traces = {r.request_id: _Trace() for r in self.requests}
@@ -148,6 +148,9 @@ class Simulator:
         self.options = options or SimOptions()
         self.scheduler = Scheduler(scheduler_config, kv_config, scheduler_profile or cost.profile,
                                    self.options.eos_token_ids)
+        self.clock = VirtualClock()
+        self.core = EngineCore(self.scheduler, self.clock,
+                               check_invariants=self.options.check_invariants)
         self.pipeline = SimPipeline(cost, self.options.token_id)
         self._fillers: dict[int, tuple[int, ...]] = {}
         # Every prompt's second token is its own, so no two requests share a KV block: with the
@@ -170,32 +173,31 @@ class Simulator:
         while True:
             self._admit(state)
             self._dispatch(state)
-            self._observe(state.timeline, state.now)
+            self._observe(state.timeline)
             upcoming, is_completion = self._next_event(state)
             if upcoming is None or upcoming > self.options.max_sim_time_s:
                 break
-            state.now = upcoming
+            self.clock.now = upcoming
             if is_completion:
                 self._complete(state)
         records = [_record(r, state.traces[r.request_id], state.stats.get(r.request_id)) for r in reqs]
         return SimResult(reqs, records, state.order, state.timeline, state.stats, dict(self.scheduler.totals),
-                         state.now, state.steps, self.pipeline.busy_compute_s, self.pipeline.busy_pcie_s,
-                         time.perf_counter() - started)
+                         self.clock.now, self.core.steps, self.pipeline.busy_compute_s,
+                         self.pipeline.busy_pcie_s, time.perf_counter() - started)
 
     def _admit(self, state: _RunState) -> None:
         reqs = state.requests
-        while state.next_request < len(reqs) and reqs[state.next_request].arrival_s <= state.now:
-            self._add(reqs[state.next_request], state.traces, state.now)
+        while state.next_request < len(reqs) and reqs[state.next_request].arrival_s <= self.clock.now:
+            self._add(reqs[state.next_request], state.traces)
             state.next_request += 1
 
     def _dispatch(self, state: _RunState) -> None:
         """Fill the pipeline: up to ``pp`` plans in flight (one in process)."""
         while self.scheduler.num_inflight() < self.cost.stages:
-            plan = self.scheduler.schedule(state.now)
+            plan = self.core.schedule()
             if plan is None:
                 return
-            state.steps += 1
-            done = self.pipeline.dispatch(plan, state.now)
+            done = self.pipeline.dispatch(plan, self.clock.now)
             heapq.heappush(state.inflight, (done.completion, next(state.seq), plan, done.output))
 
     def _next_event(self, state: _RunState) -> tuple[float | None, bool]:
@@ -208,30 +210,29 @@ class Simulator:
                 return None, False
             state.idle_polls += 1
             if state.idle_polls > MAX_IDLE_POLLS:
-                raise SimStalled(f"{len(self.scheduler.jobs())} jobs left at t={state.now:.3f}s, nothing runs")
-            next_arrival = state.now + self.options.idle_poll_s
+                raise SimStalled(f"{len(self.scheduler.jobs())} jobs left at t={self.clock.now:.3f}s, "
+                                 "nothing runs")
+            next_arrival = self.clock.now + self.options.idle_poll_s
         return min(next_arrival, next_done), next_done <= next_arrival
 
     def _complete(self, state: _RunState) -> None:
         state.idle_polls = 0
         _, _, plan, output = heapq.heappop(state.inflight)
-        self._apply(self.scheduler.update(plan, output, state.now), state.traces, state.order, state.now)
+        self._apply(self.core.update(plan, output).deltas, state.traces, state.order)
         for st in self.scheduler.drain_finished():
             state.stats[st.job_id] = st
-        if self.options.check_invariants:
-            self.scheduler.check_invariants()
-        self._observe(state.timeline, state.now)
+        self._observe(state.timeline)
 
-    def _add(self, req: Request, traces: dict[str, _Trace], now: float) -> None:
+    def _add(self, req: Request, traces: dict[str, _Trace]) -> None:
         sampling = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
         try:
-            self.scheduler.add(JobRequest(req.request_id, self._prompt(req.prompt_len), sampling,
-                                          req.arrival_s), now)
+            self.core.add(JobRequest(req.request_id, self._prompt(req.prompt_len), sampling,
+                                     req.arrival_s))
         except (ValueError, AdmissionQueueFull):
             traces[req.request_id].status = STATUS_REJECTED
 
-    def _apply(self, deltas: list[TokenDelta], traces: dict[str, _Trace], order: list[str],
-               now: float) -> None:
+    def _apply(self, deltas: list[TokenDelta], traces: dict[str, _Trace], order: list[str]) -> None:
+        now = self.clock.now
         for d in deltas:
             trace = traces[d.job_id]
             if d.token_id is not None:
@@ -241,9 +242,9 @@ class Simulator:
                 trace.status = STATUS_OK if d.finish_reason in ("length", "stop") else STATUS_ERROR
                 order.append(d.job_id)
 
-    def _observe(self, timeline: KVTimeline, now: float) -> None:
+    def _observe(self, timeline: KVTimeline) -> None:
         kv = self.scheduler.kv
-        timeline.observe(now, kv.device.capacity - kv.num_free_device, kv.host.capacity - kv.num_free_host)
+        timeline.observe(self.clock.now, kv.device.capacity - kv.num_free_device, kv.host.capacity - kv.num_free_host)
 
 
 def _record(req: Request, trace: _Trace, st: JobStats | None) -> RequestRecord:

@@ -1,5 +1,5 @@
 """Shared set-up for the scheduler's tests: a hand-made profile with binary-exact times, a
-``Scheduler`` factory (``make``), one-step driving with a fake data plane that charges exactly
+``Scheduler`` factory (``make``), one ``EngineCore.step`` with a fake data plane that charges exactly
 the ``total`` a test passes, the random-load tests' profile, and ``every_policy_and_mode``.
 
 q1 = t_dec(1) = 1.0, so the quanta are 1, 2, 4, 8 and the largest t_init (7.0) needs 4 levels.
@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import pytest
 
 from actors.messages import BatchPlan, SamplingParams, StepOutput
+from app.engine.core import EngineCore, VirtualClock
 from app.scheduler.config import (
     POLICIES,
     SWAP_MODES,
@@ -79,15 +80,27 @@ def make(policy: PolicyName = "skip_join_mlfq", *, batch: int = 16, alpha: float
         profile, eos_token_ids=eos)
 
 
+class ChargedExecutor:
+    """The fake data plane: every entry "generates" ``TOKEN`` and the plan takes ``total``
+    seconds of the clock."""
+
+    def __init__(self, clock: VirtualClock, total: float) -> None:
+        self.clock = clock
+        self.total = total
+
+    def execute(self, plan: BatchPlan) -> StepOutput:
+        self.clock.advance(self.total)
+        return StepOutput(plan.step_id, {e.job_id: TOKEN for e in plan.entries}, {"total": self.total})
+
+
 def step(s: Scheduler, now: float, total: float) -> tuple[BatchPlan, list[TokenDelta]]:
-    """One iteration charged ``total`` seconds: schedule at ``now``, update at now+total."""
-    plan = s.schedule(now)
-    assert plan is not None
-    s.check_invariants()
-    out = StepOutput(plan.step_id, {e.job_id: TOKEN for e in plan.entries}, {"total": total})
-    deltas = s.update(plan, out, now + total)
-    s.check_invariants()
-    return plan, deltas
+    """One ``EngineCore.step`` charged ``total`` seconds: scheduled at ``now``, its output applied
+    at now+total, the scheduler's invariants checked after each half."""
+    clock = VirtualClock(now)
+    result = EngineCore(s, clock, check_invariants=True).step(ChargedExecutor(clock, total))
+    assert result is not None, f"nothing to run at t={now}"
+    assert result.output is not None, f"step {result.plan.step_id} failed"
+    return result.plan, result.deltas
 
 
 def ids(plan: BatchPlan) -> list[str]:

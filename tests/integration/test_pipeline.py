@@ -181,7 +181,7 @@ def test_missing_resources_are_named(ray_local: None) -> None:
 
 
 def test_scheduler_engine_drives_the_pipeline(ray_local: None) -> None:
-    from app.engine.core import Engine, ThreadedExecutor
+    from app.engine.async_engine import AsyncEngine, ThreadedExecutor
     from app.scheduler.config import KVCacheConfig, SchedulerConfig
     from app.scheduler.profile import Profile
     from app.scheduler.scheduler import Scheduler
@@ -192,7 +192,7 @@ def test_scheduler_engine_drives_the_pipeline(ray_local: None) -> None:
     async def generate(executor: Any) -> dict[str, list[int]]:
         kv = KVCacheConfig(block_size=BLOCK_SIZE, num_device_blocks=SMALL_DEVICE_POOL, num_host_blocks=HOST_POOL)
         scheduler = Scheduler(SchedulerConfig(), kv, profile, eos_token_ids=frozenset({TINY.eos_token_id}))
-        engine = Engine(scheduler, executor)
+        engine = AsyncEngine(scheduler, executor)
         await engine.start()
         try:
             streams = {f"job{i}": engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),

@@ -15,7 +15,7 @@ from actors.executor import InProcessExecutor
 from actors.messages import SamplingParams
 from actors.pipeline import PipelineExecutor
 from actors.spec import ModelSpec
-from app.engine.core import Engine, Executor, ThreadedExecutor
+from app.engine.async_engine import AsyncEngine, Executor, ThreadedExecutor
 from app.scheduler.config import EngineConfig, KVCacheConfig, SchedulerConfig
 from app.scheduler.scheduler import Scheduler
 from tests.harness.pipeline import (
@@ -47,7 +47,7 @@ def scheduler() -> Scheduler:
                      eos_token_ids=frozenset({TINY.eos_token_id}))
 
 
-async def generate(engine: Engine, on_progress: Any = None) -> dict[str, list[int]]:
+async def generate(engine: AsyncEngine, on_progress: Any = None) -> dict[str, list[int]]:
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     streams = {f"job{i}": engine.add_request(p, greedy, job_id=f"job{i}") for i, p in enumerate(PROMPTS)}
     tokens: dict[str, list[int]] = {k: [] for k in streams}
@@ -69,14 +69,14 @@ async def generate(engine: Engine, on_progress: Any = None) -> dict[str, list[in
 def test_killed_stage_worker_is_rebuilt_and_every_stream_gets_its_exact_tokens(ray_local: None) -> None:
     async def reference() -> dict[str, list[int]]:
         local = InProcessExecutor(ModelSpec(TINY, DEVICE_POOL, HOST_POOL, BLOCK_SIZE, seed=SEED))
-        engine = Engine(scheduler(), ThreadedExecutor(local))
+        engine = AsyncEngine(scheduler(), ThreadedExecutor(local))
         await engine.start()
         try:
             return await generate(engine)
         finally:
             await engine.stop()
 
-    async def disturbed() -> tuple[dict[str, list[int]], Engine]:
+    async def disturbed() -> tuple[dict[str, list[int]], AsyncEngine]:
         spec = pipeline_spec(1, 2, transport="actor", num_device_blocks=DEVICE_POOL)
 
         async def build() -> Executor:
@@ -85,7 +85,7 @@ def test_killed_stage_worker_is_rebuilt_and_every_stream_gets_its_exact_tokens(r
             return ex
 
         first = await build()
-        engine = Engine(scheduler(), first, config=EngineConfig(rebuild_deadline_s=120.0), rebuild=build)
+        engine = AsyncEngine(scheduler(), first, config=EngineConfig(rebuild_deadline_s=120.0), rebuild=build)
         await engine.start()
         killed: list[float] = []
 

@@ -25,7 +25,7 @@ from actors.messages import BatchEntry, BatchPlan, SamplingParams, StepOutput, S
 from actors.model.config import OPTConfig
 from actors.spec import ModelSpec
 from app.config import AppArgs
-from app.engine.core import Engine, ThreadedExecutor
+from app.engine.async_engine import AsyncEngine, ThreadedExecutor
 from app.scheduler.config import (
     SWAP_MODES,
     ChunkedPrefillConfig,
@@ -205,7 +205,7 @@ async def _serve(policy: PolicyName, mode: SwapMode, chunk: int | None,
                        swap_mode=mode)
     scheduler = Scheduler(cfg, kv, PROFILE, frozenset({TINY.eos_token_id}))
     watch = WatchingExecutor(_executor(device_blocks))
-    engine = Engine(scheduler, ThreadedExecutor(watch))
+    engine = AsyncEngine(scheduler, ThreadedExecutor(watch))
     tokens: dict[str, list[int]] = {}
 
     async def consume(stream: Any, job_id: str) -> None:

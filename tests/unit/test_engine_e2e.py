@@ -13,7 +13,7 @@ import pytest
 from actors.executor import InProcessExecutor
 from actors.messages import SamplingParams
 from actors.spec import ModelSpec
-from app.engine.core import Engine, ThreadedExecutor
+from app.engine.async_engine import AsyncEngine, ThreadedExecutor
 from app.scheduler.config import KVCacheConfig, SchedulerConfig, SwapMode
 from app.scheduler.profile import Profile
 from app.scheduler.scheduler import Scheduler
@@ -39,7 +39,7 @@ async def generate(mode: SwapMode, device_blocks: int, batch: int = 16
                       num_host_blocks=HOST_POOL, swap_mode=mode),
         PROFILE, eos_token_ids=frozenset({TINY.eos_token_id}))
     executor = InProcessExecutor(ModelSpec(TINY, device_blocks, HOST_POOL, BLOCK_SIZE, seed=SEED))
-    engine = Engine(scheduler, ThreadedExecutor(executor))
+    engine = AsyncEngine(scheduler, ThreadedExecutor(executor))
     await engine.start()
     try:
         streams = {f"job{i}": engine.add_request(p, greedy(n), job_id=f"job{i}")
@@ -95,7 +95,7 @@ def test_abort_mid_generation_frees_every_block() -> None:
                                              num_device_blocks=SMALL_DEVICE_POOL,
                                              num_host_blocks=HOST_POOL),
             PROFILE, eos_token_ids=frozenset({TINY.eos_token_id}))
-        engine = Engine(scheduler, ThreadedExecutor(
+        engine = AsyncEngine(scheduler, ThreadedExecutor(
             InProcessExecutor(ModelSpec(TINY, SMALL_DEVICE_POOL, HOST_POOL, BLOCK_SIZE, seed=SEED))))
         await engine.start()
         try:

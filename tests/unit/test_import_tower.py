@@ -144,9 +144,9 @@ def test_the_room_checks_see_an_upward_import(tmp_path: Path) -> None:
     """Lazy and from-imports alike name their room (else the two tests above could not fail)."""
     probe = tmp_path / "probe.py"
     probe.write_text("from app.errors import ErrorCode\n\ndef f() -> None:\n"
-                     "    from app.server import http_api\n    import app.engine.core\n")
+                     "    from app.server import http_api\n    import app.engine.async_engine\n")
     found = [(line, module, room_of_module(module)) for line, module in imported_modules(probe)]
     assert found == [(1, "app.errors.ErrorCode", None), (4, "app.server.http_api", "server"),
-                     (5, "app.engine.core", "engine")]
+                     (5, "app.engine.async_engine", "engine")]
     assert rank_of_file(ROOT / "app" / "kv" / "manager.py") == 0 < ROOMS["engine"] < ROOMS["server"]
     assert rank_of_file(ROOT / "app" / "config.py") == TOP_RANK < ROOMS["engine"]

@@ -13,7 +13,7 @@ from actors.messages import SamplingParams
 from actors.model.config import OPTConfig
 from actors.sampler import Sampler
 from actors.spec import ModelSpec
-from app.engine.core import Engine, ThreadedExecutor
+from app.engine.async_engine import AsyncEngine, ThreadedExecutor
 from app.scheduler.config import KVCacheConfig, SchedulerConfig
 from app.scheduler.profile import Profile
 from app.scheduler.scheduler import Scheduler
@@ -38,7 +38,7 @@ class FailingSampler(Sampler):
         return super()._generator(p, step)
 
 
-async def collect(engine: Engine, jobs: dict[str, tuple[list[int], SamplingParams]]
+async def collect(engine: AsyncEngine, jobs: dict[str, tuple[list[int], SamplingParams]]
                   ) -> tuple[dict[str, list[int]], dict[str, str]]:
     """Add every job, then read each stream to its end: tokens and finish reason per job."""
     streams = {k: engine.add_request(p, s, job_id=k) for k, (p, s) in jobs.items()}
@@ -63,7 +63,7 @@ async def run(extra: dict[str, tuple[list[int], SamplingParams]]) -> tuple[dict[
     scheduler = tiny_scheduler()
     executor = InProcessExecutor(ModelSpec(TINY, DEVICE_BLOCKS, HOST_BLOCKS, BLOCK_SIZE, seed=0))
     executor.runner.sampler = FailingSampler(0)
-    engine = Engine(scheduler, ThreadedExecutor(executor))
+    engine = AsyncEngine(scheduler, ThreadedExecutor(executor))
     await engine.start()
     try:
         jobs = {k: (p, greedy(n)) for k, (p, n) in GOOD.items()} | extra
@@ -105,12 +105,12 @@ class StuckExecutor:
 
 
 def test_a_stuck_step_turns_the_engine_unhealthy_and_a_dead_loop_refuses_work() -> None:
-    from app.engine.core import EngineUnavailable
+    from app.engine.async_engine import EngineUnavailable
     from app.scheduler.config import EngineConfig
 
     async def run() -> None:
         scheduler = tiny_scheduler()
-        engine = Engine(scheduler, StuckExecutor(), config=EngineConfig(watchdog_s=0.3))  # type: ignore[arg-type]
+        engine = AsyncEngine(scheduler, StuckExecutor(), config=EngineConfig(watchdog_s=0.3))  # type: ignore[arg-type]
         await engine.start()
         assert engine.health() is None                       # idle is healthy, however long
         await asyncio.sleep(0.4)
@@ -138,7 +138,7 @@ def test_an_engine_holds_at_most_max_jobs() -> None:
 
     async def run() -> None:
         scheduler = tiny_scheduler()
-        engine = Engine(scheduler, StuckExecutor(), config=EngineConfig(max_jobs=2))  # type: ignore[arg-type]
+        engine = AsyncEngine(scheduler, StuckExecutor(), config=EngineConfig(max_jobs=2))  # type: ignore[arg-type]
         await engine.start()
         engine.add_request([2, 5], greedy(4), job_id="a")
         engine.add_request([2, 6], greedy(4), job_id="b")
@@ -178,11 +178,11 @@ def new_executor() -> ThreadedExecutor:
 
 
 async def run_with(executor: object, rebuild: object, deadline_s: float = 30.0
-                   ) -> tuple[dict[str, list[int]], dict[str, str], Engine]:
+                   ) -> tuple[dict[str, list[int]], dict[str, str], AsyncEngine]:
     from app.scheduler.config import EngineConfig
 
     scheduler = tiny_scheduler()
-    engine = Engine(scheduler, executor, config=EngineConfig(rebuild_deadline_s=deadline_s, rebuild_retry_s=0.1),  # type: ignore[arg-type]
+    engine = AsyncEngine(scheduler, executor, config=EngineConfig(rebuild_deadline_s=deadline_s, rebuild_retry_s=0.1),  # type: ignore[arg-type]
                     rebuild=rebuild)  # type: ignore[arg-type]
     await engine.start()
     try:
@@ -229,7 +229,7 @@ def test_health_on_the_http_port_turns_503_when_a_step_is_stuck() -> None:
 
     async def run() -> list[int]:
         scheduler = tiny_scheduler()
-        engine = Engine(scheduler, StuckExecutor(), config=EngineConfig(watchdog_s=0.3, stop_timeout_s=0.2))  # type: ignore[arg-type]
+        engine = AsyncEngine(scheduler, StuckExecutor(), config=EngineConfig(watchdog_s=0.3, stop_timeout_s=0.2))  # type: ignore[arg-type]
         await engine.start()
 
         class EngineBackend:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import pytest
 
 from actors.messages import BatchPlan, StepOutput
-from app.engine.core import Engine
+from app.engine.async_engine import AsyncEngine
 from app.engine.metrics import SchedulerMetrics
 from app.engine.request_timing import RequestTimer, TimingBatch
 from app.scheduler.job import TokenDelta
@@ -54,12 +54,12 @@ class ScriptedDataPlane:
 
 
 def serve(jobs: Sequence[tuple[str, int, int]], durations: Sequence[float], batch: int = 16,
-          drain_after_step: int | None = None) -> tuple[TimingBatch, TimingBatch | None, Engine]:
+          drain_after_step: int | None = None) -> tuple[TimingBatch, TimingBatch | None, AsyncEngine]:
     """Run ``jobs`` (id, prompt length, max_tokens) submitted together at t=0 under FCFS; the
     timing drained at the end (and after step ``drain_after_step``, if given)."""
     clock = Clock()
     plane = ScriptedDataPlane(clock, durations)
-    engine = Engine(make("fcfs", batch=batch), plane, clock=clock)
+    engine = AsyncEngine(make("fcfs", batch=batch), plane, clock=clock)
     early: list[TimingBatch] = []
 
     async def run() -> None:

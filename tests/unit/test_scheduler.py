@@ -14,7 +14,7 @@ import pytest
 from pydantic import ValidationError
 
 from actors.messages import BatchPlan, StepOutput
-from app.engine.core import Engine, ThreadedExecutor
+from app.engine.async_engine import AsyncEngine, ThreadedExecutor
 from app.kv.enst import enst, level_waits
 from app.scheduler.config import (
     KVCacheConfig,
@@ -475,7 +475,7 @@ async def _collect(stream: AsyncIterator[TokenDelta]) -> list[TokenDelta]:
 def test_engine_streams_tokens_and_abort_frees_blocks() -> None:
     async def run() -> None:
         s = make(device=256, block=4)
-        engine = Engine(s, ThreadedExecutor(CostModelExecutor(PROFILE, constant_tokens(TOKEN))))
+        engine = AsyncEngine(s, ThreadedExecutor(CostModelExecutor(PROFILE, constant_tokens(TOKEN))))
         assert engine.eos_token_ids == frozenset({EOS})
         await engine.start()
         done = engine.add_request(range(3, 11), greedy(5), job_id="done")
@@ -496,7 +496,7 @@ def test_engine_streams_tokens_and_abort_frees_blocks() -> None:
 def test_engine_fails_only_the_jobs_of_a_failing_plan_and_keeps_serving() -> None:
     async def run() -> None:
         s = make(batch=1)
-        engine = Engine(s, ThreadedExecutor(FlakyExecutor({0})))
+        engine = AsyncEngine(s, ThreadedExecutor(FlakyExecutor({0})))
         await engine.start()
         first = engine.add_request(range(3, 11), greedy(3), job_id="first")
         unlucky = await _collect(first)

@@ -16,7 +16,7 @@ from actors.executor import InProcessExecutor
 from actors.messages import SamplingParams
 from actors.model.config import OPTConfig
 from actors.spec import ModelSpec
-from app.engine.core import Engine, ThreadedExecutor
+from app.engine.async_engine import AsyncEngine, ThreadedExecutor
 from app.scheduler.config import KVCacheConfig, PolicyName, SchedulerConfig
 from app.scheduler.profile import Profile
 from app.scheduler.scheduler import Scheduler
@@ -137,7 +137,7 @@ async def _engine_order(policy: PolicyName, batch: int) -> list[str]:
     scheduler = Scheduler(sched_cfg, kv_cfg, ORDER_PROFILE, frozenset({TINY.eos_token_id}))
     executor = InProcessExecutor(ModelSpec(TINY, num_device_blocks=ORDER_BLOCKS, num_host_blocks=ORDER_BLOCKS,
                                  block_size=ORDER_BLOCK))
-    engine = Engine(scheduler, ThreadedExecutor(executor))
+    engine = AsyncEngine(scheduler, ThreadedExecutor(executor))
     order: list[str] = []
 
     async def consume(stream: object, job_id: str) -> None:

@@ -21,7 +21,7 @@ from actors.executor import InProcessExecutor
 from actors.messages import BatchPlan, SamplingParams, StepOutput
 from actors.model.config import OPTConfig
 from actors.spec import ModelSpec
-from app.engine.core import Engine, ThreadedExecutor
+from app.engine.async_engine import AsyncEngine, ThreadedExecutor
 from app.scheduler.config import KVCacheConfig, PolicyName, SchedulerConfig
 from app.scheduler.job import JobStats
 from app.scheduler.profile import Profile
@@ -97,7 +97,7 @@ async def _engine(policy: PolicyName) -> tuple[list[str], dict[str, JobStats], d
     clock = VirtualClock()
     real = InProcessExecutor(ModelSpec(TINY, num_device_blocks=DEVICE_BLOCKS, num_host_blocks=HOST_BLOCKS,
                              block_size=BLOCK))
-    engine = Engine(scheduler, ThreadedExecutor(PricedExecutor(real, clock)), clock=clock)
+    engine = AsyncEngine(scheduler, ThreadedExecutor(PricedExecutor(real, clock)), clock=clock)
     order: list[str] = []
     counts: dict[str, int] = {}
 

@@ -34,7 +34,7 @@ from actors.executor import InProcessExecutor
 from actors.messages import BatchPlan, SamplingParams, StepOutput
 from actors.model.llama_config import LlamaConfig
 from actors.spec import ModelSpec
-from app.engine.core import Engine, ThreadedExecutor
+from app.engine.async_engine import AsyncEngine, ThreadedExecutor
 from app.scheduler.config import ChunkedPrefillConfig, KVCacheConfig, SchedulerConfig
 from app.scheduler.profile import Profile
 from app.scheduler.scheduler import Scheduler
@@ -140,7 +140,7 @@ async def _serve(ex: InProcessExecutor, prompts: list[list[int]], eos: int, chun
                                                                chunk_tokens=chunk_tokens or 1))
     kv = KVCacheConfig(block_size=BLOCK_SIZE, num_device_blocks=NUM_DEVICE_BLOCKS, num_host_blocks=NUM_HOST_BLOCKS)
     watch = _ChunkWatch(ex)
-    engine = Engine(Scheduler(cfg, kv, Profile.load(PROFILE), frozenset({eos})), ThreadedExecutor(watch))
+    engine = AsyncEngine(Scheduler(cfg, kv, Profile.load(PROFILE), frozenset({eos})), ThreadedExecutor(watch))
     tokens: dict[str, list[int]] = {}
     reasons: dict[str, str | None] = {}
 

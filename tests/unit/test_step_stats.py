@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from app.engine.core import RequestStream
+from app.engine.async_engine import RequestStream
 from app.engine.step_stats import StepStats, diff_totals, summarize
 from app.errors import ErrorCode
 from app.scheduler.job import JobStats, TokenDelta

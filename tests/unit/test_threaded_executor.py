@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from actors.messages import BatchPlan, StepOutput
-from app.engine.core import ThreadedExecutor
+from app.engine.async_engine import ThreadedExecutor
 
 
 class ThreadRecorder:
