@@ -9,7 +9,9 @@ caller guarantees a job is in at most one of them (paper §4.3).
 Placement: one bundle per stage holding its T ranks (a bundle lives on one node, so a stage's TP
 ranks are packed; stages may span nodes). The executor creates that placement group, or uses a
 caller's (a Serve ``Engine`` replica reserves its model copy in its own group: bundle 0 is the
-replica, ``bundle_offset`` 1 the first stage). ``ParallelSpec.stage_bundles`` says what to reserve.
+replica, ``bundle_offset`` 1 the first stage). ``ParallelSpec.stage_bundles`` says what to reserve;
+``actors.placement`` checks the layout and a given group and starts the workers in it, and
+``actors.liveness`` tells a dead worker from a slow one.
 
 Failure: a worker that dies surfaces as ``PipelineError`` from ``execute`` within seconds (workers
 are pinged while a plan is overdue), never a hang; the executor kills its workers at once, stays
@@ -26,25 +28,29 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine
 from typing import Any
 
 import ray
 from ray.actor import ActorHandle
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.liveness import Liveness, as_future, describe, looks_like_channel_failure, ref_failed
 from actors.messages import BatchPlan, StepOutput
-from actors.model.config import ModelConfig
-from actors.parallel import BACKENDS, layer_ranges
-from actors.spec import OMP_WAIT_POLICY_ENV, EngineSpec, PipelineTimeouts
-from actors.transport import TRANSPORTS, Transport, check_nccl_binding, make_transport, uses_nccl_channels
-from actors.worker import StageInput, StageWorker, StepRecord, WorkerSpec
+from actors.placement import (
+    PlacementError,
+    check_given_group,
+    check_layout,
+    create_workers,
+    placement_failure,
+    worker_specs,
+)
+from actors.spec import EngineSpec
+from actors.transport import Transport, check_nccl_binding, make_transport, uses_nccl_channels
+from actors.worker import StageInput, StepRecord
 
 log = logging.getLogger(__name__)
-
-CHANNEL_BUFFER_ENV = "RAY_CGRAPH_buffer_size_bytes"
 
 
 class PipelineError(RuntimeError):
@@ -53,71 +59,6 @@ class PipelineError(RuntimeError):
 
 class PlanFailed(RuntimeError):
     """One plan failed on live workers (a worker raised); the pipeline keeps running plans."""
-
-
-def check_layout(spec: EngineSpec, config: ModelConfig) -> None:
-    """Raise ``ValueError`` naming the first value the pipeline cannot run with."""
-    spec.parallel.check(config)
-    layer_ranges(config.num_hidden_layers, spec.parallel.pipeline_parallel_size)
-    device, par = spec.model.device, spec.parallel
-    if device not in BACKENDS:
-        raise ValueError(f"device must be one of {sorted(BACKENDS)}, got {device!r}")
-    if par.transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {list(TRANSPORTS)}, got {par.transport!r}")
-    if device == "cpu" and par.worker_cpus <= 0:
-        raise ValueError(f"worker_cpus must be > 0 on CPU (a bundle cannot be empty), got {par.worker_cpus}")
-    if par.max_inflight is not None and par.max_inflight < 1:
-        raise ValueError(f"max_inflight must be >= 1, got {par.max_inflight}")
-
-
-def worker_specs(spec: EngineSpec, config: ModelConfig) -> list[list[WorkerSpec]]:
-    """``[stage][tp_rank]`` → the worker's spec."""
-    p, t = spec.parallel.pipeline_parallel_size, spec.parallel.tensor_parallel_size
-    return [[WorkerSpec(spec.model, config, s, p, lo, hi, r, t) for r in range(t)]
-            for s, (lo, hi) in enumerate(layer_ranges(config.num_hidden_layers, p))]
-
-
-class _Liveness:
-    """Pings workers to tell a dead one (reported at once) from a slow one (reported only after
-    ``unresponsive_s`` without any answer: a starved machine answers late, not never)."""
-
-    def __init__(self, workers: dict[str, ActorHandle], ping_timeout_s: float, unresponsive_s: float) -> None:
-        self.workers = workers
-        self.ping_timeout_s = ping_timeout_s
-        self.unresponsive_s = unresponsive_s
-        self._silent_since: dict[str, float] = {}
-
-    async def failed_worker(self) -> str | None:
-        probes = [asyncio.ensure_future(self._probe(n, w)) for n, w in self.workers.items()]
-        try:
-            for done in asyncio.as_completed(probes):
-                dead = await done
-                if dead is not None:
-                    return dead
-        finally:
-            for p in probes:
-                p.cancel()
-        now = time.monotonic()
-        silent = [n for n, since in self._silent_since.items() if now - since > self.unresponsive_s]
-        return f"{silent[0]} answered no ping for {self.unresponsive_s}s" if silent else None
-
-    async def _probe(self, name: str, worker: ActorHandle) -> str | None:
-        try:
-            await asyncio.wait_for(_as_future(worker.ping.remote()), self.ping_timeout_s)
-        except TimeoutError:
-            self._silent_since.setdefault(name, time.monotonic())
-            return None
-        except RayActorError as exc:
-            return f"{name} died ({type(exc).__name__})"
-        self._silent_since.pop(name, None)
-        return None
-
-
-def worker_runtime_env(timeouts: PipelineTimeouts, environ: Mapping[str, str]) -> dict[str, Any]:
-    """The stage workers' ``runtime_env``: the channel size, and the replica's OpenMP wait policy
-    (from its own ``runtime_env``) so that it holds in the workers that run the model."""
-    inherited = {k: environ[k] for k in (OMP_WAIT_POLICY_ENV,) if k in environ}
-    return {"env_vars": {**inherited, CHANNEL_BUFFER_ENV: str(timeouts.channel_buffer_bytes)}}
 
 
 class PipelineExecutor:
@@ -146,7 +87,7 @@ class PipelineExecutor:
         self._closed = asyncio.Event()
         self._closed_reason: str | None = None
         self._teardown: asyncio.Future[None] | None = None
-        self._liveness: _Liveness | None = None
+        self._liveness: Liveness | None = None
 
     @property
     def max_inflight(self) -> int:
@@ -169,8 +110,8 @@ class PipelineExecutor:
             raise PipelineError("start() may be called once per executor")
         try:
             pg = await self._placement_group()
-            self._grid = self._create_workers(pg)
-            self._liveness = _Liveness(dict(zip(self._worker_names(), self._all_workers(), strict=True)),
+            self._grid = create_workers(self.spec, self._specs, pg, self._bundle_offset, os.environ)
+            self._liveness = Liveness(dict(zip(self._worker_names(), self._all_workers(), strict=True)),
                                        self.timeouts.ping_timeout_s, self.timeouts.unresponsive_s)
             await self._await_ready()
             await self._init_tp_groups()
@@ -193,49 +134,19 @@ class PipelineExecutor:
         bundles = self.spec.parallel.stage_bundles(self.spec.model.device)
         pg = self._given_pg
         if pg is not None:
-            self._check_given_group(pg, bundles)
+            try:
+                check_given_group(self.spec, pg, bundles, self._bundle_offset)
+            except PlacementError as exc:
+                raise PipelineError(str(exc)) from None
         else:
             pg = placement_group(bundles, strategy="PACK", name="")
             self._owns_pg = True
         self._pg = pg
         try:
-            await asyncio.wait_for(_as_future(pg.ready()), self.timeouts.placement_timeout_s)
+            await asyncio.wait_for(as_future(pg.ready()), self.timeouts.placement_timeout_s)
         except TimeoutError:
-            raise PipelineError(self._resources_message(bundles)) from None
+            raise PipelineError(placement_failure(self.spec, bundles)) from None
         return pg
-
-    def _check_given_group(self, pg: PlacementGroup, bundles: list[dict[str, float]]) -> None:
-        offset, have = self._bundle_offset, pg.bundle_specs
-        if len(have) < offset + len(bundles):
-            raise PipelineError(
-                f"placement group has {len(have)} bundles; the pipeline needs {len(bundles)} stage "
-                f"bundles from bundle_offset {offset}, i.e. {offset + len(bundles)} bundles")
-        for s, need in enumerate(bundles):
-            got = have[offset + s]
-            short = {k: v for k, v in need.items() if got.get(k, 0.0) < v}
-            if short:
-                tp = self.spec.parallel.tensor_parallel_size
-                raise PipelineError(f"placement group bundle {offset + s} (stage {s}) holds {got}; "
-                                    f"stage {s} needs {need} for its {tp} TP ranks")
-
-    def _resources_message(self, bundles: list[dict[str, float]]) -> str:
-        par = self.spec.parallel
-        return (f"the cluster cannot place the pipeline (tensor_parallel_size="
-                f"{par.tensor_parallel_size} × pipeline_parallel_size={par.pipeline_parallel_size}, "
-                f"device {self.spec.model.device}) within {self.timeouts.placement_timeout_s}s: it needs "
-                f"{len(bundles)} bundles of {bundles[0]} (each stage's TP ranks on one node); the cluster "
-                f"has {ray.cluster_resources()} in total, {ray.available_resources()} available")
-
-    def _create_workers(self, pg: PlacementGroup) -> list[list[ActorHandle]]:
-        env = worker_runtime_env(self.timeouts, os.environ)
-        gpus = 1 if self.spec.model.device == "cuda" else 0
-        grid = []
-        for s, stage in enumerate(self._specs):
-            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=self._bundle_offset + s)
-            grid.append([StageWorker.options(  # type: ignore[attr-defined]
-                num_cpus=self.spec.parallel.worker_cpus, num_gpus=gpus, scheduling_strategy=strategy,
-                runtime_env=env, max_restarts=0).remote(ws) for ws in stage])
-        return grid
 
     async def _await_ready(self) -> None:
         names = [ws.name for stage in self._specs for ws in stage]
@@ -245,7 +156,7 @@ class PipelineExecutor:
         except TimeoutError:
             raise PipelineError(f"stage workers did not start within {self.timeouts.startup_timeout_s}s") from None
         except RayActorError as exc:
-            failed = next((n for n, p in zip(names, pings, strict=True) if _failed(p)), "a worker")
+            failed = next((n for n, p in zip(names, pings, strict=True) if ref_failed(p)), "a worker")
             raise PipelineError(f"{failed} failed to start: {exc}") from exc
 
     async def _init_tp_groups(self) -> None:
@@ -328,14 +239,14 @@ class PipelineExecutor:
         failed = await self._find_failed_worker()
         deadline = time.monotonic() + self.timeouts.diagnose_s
         # A graph whose worker was killed may error before Ray reports the actor dead: re-probe briefly.
-        while failed is None and _looks_like_channel_failure(exc) and time.monotonic() < deadline:
+        while failed is None and looks_like_channel_failure(exc) and time.monotonic() < deadline:
             await asyncio.sleep(self.timeouts.liveness_interval_s)
             failed = await self._find_failed_worker()
-        if failed is None and not _looks_like_channel_failure(exc):
-            log.warning("plan %d failed on live workers: %s", plan.step_id, _describe(exc))
-            return PlanFailed(f"plan {plan.step_id} failed: {_describe(exc)}")
+        if failed is None and not looks_like_channel_failure(exc):
+            log.warning("plan %d failed on live workers: %s", plan.step_id, describe(exc))
+            return PlanFailed(f"plan {plan.step_id} failed: {describe(exc)}")
         reason = (f"{failed} while plan {plan.step_id} was in flight" if failed is not None
-                  else f"plan {plan.step_id} failed: {_describe(exc)}")
+                  else f"plan {plan.step_id} failed: {describe(exc)}")
         return self._fail(reason)
 
     async def _find_failed_worker(self) -> str | None:
@@ -411,35 +322,7 @@ class PipelineExecutor:
         for w in self._all_workers():
             while time.monotonic() < deadline:
                 try:
-                    await asyncio.wait_for(_as_future(w.ping.remote()), self.timeouts.ping_timeout_s)
+                    await asyncio.wait_for(as_future(w.ping.remote()), self.timeouts.ping_timeout_s)
                 except (RayActorError, GetTimeoutError, TimeoutError):
                     break
                 await asyncio.sleep(self.timeouts.liveness_interval_s / 10)
-
-
-def _looks_like_channel_failure(exc: BaseException) -> bool:
-    """Not a worker's own exception: the graph's channels failed (a worker died under them)."""
-    return not isinstance(exc, RayTaskError)
-
-
-def _describe(exc: BaseException) -> str:
-    """One line: a worker's own exception rather than Ray's wrapper and its remote traceback."""
-    cause = exc.cause if isinstance(exc, RayTaskError) else None
-    shown = cause if isinstance(cause, BaseException) else exc
-    first = (str(shown).strip().splitlines() or [""])[-1 if shown is exc else 0]
-    return f"{type(shown).__name__}: {first}"
-
-
-def _as_future(ref: ray.ObjectRef) -> asyncio.Future[Any]:
-    return asyncio.wrap_future(ref.future())
-
-
-def _failed(ref: ray.ObjectRef) -> bool:
-    ready, _ = ray.wait([ref], timeout=0)
-    if not ready:
-        return False
-    try:
-        ray.get(ref, timeout=0)
-    except Exception:
-        return True
-    return False

@@ -4,7 +4,7 @@ so the processes that run the model wait the way the config says."""
 
 from __future__ import annotations
 
-from actors.pipeline import worker_runtime_env
+from actors.placement import worker_runtime_env
 from actors.spec import PipelineTimeouts
 
 
