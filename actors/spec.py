@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from annotated_types import Ge, Gt
 
@@ -50,16 +50,21 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class ParallelSpec:
-    """How one model copy is cut: TP ranks per stage × PP stages, and how plans travel."""
+    """How one model copy is cut: TP ranks per stage × PP stages, and how plans travel. Its
+    fields are also the config's ``parallel:`` section's (``app.config_layout.ParallelArgs``
+    extends it with what the replica itself needs); pydantic validates the bounds."""
 
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    #: ``compiled`` (a Ray compiled graph) or ``actor`` (plain actor calls).
-    transport: str = "compiled"
+    tensor_parallel_size: Annotated[int, Ge(1)] = 1
+    pipeline_parallel_size: Annotated[int, Ge(1)] = 1
+    #: How plans travel between stage workers: ``compiled`` (a Ray compiled graph) or ``actor``
+    #: (plain actor calls).
+    transport: Literal["compiled", "actor"] = "compiled"
     #: Plans kept in flight; None = one per stage (paper §4.3).
-    max_inflight: int | None = None
-    #: CPUs each worker reserves (logical; a bundle must reserve something on a CPU-only node).
-    worker_cpus: float = 1.0
+    max_inflight: Annotated[int, Ge(1)] | None = None
+    #: Logical CPUs each worker (one TP rank) reserves; a stage's bundle holds TP of them. A
+    #: bundle must reserve something on a CPU-only node; a sliver keeps a 2-core box schedulable
+    #: (torch's threads are ``torch_threads``, not this).
+    worker_cpus: Annotated[float, Gt(0)] = 0.01
     #: Run stage-worker actors (the Ray pipeline) even for TP·PP = 1.
     use_ray_pipeline: bool = False
 

@@ -1,40 +1,42 @@
-"""The ``parallel`` and ``pipeline`` sections of a config: how one model copy is laid out.
+"""The ``parallel`` section of a config: how one model copy is laid out, and what its replica needs.
 
-``ParallelArgs``: TP ranks per stage × PP stages, the GPUs that takes, the stage workers' CPUs and
-threads and the replica's own bundle. (The ``pipeline`` section, the Ray pipeline's waits and
-channel size, is ``actors.spec.PipelineTimeouts`` itself, validated as it stands.) Cross-section
-checks (TP·PP against GPUs, against the model's shapes) are ``app.config.AppArgs``'s.
+``ParallelArgs`` is ``actors.spec.ParallelSpec`` (TP ranks per stage × PP stages, the transport,
+plans in flight, the stage workers' CPUs — declared once, there) plus what only the replica
+needs: the GPUs one copy requests, torch's threads, OpenMP's wait policy and the replica's own
+bundle. Pydantic validates it as it stands (bounds as ``Annotated``, an unknown key refused). The
+``pipeline`` section, the Ray pipeline's waits and channel size, is ``actors.spec.PipelineTimeouts``
+itself. Cross-section checks (TP·PP against GPUs, against the model's shapes) are
+``app.config.AppArgs``'s.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass, field, fields
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from annotated_types import Ge
+from pydantic import ConfigDict
 
 from actors.spec import ParallelSpec
-from app.config_model import Strict
 
 
-class ParallelArgs(Strict):
-    """How one model copy is split: TP ranks per stage × PP stages, and the GPUs that takes."""
+def _replica_sliver() -> dict[str, float]:
+    return {"CPU": 0.01}
 
-    tensor_parallel_size: int = Field(default=1, ge=1)
-    pipeline_parallel_size: int = Field(default=1, ge=1)
-    #: Run stage-worker actors (the Ray pipeline) even for TP·PP = 1.
-    use_ray_pipeline: bool = False
+
+@dataclass(frozen=True)
+class ParallelArgs(ParallelSpec):
+    """How one model copy is split (``ParallelSpec``'s fields), and the replica's own needs."""
+
+    # As every section: a misspelt key is refused naming itself (pydantic reads this attribute).
+    __pydantic_config__ = ConfigDict(extra="forbid")
+
     #: GPUs one model copy requests; must be TP·PP on cuda and 0 on cpu.
-    num_gpus: int = Field(default=0, ge=0)
-    #: Plans the pipeline keeps in flight; None = one per stage (paper §4.3).
-    max_inflight: int | None = Field(default=None, ge=1)
-    #: How plans travel between stage workers: a Ray compiled graph, or plain actor calls.
-    transport: Literal["compiled", "actor"] = "compiled"
-    #: Logical CPUs each stage worker (one TP rank) reserves; a stage's bundle holds TP of them.
-    worker_cpus: float = Field(default=0.01, gt=0)
+    num_gpus: Annotated[int, Ge(0)] = 0
     #: torch intra-op threads of each process that runs the model (the in-process executor, or
     #: each stage worker). None keeps what Ray set: OMP_NUM_THREADS = the CPUs the actor
     #: reserved, i.e. 1 for a replica that reserves none (the demo's), whatever the cores.
-    torch_threads: int | None = Field(default=None, ge=1)
+    torch_threads: Annotated[int, Ge(1)] | None = None
     #: OpenMP's wait policy (``OMP_WAIT_POLICY``) in the Engine replica and its stage workers,
     #: set through the replica's ``runtime_env``; None leaves libgomp's default (a thread out of
     #: work spins a while, then sleeps). ``passive`` (sleep at once) is for model copies that
@@ -48,24 +50,12 @@ class ParallelArgs(Strict):
     #: Resources of the Engine replica's own bundle (bundle 0 of each model copy's placement
     #: group); GPUs are added for an in-process model on cuda. It must hold the replica's
     #: ``ray_actor_options`` (``deployments:`` in the YAML). A sliver keeps a 2-core box schedulable.
-    replica_bundle: dict[str, float] = Field(default_factory=lambda: {"CPU": 0.01})
+    replica_bundle: dict[str, float] = field(default_factory=_replica_sliver)
 
-    @field_validator("replica_bundle")
-    @classmethod
-    def _some_resource(cls, value: dict[str, float]) -> dict[str, float]:
-        if not any(v > 0 for v in value.values()):
-            raise ValueError(f"replica_bundle {value} must reserve some resource")
-        return value
+    def __post_init__(self) -> None:
+        if not any(v > 0 for v in self.replica_bundle.values()):
+            raise ValueError(f"replica_bundle {self.replica_bundle} must reserve some resource")
 
     def spec(self) -> ParallelSpec:
-        """What the data plane is given (it answers ``world_size`` and ``uses_pipeline``)."""
-        return ParallelSpec(self.tensor_parallel_size, self.pipeline_parallel_size, self.transport,
-                            self.max_inflight, self.worker_cpus, self.use_ray_pipeline)
-
-    @property
-    def world_size(self) -> int:
-        return self.spec().world_size
-
-    @property
-    def uses_pipeline(self) -> bool:
-        return self.spec().uses_pipeline
+        """What the data plane is given: the ``ParallelSpec`` fields alone."""
+        return ParallelSpec(**{f.name: getattr(self, f.name) for f in fields(ParallelSpec)})

@@ -168,7 +168,7 @@ def test_missing_resources_are_named(ray_local: None) -> None:
     # Actor transport: with the compiled graph a GPU pipeline first checks for CuPy's NCCL binding
     # (tests/unit/test_nccl_binding.py), which this machine lacks.
     gpu_spec = pipeline_spec(2, 2, transport="actor", device="cuda", placement_timeout_s=1.0)
-    with pytest.raises(PipelineError, match=r"2 bundles of \{'CPU': 2\.0, 'GPU': 2\.0\}.*cluster has"):
+    with pytest.raises(PipelineError, match=r"2 bundles of \{'CPU': 0\.02, 'GPU': 2\.0\}.*cluster has"):
         asyncio.run(PipelineExecutor(gpu_spec).start())
     pg = ray.util.placement_group([{"CPU": 1}])
     try:

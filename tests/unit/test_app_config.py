@@ -8,8 +8,9 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from actors.spec import PipelineTimeouts
+from actors.spec import ParallelSpec, PipelineTimeouts
 from app.config import AppArgs, ProfileMismatchWarning
+from app.config_layout import ParallelArgs
 from tests.harness.app_config import demo_args, error_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,15 +29,22 @@ def test_demo_config_validates_with_the_papers_settings() -> None:
         "graceful_shutdown_timeout_s": 242.0, "placement_group_bundles": [{"CPU": 0.01}]}
 
 
-@pytest.mark.parametrize("section,key", [
-    (None, "modle"), ("model", "nmae"), ("scheduler", "max_batch"), ("kv_cache", "blocksize"),
-    ("parallel", "replica_bundels"), ("server", "apikey"),
+EXTRA = "Extra inputs are not permitted"        # pydantic's words for a model's unknown key
+UNEXPECTED = "Unexpected keyword argument"      # and for a dataclass's (parallel, pipeline)
+
+
+@pytest.mark.parametrize("section,key,words", [
+    (None, "modle", EXTRA), ("model", "nmae", EXTRA), ("scheduler", "max_batch", EXTRA),
+    ("kv_cache", "blocksize", EXTRA), ("parallel", "replica_bundels", UNEXPECTED),
+    ("pipeline", "ping_timeout", UNEXPECTED), ("server", "apikey", EXTRA),
 ])
-def test_unknown_key_is_named(section: str | None, key: str) -> None:
+def test_unknown_key_is_named(section: str | None, key: str, words: str) -> None:
     args = demo_args()
+    if section is not None:
+        args.setdefault(section, {})
     (args if section is None else args[section])[key] = 1
     msg = error_of(args)
-    assert key in msg and "Extra inputs are not permitted" in msg
+    assert f"{'' if section is None else section + '.'}{key}\n  {words}" in msg
 
 
 def test_bad_policy_value_is_named() -> None:
@@ -306,3 +314,24 @@ def test_a_pool_sized_twice_is_refused_naming_both() -> None:
     args["kv_cache"]["device_memory_gib"] = 1
     msg = error_of(args)
     assert "set num_device_blocks or device_memory_gib, not both" in msg and "got 256 and 1" in msg
+
+
+@pytest.mark.parametrize("key,value,words", [
+    ("tensor_parallel_size", 0, "Input should be greater than or equal to 1"),
+    ("worker_cpus", 0, "Input should be greater than 0"),
+    ("transport", "grpc", "Input should be 'compiled' or 'actor'"),
+    ("max_inflight", 0, "Input should be greater than or equal to 1"),
+])
+def test_the_parallel_sections_bounds_are_the_data_planes_own(key: str, value: object, words: str) -> None:
+    args = demo_args()
+    args["parallel"][key] = value
+    assert f"parallel.{key}\n  {words}" in error_of(args)
+
+
+def test_the_parallel_section_is_parallel_spec_plus_the_replicas_own_knobs() -> None:
+    assert ParallelArgs().spec() == ParallelSpec()      # one declaration, one set of defaults
+    args = demo_args()
+    args["parallel"].update(pipeline_parallel_size=2, transport="actor", worker_cpus=0.5, num_gpus=0)
+    spec = AppArgs.model_validate(args).parallel.spec()
+    assert spec == ParallelSpec(pipeline_parallel_size=2, transport="actor", worker_cpus=0.5)
+    assert type(spec) is ParallelSpec                   # the replica's knobs stay in the replica
