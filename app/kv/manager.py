@@ -41,7 +41,15 @@ __all__ = ["SPILL_JOB", "KVCacheManager", "PoolSizes", "Residency", "Tier", "Tok
 
 
 class KVCacheManager(PrefixCacheOps):
-    """Block tables, reference counts and the prefix cache of the two-tier KV (above)."""
+    """Block tables, reference counts and the prefix cache of the two-tier KV (above).
+
+    Twenty public methods, on purpose: it is the only holder of block tables, so every question
+    about them is asked here — twelve reads the planners count with (free blocks per tier, a
+    job's tier, residency, blocks, tokens, table, the blocks a swap would move, when a job's
+    last swap or step ends, blocks a run needs) — and every change made here: seven operations
+    the ``Applier`` calls (``allocate``, ``swap_out``, ``swap_in``, ``drop``, ``free``,
+    ``complete``, ``fail``) and ``check_invariants``. The prefix cache's own operations are its
+    base class's (``PrefixCacheOps``)."""
 
     # ---- queries -------------------------------------------------------------------------
     @property

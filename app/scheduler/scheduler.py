@@ -42,6 +42,13 @@ _PLAN_PASSES = 2
 
 
 class Scheduler:
+    """Eighteen public methods, on purpose: the step's four (``add``, ``abort``, ``schedule``,
+    ``update``, which ``app.engine.core.EngineCore`` drives), three for a failed step or a lost
+    data plane (``fail``, ``lose_all_kv``, ``fail_all``), the operator's ``reset_prefix_cache``,
+    and ten reads for the replica's metrics, ``/debug/engine``, the simulator and the tests. Each
+    is a line or two onto the state, a planner or the one writer; moving the reads to a second
+    object would give the same facts a second name and save nothing."""
+
     def __init__(self, config: SchedulerConfig, kv_config: KVCacheConfig, profile: Profile,
                  eos_token_ids: frozenset[int]) -> None:
         self.state = SchedulerState(config, kv_config, profile, eos_token_ids)
