@@ -70,7 +70,6 @@ class EngineCore:
         self.scheduler = scheduler
         self.clock = clock
         self.check_invariants = check_invariants
-        self.steps = 0
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, req: JobRequest) -> Job:
@@ -82,6 +81,11 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    @property
+    def steps(self) -> int:
+        """Plans scheduled so far (the scheduler counts them; read here, not kept twice)."""
+        return self.scheduler.totals["steps"]
 
     # ---- the step ------------------------------------------------------------------------
     def step(self, executor: SyncExecutor) -> StepResult | None:
@@ -100,7 +104,6 @@ class EngineCore:
         """The step's first half: the next plan, or None when nothing can run now."""
         plan = self.scheduler.schedule(self.clock())
         if plan is not None:
-            self.steps += 1
             self._check()
         return plan
 
