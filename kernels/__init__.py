@@ -10,8 +10,11 @@ Which implementation runs:
 
 * ``write_kv`` and ``paged_attention`` use the CUDA kernels when the tensor is on a CUDA device,
   its dtype is float16/bfloat16/float32, and ``cupy`` imports and sees a device; otherwise the
-  torch reference. ``backend_for(tensor)`` says which. Setting the environment variable
-  ``FASTSERVE_KERNEL_BACKEND=torch`` forces the reference everywhere.
+  torch reference, except on the CPU cases below. ``backend_for(tensor)`` says which. Setting the
+  environment variable ``FASTSERVE_KERNEL_BACKEND=torch`` forces the reference everywhere.
+* ``write_kv`` on CPU tensors whose K/V already have the cache's dtype (float32 or bfloat16),
+  each token's row of heads contiguous in both, is one call of the C copy in ``kernels/cpu/``
+  (``kernels.cpu_ops.supports_write``); otherwise the torch reference.
 * ``paged_attention`` on CPU tensors with a float32 or bfloat16 cache uses the C kernel in
   ``kernels/cpu/`` (built with the system C compiler by ``kernels.cpu_ops``, which reads each page
   in place instead of gathering pages into a dense tensor; a bf16 cache is widened to fp32 as it
@@ -151,8 +154,20 @@ def write_kv(
     ``[num_tokens]`` with ``slot = block_id * block_size + offset``; a slot < 0 is padding and is
     skipped. Caches are per-layer views ``[num_blocks, block_size, num_heads, head_dim]``.
     """
-    impl = _cupy_ops() if backend_for(key_cache) == CUDA_BACKEND else reference
-    impl.write_kv(key_cache, value_cache, key, value, slot_mapping)
+    if backend_for(key_cache) == CUDA_BACKEND:
+        _cupy_ops().write_kv(key_cache, value_cache, key, value, slot_mapping)
+    elif key_cache.device.type == "cpu" and not _forced_reference() and _cpu_writes(key_cache, key, value):
+        from kernels import cpu_ops
+
+        cpu_ops.write_kv(key_cache, value_cache, key, value, slot_mapping)
+    else:
+        reference.write_kv(key_cache, value_cache, key, value, slot_mapping)
+
+
+def _cpu_writes(key_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    from kernels import cpu_ops
+
+    return cpu_ops.supports_write(key_cache, key, value)
 
 
 def prefill_attention(

@@ -41,8 +41,14 @@ BUILD_TIMEOUT_S = 120.0
 #: the boundary as float32 (a bf16 query is widened first, the output rounded back once).
 KERNEL_FOR_CACHE = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
 SUPPORTED_DTYPES = frozenset(KERNEL_FOR_CACHE)
-#: paged_attention_f32's status when it could not allocate its scratch rows.
+#: The C entry points that check a batch's block tables and write its K/V rows.
+CHECK_TABLES = "check_block_tables"
+WRITE_KV = "write_kv_rows"
+#: Statuses of the C entry points: no scratch memory; a context longer than its table row; a
+#: block id or slot outside the pool.
 SCRATCH_FAILED = -1
+TABLE_TOO_SHORT = -3
+OUTSIDE_POOL = -4
 
 _log = logging.getLogger(__name__)
 
@@ -95,12 +101,22 @@ def build(source: Path, compiler: str | None = None) -> Path:
 
 def load(source: Path) -> ctypes.CDLL:
     """Build ``source`` (a paged-attention C source with the entry points of KERNEL_FOR_CACHE) and
-    load it with their signatures set; the benchmark loads an older revision this way."""
+    load it with their signatures set; the benchmark loads an older revision this way (which may
+    lack the table check and the cache write: those are then left unset)."""
     lib = ctypes.CDLL(str(build(source)))
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    for name in KERNEL_FOR_CACHE.values():
-        fn = getattr(lib, name)
-        fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i32, i32, i32, i32, i32, ctypes.c_float, ptr, i32]
+    signatures = {name: [ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i32, i32, i32, i32, i32, ctypes.c_float,
+                         ptr, i32] for name in KERNEL_FOR_CACHE.values()}
+    signatures[CHECK_TABLES] = [ptr, i64, i64, ptr, i32, i32, i64]
+    signatures[WRITE_KV] = [ptr, ptr, i64, i64, ptr, ptr, i64, i64, ptr, i32, i32, i64, i64]
+    for name, argtypes in signatures.items():
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            if name in KERNEL_FOR_CACHE.values():
+                raise
+            continue
+        fn.argtypes = argtypes
         fn.restype = ctypes.c_int
     return lib
 
@@ -159,17 +175,20 @@ def paged_attention(
     lens = context_lens.to(dtype=torch.int32).contiguous()
     if lens.numel() != num_seqs or tables.shape[0] != num_seqs:
         raise ValueError(f"{num_seqs} queries but {tables.shape[0]} block tables and {lens.numel()} context lengths")
-    if num_seqs and int(lens.max()) > tables.shape[1] * block_size:
-        raise ValueError(f"a context of {int(lens.max())} tokens needs more than the table's "
-                         f"{tables.shape[1]} blocks of {block_size}")
     out = torch.empty_like(q)
     if num_seqs == 0:
         return out.to(query.dtype)
-    used = tables[:, : -(-int(lens.max()) // block_size)]
-    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= key_cache.shape[0]):
-        # The C kernel trusts its tables: an id out of range would read outside the pool.
-        raise IndexError(f"block ids {int(used.min())}..{int(used.max())} outside the cache's "
-                         f"{key_cache.shape[0]} blocks")
+    # The C kernel trusts its tables (an id out of range would read outside the pool): checked
+    # in C, one pass over the ids the contexts reach (an older build, for comparisons: in torch).
+    check = getattr(lib, CHECK_TABLES, None)
+    status = (_check_tables_torch(tables, lens, block_size, key_cache.shape[0]) if check is None else
+              check(tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr(), num_seqs, block_size,
+                    key_cache.shape[0]))
+    if status == TABLE_TOO_SHORT:
+        raise ValueError(f"a context of {int(lens.max())} tokens needs more than the table's "
+                         f"{tables.shape[1]} blocks of {block_size}")
+    if status == OUTSIDE_POOL:
+        raise IndexError(f"a block id the contexts reach is outside the cache's {key_cache.shape[0]} blocks")
     block_stride, token_stride, head_stride, _ = key_cache.stride()
     status = getattr(lib, KERNEL_FOR_CACHE[key_cache.dtype])(
         q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_stride, token_stride, head_stride,
@@ -180,3 +199,49 @@ def paged_attention(
     if status != 0:
         raise RuntimeError(f"{KERNEL_FOR_CACHE[key_cache.dtype]} failed with status {status}")
     return out.to(query.dtype)
+
+
+def _check_tables_torch(tables: torch.Tensor, lens: torch.Tensor, block_size: int, num_blocks: int) -> int:
+    """``check_block_tables``' status, computed with torch ops (for builds that lack it)."""
+    width = -(-int(lens.max()) // block_size)
+    if width > tables.shape[1]:
+        return TABLE_TOO_SHORT
+    used = tables[:, :width]
+    return OUTSIDE_POOL if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks) else 0
+
+
+def supports_write(key_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether ``write_kv`` here can take these tensors: CPU, the rows' dtype already the cache's,
+    each token's row of heads contiguous in the sources and in the cache."""
+    return (key_cache.device.type == "cpu" and key.device.type == "cpu" and value.device.type == "cpu"
+            and key.dtype == value.dtype == key_cache.dtype and key_cache.dtype in SUPPORTED_DTYPES
+            and key.dim() == value.dim() == 3 and key.shape[1:] == value.shape[1:] == key_cache.shape[2:]
+            and all(_row_contiguous(t) for t in (key, value, key_cache)) and available())
+
+
+def _row_contiguous(t: torch.Tensor) -> bool:
+    """Whether a row of ``t``'s heads (its last two dims) is one contiguous run."""
+    return t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]
+
+
+def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Same contract as ``kernels.reference.write_kv`` (slots < 0 skipped), for tensors
+    ``supports_write`` accepts: one C call copies every token's K and V row."""
+    lib = _library()
+    if lib is None:
+        raise KernelBuildError("CPU kernels are not available on this machine")
+    if key_cache.stride() != value_cache.stride() or key_cache.shape != value_cache.shape:
+        raise ValueError(f"key/value caches differ: {tuple(key_cache.shape)} {key_cache.stride()} vs "
+                         f"{tuple(value_cache.shape)} {value_cache.stride()}")
+    slots = slot_mapping.to(dtype=torch.int64).contiguous()
+    if slots.numel() != key.shape[0] or value.shape[0] != key.shape[0]:
+        raise ValueError(f"{slots.numel()} slots for {key.shape[0]} keys and {value.shape[0]} values")
+    num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
+    elem = key_cache.element_size()
+    status = lib.write_kv_rows(key.data_ptr(), value.data_ptr(), key.stride(0) * elem, value.stride(0) * elem,
+                               key_cache.data_ptr(), value_cache.data_ptr(), key_cache.stride(0) * elem,
+                               key_cache.stride(1) * elem, slots.data_ptr(), slots.numel(), block_size,
+                               num_blocks, key_cache.shape[2] * key_cache.shape[3] * elem)
+    if status == OUTSIDE_POOL:
+        raise IndexError(f"slot {int(slots.max())} lies past the cache's {num_blocks} blocks of {block_size}")

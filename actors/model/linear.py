@@ -109,3 +109,66 @@ def multiply(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
     if not low <= x.shape[0] <= high:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class MergedLinear:
+    """Linears that read the same input (q/k/v; gate/up), multiplied as one GEMM.
+
+    vLLM merges them at load time (``QKVParallelLinear``, ``MergedColumnParallelLinear``); here
+    the members stay separate ``ServingLinear`` modules, so checkpoints load and shard by their
+    own names, and ``pack()`` packs their concatenated weight (and biases) once. A decode step
+    then makes one oneDNN call where it made two or three: on the 2-core AMD EPYC Zen 4, bf16, 30
+    layers of SmolLM2-135M's linears with cold weights took 20.4 ms at 1 row as 7 GEMMs per layer
+    and 15.9 ms as 4 (fewer calls, each streaming a longer weight).
+
+    Not a module (its members are the layer's own, registered there): a plain attribute, built
+    after the weights are loaded. Before ``pack()``, or where packing does not apply (another
+    device or dtype, no oneDNN, or a row count this CPU runs on ``F.linear``), each member
+    multiplies on its own, exactly as without the merge.
+    """
+
+    def __init__(self, *members: ServingLinear) -> None:
+        self.members = members
+        self.widths = [m.out_features for m in members]
+        self._packed: torch.Tensor | None = None
+        self._bias: torch.Tensor | None = None
+        self._dtype = members[0].weight.dtype
+
+    def pack(self) -> bool:
+        """Pack the members' concatenated weight; False (members used one by one) where packing
+        does not apply or the members disagree on having a bias."""
+        with_bias = [m.bias is not None for m in self.members]
+        if any(with_bias) and not all(with_bias):
+            return False
+        self._packed = pack_weight(torch.cat([m.weight.detach() for m in self.members]))
+        if self._packed is not None and all(with_bias):
+            self._bias = torch.cat([m.bias.detach() for m in self.members if m.bias is not None])
+        self._dtype = self.members[0].weight.dtype
+        return self._packed is not None
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each member's ``F.linear(x, weight, bias)``, in order (views of one output when merged)."""
+        if self._packed is None or x.dim() != 2:
+            return [m(x) for m in self.members]
+        low, high = packed_row_bounds(self._dtype)
+        if not low <= x.shape[0] <= high:
+            return [m(x) for m in self.members]
+        out = torch.ops.mkldnn._linear_pointwise(x, self._packed, self._bias, "none", [], "")
+        return list(out.split(self.widths, dim=-1))
+
+
+def pack_linears(root: nn.Module) -> int:
+    """Prepack every linear under ``root`` for CPU GEMMs: each ``MergedLinear`` (an attribute of a
+    module under ``root``) as one weight, every other ``ServingLinear`` alone; a member of a merge
+    that could not pack is packed alone. Returns how many GEMM weights were packed."""
+    merged = [v for m in root.modules() for v in vars(m).values() if isinstance(v, MergedLinear)]
+    covered: set[int] = set()
+    count = 0
+    for group in merged:
+        if group.pack():
+            count += 1
+            covered.update(id(m) for m in group.members)
+    for m in root.modules():
+        if isinstance(m, ServingLinear) and id(m) not in covered:
+            count += m.pack()
+    return count

@@ -26,7 +26,7 @@ from torch import nn
 from actors.model.attention import paged_self_attention
 from actors.model.batch import ForwardBatch
 from actors.model.layout import WeightLayout
-from actors.model.linear import ServingLinear, multiply, pack_weight
+from actors.model.linear import MergedLinear, ServingLinear, multiply, pack_linears, pack_weight
 from actors.model.llama_config import LlamaConfig
 from actors.model.opt import AllReduce
 from actors.model.rope import Rotary
@@ -84,14 +84,16 @@ class Attention(nn.Module):
         self.k_proj = ServingLinear(config.hidden_size, kv_width, bias=config.qkv_bias)
         self.v_proj = ServingLinear(config.hidden_size, kv_width, bias=config.qkv_bias)
         self.o_proj = ServingLinear(q_width, config.hidden_size, bias=config.o_proj_bias)
+        self.qkv = MergedLinear(self.q_proj, self.k_proj, self.v_proj)
         self.all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, layer_cache: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        q = Rotary.apply(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
-        k = Rotary.apply(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv(x)
+        q = Rotary.apply(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = Rotary.apply(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         attn = paged_self_attention(q, k, v, layer_cache, batch, self.scale)
         out = self.o_proj.multiply(attn.reshape(n, -1), with_bias=False)
         return _reduce_then_bias(out, self.o_proj, self.all_reduce)
@@ -106,10 +108,12 @@ class MLP(nn.Module):
         self.gate_proj = ServingLinear(config.hidden_size, local, bias=config.mlp_bias)
         self.up_proj = ServingLinear(config.hidden_size, local, bias=config.mlp_bias)
         self.down_proj = ServingLinear(local, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up = MergedLinear(self.gate_proj, self.up_proj)
         self.all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        gate, up = self.gate_up(x)
+        h = F.silu(gate) * up
         return _reduce_then_bias(self.down_proj.multiply(h, with_bias=False), self.down_proj, self.all_reduce)
 
 
@@ -167,8 +171,9 @@ class LlamaStage(nn.Module):
         return first * self.config.head_dim, self.num_local_kv_heads * self.config.head_dim
 
     def pack_linear_weights(self) -> int:
-        """Prepack every decoder linear for CPU GEMMs (see ``ServingLinear.pack``)."""
-        packed = sum(m.pack() for m in self.layers.modules() if isinstance(m, ServingLinear))
+        """Prepack every decoder linear for CPU GEMMs, q/k/v and gate/up each merged into one
+        (``actors.model.linear.pack_linears``); returns how many GEMM weights were packed."""
+        packed = pack_linears(self.layers)
         if self.shard.is_last:
             self._head_packed = pack_weight(self._head_weight())
             packed += self._head_packed is not None

@@ -26,7 +26,7 @@ from actors.model.attention import paged_self_attention
 from actors.model.batch import ForwardBatch
 from actors.model.config import POSITION_OFFSET, OPTConfig
 from actors.model.layout import WeightLayout
-from actors.model.linear import ServingLinear, multiply, pack_weight
+from actors.model.linear import MergedLinear, ServingLinear, multiply, pack_linears, pack_weight
 from actors.model.shard import StageShard
 
 __all__ = ["AllReduce", "OPTStage", "StageShard"]
@@ -60,13 +60,12 @@ class Attention(nn.Module):
         self.v_proj = ServingLinear(config.hidden_size, local, bias=bias)
         # Row-parallel: the bias is added after the all-reduce, exactly once.
         self.out_proj = ServingLinear(local, config.hidden_size, bias=bias)
+        self.qkv = MergedLinear(self.q_proj, self.k_proj, self.v_proj)
         self.all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, layer_cache: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_heads, self.head_dim)
+        q, k, v = (t.view(n, self.num_heads, self.head_dim) for t in self.qkv(x))
         attn = paged_self_attention(q, k, v, layer_cache, batch, self.scale)
         out = self.out_proj.multiply(attn.reshape(n, -1), with_bias=False)
         out = self.all_reduce(out)
@@ -147,9 +146,10 @@ class OPTStage(nn.Module):
         return self.shard.tp_rank * rows, rows
 
     def pack_linear_weights(self) -> int:
-        """Prepack every decoder linear for CPU GEMMs (``ServingLinear.pack``), after the
-        weights are loaded; returns how many were packed (0 off CPU float32)."""
-        packed = sum(m.pack() for m in self.layers.modules() if isinstance(m, ServingLinear))
+        """Prepack every decoder linear for CPU GEMMs after the weights are loaded, q/k/v merged
+        into one (``actors.model.linear.pack_linears``); returns how many GEMM weights were packed
+        (0 where packing does not apply)."""
+        packed = pack_linears(self.layers)
         if self.shard.is_last:
             self._head_packed = pack_weight(self.embed_tokens.weight)
             packed += self._head_packed is not None

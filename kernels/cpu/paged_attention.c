@@ -42,6 +42,7 @@
 #include <stdint.h>
 #include <omp.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* Lanes of the independent partial sums: wide enough for one AVX-512 register of floats, and
  * independent per lane, so the compiler vectorises the dot product without reassociating. */
@@ -519,4 +520,47 @@ int paged_attention_bf16(const float *query, const uint16_t *key_cache, const ui
     return paged_attention_bf16_scalar(query, key_cache, value_cache, block_stride, token_stride, head_stride,
                                        block_tables, table_stride, context_lens, num_seqs, num_heads,
                                        num_kv_heads, head_dim, block_size, scale, out, num_threads);
+}
+
+/* ------------------------------------------------------------------ checks and cache writes
+ *
+ * Both run once per layer call, so they replace what used to be a handful of torch reductions
+ * and index ops per layer (block-id range checks, the slot arithmetic, two index_put): on the
+ * 2-core AMD EPYC those cost ~0.15 ms a layer, ~4.5 ms of a 34 ms SmolLM2 decode step at batch 1.
+ */
+
+/* Whether the tables may be read: every context fits its table row (table_width blocks), and
+ * every block id a context reaches lies in [0, num_blocks). Returns 0; -3 if a context is
+ * longer than its row, -4 if a block id is out of range. Nothing else is read. */
+int check_block_tables(const int32_t *block_tables, int64_t table_stride, int64_t table_width,
+                       const int32_t *context_lens, int num_seqs, int block_size, int64_t num_blocks) {
+    for (int b = 0; b < num_seqs; ++b) {
+        const int64_t used = ((int64_t)context_lens[b] + block_size - 1) / block_size;
+        if (used > table_width) return -3;
+        const int32_t *table = block_tables + (int64_t)b * table_stride;
+        for (int64_t i = 0; i < used; ++i)
+            if (table[i] < 0 || table[i] >= num_blocks) return -4;
+    }
+    return 0;
+}
+
+/* Copy each token's key and value row (row_bytes: its heads side by side) into its cache slot,
+ * slot = block * block_size + offset; a slot < 0 is padding and skipped. Sources are rows
+ * key_stride / value_stride bytes apart; in the caches a block is block_stride bytes, a token
+ * token_stride bytes, and a row contiguous. Returns 0; -4 if a slot lies past the pool (nothing
+ * is written then). */
+int write_kv_rows(const char *key, const char *value, int64_t key_stride, int64_t value_stride,
+                  char *key_cache, char *value_cache, int64_t block_stride, int64_t token_stride,
+                  const int64_t *slots, int num_tokens, int block_size, int64_t num_blocks,
+                  int64_t row_bytes) {
+    for (int t = 0; t < num_tokens; ++t)
+        if (slots[t] >= num_blocks * block_size) return -4;
+    for (int t = 0; t < num_tokens; ++t) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        const int64_t at = slot / block_size * block_stride + slot % block_size * token_stride;
+        memcpy(key_cache + at, key + t * key_stride, (size_t)row_bytes);
+        memcpy(value_cache + at, value + t * value_stride, (size_t)row_bytes);
+    }
+    return 0;
 }

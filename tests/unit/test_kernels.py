@@ -354,6 +354,44 @@ def test_cpu_kernel_rejects_tables_outside_the_pool() -> None:
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler on this machine")
+def test_cpu_kernel_rejects_a_context_longer_than_its_table() -> None:
+    from kernels import cpu_ops
+
+    query, cache, tables, lens = make_paged_case([5, 9], 4, 2, 8, torch.float32, seed=3)
+    key_cache, value_cache = layer_views(cache)
+    lens[1] = tables.shape[1] * key_cache.shape[1] + 1
+    with pytest.raises(ValueError, match="needs more than the table's"):
+        cpu_ops.paged_attention(query, key_cache, value_cache, tables, lens, 0.3)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler on this machine")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_write_kv_equals_the_reference(dtype: torch.dtype) -> None:
+    # The C copy writes exactly what the torch reference writes: strided value rows (a view of a
+    # merged q/k/v output), a padding slot (-1) skipped, slots in several blocks of a layer view.
+    from kernels import cpu_ops
+
+    torch.manual_seed(5)
+    pool = torch.randn(6, 3, 2, 4, 2, 8).to(dtype)   # [blocks, layers, K/V, block_size, heads, dim]
+    merged = torch.randn(5, 3 * 16).to(dtype)
+    key = merged[:, 16:32].view(5, 2, 8).contiguous()
+    value = merged[:, 32:].view(5, 2, 8)             # rows 48 elements apart
+    slots = torch.tensor([0, 5, -1, 23, 9])
+    ours, ref = pool.clone(), pool.clone()
+    assert cpu_ops.supports_write(ours[:, 1, 0], key, value)
+    kernels.write_kv(ours[:, 1, 0], ours[:, 1, 1], key, value, slots)
+    reference.write_kv(ref[:, 1, 0], ref[:, 1, 1], key, value, slots)
+    assert torch.equal(ours, ref) and not torch.equal(ours, pool)
+    # A slot past the pool is refused before anything is written.
+    with pytest.raises(IndexError, match="past the cache's 6 blocks of 4"):
+        cpu_ops.write_kv(ours[:, 0, 0], ours[:, 0, 1], key, value, torch.tensor([0, 1, 2, 3, 24]))
+    assert torch.equal(ours, ref)
+    # Rows that need a cast, or are not contiguous runs of heads, go to the reference.
+    assert not cpu_ops.supports_write(ours[:, 1, 0], key.double(), value.double())
+    assert not cpu_ops.supports_write(ours[:, 1, 0], key.transpose(1, 2).contiguous().transpose(1, 2), value)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler on this machine")
 def test_paged_attention_dispatch_by_device_dtype_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
     query, cache, _, _ = make_paged_case([5], 4, 2, 8, torch.float32, seed=3)
     key_cache, _ = layer_views(cache)

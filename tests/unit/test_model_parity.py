@@ -200,6 +200,38 @@ def test_serving_linear_packed_path_equals_f_linear_for_every_row_count() -> Non
     assert not L.ServingLinear(4, 4).to(torch.float64).pack()   # float32 / bf16 CPU only
 
 
+def test_merged_linear_gives_each_members_output() -> None:
+    # q/k/v (with biases, as OPT) and gate/up (without, as LLaMA) merged into one packed GEMM:
+    # each output is its member's own F.linear, before packing and after, at every row count.
+    from actors.model import linear as L
+
+    torch.manual_seed(0)
+    for bias in (True, False):
+        members = [L.ServingLinear(48, width, bias=bias) for width in (32, 16, 16)]
+        merged = L.MergedLinear(*members)
+        for n in (1, 7, L.INTEL_PACKED_MAX_ROWS + 3):
+            x = torch.randn(n, 48)
+            expected = [F.linear(x, m.weight, m.bias) for m in members]
+            for out, want in zip(merged(x), expected, strict=True):
+                torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+            if n == 1:
+                assert merged.pack() == L.onednn_linear_available()
+        root = torch.nn.Module()
+        root.parts = torch.nn.ModuleList(members)
+        root.extra = L.ServingLinear(16, 8)
+        root.qkv = L.MergedLinear(*members)
+        # One packed weight for the three members, one for the other linear; no member packs alone.
+        assert L.pack_linears(root) == (2 if L.onednn_linear_available() else 0)
+        assert all(m._packed is None for m in members)
+    # Members that disagree on a bias are not merged: each packs alone.
+    mixed = [L.ServingLinear(48, 16, bias=True), L.ServingLinear(48, 16, bias=False)]
+    assert not L.MergedLinear(*mixed).pack()
+    root = torch.nn.Module()
+    root.parts = torch.nn.ModuleList(mixed)
+    root.pair = L.MergedLinear(*mixed)
+    assert L.pack_linears(root) == (2 if L.onednn_linear_available() else 0)
+
+
 def test_packed_row_bounds_per_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     # float32 keeps MKL for single rows and whole prompts on Intel only; bf16 is packed throughout.
     from actors.model import linear as L

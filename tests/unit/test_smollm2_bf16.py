@@ -29,7 +29,6 @@ import transformers
 import kernels
 from actors.executor import InProcessExecutor
 from actors.messages import BatchEntry, BatchPlan, SamplingParams
-from actors.model.linear import ServingLinear
 from actors.model.llama_config import LlamaConfig
 from actors.spec import ModelSpec
 from kernels.cpu_features import cpu_has_bf16
@@ -70,8 +69,13 @@ def test_auto_serves_bf16_on_the_fast_paths(executor: InProcessExecutor) -> None
     model, pool = executor.model, executor.kv.device_pool
     assert pool.dtype == torch.bfloat16
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    linears = [m for m in model.modules() if isinstance(m, ServingLinear)]
-    assert len(linears) == 30 * 7 and all(m._packed is not None for m in linears)
+    # Per layer four packed GEMM weights: q/k/v merged, o, gate/up merged, down; a merged
+    # member keeps no packed copy of its own.
+    merged = [g for layer in model.layers for g in (layer.self_attn.qkv, layer.mlp.gate_up)]
+    alone = [m for layer in model.layers for m in (layer.self_attn.o_proj, layer.mlp.down_proj)]
+    assert len(merged) == len(alone) == 60
+    assert all(g._packed is not None and all(m._packed is None for m in g.members) for g in merged)
+    assert all(m._packed is not None for m in alone)
     assert model._head_packed is not None
     query = torch.zeros(1, 9, 64, dtype=torch.bfloat16)
     assert kernels.paged_attention_backend(query, pool[:, 0, 0]) == kernels.CPU_BACKEND
