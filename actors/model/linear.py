@@ -1,10 +1,12 @@
-"""``ServingLinear``: an ``nn.Linear`` whose CPU GEMMs run on a oneDNN-prepacked weight.
+"""``ServingLinear``: an ``nn.Linear`` whose CPU GEMMs run on a weight packed once for them.
 
 Owns the one choice of how a decoder's linear layers multiply on CPU. After the weights are
-loaded, ``pack()`` reorders the weight once into oneDNN's blocked layout (``torch.ops.mkldnn``,
-the kernels torch's own inductor uses for frozen CPU linears); every call then skips MKL's
-per-call packing of the weight, which dominates the few-row GEMMs of decode steps. Values equal
-``F.linear``'s to the dtype's rounding.
+loaded, ``pack()`` reorders the weight once (``PackedWeight``): into oneDNN's blocked layout
+(``torch.ops.mkldnn``, the kernels torch's own inductor uses for frozen CPU linears), or, for
+bfloat16 off Intel, into the layout of our own AVX-512 BF16 kernel (``kernels.cpu_linear``:
+oneDNN streamed a decode step's bf16 weights at 11-17 GB/s on the AMD EPYC Zen 4, ours at
+20-26). Every call then skips MKL's per-call packing of the weight, which dominates the few-row
+GEMMs of decode steps. Values equal ``F.linear``'s to the dtype's rounding.
 
 Which rows go where is measured per CPU (``packed_row_bounds``):
 
@@ -16,8 +18,9 @@ Which rows go where is measured per CPU (``packed_row_bounds``):
   328 vs 564 ms at 1,024; its MLP up-projection (3,072x576) 0.07 vs 0.14 ms at 1 row, 17.5 vs
   21.2 ms at 1,024. So packed for every row count.
 * bfloat16 where the CPU has native bf16 (``kernels.cpu_features``): packed at every row count
-  (AMD EPYC: LM head 3.4 ms at 1 row against 5.2 for ``F.linear`` in bf16, 6.9 in packed fp32).
-  Without native bf16 a bf16 weight is not packed (oneDNN would emulate it).
+  (AMD EPYC: oneDNN's LM head 3.4 ms at 1 row against 5.2 for ``F.linear`` in bf16, 6.9 in
+  packed fp32; our kernel below that: ``bf16_kernel_chosen``). Without native bf16 a bf16 weight
+  is not packed (oneDNN would emulate it).
 
 Parameter names stay ``weight``/``bias``, so checkpoints load as into ``nn.Linear``. Without
 oneDNN, on another device or dtype, or before ``pack()``, it is exactly ``nn.Linear``.
@@ -27,11 +30,13 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_linear
 from kernels.cpu_features import cpu_has_bf16, cpu_vendor
 
 #: Row count the packed layout is tuned for (a decode batch); any row count is served.
@@ -44,6 +49,9 @@ INTEL_VENDOR = "GenuineIntel"
 #: No upper bound on the rows of a packed GEMM.
 UNBOUNDED = 1 << 62
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+#: Which kernel a packed weight runs on: oneDNN's blocked GEMM, or ours for bf16 (kernels.cpu_linear).
+ONEDNN = "onednn"
+BF16_KERNEL = "bf16_kernel"
 
 _log = logging.getLogger(__name__)
 
@@ -72,8 +80,22 @@ def packed_row_bounds(dtype: torch.dtype) -> tuple[int, int]:
     return 1, UNBOUNDED
 
 
+@dataclass(frozen=True)
+class PackedWeight:
+    """A linear weight reordered once for this CPU's GEMM, and the kernel that reads it."""
+
+    data: torch.Tensor
+    kernel: str   # ONEDNN or BF16_KERNEL
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` for a 2-d ``x``."""
+        if self.kernel == BF16_KERNEL:
+            return cpu_linear.linear(x, self.data, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
+
+
 class ServingLinear(nn.Linear):
-    _packed: torch.Tensor | None = None
+    _packed: PackedWeight | None = None
 
     def pack(self) -> bool:
         """Prepack the weight for CPU GEMMs; False (and nothing changes) elsewhere."""
@@ -89,17 +111,27 @@ class ServingLinear(nn.Linear):
         return multiply(x, self.weight, self._packed, self.bias if with_bias else None)
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` ([out, in]) reordered once into oneDNN's blocked layout for CPU GEMMs (float32,
-    or bfloat16 on a CPU with native bf16); None (use ``weight`` as it is) on another device or
-    dtype, or without oneDNN."""
+@functools.cache
+def bf16_kernel_chosen() -> bool:
+    """Whether bf16 weights go to our kernel (``kernels.cpu_linear``) rather than oneDNN: where it
+    built, off Intel. On the AMD EPYC Zen 4 it beat oneDNN's packed bf16 GEMM at every row count
+    measured (1-256); Intel CPUs with AMX keep oneDNN, whose AMX path was not measured against it."""
+    return cpu_vendor() != INTEL_VENDOR and cpu_linear.available()
+
+
+def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
+    """``weight`` ([out, in]) reordered once for CPU GEMMs: bf16 for our kernel where it is
+    chosen and the shape fits it, else oneDNN's blocked layout (float32, or bfloat16 on a CPU with
+    native bf16); None (use ``weight`` as it is) on another device or dtype, or without oneDNN."""
+    if weight.dtype == torch.bfloat16 and bf16_kernel_chosen() and cpu_linear.fits(weight):
+        return PackedWeight(cpu_linear.pack(weight), BF16_KERNEL)
     if (weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES
             or not onednn_linear_available(weight.dtype)):
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT), ONEDNN)
 
 
-def multiply(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+def multiply(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None,
              bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, on ``packed`` (``pack_weight(weight)``) for the row counts
     where this CPU runs it faster (``packed_row_bounds``)."""
@@ -108,7 +140,7 @@ def multiply(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
     low, high = packed_row_bounds(weight.dtype)
     if not low <= x.shape[0] <= high:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return packed.matmul(x, bias)
 
 
 class MergedLinear:
@@ -130,7 +162,7 @@ class MergedLinear:
     def __init__(self, *members: ServingLinear) -> None:
         self.members = members
         self.widths = [m.out_features for m in members]
-        self._packed: torch.Tensor | None = None
+        self._packed: PackedWeight | None = None
         self._bias: torch.Tensor | None = None
         self._dtype = members[0].weight.dtype
 
@@ -153,8 +185,7 @@ class MergedLinear:
         low, high = packed_row_bounds(self._dtype)
         if not low <= x.shape[0] <= high:
             return [m(x) for m in self.members]
-        out = torch.ops.mkldnn._linear_pointwise(x, self._packed, self._bias, "none", [], "")
-        return list(out.split(self.widths, dim=-1))
+        return list(self._packed.matmul(x, self._bias).split(self.widths, dim=-1))
 
 
 def pack_linears(root: nn.Module) -> int:

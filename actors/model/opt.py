@@ -26,7 +26,7 @@ from actors.model.attention import paged_self_attention
 from actors.model.batch import ForwardBatch
 from actors.model.config import POSITION_OFFSET, OPTConfig
 from actors.model.layout import WeightLayout
-from actors.model.linear import MergedLinear, ServingLinear, multiply, pack_linears, pack_weight
+from actors.model.linear import MergedLinear, PackedWeight, ServingLinear, multiply, pack_linears, pack_weight
 from actors.model.shard import StageShard
 
 __all__ = ["AllReduce", "OPTStage", "StageShard"]
@@ -104,7 +104,7 @@ class OPTStage(nn.Module):
 
     #: The tied LM head packed for CPU GEMMs (last stage, after ``pack_linear_weights``): at batch
     #: 16 the vocabulary projection is the largest GEMM of a decode step (9.5 vs 13.7 ms here).
-    _head_packed: torch.Tensor | None = None
+    _head_packed: PackedWeight | None = None
 
     def __init__(self, config: OPTConfig, shard: StageShard | None = None,
                  all_reduce: AllReduce = _no_reduce) -> None:

@@ -51,15 +51,19 @@ class Rotary:
         self.inv_freq = inverse_frequencies(head_dim, theta, scaling)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos``/``sin`` of shape ``[T, 1, head_dim]`` (broadcast over heads) for ``positions [T]``."""
+        """``cos`` and the signed ``sin`` (first half negated), each ``[T, 1, head_dim]`` (broadcast
+        over heads), for ``positions [T]``: what ``apply`` takes."""
         inv_freq = self.inv_freq.to(positions.device)
         angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-        angles = torch.cat((angles, angles), dim=-1)[:, None, :]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        sin = angles.sin()
+        return torch.cat((angles, angles), dim=-1)[:, None, :].cos().to(dtype), \
+            torch.cat((-sin, sin), dim=-1)[:, None, :].to(dtype)
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x [T, heads, head_dim]`` by the per-token angles."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    def apply(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x [T, heads, head_dim]`` by the per-token angles.
+
+        transformers' ``x * cos + rotate_half(x) * sin``, with ``rotate_half(x) = cat(-x2, x1)``,
+        bit for bit: ``roll`` swaps the halves in one op and the sign lives in ``signed_sin``
+        (negation is exact), so each layer runs four ops on q and on k instead of six."""
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

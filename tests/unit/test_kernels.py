@@ -620,3 +620,17 @@ def test_paged_attention_rejects_kv_heads_that_do_not_divide_query_heads() -> No
         cpu_ops.paged_attention(odd_query, key_cache, value_cache, tables, lens, 0.3)
     with pytest.raises(ValueError, match="cannot share"):
         reference.paged_attention(odd_query, key_cache, value_cache, tables, lens, 0.3)
+
+
+def test_kernel_sources_ship_in_the_package() -> None:
+    # The C and CUDA sources are built at run time from the installed package: a wheel without
+    # them would silently fall back to the torch reference kernels.
+    import fnmatch
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["kernels"]
+    sources = [p.relative_to(root / "kernels").as_posix() for p in (root / "kernels").rglob("*")
+               if p.suffix in (".c", ".cu")]
+    assert {"cpu/paged_attention.c", "cpu/linear_bf16.c"} <= set(sources)
+    assert all(any(fnmatch.fnmatch(s, g) for g in globs) for s in sources), (sources, globs)

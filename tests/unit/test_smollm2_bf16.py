@@ -9,10 +9,13 @@ Runs only on a CPU with native bf16 (``avx512_bf16`` or ``amx_bf16`` in /proc/cp
 * Logits, prefill and a decode step on the paged bf16 cache, are HF bf16's within
   ``LOGIT_ATOL`` for all eight parity prompts. For scale: HF bf16 differs from HF fp32 by up to
   0.71 on these prompts; bf16 spaces logits of magnitude 16-32 by 0.125.
-* Greedy tokens equal HF bf16 ``generate`` for every job, except at most ``MAX_TIED_JOBS`` of the
-  8 that leave it at a token where HF's top two logits were within ``BF16_TIE_GAP`` (a tie at
+* Greedy tokens equal HF bf16 ``generate`` for every job, except at most ``max_tied_jobs()`` of
+  the 8 that leave it at a token where HF's top two logits were within ``BF16_TIE_GAP`` (a tie at
   bf16 precision — HF's own gaps there are 0 or one bf16 step — after which either continuation
-  is the model's).
+  is the model's). How many leave depends on the linears' summation order: on oneDNN's (HF's
+  own on CPU) 2; on our bf16 kernel's (``kernels.cpu_linear``, chosen off Intel) 5, every one at
+  such a tie. For scale, over 64 tokens HF bf16 itself leaves HF fp32 on 3 of the 8 jobs, our
+  kernel path on 5 and our oneDNN path on 4 (AMD EPYC Zen 4).
 * The France prompt gets the fp32 model's answer, "The capital of France is Paris.", and stops at
   EOS: vLLM's CPU build at ``--dtype bfloat16`` answers it with unrelated French text here.
 """
@@ -29,6 +32,7 @@ import transformers
 import kernels
 from actors.executor import InProcessExecutor
 from actors.messages import BatchEntry, BatchPlan, SamplingParams
+from actors.model.linear import BF16_KERNEL, ONEDNN, bf16_kernel_chosen
 from actors.model.llama_config import LlamaConfig
 from actors.spec import ModelSpec
 from kernels.cpu_features import cpu_has_bf16
@@ -47,9 +51,17 @@ NUM_DEVICE_BLOCKS = 64
 LOGIT_ATOL = 1.0
 #: HF's top two bf16 logits closer than this: either token is the model's answer.
 BF16_TIE_GAP = 0.25
-MAX_TIED_JOBS = 2
+#: Parity prompts whose next token HF itself leaves tied (top two within BF16_TIE_GAP).
+MAX_HF_TIES = 2
+MAX_TIED_JOBS_ONEDNN = 2
+MAX_TIED_JOBS_BF16_KERNEL = 5
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 FRANCE_ANSWER = "The capital of France is Paris."
+
+
+def max_tied_jobs() -> int:
+    """Jobs whose greedy tokens may leave HF bf16's at a tie, for the kernel the linears run on."""
+    return MAX_TIED_JOBS_BF16_KERNEL if bf16_kernel_chosen() else MAX_TIED_JOBS_ONEDNN
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +89,10 @@ def test_auto_serves_bf16_on_the_fast_paths(executor: InProcessExecutor) -> None
     assert all(g._packed is not None and all(m._packed is None for m in g.members) for g in merged)
     assert all(m._packed is not None for m in alone)
     assert model._head_packed is not None
+    # Off Intel, every one of them on our bf16 kernel where it built.
+    kernels_used = {p.kernel for p in (*(g._packed for g in merged), *(m._packed for m in alone), model._head_packed)
+                    if p is not None}
+    assert kernels_used == ({BF16_KERNEL} if bf16_kernel_chosen() else {ONEDNN})
     query = torch.zeros(1, 9, 64, dtype=torch.bfloat16)
     assert kernels.paged_attention_backend(query, pool[:, 0, 0]) == kernels.CPU_BACKEND
 
@@ -109,7 +125,7 @@ def test_prefill_and_decode_logits_match_transformers_bf16(executor: InProcessEx
         else:
             ties.append(i)
     assert max(worst.values()) <= LOGIT_ATOL, worst
-    assert len(ties) <= MAX_TIED_JOBS, ties
+    assert len(ties) <= MAX_HF_TIES, ties
 
 
 def test_greedy_matches_generate_bf16_up_to_ties(executor: InProcessExecutor, smollm2_prompts: list[list[int]],
@@ -127,7 +143,7 @@ def test_greedy_matches_generate_bf16_up_to_ties(executor: InProcessExecutor, sm
         assert pos < len(ref.tokens) and ref.top2_gaps[pos] < BF16_TIE_GAP, \
             f"job {job} leaves HF at token {pos}, where HF was not tied"
         diverged[job] = pos
-    assert len(diverged) <= MAX_TIED_JOBS, diverged
+    assert len(diverged) <= max_tied_jobs(), diverged
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(smollm2_folder))
     assert ours["0"][-1] == smollm2_llama.eos_token_id
     assert tokenizer.decode(ours["0"][:-1]) == FRANCE_ANSWER

@@ -1,0 +1,57 @@
+"""Our CPU bf16 linear kernel (``kernels.cpu_linear``) against ``F.linear`` in bf16.
+
+Both sum bf16 products in float32 and round once; the summation order differs, so an output
+may differ by one bf16 step where the float32 sum lies near a rounding boundary. Skipped where
+the kernel did not build with AVX-512 BF16 (the model then stays on oneDNN).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_linear
+
+pytestmark = pytest.mark.skipif(not cpu_linear.available(),
+                                reason="the C compiler does not target AVX-512 BF16 on this machine")
+
+
+def one_bf16_step(t: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 values at each element of ``t`` (8 significant bits)."""
+    return torch.ldexp(torch.ones_like(t, dtype=torch.float32),
+                       torch.frexp(t.float().abs().clamp_min(1e-30)).exponent - 8)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_equals_f_linear_to_one_bf16_step(rows: int, with_bias: bool) -> None:
+    torch.manual_seed(rows)
+    weight = torch.randn(96, 70).to(torch.bfloat16)
+    bias = torch.randn(96).to(torch.bfloat16) if with_bias else None
+    x = torch.randn(rows, 70).to(torch.bfloat16)
+    ours = cpu_linear.linear(x, cpu_linear.pack(weight), bias)
+    exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    ref = F.linear(x, weight, bias)
+    assert ours.dtype == torch.bfloat16 and ours.shape == (rows, 96)
+    # Within one bf16 step of F.linear, and as close to the exact sum as F.linear is.
+    assert bool(((ours.float() - ref.float()).abs() <= one_bf16_step(ref)).all())
+    assert float((ours.double() - exact).abs().max()) <= float((ref.double() - exact).abs().max()) + \
+        float(one_bf16_step(exact).max())
+
+
+def test_kernel_reads_strided_rows_and_refuses_what_does_not_fit() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(64, 32).to(torch.bfloat16)
+    wide = torch.randn(5, 48).to(torch.bfloat16)
+    x = wide[:, 8:40]                                  # rows 48 elements apart
+    packed = cpu_linear.pack(weight)
+    assert torch.equal(cpu_linear.linear(x, packed, None), cpu_linear.linear(x.contiguous(), packed, None))
+    assert cpu_linear.linear(x[:0], packed, None).shape == (0, 64)
+    assert not cpu_linear.fits(torch.randn(48, 32).to(torch.bfloat16))    # out not a multiple of 32
+    assert not cpu_linear.fits(torch.randn(64, 33).to(torch.bfloat16))    # odd in features
+    assert not cpu_linear.fits(weight.float())
+    with pytest.raises(ValueError, match="not the bf16 kernel's"):
+        cpu_linear.pack(weight.float())
+    with pytest.raises(ValueError, match="does not fit a bf16 CPU weight of 32 in features"):
+        cpu_linear.linear(torch.randn(2, 30).to(torch.bfloat16), packed, None)
