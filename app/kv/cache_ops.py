@@ -111,6 +111,11 @@ class PrefixCacheOps(KVState):
                 continue
             (hb,), _ = self.host.take(1)
             rec.host.append(hb)                 # written by the copy; cached when it lands
+            if self.device.refs.get(block, 0):
+                # Read by the copy: held until it lands, whoever took it in this decision (that
+                # owner may be aborted or finish first; the block must not be free meanwhile).
+                self.device.ref(block)
+                rec.device_reads.append(block)
             rec.cache_host.append((hb, block_hash))
             src.append(block)
             dst.append(hb)

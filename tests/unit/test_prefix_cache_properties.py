@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from actors.messages import BatchPlan, SamplingParams, StepOutput
@@ -78,9 +78,21 @@ def touched(plan: BatchPlan, mode: SwapMode) -> tuple[set[int], set[int]]:
     return device, host
 
 
+#: Found by this test (naive MLFQ, proactive): a decision evicted cached device block 1 for a
+#: job's new block and spilled its old content to the host; the job was aborted while that copy
+#: was in flight, and the block went free under the copy. The spill now holds what it reads.
+SPILLED_BLOCK_OWNER_ABORTED = (
+    {"block": 1, "device": 12, "host": 2, "batch": 2, "depth": 1, "chunk": 4},
+    [Arrival("j0", 1, 2, (20,), 2, 21, None), Arrival("j1", 0, 0, (20,), 1, 0, None),
+     Arrival("j2", 0, 0, (20,), 1, 0, None), Arrival("j3", 0, 6, (20, 20, 20), 1, 0, None),
+     Arrival("j4", 0, 0, (20,), 5, 0, None), Arrival("j5", 0, 0, (20,), 1, 0, None),
+     Arrival("j6", 1, 5, (20, 20, 20, 20), 2, 11, 25)])
+
+
 @every_policy_and_mode
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases())
+@example(case=SPILLED_BLOCK_OWNER_ABORTED)
 def test_shared_prefixes_aborts_and_swaps_keep_every_invariant(
         policy: PolicyName, mode: SwapMode, case: tuple[dict[str, int], list[Arrival]]) -> None:
     setup, arrivals = case
