@@ -23,7 +23,7 @@ def one_bf16_step(t: torch.Tensor) -> torch.Tensor:
                        torch.frexp(t.float().abs().clamp_min(1e-30)).exponent - 8)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 300])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 300, 600])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_kernel_equals_f_linear_to_one_bf16_step(rows: int, with_bias: bool) -> None:
     torch.manual_seed(rows)
