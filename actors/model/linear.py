@@ -150,14 +150,14 @@ class MergedLinear:
     vLLM merges them at load time (``QKVParallelLinear``, ``MergedColumnParallelLinear``); here
     the members stay separate ``ServingLinear`` modules, so checkpoints load and shard by their
     own names, and ``pack()`` packs their concatenated weight (and biases) once. A decode step
-    then makes one oneDNN call where it made two or three: on the 2-core AMD EPYC Zen 4, bf16, 30
-    layers of SmolLM2-135M's linears with cold weights took 20.4 ms at 1 row as 7 GEMMs per layer
-    and 15.9 ms as 4 (fewer calls, each streaming a longer weight).
+    then makes one GEMM call where it made two or three: on the 2-core AMD EPYC Zen 4, bf16 on
+    oneDNN, 30 layers of SmolLM2-135M's linears with cold weights took 20.4 ms at 1 row as 7 GEMMs
+    per layer and 15.9 ms as 4 (fewer calls, each streaming a longer weight).
 
-    Not a module (its members are the layer's own, registered there): a plain attribute, built
-    after the weights are loaded. Before ``pack()``, or where packing does not apply (another
-    device or dtype, no oneDNN, or a row count this CPU runs on ``F.linear``), each member
-    multiplies on its own, exactly as without the merge.
+    Not a module (its members are the layer's own, registered there): a plain attribute made with
+    the layer and packed after the weights are loaded. Before ``pack()``, or where packing does
+    not apply (another device or dtype, no oneDNN, or a row count this CPU runs on ``F.linear``),
+    each member multiplies on its own, exactly as without the merge.
     """
 
     def __init__(self, *members: ServingLinear) -> None:
