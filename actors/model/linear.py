@@ -165,7 +165,6 @@ class MergedLinear:
         self.widths = [m.out_features for m in members]
         self._packed: PackedWeight | None = None
         self._bias: torch.Tensor | None = None
-        self._dtype = members[0].weight.dtype
 
     def pack(self) -> bool:
         """Pack the members' concatenated weight; False (members used one by one) where packing
@@ -176,14 +175,13 @@ class MergedLinear:
         self._packed = pack_weight(torch.cat([m.weight.detach() for m in self.members]))
         if self._packed is not None and all(with_bias):
             self._bias = torch.cat([m.bias.detach() for m in self.members if m.bias is not None])
-        self._dtype = self.members[0].weight.dtype
         return self._packed is not None
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each member's ``F.linear(x, weight, bias)``, in order (views of one output when merged)."""
         if self._packed is None or x.dim() != 2:
             return [m(x) for m in self.members]
-        low, high = packed_row_bounds(self._dtype)
+        low, high = packed_row_bounds(self.members[0].weight.dtype)
         if not low <= x.shape[0] <= high:
             return [m(x) for m in self.members]
         return list(self._packed.matmul(x, self._bias).split(self.widths, dim=-1))
