@@ -1,7 +1,9 @@
-"""Device code of the data plane: KV-cache writes, attention and block copies.
+"""Device code of the data plane: KV-cache writes, attention, block copies, and the norms,
+activation and rotary embedding of LLaMA layers.
 
 Owns the kernel API the model code calls (``write_kv``, ``prefill_attention``,
-``context_prefill_attention``, ``paged_attention``, ``copy_blocks``) and the choice, per call,
+``context_prefill_attention``, ``paged_attention``, ``copy_blocks``, ``rms_norm``, ``silu_mul``,
+``rotate``) and the choice, per call,
 between the CuPy/CUDA kernels in ``kernels/cuda/`` (launched by ``kernels.cupy_ops``) and the
 torch reference implementations in ``kernels.reference`` (same signatures, same results to
 rounding).
@@ -25,6 +27,10 @@ Which implementation runs:
 * ``context_prefill_attention`` (chunked prefill: chunks that continue a cached prefix) always
   uses the torch reference on every device: it gathers the prefix from the paged cache into a
   dense tensor, then one masked SDPA call per sequence. Correct on CUDA, not a fused kernel.
+* ``rms_norm`` (with the residual add before it), ``silu_mul`` and ``rotate`` (the rotary
+  embedding) on bf16 CPU tensors run the C kernels in ``kernels/cpu/elementwise_bf16.c``
+  (``kernels.cpu_elementwise``: one pass each instead of four to eight torch ops) where they
+  build (AVX-512 BF16); otherwise, and on every other device and dtype, the torch reference.
 * ``copy_blocks`` copies one slice per run of consecutive block ids: a torch copy on CUDA
   (``cudaMemcpyAsync`` underneath; with pinned host memory and ``non_blocking=True`` on a side
   stream it overlaps with compute), a single-threaded memcpy between CPU tensors (it runs on the
@@ -63,6 +69,9 @@ __all__ = [
     "paged_attention",
     "paged_attention_backend",
     "prefill_attention",
+    "rms_norm",
+    "rotate",
+    "silu_mul",
     "write_kv",
 ]
 
@@ -162,6 +171,44 @@ def write_kv(
         cpu_ops.write_kv(key_cache, value_cache, key, value, slot_mapping)
     else:
         reference.write_kv(key_cache, value_cache, key, value, slot_mapping)
+
+
+def _cpu_elementwise() -> ModuleType | None:
+    """``kernels.cpu_elementwise`` unless the reference is forced."""
+    if _forced_reference():
+        return None
+    from kernels import cpu_elementwise
+
+    return cpu_elementwise
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of each row of ``x`` [rows, hidden], after adding ``delta`` (the residual add
+    fused in): returns (``x + delta`` rounded to x's dtype, or ``x`` itself; the normed rows).
+    Rows are normed in float32, cast back, then scaled by ``weight`` [hidden]."""
+    cpu = _cpu_elementwise()
+    if cpu is not None and cpu.fits_rms_norm(x, weight, delta):
+        return cpu.rms_norm(x, weight, eps, delta)
+    return reference.rms_norm(x, weight, eps, delta)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` for ``gate``/``up`` [rows, width], in their dtype."""
+    cpu = _cpu_elementwise()
+    if cpu is not None and cpu.fits_silu_mul(gate, up):
+        return cpu.silu_mul(gate, up)
+    return reference.silu_mul(gate, up)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """The half-split rotary embedding of ``x`` [tokens, heads, head_dim] by per-token angles:
+    ``cos`` and ``signed_sin`` (sin with its first half negated), each [tokens, 1, head_dim] in
+    x's dtype. Returns a new contiguous tensor."""
+    cpu = _cpu_elementwise()
+    if cpu is not None and cpu.fits_rotary(x, cos, signed_sin):
+        return cpu.rotate(x, cos, signed_sin)
+    return reference.rotate(x, cos, signed_sin)
 
 
 def _cpu_writes(key_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:

@@ -80,7 +80,10 @@ def build(source: Path, compiler: str | None = None) -> Path:
     cc = compiler or _compiler()
     if cc is None:
         raise KernelBuildError("no C compiler found (install gcc, or set FASTSERVE_CC)")
-    key = hashlib.sha256("\0".join((source.read_text(), cc, *CFLAGS, _cpu_signature())).encode()).hexdigest()[:16]
+    # The headers beside the source (shared SIMD math) are part of what is compiled.
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]
+    key = hashlib.sha256("\0".join((source.read_text(), *headers, cc, *CFLAGS, _cpu_signature())).encode()
+                         ).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
         return target

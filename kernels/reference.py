@@ -262,3 +262,26 @@ def copy_blocks(
 def _as_bytes(t: torch.Tensor) -> np.ndarray:
     """A contiguous CPU tensor's memory as a flat uint8 array (a view: writes go to ``t``)."""
     return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``x + delta`` in x's dtype, or ``x``; its RMSNorm): each row in float32, scaled by
+    ``rsqrt(mean(row^2) + eps)``, cast back to x's dtype, then times ``weight`` (as HF does)."""
+    if delta is not None:
+        x = x + delta
+    # F.rms_norm over the float32 copy is transformers' pow/mean/rsqrt/mul bit for bit, in one op.
+    normed = F.rms_norm(x.to(torch.float32), weight.shape, None, eps)
+    return x, weight * normed.to(x.dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gating: ``silu(gate) * up``, each op in the inputs' dtype (as HF does)."""
+    return F.silu(gate) * up
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """The half-split rotary embedding of ``x`` [tokens, heads, head_dim]: transformers'
+    ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``, bit for bit: ``roll``
+    swaps the halves in one op and the sign lives in ``signed_sin`` (negation is exact)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

@@ -184,6 +184,8 @@ DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, bf16_at)
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+#include "simd_math.h"
+
 #define TILE 16            /* tokens per score tile: one register of float32 scores */
 #define MAX_TILE_HEADS 4   /* query heads per run: 4 heads x 4 tokens of score accumulators */
 #define PREFETCH_TOKENS 16 /* rows fetched this many tokens ahead (blocks scatter; fp32 batch 16 -10%) */
@@ -211,25 +213,6 @@ static inline __m512 fold4(__m512 a, __m512 b, __m512 c, __m512 d) {
 static inline __m512 fold_lanes(__m512 x, __m512 y) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-/* exp(x) for x <= 0 (scores less their max): x = n ln2 + r, |r| <= ln2/2, exp(r) by its Taylor
- * polynomial to r^7 (truncation < 1e-8 relative), times 2^n by scalef (underflows to 0). */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* One item's geometry, shared by its passes. */

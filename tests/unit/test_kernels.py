@@ -631,6 +631,6 @@ def test_kernel_sources_ship_in_the_package() -> None:
     root = Path(__file__).resolve().parents[2]
     globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["kernels"]
     sources = [p.relative_to(root / "kernels").as_posix() for p in (root / "kernels").rglob("*")
-               if p.suffix in (".c", ".cu")]
-    assert {"cpu/paged_attention.c", "cpu/linear_bf16.c"} <= set(sources)
+               if p.suffix in (".c", ".cu", ".h")]
+    assert {"cpu/paged_attention.c", "cpu/linear_bf16.c", "cpu/elementwise_bf16.c", "cpu/simd_math.h"} <= set(sources)
     assert all(any(fnmatch.fnmatch(s, g) for g in globs) for s in sources), (sources, globs)
