@@ -24,9 +24,14 @@ Which implementation runs:
   ``paged_attention_backend(query, key_cache)`` says which.
 * ``prefill_attention`` always uses torch's ``scaled_dot_product_attention`` (flash/efficient
   kernels on CUDA), one call per sequence.
-* ``context_prefill_attention`` (chunked prefill: chunks that continue a cached prefix) always
-  uses the torch reference on every device: it gathers the prefix from the paged cache into a
-  dense tensor, then one masked SDPA call per sequence. Correct on CUDA, not a fused kernel.
+* ``context_prefill_attention`` (chunked prefill: chunks that continue a cached prefix; start 0
+  is a whole prompt) on a bf16 CPU query and cache runs the C kernel in
+  ``kernels/cpu/prefill_attention_bf16.c`` (``kernels.cpu_prefill``; flash-style, reading every
+  key and value in place from the cache, so the new tokens' K/V must be written first, as
+  ``actors.model.attention`` does) where it builds; ``prefill_reads_cache`` says when, and then
+  the model sends whole prompts here too. Otherwise the torch reference on every device: it
+  gathers the prefix from the paged cache into a dense tensor, then one masked SDPA call per
+  sequence. Correct on CUDA, not a fused kernel.
 * ``rms_norm`` (with the residual add before it), ``silu_mul`` and ``rotate`` (the rotary
   embedding) on bf16 CPU tensors run the C kernels in ``kernels/cpu/elementwise_bf16.c``
   (``kernels.cpu_elementwise``: one pass each instead of four to eight torch ops) where they
@@ -69,6 +74,7 @@ __all__ = [
     "paged_attention",
     "paged_attention_backend",
     "prefill_attention",
+    "prefill_reads_cache",
     "rms_norm",
     "rotate",
     "silu_mul",
@@ -255,10 +261,28 @@ def context_prefill_attention(
     sit at positions ``start_positions[b] ..`` and also attend to positions
     ``0 .. start_positions[b]-1``, read from the per-layer caches through ``block_tables[b]``
     (int32 ``[B, max_blocks]``, padded with 0). Start 0 is plain causal prefill. Returns
-    ``[num_tokens, num_heads, head_dim]`` in the input dtype.
+    ``[num_tokens, num_heads, head_dim]`` in the input dtype. The new tokens' K/V must already
+    be in the cache at their positions (the C kernel reads them there; the reference from
+    ``key``/``value``).
     """
+    if prefill_reads_cache(query, key_cache):
+        from kernels import cpu_prefill
+
+        return cpu_prefill.context_prefill_attention(query, key_cache, value_cache, cu_seqlens, start_positions,
+                                                     block_tables, scale)
     return reference.context_prefill_attention(query, key, value, key_cache, value_cache,
                                                cu_seqlens, start_positions, block_tables, scale)
+
+
+def prefill_reads_cache(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether ``context_prefill_attention`` runs the CPU C kernel here, which reads the new
+    tokens' keys and values from the cache (so they must be written first) and takes whole
+    prompts (start 0) faster than ``prefill_attention``."""
+    if _forced_reference() or query.device.type != "cpu":
+        return False
+    from kernels import cpu_prefill
+
+    return cpu_prefill.supports(query, key_cache)
 
 
 def paged_attention(

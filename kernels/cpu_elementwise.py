@@ -11,38 +11,24 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import subprocess
 
 import torch
 
-from kernels.cpu_ops import SOURCE_DIR, KernelBuildError, build
+from kernels.cpu_ops import SOURCE_DIR, KernelBuildError, load_optional
 
 ELEMENTWISE_SOURCE = SOURCE_DIR / "elementwise_bf16.c"
 #: The rotary kernel's half head: a whole number of 16-lane registers.
 ROTARY_HALF_MULTIPLE = 16
 
-_log = logging.getLogger(__name__)
-
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    try:
-        lib = ctypes.CDLL(str(build(ELEMENTWISE_SOURCE)))
-    except (KernelBuildError, OSError, subprocess.TimeoutExpired) as exc:
-        _log.warning("CPU bf16 elementwise kernels unavailable, using torch: %s", exc)
-        return None
-    lib.elementwise_bf16_available.restype = ctypes.c_int
-    if not lib.elementwise_bf16_available():
-        _log.info("the C compiler does not target AVX-512 BF16 here: norms and activations stay in torch")
-        return None
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.rms_norm_bf16.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, ctypes.c_float, i32]
-    lib.silu_mul_bf16.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i32]
-    lib.rope_bf16.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, i32]
-    for fn in (lib.rms_norm_bf16, lib.silu_mul_bf16, lib.rope_bf16):
-        fn.restype = i32
-    return lib
+    return load_optional(ELEMENTWISE_SOURCE, "elementwise_bf16_available", {
+        "rms_norm_bf16": [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, ctypes.c_float, i32],
+        "silu_mul_bf16": [ptr, i64, ptr, i64, ptr, i64, i64, i32],
+        "rope_bf16": [ptr, i64, i64, i64, ptr, ptr, ptr, i64, i32],
+    }, "torch's ops")
 
 
 def available() -> bool:

@@ -124,6 +124,27 @@ def load(source: Path) -> ctypes.CDLL:
     return lib
 
 
+def load_optional(source: Path, probe: str, signatures: dict[str, list[type]], fallback: str) -> ctypes.CDLL | None:
+    """Build and load one of the optional ISA-specific kernels (``source``): its entry points'
+    argument types set (each returns an int status), or None where it does not build or its
+    ``probe()`` returns 0 (the compiler's target lacks the instructions); ``fallback`` names what
+    runs instead, for the log."""
+    try:
+        lib = ctypes.CDLL(str(build(source)))
+    except (KernelBuildError, OSError, subprocess.TimeoutExpired) as exc:
+        _log.warning("%s unavailable, using %s: %s", source.name, fallback, exc)
+        return None
+    getattr(lib, probe).restype = ctypes.c_int
+    if not getattr(lib, probe)():
+        _log.info("the C compiler does not target %s's instructions here: using %s", source.name, fallback)
+        return None
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int
+    return lib
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     try:

@@ -44,7 +44,9 @@ def _prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              key_cache: torch.Tensor, value_cache: torch.Tensor, batch: ForwardBatch,
              scale: float) -> torch.Tensor:
     tables = batch.prefill_block_tables
-    if tables is None:   # every prefill starts at 0: no cached prefix
+    # Where the kernel reads keys and values from the cache (just written above), every prefill
+    # goes through it; otherwise only chunks that continue a cached prefix need the cache.
+    if tables is None or not (any(batch.prefill_start_pos) or kernels.prefill_reads_cache(query, key_cache)):
         return kernels.prefill_attention(query, key, value, batch.prefill_cu_seqlens, scale)
     return kernels.context_prefill_attention(query, key, value, key_cache, value_cache,
                                              batch.prefill_cu_seqlens, batch.prefill_start_pos,

@@ -37,8 +37,8 @@ class ForwardBatch:
     block_ids: frozenset[int]  # every device block this batch reads or writes
     #: Per prefill sequence, the position its tokens start at (> 0: a chunk with a cached prefix).
     prefill_start_pos: tuple[int, ...] = ()
-    #: int32 [num_prefill_seqs, max_blocks]: where each prefill's cached prefix lives; None when
-    #: no prefill continues a prefix (every start is 0).
+    #: int32 [num_prefill_seqs, max_blocks]: where each prefill's blocks live (its cached prefix
+    #: and its new tokens, padded with 0); None when the batch has no prefill.
     prefill_block_tables: torch.Tensor | None = None
 
     @property
@@ -79,7 +79,7 @@ class ForwardBatch:
         as_int = {"dtype": torch.int32, "device": device}
         starts = tuple(e.start_pos for _, e in prefill)
         prefill_tables = None
-        if any(starts):
+        if prefill:
             rows, width = _padded_tables([e for _, e in prefill], block_size)
             prefill_tables = torch.tensor(rows, **as_int).reshape(len(rows), width)  # type: ignore[arg-type]
         return cls(
