@@ -18,9 +18,7 @@ import torch
 from kernels.cpu_ops import SCRATCH_FAILED, SOURCE_DIR, load_optional
 
 PREFILL_SOURCE = SOURCE_DIR / "prefill_attention_bf16.c"
-#: MAX_HEAD_DIM and MAX_GROUP in the C file; head_dim must also be a multiple of HEAD_DIM_MULTIPLE.
-MAX_HEAD_DIM = 256
-MAX_GROUP = 16
+#: head_dim must be a multiple of this (the kernel's value sums take 32 dims at a time).
 HEAD_DIM_MULTIPLE = 32
 
 
@@ -41,7 +39,7 @@ def available() -> bool:
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """Whether the kernel takes a bf16 ``query`` [T, H, D] (each token's heads one contiguous
     run, rows 4-byte aligned) over a bf16 CPU cache [blocks, block_size, KV, D] (head_dim
-    contiguous): D a multiple of 32 up to 256, at most 16 query heads per KV head."""
+    contiguous): D a multiple of 32."""
     if query.dim() != 3 or key_cache.dim() != 4:
         return False
     heads, dim = query.shape[1], query.shape[2]
@@ -50,8 +48,8 @@ def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
             and query.dtype == key_cache.dtype == torch.bfloat16
             and query.stride(2) == 1 and query.stride(1) == dim and query.stride(0) % 2 == 0
             and query.data_ptr() % 4 == 0 and key_cache.stride(-1) == 1
-            and key_cache.shape[3] == dim and dim % HEAD_DIM_MULTIPLE == 0 and dim <= MAX_HEAD_DIM
-            and kv_heads >= 1 and heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP and available())
+            and key_cache.shape[3] == dim and dim % HEAD_DIM_MULTIPLE == 0
+            and kv_heads >= 1 and heads % kv_heads == 0 and available())
 
 
 def context_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

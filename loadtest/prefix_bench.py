@@ -67,14 +67,17 @@ METRIC_SUFFIXES = ("prefix_cache_queries", "prefix_cache_hits")
 METRICS_TIMEOUT_S = 10.0
 
 
-def setup_variants(setup: str, device_blocks: int) -> dict[str, dict[str, dict[str, Any]]]:
-    """Our applications for ``setup``: name → ``args`` section → settings."""
+def setup_variants(setup: str, device_blocks: int, context_len: int) -> dict[str, dict[str, dict[str, Any]]]:
+    """Our applications for ``setup``: name → ``args`` section → settings. The host-tier setup's
+    small device pool must hold one max-length request, so its context is capped at the
+    workload's (``context_len``: prompt + output, as the client caps them)."""
     if setup == "cache":
         return {"cache-on": {"kv_cache": {"prefix_caching": True}},
                 "cache-off": {"kv_cache": {"prefix_caching": False}}}
     if setup == "host-tier":
         return {f"host-{side}": {"kv_cache": {"prefix_caching": True, "num_device_blocks": device_blocks,
-                                              "host_prefix_cache": on}}
+                                              "host_prefix_cache": on},
+                                 "model": {"max_model_len": context_len}}
                 for side, on in (("on", True), ("off", False))}
     if setup == "none":
         return {}
@@ -201,7 +204,8 @@ def summarize_bench(args: argparse.Namespace, rates: list[float], points: dict[s
             "num_prompts": args.num_prompts, "turns": args.turns if args.workload == "multi-turn" else None,
             "system_prompt_words": args.system_words if args.workload == "shared-system" else None,
             "dtype": args.dtype, "device_blocks": args.device_blocks if args.setup == "host-tier" else None,
-            "variants": setup_variants(args.setup, args.device_blocks), "temperature": args.temperature,
+            "variants": setup_variants(args.setup, args.device_blocks, args.context_len),
+            "temperature": args.temperature,
             "eos_cap": asdict(C.eos_cap_from_args(args)), "seed": args.seed, "rates": rates, "rate_unit": unit,
             "slo_s": slo, "slo_reference": reference,
             "points": str_points,
@@ -324,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.recheck.write_text(text + "\n")
         print(text)
         return
-    variants = setup_variants(args.setup, args.device_blocks)
+    variants = setup_variants(args.setup, args.device_blocks, args.context_len)
     peers = dict(args.system)
     for url in peers.values():
         R.check_base_url(url)

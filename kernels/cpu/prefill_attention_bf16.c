@@ -26,7 +26,7 @@
  * q [T][H][D] with rows q_token_stride apart (heads contiguous); out [T][H][D] contiguous;
  * caches as kernels/cpu/paged_attention.c takes them (per-layer views, element strides).
  * Tasks (longest first) are shared out over num_threads OpenMP threads. Requires head_dim a
- * multiple of 32 and at most MAX_HEAD_DIM, G at most MAX_GROUP (the caller checks).
+ * multiple of 32 (the caller checks); scratch is sized from head_dim and G at run time.
  */
 #include <math.h>
 #include <stdint.h>
@@ -40,9 +40,7 @@
 
 #define KT 16              /* keys per tile: one register of float32 scores */
 #define ROWS_PER_TASK 96   /* query (row, head) pairs per task: 96 x 64 dims of float32 = 24 KB, in L1 */
-#define MAX_GROUP 16
 #define HEADS_AT_ONCE 4     /* query heads of one row sharing each key and value load */
-#define MAX_HEAD_DIM 256
 #define SCRATCH_FAILED -1
 
 int prefill_attention_bf16_available(void) { return 1; }

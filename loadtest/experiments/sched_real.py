@@ -164,7 +164,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.mode != "chat":
         parser.error("--mode: this experiment sends chat requests to the real model (real EOS)")
+    # The small pool must hold one max-length request: the context is capped at the workload's.
     overrides = {"kv_cache": {"num_device_blocks": args.device_blocks, "num_host_blocks": args.host_blocks},
+                 "model": {"max_model_len": args.context_len},
                  "scheduler": {"max_batch_size": args.batch, "admission_queue_limit": 100_000},
                  "engine": {"max_jobs": 100_000},
                  # Every request admitted, under both policies: a 429 after the admission wait

@@ -67,9 +67,10 @@ def test_gqa_prompts_and_chunks_match_the_reference(seqs: list[tuple[int, int]])
     assert close_to_reference(written_batch(seqs, heads=9, kv_heads=3, dim=64, num_blocks=blocks, seed=len(seqs)))
 
 
-@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 4, 32), (16, 2, 128), (10, 1, 64)])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 4, 32), (16, 2, 128), (10, 1, 64), (128, 1, 256)])
 def test_other_head_shapes(heads: int, kv_heads: int, dim: int) -> None:
-    # No grouping; 8 query heads per KV head (two passes of four); one KV head for ten.
+    # No grouping; 8 query heads per KV head (two passes of four); one KV head for ten; 128
+    # query heads on one KV head at head_dim 256 (one row a task, scratch sized at run time).
     assert close_to_reference(written_batch([(0, 33), (40, 9)], heads, kv_heads, dim, num_blocks=12, seed=dim))
 
 

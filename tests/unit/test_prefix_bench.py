@@ -14,7 +14,7 @@ from loadtest.prefix_bench import DEMO, cache_checks, parse_system, recheck, set
 
 
 def test_cache_setup_differs_only_in_prefix_caching() -> None:
-    raw = variant_config(setup_variants("cache", 192), 8123, DEMO, {"model": {"dtype": "float32"}})
+    raw = variant_config(setup_variants("cache", 192, 2048), 8123, DEMO, {"model": {"dtype": "float32"}})
     assert [a["route_prefix"] for a in raw["applications"]] == ["/cache-on", "/cache-off"]
     on, off = (AppArgs.model_validate(a["args"]) for a in raw["applications"])
     assert (on.kv_cache.prefix_caching, off.kv_cache.prefix_caching) == (True, False)
@@ -24,8 +24,12 @@ def test_cache_setup_differs_only_in_prefix_caching() -> None:
 
 
 def test_host_tier_setup_shrinks_the_device_pool_and_switches_the_host_tier() -> None:
-    raw = variant_config(setup_variants("host-tier", 192), 8123, DEMO)
-    on, off = (AppArgs.model_validate(a["args"]).kv_cache for a in raw["applications"])
+    # 192 blocks of 16 cannot hold the demo's 8,192-token context: the setup caps it at the
+    # workload's 2,048.
+    raw = variant_config(setup_variants("host-tier", 192, 2048), 8123, DEMO)
+    apps = [AppArgs.model_validate(a["args"]) for a in raw["applications"]]
+    assert [a.model.context_len() for a in apps] == [2048, 2048]
+    on, off = (a.kv_cache for a in apps)
     assert (on.num_device_blocks, off.num_device_blocks) == (192, 192)
     assert (on.host_prefix_cache, off.host_prefix_cache) == (True, False)
     assert on.prefix_caching and off.prefix_caching
@@ -34,7 +38,7 @@ def test_host_tier_setup_shrinks_the_device_pool_and_switches_the_host_tier() ->
 
 def test_unknown_setup_and_bad_system_are_refused_by_value() -> None:
     with pytest.raises(ValueError, match="'tiers'"):
-        setup_variants("tiers", 192)
+        setup_variants("tiers", 192, 2048)
     with pytest.raises(argparse.ArgumentTypeError, match="'vllm'"):
         parse_system("vllm")
     assert parse_system("vllm=http://127.0.0.1:8100") == ("vllm", "http://127.0.0.1:8100")
