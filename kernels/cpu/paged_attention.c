@@ -193,12 +193,6 @@ DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, bf16_at)
 
 enum cache_kind { CACHE_F32, CACHE_BF16_WIDEN, CACHE_BF16_DOT };
 
-/* 16 bf16 widened to float32: zero-extend each to 32 bits, shift into the high half. */
-static inline __m512 widen16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
 /* Four vectors' 128-bit lanes each summed: lane L of the result is [sum of a's lane L, b's, c's,
  * d's]. */
 static inline __m512 fold4(__m512 a, __m512 b, __m512 c, __m512 d) {

@@ -63,10 +63,6 @@ struct geometry {
     uint16_t *out;
 };
 
-static inline __m512 widen16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
 static inline int64_t cache_row(const struct geometry *g, const int32_t *table, int64_t pos, int kv_head) {
     return (int64_t)table[pos / g->block_size] * g->block_stride + (pos % g->block_size) * g->token_stride +
            (int64_t)kv_head * g->head_stride;
