@@ -40,6 +40,10 @@ ANCHOR_LARGE_TP = 8
 ANCHOR_LARGE_T_DEC = 0.060
 ANCHOR_SWAP_TOKENS = 512
 ANCHOR_SWAP_SECONDS = 0.036
+#: One direction of one GPU's PCIe 4.0 x16 link (16 GT/s x 16 lanes x 128/130 / 8). The §4.2
+#: example's 2.3 GB in 36 ms is 64 GB/s, both directions of one link; a swap moves one way, so a
+#: setting with fewer GPUs than that takes cannot move a block faster than its links allow.
+PCIE4_X16_BYTES_PER_S = 31.5e9
 
 # ---- hardware and serving settings (A100 80 GB, the project's serving defaults) --------------
 GPU_MEMORY_GIB = 80.0
@@ -120,7 +124,7 @@ class CostParams:
 
     prefill_flops_per_s: float   # effective per-GPU FLOP/s of a first iteration
     decode_exponent: float       # t_dec(1) ∝ (params / TP)^k between the two decode anchors
-    swap_bytes_per_s: float      # PCIe bandwidth the paper's swap example implies
+    swap_bytes_per_s: float      # host bandwidth the paper's swap example implies (all GPUs)
 
 
 def fit_cost_params(dims: dict[str, ModelDims]) -> CostParams:
@@ -132,6 +136,12 @@ def fit_cost_params(dims: dict[str, ModelDims]) -> CostParams:
     exponent = math.log(ANCHOR_LARGE_T_DEC / ANCHOR_SMALL_T_DEC) / math.log(x_large / x_small)
     swap_bw = ANCHOR_SWAP_TOKENS * large.kv_bytes_per_token / ANCHOR_SWAP_SECONDS
     return CostParams(flops / seconds, exponent, swap_bw)
+
+
+def swap_bytes_per_s(setting: Setting, params: CostParams) -> float:
+    """A logical block's swap rate: the §4.2 anchor's, but never more than the setting's links carry
+    one way (OPT-13B on one A100: 31.5, not 64 GB/s; the anchor's 16 GPUs are not link-bound)."""
+    return min(params.swap_bytes_per_s, setting.num_gpus * PCIE4_X16_BYTES_PER_S)
 
 
 def t_dec_single(dims: ModelDims, tp: int, small: ModelDims, params: CostParams) -> float:
@@ -184,7 +194,7 @@ def build_profile(setting: Setting, dims: dict[str, ModelDims], params: CostPara
         "t_dec": {"batch_sizes": list(BATCH_SIZES),
                   "seconds": [t_dec_batch(d, t1, b) for b in BATCH_SIZES]},
         "swap": {"bytes_per_block": block_bytes,
-                 "seconds_per_block": block_bytes / params.swap_bytes_per_s},
+                 "seconds_per_block": block_bytes / swap_bytes_per_s(setting, params)},
         "serving": {"gpus": setting.num_gpus, "gpu_memory_gib": GPU_MEMORY_GIB,
                     "num_device_blocks": device, "num_host_blocks": host,
                     "max_batch_size": MAX_BATCH_SIZE, "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS},
@@ -203,7 +213,8 @@ def assumption_lines(params: CostParams) -> list[str]:
         "law through OPT-2.7B's 2 ms and OPT-175B TP8xPP2's 60 ms",
         f"t_dec(b) = t_dec(1) x (1 + (b-1) x {DECODE_CONTEXT}-token KV bytes / weight bytes)",
         f"swap: {params.swap_bytes_per_s / GB:.1f} GB/s for a whole logical block (all GPUs), from "
-        "2.3 GB in 36 ms (§4.2), the same for every setting",
+        f"2.3 GB in 36 ms (§4.2), capped at {PCIE4_X16_BYTES_PER_S / GB:g} GB/s per GPU (one direction "
+        "of a PCIe 4.0 x16 link)",
         f"A100 {GPU_MEMORY_GIB:g} GiB x {GPU_MEMORY_UTILIZATION} - weights/GPU - "
         f"{ACTIVATION_RESERVE_GIB:g} GiB activations = device KV pool; host pool "
         f"{HOST_SWAP_GIB_PER_GPU:g} GiB per GPU",

@@ -24,7 +24,13 @@ from loadtest import client as C
 from loadtest import workloads as W
 from loadtest.metrics import latency_breakdown, request_metrics, summarize
 from loadtest.sim import PAPER_PROFILES, CostModel, SimOptions, SimSetup, Simulator, simulate
-from loadtest.sim.paper_profiles import PAPER_SETTINGS, build_profile, fit_cost_params, load_dims
+from loadtest.sim.paper_profiles import (
+    PAPER_SETTINGS,
+    PCIE4_X16_BYTES_PER_S,
+    build_profile,
+    fit_cost_params,
+    load_dims,
+)
 
 EXACT = 1e-12
 
@@ -187,9 +193,18 @@ def test_paper_profiles_reproduce_their_anchors() -> None:
     assert profiles["opt-2.7b"].t_init(1024) == pytest.approx(0.090, rel=0.1)
     swap_512 = 512 * dims["opt-175b"].kv_bytes_per_token / profiles["opt-175b"].swap_bytes_per_block
     assert swap_512 * profiles["opt-175b"].swap_seconds_per_block == pytest.approx(0.036)
+    # A swap moves one way: one GPU's PCIe 4.0 x16 link caps the single-GPU settings below the
+    # anchor's 67 GB/s (both directions counted); 4 and 16 GPUs keep the anchor's rate.
+    rate = {name: p.swap_bytes_per_block / p.swap_seconds_per_block for name, p in profiles.items()}
+    assert rate["opt-13b"] == pytest.approx(PCIE4_X16_BYTES_PER_S)
+    assert rate["opt-2.7b"] == pytest.approx(PCIE4_X16_BYTES_PER_S)
+    assert rate["opt-66b"] == pytest.approx(params.swap_bytes_per_s)
+    assert rate["opt-175b"] == pytest.approx(params.swap_bytes_per_s)
+    assert params.swap_bytes_per_s == pytest.approx(67.1e9, rel=1e-3)
     for name, path in PAPER_PROFILES.items():
         shipped = json.loads(Path(path).read_text())
         assert shipped["t_dec"]["seconds"] == pytest.approx(list(profiles[name].dec_seconds)), name
+        assert shipped["swap"]["seconds_per_block"] == pytest.approx(profiles[name].swap_seconds_per_block), name
 
 
 # ---- HTTP client, on a mock transport -----------------------------------------------------------
