@@ -246,6 +246,32 @@ class _Progress:
             self._bar.close()
 
 
+HEALTH_PATH = "/health"
+HEALTH_POLL_S = 1.0
+
+
+async def wait_healthy(base_url: str, timeout_s: float,
+                       transport: httpx.AsyncBaseTransport | None = None) -> float:
+    """Poll ``GET /health`` until it answers 200; the seconds waited. Both vLLM and our ingress
+    answer 200 only once an engine serves (our ``/v1/models`` answers as soon as the ingress is
+    up, seconds before the engine: a run started then times the engine's start-up)."""
+    start = time.monotonic()
+    last = "no answer"
+    async with httpx.AsyncClient(base_url=check_base_url(base_url), timeout=HEALTH_POLL_S * 5,
+                                 transport=transport) as client:
+        while True:
+            try:
+                resp = await client.get(HEALTH_PATH)
+                if resp.status_code == httpx.codes.OK:
+                    return time.monotonic() - start
+                last = f"HTTP {resp.status_code}"
+            except httpx.HTTPError as exc:
+                last = type(exc).__name__
+            if time.monotonic() - start > timeout_s:
+                raise TimeoutError(f"{base_url}{HEALTH_PATH} not healthy after {timeout_s:g} s (last: {last})")
+            await asyncio.sleep(HEALTH_POLL_S)
+
+
 async def resolve_model(client: httpx.AsyncClient) -> str:
     resp = await client.get(MODELS_PATH)
     resp.raise_for_status()

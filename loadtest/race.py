@@ -16,6 +16,9 @@ so outputs end at the model's EOS; both servers get the same bodies apart from `
 point reports the output lengths actually received (``completion_tokens``: count, mean,
 P50/P90/P99, max, share finished by ``stop`` / ``length``) beside the latencies.
 
+Before the first rate each server must answer ``/health`` (within ``--ready-timeout-s``) and is
+sent ``--warmup`` unrecorded requests, one at a time, as ``vllm bench serve`` sends a test prompt.
+
 Run both servers on this machine, one at a time busy (the other idles), on loopback only. Prints a
 table and, last, one JSON object with every figure and the CPU model.
 """
@@ -28,7 +31,7 @@ import json
 import math
 import platform
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +41,14 @@ from loadtest import chat as C
 from loadtest import prefix_workloads as PW
 from loadtest import prompts as P
 from loadtest import workloads as W
-from loadtest.client import ClientConfig, check_base_url, run_requests, save_jsonl
+from loadtest.client import ClientConfig, check_base_url, run_requests, save_jsonl, wait_healthy
 from loadtest.metrics import RequestRecord, RunSummary, summarize, throughput_at_slo
 
 SYSTEMS = ("ours", "peer")
 DEFAULT_RATES = (0.25, 1.0, 2.0, 4.0)
 DEFAULT_SLO_FACTOR = 10.0
+DEFAULT_WARMUP = 2
+DEFAULT_READY_TIMEOUT_S = 600.0
 
 
 def cpu_model() -> str:
@@ -80,11 +85,30 @@ def point_row(s: RunSummary, records: Sequence[dict[str, Any]]) -> dict[str, Any
 
 
 def point_requests(args: argparse.Namespace, samples: list[P.PromptSample], rate: float,
-                   part: int) -> list[W.Request]:
+                   part: int, num: int | None = None) -> list[W.Request]:
+    num = args.num_prompts if num is None else num
     if args.mode == "chat":   # reference lengths, capped: the model decides where to stop
-        reqs = P.text_requests(samples, args.num_prompts, rate, args.seed, 1.0, part)
+        reqs = P.text_requests(samples, num, rate, args.seed, 1.0, part)
         return C.cap_requests(reqs, C.eos_cap_from_args(args))
-    return P.text_requests(samples, args.num_prompts, rate, args.seed, args.output_scale, part)
+    return P.text_requests(samples, num, rate, args.seed, args.output_scale, part)
+
+
+def warm_up(args: argparse.Namespace, samples: list[P.PromptSample], config: ClientConfig,
+            transport: httpx.AsyncBaseTransport | None = None) -> None:
+    """Wait for the server's ``/health``, then send it ``--warmup`` requests one at a time, not
+    recorded (as ``vllm bench serve``'s test prompt): a server's first requests pay one-off
+    costs (allocations, kernel set-up) no later request sees. The prompts are the last of the
+    seeded shuffle, which no rate's prompts reach."""
+    waited = asyncio.run(wait_healthy(config.base_url, args.ready_timeout_s, transport))
+    if args.warmup < 1:
+        return
+    last_part = len(samples) // args.warmup - 1
+    for request in point_requests(args, samples, 1.0, last_part, args.warmup):
+        records = asyncio.run(run_requests([replace(request, arrival_s=0.0)], config, transport))
+        if records[0]["status"] != "ok":
+            raise RuntimeError(f"warm-up request to {config.base_url} failed: {records[0]}")
+    print(f"  {config.base_url}: healthy after {waited:.1f} s, {args.warmup} warm-up request(s) done",
+          flush=True)
 
 
 def conversation_point(args: argparse.Namespace, samples: list[P.PromptSample], rate: float,
@@ -130,6 +154,11 @@ def race(args: argparse.Namespace,
         raise SystemExit(f"--workload {args.workload} needs --mode chat")
     if args.workload == "shared-system" and args.system_prompt is None:
         args.system_prompt = PW.shared_system_prompt(samples, args.system_words, args.seed)
+    if args.warmup and len(rates) * args.num_prompts + args.warmup > len(samples):
+        raise ValueError(f"{len(rates)} rates × {args.num_prompts} prompts + {args.warmup} warm-up "
+                         f"exceed the {len(samples)} {args.dataset} prompts")
+    for name in SYSTEMS:
+        warm_up(args, samples, client_config(args, urls[name], models[name]), (transports or {}).get(name))
     for part, rate in enumerate(rates):
         # Each rate its own prompts: the same prompts again would be served from both servers'
         # prefix caches (the point of ``--workload``, not of a rate sweep).
@@ -229,6 +258,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slo", type=float, default=None, help="per-token latency SLO in s (default: factor × peer)")
     parser.add_argument("--slo-factor", type=float, default=DEFAULT_SLO_FACTOR)
     parser.add_argument("--max-total-s", type=float, default=600.0, help="bound on each run")
+    parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
+                        help="unrecorded requests sent to each server, one at a time, before the first rate")
+    parser.add_argument("--ready-timeout-s", type=float, default=DEFAULT_READY_TIMEOUT_S,
+                        help="bound on waiting for each server's /health before the warm-up")
     parser.add_argument("--out", type=Path, default=None, help="folder for per-run request records")
     return parser.parse_args(argv)
 

@@ -14,7 +14,7 @@ from loadtest import chat as C
 from loadtest import prompts as P
 from loadtest import race
 from loadtest import workloads as W
-from loadtest.client import ClientConfig, request_body, run_requests
+from loadtest.client import HEALTH_PATH, ClientConfig, request_body, run_requests
 
 #: The scripted model stops after this many tokens unless max_tokens comes first.
 SCRIPTED_EOS_AFTER = 3
@@ -77,6 +77,8 @@ def scripted_chat_server(model: str, bodies: list[bytes]) -> httpx.MockTransport
     role-only first chunk, one content chunk per token, an empty finish chunk, then usage."""
 
     def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == HEALTH_PATH:
+            return httpx.Response(200)
         if request.url.path == "/v1/models":
             return httpx.Response(200, json={"data": [{"id": model}]})
         assert request.url.path == C.CHAT_COMPLETIONS_PATH
@@ -111,7 +113,7 @@ def test_chat_race_sends_identical_bodies_and_reports_output_lengths(capsys: pyt
                             "--eos-max-tokens", "6", "--system-prompt", "Be brief."])
     sent: dict[str, list[bytes]] = {"ours": [], "peer": []}
     result = race.race(args, {name: scripted_chat_server(f"{name}-model", sent[name]) for name in race.SYSTEMS})
-    assert len(sent["ours"]) == len(sent["peer"]) == 8
+    assert len(sent["ours"]) == len(sent["peer"]) == 8 + race.DEFAULT_WARMUP
     ours = sorted(b.replace(b'"ours-model"', b'"M"') for b in sent["ours"])
     peer = sorted(b.replace(b'"peer-model"', b'"M"') for b in sent["peer"])
     assert ours == peer

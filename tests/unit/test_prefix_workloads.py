@@ -14,7 +14,7 @@ import pytest
 from loadtest import prefix_workloads as PW
 from loadtest import prompts as P
 from loadtest import race
-from loadtest.client import ClientConfig
+from loadtest.client import HEALTH_PATH, ClientConfig
 
 
 def chat_server(model: str, seen: list[list[dict[str, str]]]) -> httpx.MockTransport:
@@ -22,6 +22,8 @@ def chat_server(model: str, seen: list[list[dict[str, str]]]) -> httpx.MockTrans
     that reports the messages it saw before as cached (one token a word, to keep counts exact)."""
 
     def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == HEALTH_PATH:
+            return httpx.Response(200)
         if request.url.path == "/v1/models":
             return httpx.Response(200, json={"data": [{"id": model}]})
         body = json.loads(request.content)
@@ -94,4 +96,5 @@ def test_race_runs_the_prefix_workloads(workload: str) -> None:
         assert all(m[0]["role"] == "system" and len(m[0]["content"].split()) > 400
                    for m in seen["ours"])
     else:
-        assert sorted(len(m) for m in seen["ours"]) == [1, 1, 3, 3]
+        # Two one-message warm-up requests, then two conversations of two turns.
+        assert sorted(len(m) for m in seen["ours"]) == [1, 1, 1, 1, 3, 3]

@@ -9,6 +9,7 @@ import pytest
 
 from loadtest import prompts as P
 from loadtest import race
+from loadtest.client import HEALTH_PATH
 
 
 def test_prompt_datasets_load_with_bos_inclusive_lengths() -> None:
@@ -52,6 +53,8 @@ def scripted_server(model: str) -> httpx.MockTransport:
     """Streams exactly ``max_tokens`` one-token chunks, then usage and [DONE]."""
 
     def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == HEALTH_PATH:
+            return httpx.Response(200)
         if request.url.path == "/v1/models":
             return httpx.Response(200, json={"data": [{"id": model}]})
         body = json.loads(request.content)
@@ -87,3 +90,44 @@ def test_race_refuses_a_remote_peer() -> None:
                             "--num-prompts", "1"])
     with pytest.raises(ValueError, match="not a loopback host"):
         race.race(args, {"ours": scripted_server("m")})
+
+
+def test_race_waits_for_health_and_warms_each_server_up_unrecorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    # /health answers 503 twice (an engine still starting), then 200; the warm-up requests go
+    # one at a time before the first rate and are in no point's figures.
+    monkeypatch.setattr("loadtest.client.HEALTH_POLL_S", 0.01)
+    log: dict[str, list[str]] = {"ours": [], "peer": []}
+
+    def server(name: str) -> httpx.MockTransport:
+        streams = scripted_server(f"{name}-model")
+        health = iter([503, 503])
+
+        def handle(request: httpx.Request) -> httpx.Response:
+            if request.url.path == HEALTH_PATH:
+                status = next(health, 200)
+                log[name].append(f"health {status}")
+                return httpx.Response(status)
+            if request.url.path != "/v1/models":
+                log[name].append(f"prompt {json.loads(request.content)['prompt'][:20]!r}")
+            return streams.handle_request(request)
+
+        return httpx.MockTransport(handle)
+
+    args = race.parse_args(["--ours", "http://127.0.0.1:1", "--peer", "http://127.0.0.1:2", "--rates", "50",
+                            "--num-prompts", "3", "--output-scale", "0.05", "--slo", "10", "--warmup", "2"])
+    result = race.race(args, {name: server(name) for name in race.SYSTEMS})
+    for name in race.SYSTEMS:
+        assert log[name][:3] == ["health 503", "health 503", "health 200"]
+        assert len(log[name]) == 3 + 2 + 3
+        assert result["points"][name]["50.0"]["completed"] == 3
+    warm = log["ours"][3:5]
+    assert warm == log["peer"][3:5] and not set(warm) & set(log["ours"][5:])
+
+
+def test_race_gives_up_on_a_server_that_never_gets_healthy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("loadtest.client.HEALTH_POLL_S", 0.01)
+    sick = httpx.MockTransport(lambda request: httpx.Response(503))
+    args = race.parse_args(["--ours", "http://127.0.0.1:1", "--peer", "http://127.0.0.1:2", "--rates", "50",
+                            "--num-prompts", "1", "--ready-timeout-s", "0.05"])
+    with pytest.raises(TimeoutError, match=r"http://127.0.0.1:1/health not healthy after 0.05 s \(last: HTTP 503\)"):
+        race.race(args, {"ours": sick, "peer": scripted_server("m")})
