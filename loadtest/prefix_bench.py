@@ -19,9 +19,11 @@ tokens served from the cache (``usage.prompt_tokens_details.cached_tokens``, our
 ``job_stats.cached_tokens``, the record's ``server``, checked to agree) over all prompt tokens, and over the turns that
 repeat an earlier prompt (multi-turn turns ≥ 1; shared-system every request after the first).
 Every cached count of ours is checked: a multiple of the block size and below the prompt.
-A peer's ``/metrics`` prefix-cache counters (vLLM's ``vllm:prefix_cache_queries`` / ``_hits``)
-are read before and after each point. Then each system's throughput at the SLO (``--slo``, or
-``--slo-factor`` × the reference system's per-token mean at the lowest rate; the reference is
+Before the first rate each system must answer ``/health`` and gets ``--warmup`` unrecorded
+requests (``loadtest.race.warm_up``). A peer's ``/metrics`` prefix-cache counters (vLLM's
+``vllm:prefix_cache_queries`` / ``_hits``) are read before and after each point. Then each
+system's throughput at the SLO (``--slo``, or ``--slo-factor`` × the reference system's per-token
+mean at the lowest rate; the reference is
 ``--slo-from``, default the first ``--system``, else the last of ours) and ratios to the
 reference. A readable table, then one JSON object (also written to ``--out``).
 
@@ -166,6 +168,8 @@ def bench(args: argparse.Namespace, urls: Mapping[str, str], external: Sequence[
     if args.workload == "shared-system" and args.system_prompt is None:
         args.system_prompt = PW.shared_system_prompt(samples, args.system_words, args.seed)
     points: dict[str, dict[float, dict[str, Any]]] = {name: {} for name in urls}
+    for url in urls.values():   # /health, then unrecorded warm-up requests (loadtest.race)
+        R.warm_up(args, samples, R.client_config(args, url, None))
     with httpx.Client() as scraper:
         for part, rate in enumerate(rates):
             requests = R.point_requests(args, samples, rate, part) if args.workload == "shared-system" else []
@@ -284,6 +288,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-total-s", type=float, default=600.0, help="bound on each point")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON result here")
     parser.add_argument("--records", type=Path, default=None, help="folder for per-point request records")
+    parser.add_argument("--warmup", type=int, default=R.DEFAULT_WARMUP,
+                        help="unrecorded requests sent to each system, one at a time, before the first rate")
+    parser.add_argument("--ready-timeout-s", type=float, default=R.DEFAULT_READY_TIMEOUT_S,
+                        help="bound on waiting for each system's /health before the warm-up")
     parser.add_argument("--serve-log", type=Path, default=Path("/tmp/prefix_bench_serve.log"))
     parser.add_argument("--recheck", type=Path, default=None,
                         help="recompute the cache checks of this result JSON from --records; no run")
