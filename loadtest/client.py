@@ -248,6 +248,8 @@ class _Progress:
 
 HEALTH_PATH = "/health"
 HEALTH_POLL_S = 1.0
+#: Bound on one /health answer: a server still loading its model may hold the request.
+HEALTH_REQUEST_TIMEOUT_S = 5.0
 
 
 async def wait_healthy(base_url: str, timeout_s: float,
@@ -257,7 +259,7 @@ async def wait_healthy(base_url: str, timeout_s: float,
     up, seconds before the engine: a run started then times the engine's start-up)."""
     start = time.monotonic()
     last = "no answer"
-    async with httpx.AsyncClient(base_url=check_base_url(base_url), timeout=HEALTH_POLL_S * 5,
+    async with httpx.AsyncClient(base_url=check_base_url(base_url), timeout=HEALTH_REQUEST_TIMEOUT_S,
                                  transport=transport) as client:
         while True:
             try:

@@ -26,11 +26,12 @@ from typing import Any
 import httpx
 import yaml
 
+from loadtest.client import HEALTH_PATH
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_YAML = ROOT / "config" / "opt125m-dummy.yaml"
 SERVE_BIN = ROOT / ".venv" / "bin" / "serve"
 LOOPBACK = "127.0.0.1"
-HEALTH_PATH = "/health"
 READY_TIMEOUT_S = 240.0
 POLL_S = 1.0
 GRACE_S = 20.0
