@@ -11,7 +11,7 @@ Paper: at 2.5 req/s proactive ≈0.10–0.12, reactive ≈0.18–0.20, recompute
 
 Two more rows say what the ratio can be. ``bound``: proactive with a device pool no job outgrows,
 the latency no swap policy can beat. The link table: reactive ÷ proactive at ``SWEEP_RATE`` with the
-swap rate set to the §4.2 arithmetic's 64 GB/s, one A100 link's one-way 31.5 GB/s (the profile's),
+swap rate set to the §4.2 anchor's 67.1 GB/s, one A100 link's one-way 31.5 GB/s (the profile's),
 and 25 GB/s (what pinned copies reach on such a link): reactive's cost is its stall, so the ratio
 is as much the link's as the policy's.
 """
@@ -24,6 +24,7 @@ from loadtest import plots
 from loadtest import workloads as W
 from loadtest.experiments.common import Report, RunOptions, dataset_pairs, run_point
 from loadtest.sim import PAPER_PROFILES, CostModel, SimSetup
+from loadtest.sim.paper_profiles import GB, PCIE4_X16_BYTES_PER_S, fit_cost_params, load_dims
 
 MODEL = "opt-13b"
 DEVICE_BLOCKS = 600
@@ -34,7 +35,9 @@ PAPER_AT_2_5 = {"proactive": "0.10–0.12", "reactive": "0.18–0.20", "recomput
 #: A pool larger than any run's peak KV: proactive there is the latency without memory pressure.
 UNLIMITED_BLOCKS = 1_000_000
 SWEEP_RATE = 2.5
-SWEEP_LINK_GB_PER_S = (64.0, 31.5, 25.0)
+#: The §4.2 anchor's rate (both directions of a link, 67.1 GB/s), one A100 link one way (the
+#: single-GPU profiles' 31.5), and 25 GB/s, what pinned copies reach on such a link in practice.
+SWEEP_LINK_GB_PER_S = (fit_cost_params(load_dims()).swap_bytes_per_s / GB, PCIE4_X16_BYTES_PER_S / GB, 25.0)
 #: Arrival seeds the link table averages over (one seed's reactive run moves by ~5 % with any change).
 SWEEP_SEEDS = 3
 
@@ -64,7 +67,7 @@ def run(options: RunOptions) -> dict[str, Any]:
     report.add_table(f"Reactive ÷ proactive at {SWEEP_RATE:g} req/s by swap link rate (mean of "
                      f"{SWEEP_SEEDS} arrival seeds)",
                      ["GB/s", "proactive", "reactive", "reactive ÷ proactive"],
-                     [[gbps, *link[gbps], link[gbps][1] / link[gbps][0]] for gbps in SWEEP_LINK_GB_PER_S],
+                     [[round(gbps, 1), *link[gbps], link[gbps][1] / link[gbps][0]] for gbps in SWEEP_LINK_GB_PER_S],
                      "The profile's rate is 31.5 GB/s: one direction of one PCIe 4.0 x16 link.")
     pro = points["proactive"]
     shares = {"queue": [p["queue_share"] for p in pro], "exec": [p["exec_share"] for p in pro],
@@ -100,7 +103,7 @@ def link_sweep(pairs: list[W.LengthPair], n: int, seed: int) -> dict[float, tupl
     workloads = [W.workload(pairs, n, SWEEP_RATE, seed + k) for k in range(SWEEP_SEEDS)]
     out: dict[float, tuple[float, float]] = {}
     for gbps in SWEEP_LINK_GB_PER_S:
-        cost = CostModel.from_json(PAPER_PROFILES[MODEL], swap_time_factor=bytes_per_s / (gbps * 1e9))
+        cost = CostModel.from_json(PAPER_PROFILES[MODEL], swap_time_factor=bytes_per_s / (gbps * GB))
         proactive, reactive = (
             sum(run_point(requests, cost, SimSetup(swap_mode=mode, num_device_blocks=DEVICE_BLOCKS))[1]
                 ["per_token_mean"] for requests in workloads) / SWEEP_SEEDS
