@@ -115,39 +115,34 @@ class Applier(Filing):
         if run.swap_in_first:
             out.swap_in.append(s.kv.swap_in(job.job_id, step))
             self._count(job, "swaps_in")
-        # A first iteration in chunks takes the blocks of all of it with its first chunk.
-        whole = job.next_context_len if run.prefill and not run.wasted else run.num_tokens
-        if run.prefill and not run.wasted and s.kv.tier(job.job_id) is Tier.NONE:
+        # A first iteration in chunks takes the blocks of all of it with its first chunk; a run
+        # the policy cuts short takes only what it feeds (its KV is dropped after it).
+        whole = run.end if run.wasted else job.num_tokens
+        if not run.wasted and s.kv.tier(job.job_id) is Tier.NONE:
             cached, fetch = s.kv.admit(job.job_id, whole, step, job.tokens, runs=True,
                                        max_host=run.host_hits)
             if cached < run.start:
                 # An earlier action of this decision took a cached block the walk counted as
                 # this job's hit (it evicts the least recently used): compute from what is
                 # still cached, as many tokens as planned — a prefill chunk if short of the end.
-                end = min(cached + run.fed_tokens, job.next_context_len)
-                run = replace(run, start=cached, num_tokens=end)
+                run = replace(run, start=cached, end=min(cached + run.fed_tokens, whole))
             if fetch is not None:   # host hits: the forward waits for the copy
                 out.swap_in.append(fetch)
             self._note_prefix(job, whole, cached)
-            job.prefilled = cached  # its KV exists up to here, as after earlier chunks
+            job.num_computed_tokens = cached   # the cached prefix counts as computed
             table = s.kv.block_table(job.job_id)
         else:
             table = s.kv.allocate(job.job_id, whole, step)
-        context = job.sampling.context(job.prompt_ids, job.generated, s.eos_token_ids)
-        if not run.prefill:
-            out.entries.append(BatchEntry(job.job_id, (job.generated[-1],), run.num_tokens - 1,
-                                          table, False, job.sampling, len(job.generated),
-                                          context=context))
-        else:
-            tokens = (job.prompt_ids + tuple(job.generated))[run.start:run.num_tokens]
-            # A chunk short of the whole first iteration samples nothing (chunked prefill); a
-            # cut prefix (naive MLFQ) samples a token that is discarded.
-            samples = run.wasted or run.num_tokens == job.next_context_len
-            out.entries.append(BatchEntry(job.job_id, tokens, run.start, table, True,
-                                          job.sampling, len(job.generated), samples,
-                                          context if samples else None))
-            if not samples:
-                out.chunks[job.job_id] = run.num_tokens
+        # It samples when the run reaches its end (a cut first iteration samples a token that is
+        # discarded); a prefill chunk short of it samples nothing.
+        samples = run.wasted or run.end == job.num_tokens
+        context = (job.sampling.context(job.prompt_ids, job.generated, s.eos_token_ids)
+                   if samples else None)
+        out.entries.append(BatchEntry(job.job_id, job.tokens()[run.start:run.end], run.start,
+                                      table, not job.decoding, job.sampling,
+                                      len(job.generated), samples, context))
+        if not samples:
+            out.chunks[job.job_id] = run.end
         if run.wasted:
             out.wasted.add(job.job_id)
         self._start(job, now)
@@ -156,7 +151,7 @@ class Applier(Filing):
         """Prefix caching: admit a job whose cached prefix is partly on the host; the copy goes
         with this plan, and the job runs the rest of its prompt once it landed."""
         s = self.s
-        whole = job.next_context_len
+        whole = job.num_tokens
         if not s.kv.prefix_hit(job.job_id, whole, job.tokens, host_hits).tokens:
             # An earlier action of this decision took the cached blocks (evicted them to take
             # blocks): nothing to fetch; it is admitted as a new job at a later decision.
@@ -169,7 +164,7 @@ class Applier(Filing):
         self._unplace(job)
         self._admit(job)
         job.state = JobState.RUNNABLE
-        job.prefilled = cached     # its next run computes from here, like a prefill chunk
+        job.num_computed_tokens = cached   # its next run computes from here, as after a chunk
         self._begin_blocked(job, now)
         s.totals["prefix_fetches"] += 1
         self._place(job)            # in transit: only the starvation clock keeps running
@@ -243,9 +238,9 @@ class Applier(Filing):
     # ---- results -------------------------------------------------------------------------
     def advance(self, job: Job, token: int, served: Served, now: float) -> FinishReason | None:
         """A token for ``job``; returns why it finished (it is then retired), or None."""
+        job.num_computed_tokens = job.num_tokens   # every position it fed has KV now
         job.generated.append(token)
-        job.prefilled = 0
-        self.s.kv.commit(job.job_id, job.next_context_len - 1, job.tokens)
+        self.s.kv.commit(job.job_id, job.num_computed_tokens, job.tokens)
         stats = job.stats
         stats.num_generated = len(job.generated)
         if stats.first_token_time is None:
@@ -262,7 +257,7 @@ class Applier(Filing):
     def chunk_done(self, job: Job, end: int, served: Served, now: float) -> None:
         """Chunked prefill: a chunk that is not the first iteration's last completed. Its KV
         stays (positions up to ``end``); no token, no TTFT; its time is service in the level."""
-        job.prefilled = end
+        job.num_computed_tokens = end
         self.s.kv.commit(job.job_id, end, job.tokens)
         self._served(job, served, now)
         self.s.totals["prefill_chunks"] += 1

@@ -139,8 +139,8 @@ class _Walk:
         self.picked.add(run.job_id)
         self.res.free_device -= need
         self.tokens += run.fed_tokens
-        full = self.view.jobs[run.job_id].next_context_len
-        if not run.wasted and run.num_tokens == full:   # a chunk's job grows only after its last
+        full = self.view.jobs[run.job_id].num_tokens
+        if not run.wasted and run.end == full:   # a chunk's job grows only after its last
             kv = self.view.kv
             self.res.next_growth += kv.blocks_for(full + 1) - kv.blocks_for(full)
 
@@ -153,18 +153,18 @@ class _Walk:
         return max(min(limit, self.view.config.max_num_batched_tokens - self.tokens), 1)
 
     def _resident_run(self, job: Job, swap_in_first: bool = False) -> Run:
-        """A job with KV: its next prefill chunk when one is due, else a decode."""
+        """A job with KV runs from its computed tokens to its end: a decode, or the rest of a
+        first iteration (chunked prefill, or a prefix fetched from the host tier) in a chunk
+        that fits the budget's room."""
+        end = job.num_tokens
         room = self._chunk_room()
-        if job.mid_prefill:   # chunked prefill, or a prefix fetched from the host tier
-            end = job.next_context_len if room is None else min(job.next_context_len,
-                                                                job.prefilled + room)
-            return Run(job.job_id, end, prefill=True, start=job.prefilled,
-                       swap_in_first=swap_in_first)
-        return Run(job.job_id, job.next_context_len, prefill=False, swap_in_first=swap_in_first)
+        if room is not None:
+            end = min(end, job.num_computed_tokens + room)
+        return Run(job.job_id, job.num_computed_tokens, end, swap_in_first=swap_in_first)
 
     def _try_resident(self, job: Job) -> None:
         run = self._resident_run(job)
-        need = self.view.kv.device_blocks_needed(job.job_id, run.num_tokens)
+        need = self.view.kv.device_blocks_needed(job.job_id, run.end)
         if need > self.res.free_device and self.view.policy.evicts_during_batch:
             self._preempt_latest(job)
         room = self._make_room(job, need)
@@ -179,14 +179,14 @@ class _Walk:
         run = self._resident_run(job, swap_in_first=True)
         if self.p.reactive:
             # Reactive: swap in with this very plan; the entry's forward waits for the copy.
-            need = self.view.kv.device_blocks_needed(job.job_id, run.num_tokens)
+            need = self.view.kv.device_blocks_needed(job.job_id, run.end)
             room = self._make_room(job, need)
             if room == "now":
                 self._pick(run, need)
             elif room is None and self.res.focus is None:
                 self.res.focus = job.job_id
             return
-        need = self.view.kv.device_blocks_needed(job.job_id, job.next_context_len)
+        need = self.view.kv.device_blocks_needed(job.job_id, job.num_tokens)
         room = self._make_room(job, need)
         if room == "now":
             self._want(job.job_id, need)
@@ -215,7 +215,7 @@ class _Walk:
         iteration naive MLFQ cuts at the quantum ignores the cache.)"""
         kv = self.view.kv
         prefix = self.view.policy.preempted_prefix(job)
-        n = job.next_context_len if prefix is None else prefix
+        n = job.num_tokens if prefix is None else prefix
         hit = kv.prefix_hit(job.job_id, n, job.tokens) if prefix is None else None
         start = 0 if hit is None else hit.tokens
         chunk = self._chunk_room()
@@ -225,7 +225,7 @@ class _Walk:
         if not fetch and not self._fits_budget(n - start):
             return False  # not a memory problem: it simply waits for a batch with room
         # A first iteration in chunks takes the blocks of all of it with its first chunk.
-        need = kv.blocks_for(n if prefix is not None else job.next_context_len)
+        need = kv.blocks_for(n if prefix is not None else job.num_tokens)
         shared = hit.in_use if hit is not None and not self.evicted else ()
         need -= len(shared)
         # (Set aside before making room: no victim found for it may count its shared hits as
@@ -246,7 +246,7 @@ class _Walk:
             self.res.actions.append(Fetch(job.job_id, hit.num_host))
             self.res.free_device -= need
             return False
-        self._pick(Run(job.job_id, n, prefill=True, start=start, wasted=prefix is not None,
+        self._pick(Run(job.job_id, start, n, wasted=prefix is not None,
                        host_hits=0 if hit is None else hit.num_host), need)
         return False
 
@@ -305,7 +305,7 @@ class _Walk:
                         or cand in self.evicted):
                     continue
                 if (kv.busy_step(cand) is not None or view.pinned(cand, self.step)
-                        or (self.p.recompute and victim.mid_prefill)):
+                        or (self.p.recompute and victim.prefilling)):
                     # (A first iteration part-way through its chunks is not dropped: two long
                     # prompts could otherwise drop each other's chunks forever.)
                     skipped += 1

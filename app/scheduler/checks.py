@@ -63,27 +63,32 @@ def check_scheduler(s: SchedulerState) -> None:
                   if job_id in getattr(lv, name)}
         if job.state is JobState.WAITING:
             assert where is Residency.NONE, f"waiting job {job_id} has KV ({where.value})"
-            assert not job.prefilled, f"waiting job {job_id} has {job.prefilled} prefilled"
+            assert not job.num_computed_tokens, (
+                f"waiting job {job_id} has {job.num_computed_tokens} computed tokens")
             want: set[str] = {"pending"}
         elif job.state is JobState.RUNNABLE:
             assert where is not Residency.NONE, f"runnable job {job_id} has no KV"
-            expected[job_id] = job.kv_len
+            expected[job_id] = job.table_len
+            if job.decoding and kv.num_tokens(job_id) == job.num_tokens:
+                # A recompute's last chunk stopped one short of its end: the table already
+                # covers the position its decode writes (taken with the first chunk).
+                expected[job_id] = job.num_tokens
             want = {Residency.RESIDENT: {"ready", "evictable"}, Residency.HOST:
                     {"pending", "onhost"}}.get(where, set())
         else:
             assert job_id in in_plan, f"running job {job_id} is in no in-flight plan"
             assert kv.tier(job_id) is Tier.DEVICE, f"running job {job_id} is not on the device"
             rec = s.inflight[in_plan[job_id]]
-            expected[job_id] = job.next_context_len
+            expected[job_id] = job.num_tokens
             chunk_end = rec.chunks.get(job_id)
             if chunk_end is not None:   # a prefill chunk short of the last
-                assert job.prefilled < chunk_end < job.next_context_len, (
-                    f"chunk of {job_id} ends at {chunk_end} after {job.prefilled} "
-                    f"of {job.next_context_len} positions")
+                assert job.num_computed_tokens < chunk_end < job.num_tokens, (
+                    f"chunk of {job_id} ends at {chunk_end} after {job.num_computed_tokens} "
+                    f"of {job.num_tokens} positions")
             if job_id in rec.wasted:   # a prompt prefix, cut short
                 assert not job.generated, f"job {job_id}: a cut first iteration after tokens"
                 expected[job_id] = kv.num_tokens(job_id)
-                assert 0 < expected[job_id] < job.next_context_len, (
+                assert 0 < expected[job_id] < job.num_tokens, (
                     f"cut first iteration of {job_id} covers {expected[job_id]} positions")
             want = set()
         assert placed == want, (

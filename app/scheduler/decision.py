@@ -15,15 +15,17 @@ from app.kv.swap_planner import SwapDecision
 
 @dataclass(frozen=True)
 class Run:
-    """One entry of the next batch."""
+    """One entry of the next batch: the job's tokens ``start .. end`` (``Job.tokens()``).
+
+    ``start`` is the job's ``num_computed_tokens`` (for a job admitted now, what the prefix
+    cache holds). The run samples a token when it reaches the job's ``num_tokens`` (a decode,
+    a whole first iteration or its last chunk) and not when it stops short (a prefill chunk);
+    a run the policy cuts short (``wasted``) samples a token that is discarded with its KV.
+    """
 
     job_id: str
-    #: Positions the entry covers (its context); for a cut first iteration, the prefix; for a
-    #: prefill chunk, where the chunk ends.
-    num_tokens: int
-    prefill: bool
-    #: Chunked prefill: the first position a prefill chunk feeds (its KV before is cached).
-    start: int = 0
+    start: int
+    end: int
     #: Reactive mode: the job's KV comes back with this very plan (its forward waits).
     swap_in_first: bool = False
     #: Naive MLFQ: a first iteration cut at the quantum; its token and KV are discarded.
@@ -35,7 +37,7 @@ class Run:
     @property
     def fed_tokens(self) -> int:
         """Tokens the entry feeds (its share of the token budget)."""
-        return self.num_tokens - self.start if self.prefill else 1
+        return self.end - self.start
 
 
 @dataclass(frozen=True)

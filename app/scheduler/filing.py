@@ -63,7 +63,7 @@ class Filing:
         which recomputes its prompt and the tokens it has — in ``level`` if it moves."""
         self._unplace(job)
         job.state = JobState.WAITING
-        job.prefilled = 0
+        job.num_computed_tokens = 0
         job.pinned_until = None
         self._count(job, counted_as)
         if level is not None:

@@ -1,5 +1,9 @@
 """Control-plane job state: ``JobRequest`` in, ``Job`` and its ``JobState`` and accounting, ``TokenDelta`` out.
 
+A job's progress is one number, ``Job.num_computed_tokens``, against its prompt + generated
+tokens (vLLM's model): prefill, chunks, recompute and a naive-MLFQ cut are what that number, the
+run's end and the policy say, not separate paths.
+
 Only the scheduler mutates a ``Job`` (state, level, service); everything else reads it.
 """
 
@@ -182,9 +186,11 @@ class Job:
     #: When it is promoted if still not served: set when its wait begins (from α for the backlog
     #: ahead of it then), None while it runs or is not watched for starvation.
     starve_due: float | None = None
-    #: Chunked prefill: positions of the first iteration in progress whose KV earlier chunks
-    #: computed (0 when none is in progress, and whenever the job's KV is dropped).
-    prefilled: int = 0
+    #: Its progress (vLLM's ``num_computed_tokens``): positions of ``tokens()`` whose KV exists,
+    #: on the device or the host. 0 while it waits (never run, or its KV was dropped, lost or
+    #: wasted); a cached prefix or each prefill chunk moves it on; a sampled token brings it to
+    #: all but the newest position. Every run feeds ``tokens()[num_computed_tokens:end]``.
+    num_computed_tokens: int = 0
     predictions: list[tuple[float, float]] = field(default_factory=list)  # (made at, ENST)
     #: Prompt positions the prefix cache held when it arrived (skip-join places it by the rest).
     cached_at_arrival: int = 0
@@ -213,27 +219,29 @@ class Job:
         return len(self.generated)
 
     @property
-    def next_context_len(self) -> int:
-        """Positions the next iteration's entry covers: prompt + generated so far.
-
-        A first iteration (or recompute) feeds all of them; a decode feeds the last generated
-        token at position ``prompt + generated - 1``. Either way the entry ends here.
-        """
+    def num_tokens(self) -> int:
+        """Its context's length, prompt + generated: where the run that samples its next token
+        ends (a first iteration or recompute feeds all of them, a decode the newest one)."""
         return self.prompt_len + len(self.generated)
 
     @property
-    def kv_len(self) -> int:
-        """Positions the job's KV table covers once its last iteration completed: those whose
-        KV exists, or all of a first iteration part-way through its chunks (its blocks are taken
-        with the first chunk)."""
-        if self.prefilled:
-            return self.next_context_len
-        return self.next_context_len - 1 if self.generated else 0
+    def decoding(self) -> bool:
+        """Its next run is a decode: one token, whose KV is all that is missing, after one it
+        sampled. Otherwise the next run is (the rest of) a first iteration — a prompt, a
+        recompute of prompt + generated, or what a cached prefix or earlier chunks left."""
+        return bool(self.generated) and self.num_computed_tokens == self.num_tokens - 1
 
     @property
-    def mid_prefill(self) -> bool:
-        """Chunked prefill: earlier chunks of its first iteration ran, the last has not."""
-        return self.prefilled > 0
+    def prefilling(self) -> bool:
+        """A first iteration is part-way: some of it computed (earlier chunks, or a prefix
+        fetched from the host tier), its token not yet sampled."""
+        return self.num_computed_tokens > 0 and not self.decoding
+
+    @property
+    def table_len(self) -> int:
+        """Positions its block table covers once its last run completed: a first iteration's
+        blocks are all taken with its first chunk; otherwise those computed."""
+        return self.num_tokens if self.prefilling else self.num_computed_tokens
 
     @property
     def remaining_tokens(self) -> int:

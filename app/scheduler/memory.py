@@ -75,7 +75,7 @@ class MemoryPlanner:
             # chunks outlast α (each is promoted back while the other prefills).
             return (job_id not in protected and job_id not in taken
                     and not view.pinned(job_id, step)
-                    and not (drop and view.jobs[job_id].mid_prefill))
+                    and not (drop and view.jobs[job_id].prefilling))
 
         with view.queues.ordered("evictable", self._score(table, -1.0)) as victims, \
                 view.queues.ordered("onhost", self._score(table, 1.0)) as prefetch:
@@ -108,7 +108,7 @@ class MemoryPlanner:
                            pools.device_releasing + moved_out)
         taken = self._taken(batch) | set(swaps.swap_out) | set(swaps.drop) | set(swaps.swap_in) \
             | set(batch.claimants)
-        need = view.kv.device_blocks_needed(focus, job.next_context_len)
+        need = view.kv.device_blocks_needed(focus, job.num_tokens)
         with view.queues.ordered("evictable", self._score(table, -1.0)) as victims:
             decision = plan_swaps(kv, pools, keep_free=need, wanted={}, prefetch=(),
                                   victims=victims,

@@ -8,7 +8,7 @@ of paper Algorithm 1 reads as
     update(plan, output, now): settle the plan's swaps, append tokens, finish jobs, charge each
                    entry its own share of the step, demote (policy methods decide the levels).
                    A prefill chunk that is not its job's last (chunked prefill) appends no
-                   token: it only moves the job's prefilled mark and is charged as service.
+                   token: it only moves the job's ``num_computed_tokens`` and is charged as service.
 
 Pipelining (paper §4.3): ``schedule`` may be called again while earlier plans are in flight; a
 job in an in-flight plan stays in its queue marked RUNNING and is never in two plans; updates may

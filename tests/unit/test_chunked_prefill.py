@@ -298,13 +298,52 @@ def test_chunks_are_service_in_the_level_the_whole_prompt_chose() -> None:
         deltas = s.update(plan, out, now)
         if chunk != 9:
             assert deltas == [] and job.stats.first_token_time is None
-            assert job.prefilled == plan.entries[0].context_len
+            assert job.num_computed_tokens == plan.entries[0].context_len and job.prefilling
     assert [d.token_id for d in deltas] == [7] and job.stats.first_token_time == now
-    assert job.prefilled == 0
+    # Every prompt position has KV; the decode feeds the token just sampled.
+    assert job.num_computed_tokens == len(PROMPT) and job.decoding
     # Three chunks' t_init are the job's service (in its entry level, or it moved down).
     charged = 2 * PROFILE.t_init(16) + PROFILE.t_init(9)
     assert job.attained_s == pytest.approx(charged) or job.stats.demotions > 0
     s.check_invariants()
+
+
+def test_a_recompute_in_chunks_moves_one_count_and_ends_in_a_decode() -> None:
+    """Recompute is a first iteration over prompt + generated: ``num_computed_tokens`` goes
+    0 → 16 → 32 in chunks; a last chunk that stops one short of the end leaves exactly a decode
+    (one token, which samples), whose position the table already covers."""
+    cfg = SchedulerConfig(max_batch_size=4, max_num_batched_tokens=16,
+                          chunked_prefill=ChunkedPrefillConfig(enabled=True, chunk_tokens=16))
+    s = Scheduler(cfg, KVCacheConfig(block_size=4, num_device_blocks=64, num_host_blocks=64),
+                  PROFILE, eos_token_ids=frozenset({1}))
+    job = s.add(JobRequest("a", PROMPT[:32], GREEDY), 0.0)
+    ex = CostModelExecutor(PROFILE, constant_tokens(7))
+    now = 0.0
+
+    def step() -> BatchPlan:
+        nonlocal now
+        plan = s.schedule(now)
+        assert plan is not None and len(plan.entries) == 1
+        out = ex.execute(plan)
+        now += out.timings["total"]
+        s.update(plan, out, now)
+        s.check_invariants()
+        return plan
+
+    assert [len(step().entries[0].token_ids) for _ in range(2)] == [16, 16]
+    assert job.generated == [7] and job.num_computed_tokens == 32 and job.decoding
+    s.lose_all_kv([])        # the workers were rebuilt: it recomputes prompt + its token
+    assert job.num_computed_tokens == 0 and job.stats.recomputes == 1 and not job.decoding
+    for end in (16, 32):
+        entry = step().entries[0]
+        assert (entry.start_pos, entry.context_len, entry.is_prefill, entry.samples) == (
+            end - 16, end, True, False)
+        assert job.num_computed_tokens == end and job.generated == [7]
+    assert job.decoding and s.kv.num_tokens("a") == 33   # taken with the first chunk
+    entry = step().entries[0]
+    assert (entry.token_ids, entry.start_pos, entry.is_prefill, entry.samples) == (
+        (7,), 32, False, True)
+    assert job.generated == [7, 7] and job.num_computed_tokens == 33 and job.decoding
 
 
 # ---- the config ----------------------------------------------------------------------------

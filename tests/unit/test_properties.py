@@ -169,7 +169,7 @@ def check_chunks(sched: Scheduler, plan: BatchPlan, chunk_tokens: int, budget: i
             continue
         job = sched.jobs()[e.job_id]
         assert len(e.token_ids) <= chunk_tokens, f"{e.job_id}: chunk of {len(e.token_ids)}"
-        assert e.start_pos == job.prefilled
+        assert e.start_pos == job.num_computed_tokens
         # The blocks of the whole first iteration are taken with its first chunk.
         assert sched.kv.num_tokens(e.job_id) == len(job.prompt_ids) + len(job.generated)
         full = job.prompt_ids + tuple(job.generated)
