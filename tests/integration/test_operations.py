@@ -320,12 +320,19 @@ def test_scheduler_autoscales_to_two_model_copies_and_both_serve(cluster: Cluste
     assert both_served(m), "both model copies should have generated tokens"
 
 
-#: Streams started one at a time before a downscale 2 → 1 until each replica has one in flight
-#: (Serve's router may send two in a row to one replica), at most this many; each long enough to
+#: Streams started one at a time before a downscale 2 → 1 until each replica has one in flight,
+#: at most this many (see ``FRESH_QUEUE_LENGTHS``: at most four are needed); each long enough to
 #: be in flight while the downscale is applied (~5 s) even on a quiet box (~35 ms a token), and
 #: short enough to end well within the bound below on a loaded one (4 × 500 tokens on two
 #: replicas did not end within 180 s here with other work on the 2 cores).
 MAX_DRAIN_STREAMS, DRAIN_STREAM_TOKENS = 6, 800
+#: The drain test's ingress replicas ask both Engine replicas their queue length for every call.
+#: With Serve's default (a replica's length cached 10 s by each ingress router, and a replica with
+#: a cached length preferred to one without), one ingress replica sent all six streams to the
+#: replica it had just used (CI, 2026-12-02: {6, 0}). Probed fresh, the two lengths differ by the
+#: delivery channels (at most one per ingress replica, so by at most 2) plus the streams, and
+#: the router takes the shorter: by the fourth stream each replica has one.
+FRESH_QUEUE_LENGTHS = {"env_vars": {"RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S": "0"}}
 #: Bound on the streams' end: the server's own request timeout (server.request_timeout_s).
 STREAMS_END_WITHIN_S = 600.0
 #: How soon after its last stream ends a drained replica must be gone: the idle delivery channels
@@ -350,6 +357,7 @@ def test_a_downscale_during_streams_drains_them_whole_and_the_replica_stops_afte
     # default), these streams took 240-272 s, past the drain timeout (a CI failure); passive 62-76 s.
     config["applications"][0]["args"]["parallel"]["omp_wait_policy"] = "passive"
     ingress_options(config)["num_replicas"] = 2                         # as the tests above left it
+    ingress_options(config)["ray_actor_options"] = {"num_cpus": 0, "runtime_env": FRESH_QUEUE_LENGTHS}
     engine_options(config).update(num_replicas=2, max_ongoing_requests=512)
     timeout_s = AppArgs.model_validate(config["applications"][0]["args"]).engine_deployment_defaults()[
         "graceful_shutdown_timeout_s"]
@@ -386,6 +394,7 @@ def test_a_downscale_during_streams_drains_them_whole_and_the_replica_stops_afte
         on_both = metrics_view.wait_metrics(cluster.base, running_on_both, timeout=5)
     assert running_on_both(on_both), {r: on_both.total("fastserve:num_requests_running", replica=r)
                                       for r in replica_ids}
+    assert len(readers) <= 4, f"{len(readers)} streams to reach both replicas: FRESH_QUEUE_LENGTHS unheeded?"
     # The prefix-cache reset reaches both model copies, each with its own cache (sent once the
     # streams are placed, so that it cannot sway where they go). Jobs keep their own blocks.
     reset = httpx.post(cluster.base + "/reset_prefix_cache", headers=AUTH, timeout=REQUEST_TIMEOUT_S)
