@@ -12,7 +12,6 @@ must not pay for torch.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -37,13 +36,6 @@ def layer_ranges(num_layers: int, pipeline_parallel_size: int) -> list[tuple[int
         ranges.append((start, end))
         start = end
     return ranges
-
-
-def free_port() -> int:
-    """A TCP port free on this node right now (the TP group's rendezvous port)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
 
 
 def cuda_device_index(gpu_ids: Sequence[int | str], visible_devices: str | None) -> int:

@@ -27,7 +27,8 @@ import ray
 
 from actors.messages import BatchPlan, StepOutput
 from actors.model.config import ModelConfig
-from actors.parallel import TensorParallelGroup, cuda_device_index, free_port
+from actors.parallel import TensorParallelGroup, cuda_device_index
+from actors.ports import free_port
 from actors.spec import ModelSpec
 
 if TYPE_CHECKING:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -26,6 +25,7 @@ from typing import Any
 import httpx
 import yaml
 
+from actors.ports import free_port
 from loadtest.client import HEALTH_PATH
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,12 +37,6 @@ POLL_S = 1.0
 GRACE_S = 20.0
 #: Ray's socket paths must stay short; the temp dir lives directly under the system temp dir.
 RAY_TMP_PREFIX = "fsray-"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
-        return int(s.getsockname()[1])
 
 
 def multi_policy_config(policies: Sequence[str], port: int, base: Path = DEMO_YAML,
@@ -89,7 +83,7 @@ class ServeApps:
         self.args_overrides = args_overrides
         self.log_path = log_path
         self.ready_timeout_s = ready_timeout_s
-        self.port = free_port()
+        self.port = free_port(LOOPBACK)
         self._proc: subprocess.Popen[bytes] | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
 

@@ -14,7 +14,6 @@ import contextlib
 import copy
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from typing import Any
 import httpx
 import yaml
 
+from actors import ports
 from app.config_server import API_KEY_ENV
 from app.tokenizer import Tokenizer
 
@@ -45,9 +45,8 @@ REQUEST_TIMEOUT_S = 180.0
 # ---- the server: ray start + serve run, torn down by process tree -----------------------------
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port for a test server (``actors.ports``: not one Ray may take meanwhile)."""
+    return ports.free_port("127.0.0.1")
 
 
 def _proc_table() -> dict[int, tuple[int, str]]:

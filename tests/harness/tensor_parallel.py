@@ -86,7 +86,7 @@ def _rank_main(config: ModelConfig, path: Path, rank: int, tp_size: int, port: i
 def run_tensor_parallel(config: ModelConfig, path: Path, work: Work, pools: RankPools, tp_size: int = 2,
                         timeout_s: float = TP_TIMEOUT_S) -> dict[int, RankResult]:
     """Run ``work`` on every rank of a ``tp_size``-way split of ``config``'s checkpoint at ``path``."""
-    from actors.parallel import free_port
+    from actors.ports import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
