@@ -139,6 +139,12 @@ def _forced_reference() -> bool:
     return os.environ.get(BACKEND_ENV_VAR, "").strip().lower() == TORCH_BACKEND
 
 
+def cpu_decode_allowed() -> bool:
+    """Whether a decode step may take ``kernels.cpu_decode``'s run of C calls (not while the
+    torch reference is forced: that run has no reference inside it)."""
+    return not _forced_reference()
+
+
 def paged_attention_backend(query: torch.Tensor, key_cache: torch.Tensor) -> str:
     """``"cuda"``, ``"cpu"`` (the C kernel) or ``"torch"``: which decode attention would run."""
     if _forced_reference():

@@ -94,6 +94,10 @@ class PackedWeight:
         return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
 
 
+def _kernel_data(packed: PackedWeight | None) -> torch.Tensor | None:
+    return packed.data if packed is not None and packed.kernel == BF16_KERNEL else None
+
+
 class ServingLinear(nn.Linear):
     _packed: PackedWeight | None = None
 
@@ -104,6 +108,10 @@ class ServingLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.multiply(x, with_bias=True)
+
+    def kernel_weight(self) -> torch.Tensor | None:
+        """The weight as ``kernels.cpu_linear`` packed it, where it is so and has no bias."""
+        return _kernel_data(self._packed) if self.bias is None else None
 
     def multiply(self, x: torch.Tensor, with_bias: bool) -> torch.Tensor:
         """``x @ weight.T`` (+ bias when ``with_bias``): row-parallel layers add their bias once,
@@ -176,6 +184,10 @@ class MergedLinear:
         if self._packed is not None and all(with_bias):
             self._bias = torch.cat([m.bias.detach() for m in self.members if m.bias is not None])
         return self._packed is not None
+
+    def kernel_weight(self) -> torch.Tensor | None:
+        """The merged weight as ``kernels.cpu_linear`` packed it, where it is so and has no bias."""
+        return _kernel_data(self._packed) if self._bias is None else None
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each member's ``F.linear(x, weight, bias)``, in order (views of one output when merged)."""

@@ -1,0 +1,204 @@
+"""A decode step's decoder layers (LLaMA family, bf16, CPU) as one fixed run of C calls.
+
+Owns the fast path of the step a server runs most: every row a decode, every linear packed for
+``kernels.cpu_linear``, the elementwise and paged-attention C kernels built. The model's module
+path (``actors.model.llama``) makes the same kernel calls through per-op wrappers that check,
+convert and allocate on every call, ~330 of them a step; at batch 1 on the 2-core AMD EPYC Zen 4
+(SmolLM2-135M, context 128) that Python took 11.9 ms of a 24.5 ms step and the C kernels 12.6
+(docs/engine.md). Here the checks are made once per step, the step's buffers are allocated once,
+and a layer is eleven ctypes calls and two copies. The results are the module path's bits: the
+same kernels in the same order on the same values; the MLP's residual add, which the module path
+does in torch, is done by the next layer's norm (its fused add rounds the sum to bf16 as torch's
+add does), and the last layer's by torch.
+
+Where CUDA serving replays a captured graph for the same reason, a CPU step pays for Python
+directly; vLLM's CPU build compiles its model for it. This is the smallest thing that removes
+the cost without a compiler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels import cpu_elementwise, cpu_linear, cpu_ops
+
+BF16 = torch.bfloat16
+#: Bytes of one bf16 element.
+BF16_BYTES = 2
+
+
+@dataclass(frozen=True)
+class DecodeDims:
+    """The stage's shapes: hidden width, query and KV heads, head width, MLP width."""
+
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    rms_norm_eps: float
+    scale: float
+
+
+@dataclass(frozen=True)
+class DecodeLayer:
+    """One decoder layer's bf16 weights: the two norms' scales [hidden], and q/k/v merged, o,
+    gate/up merged and down, each packed by ``cpu_linear.pack`` (no biases)."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: torch.Tensor
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+def available() -> bool:
+    """Whether every kernel of the run built on this machine."""
+    return cpu_linear.available() and cpu_elementwise.available() and cpu_ops.available()
+
+
+def fits(dims: DecodeDims, layers: Sequence[DecodeLayer]) -> bool:
+    """Whether these shapes and weights run here: head width a multiple of 32 (the rotary and
+    attention kernels' vectors), bf16 norm scales, packed weights of the widths the dims say."""
+    q, kv = dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
+    packed_out = cpu_linear.OUTPUT_BLOCK
+
+    def shaped(packed: torch.Tensor, out_features: int, in_features: int) -> bool:
+        return (packed.dtype == BF16 and packed.dim() == 4 and packed.shape[0] * packed_out == out_features
+                and packed.shape[1] * 2 == in_features and packed.is_contiguous())
+
+    return (available() and dims.head_dim % (2 * cpu_elementwise.ROTARY_HALF_MULTIPLE) == 0
+            and dims.num_heads % dims.num_kv_heads == 0 and dims.hidden % 2 == 0 and dims.intermediate % 2 == 0
+            and all(n.dtype == BF16 and n.shape == (dims.hidden,) and n.is_contiguous()
+                    for layer in layers for n in (layer.input_norm, layer.post_norm))
+            and all(shaped(layer.qkv, q + 2 * kv, dims.hidden) and shaped(layer.o, dims.hidden, q)
+                    and shaped(layer.gate_up, 2 * dims.intermediate, dims.hidden)
+                    and shaped(layer.down, dims.hidden, dims.intermediate) for layer in layers))
+
+
+def decode_layers(x: torch.Tensor, layers: Sequence[DecodeLayer], dims: DecodeDims, cache: torch.Tensor,
+                  cos: torch.Tensor, signed_sin: torch.Tensor, slot_mapping: torch.Tensor,
+                  block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    """The hidden rows after ``layers`` for ``x`` [rows, hidden] bf16, one decode token a row.
+
+    ``cache``: the stage's block-major bf16 KV cache ``[num_blocks, num_layers, 2, block_size,
+    num_kv_heads, head_dim]``, layer ``i`` used by ``layers[i]``; ``cos``/``signed_sin``:
+    ``[rows, 1, head_dim]`` bf16 (``Rotary.cos_sin``); ``slot_mapping`` int64 [rows];
+    ``block_tables`` int32 [rows, width]; ``context_lens`` int32 [rows] (each row's token
+    included). ``fits(dims, layers)`` must hold."""
+    rows = x.shape[0]
+    hidden, heads, kv_heads, head_dim = dims.hidden, dims.num_heads, dims.num_kv_heads, dims.head_dim
+    q_width, kv_width, inter = heads * head_dim, kv_heads * head_dim, dims.intermediate
+    qkv_width = q_width + 2 * kv_width
+    _check(x, cache, cos, signed_sin, slot_mapping, block_tables, context_lens, dims, len(layers))
+    num_blocks, block_size = cache.shape[0], cache.shape[3]
+    block_stride, layer_stride, kv_stride, token_stride, head_stride = cache.stride()[:5]
+    status = cpu_ops._library().check_block_tables(  # type: ignore[union-attr]
+        block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], context_lens.data_ptr(), rows,
+        block_size, num_blocks)
+    if status == cpu_ops.TABLE_TOO_SHORT:
+        raise ValueError(f"a context of {int(context_lens.max())} tokens needs more than the table's "
+                         f"{block_tables.shape[1]} blocks of {block_size}")
+    if status == cpu_ops.OUTSIDE_POOL:
+        raise IndexError(f"a block id the contexts reach is outside the cache's {num_blocks} blocks")
+    if rows == 0:
+        return x
+    linear = cpu_linear._library().linear_bf16  # type: ignore[union-attr]
+    elementwise = cpu_elementwise._lib()
+    rms_norm, rope, silu_mul = elementwise.rms_norm_bf16, elementwise.rope_bf16, elementwise.silu_mul_bf16
+    attention_lib = cpu_ops._library()
+    attention = getattr(attention_lib, cpu_ops.KERNEL_FOR_CACHE[BF16])
+    write_kv = getattr(attention_lib, cpu_ops.WRITE_KV)
+    threads = torch.get_num_threads()
+
+    def empty(*shape: int, dtype: torch.dtype = BF16) -> torch.Tensor:
+        return torch.empty(*shape, dtype=dtype)
+
+    residuals = (empty(rows, hidden), empty(rows, hidden))
+    normed, qkv, o, down = empty(rows, hidden), empty(rows, qkv_width), empty(rows, hidden), empty(rows, hidden)
+    q_rot, k_rot, attn = empty(rows, heads, head_dim), empty(rows, kv_heads, head_dim), empty(rows, q_width)
+    q32, attn32 = empty(rows, heads, head_dim, dtype=torch.float32), empty(rows, heads, head_dim, dtype=torch.float32)
+    gate_up, act = empty(rows, 2 * inter), empty(rows, inter)
+    p = _Pointers(x, normed, qkv, o, down, q_rot, k_rot, attn, q32, attn32, gate_up, act)
+    cos_p, sin_p, slots_p = cos.data_ptr(), signed_sin.data_ptr(), slot_mapping.data_ptr()
+    tables_p, table_stride, lens_p = block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr()
+    k_src, v_src = p.qkv + q_width * BF16_BYTES, p.qkv + (q_width + kv_width) * BF16_BYTES
+    cache_p = cache.data_ptr()
+    # The residual stream: x, then the two buffers in turn (a fused add never writes its input).
+    res, res_stride, current = p.x, x.stride(0), x
+    for i, layer in enumerate(layers):
+        key_cache = cache_p + i * layer_stride * BF16_BYTES
+        value_cache = key_cache + kv_stride * BF16_BYTES
+        if i == 0:
+            rms_norm(res, res_stride, None, 0, None, layer.input_norm.data_ptr(), p.normed, rows, hidden,
+                     dims.rms_norm_eps, threads)
+        else:   # the previous layer's MLP residual, added here
+            current = residuals[0] if current is not residuals[0] else residuals[1]
+            rms_norm(res, res_stride, p.down, hidden, current.data_ptr(), layer.input_norm.data_ptr(), p.normed,
+                     rows, hidden, dims.rms_norm_eps, threads)
+            res, res_stride = current.data_ptr(), hidden
+        linear(p.normed, rows, hidden, hidden, layer.qkv.data_ptr(), qkv_width, None, p.qkv, threads)
+        rope(p.qkv, qkv_width, heads, head_dim, cos_p, sin_p, p.q_rot, rows, threads)
+        rope(k_src, qkv_width, kv_heads, head_dim, cos_p, sin_p, p.k_rot, rows, threads)
+        if write_kv(p.k_rot, v_src, kv_width * BF16_BYTES, qkv_width * BF16_BYTES, key_cache, value_cache,
+                    block_stride * BF16_BYTES, token_stride * BF16_BYTES, slots_p, rows, block_size, num_blocks,
+                    kv_width * BF16_BYTES) == cpu_ops.OUTSIDE_POOL:
+            raise IndexError(f"slot {int(slot_mapping.max())} lies past the cache's {num_blocks} blocks "
+                             f"of {block_size}")
+        q32.copy_(q_rot)
+        status = attention(p.q32, key_cache, value_cache, block_stride, token_stride, head_stride, tables_p,
+                           table_stride, lens_p, rows, heads, kv_heads, head_dim, block_size, dims.scale, p.attn32,
+                           threads)
+        if status != 0:
+            raise (MemoryError if status == cpu_ops.SCRATCH_FAILED else RuntimeError)(
+                f"{cpu_ops.KERNEL_FOR_CACHE[BF16]} failed with status {status}")
+        attn.view(rows, heads, head_dim).copy_(attn32)
+        linear(p.attn, rows, q_width, q_width, layer.o.data_ptr(), hidden, None, p.o, threads)
+        current = residuals[0] if current is not residuals[0] else residuals[1]
+        rms_norm(res, res_stride, p.o, hidden, current.data_ptr(), layer.post_norm.data_ptr(), p.normed,
+                 rows, hidden, dims.rms_norm_eps, threads)
+        res, res_stride = current.data_ptr(), hidden
+        linear(p.normed, rows, hidden, hidden, layer.gate_up.data_ptr(), 2 * inter, None, p.gate_up, threads)
+        silu_mul(p.gate_up, 2 * inter, p.gate_up + inter * BF16_BYTES, 2 * inter, p.act, rows, inter, threads)
+        linear(p.act, rows, inter, inter, layer.down.data_ptr(), hidden, None, p.down, threads)
+    return current + down if layers else x
+
+
+class _Pointers:
+    """The step's buffers' addresses (ints, what the ctypes calls take)."""
+
+    def __init__(self, x: torch.Tensor, *buffers: torch.Tensor) -> None:
+        self.x = x.data_ptr()
+        (self.normed, self.qkv, self.o, self.down, self.q_rot, self.k_rot, self.attn, self.q32, self.attn32,
+         self.gate_up, self.act) = (b.data_ptr() for b in buffers)
+
+
+def _check(x: torch.Tensor, cache: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+           slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+           dims: DecodeDims, num_layers: int) -> None:
+    rows = x.shape[0]
+    problems = []
+    if not (x.dtype == BF16 and x.dim() == 2 and x.shape[1] == dims.hidden and x.stride(1) == 1
+            and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0 and x.device.type == "cpu"):
+        problems.append(f"x {tuple(x.shape)} {x.dtype} {x.stride()}")
+    if not (cache.dtype == BF16 and cache.dim() == 6 and cache.shape[1] >= num_layers and cache.shape[2] == 2
+            and tuple(cache.shape[4:]) == (dims.num_kv_heads, dims.head_dim) and cache.stride(5) == 1
+            and cache.stride(4) == dims.head_dim):
+        problems.append(f"cache {tuple(cache.shape)} {cache.dtype} {cache.stride()}")
+    for name, t in (("cos", cos), ("signed_sin", signed_sin)):
+        if not (t.dtype == BF16 and tuple(t.shape) == (rows, 1, dims.head_dim) and t.is_contiguous()):
+            problems.append(f"{name} {tuple(t.shape)} {t.dtype}")
+    if not (slot_mapping.dtype == torch.int64 and slot_mapping.shape == (rows,) and slot_mapping.is_contiguous()):
+        problems.append(f"slot_mapping {tuple(slot_mapping.shape)} {slot_mapping.dtype}")
+    if not (block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == rows
+            and block_tables.stride(1) == 1):
+        problems.append(f"block_tables {tuple(block_tables.shape)} {block_tables.dtype}")
+    if not (context_lens.dtype == torch.int32 and context_lens.shape == (rows,) and context_lens.is_contiguous()):
+        problems.append(f"context_lens {tuple(context_lens.shape)} {context_lens.dtype}")
+    if problems:
+        raise ValueError("decode_layers: " + "; ".join(problems) + " do not fit the run")
+

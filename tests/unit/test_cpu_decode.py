@@ -1,0 +1,148 @@
+"""``kernels.cpu_decode``: a bf16 decode step's layers as one run of C calls, bit for bit the
+module path (``actors.model.llama``) it replaces where it applies. Skipped where the kernels did
+not build with AVX-512 BF16."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from actors.executor import InProcessExecutor
+from actors.messages import BatchEntry, BatchPlan, SamplingParams
+from actors.model.batch import ForwardBatch
+from actors.model.llama import LlamaStage
+from actors.model.llama_config import LlamaConfig
+from actors.spec import ModelSpec
+from kernels import cpu_decode
+
+pytestmark = pytest.mark.skipif(not cpu_decode.available(),
+                                reason="the C compiler does not target AVX-512 BF16 on this machine")
+
+#: Head width 32 and every linear's out features a multiple of 32: the kernels' shapes.
+CONFIG = LlamaConfig(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                     rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True, name="tiny-llama-bf16")
+BLOCK_SIZE = 16
+BLOCKS_PER_JOB = 4
+PROMPT_LENS = (5, 17, 40, 1)
+GREEDY = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+DECODE_STEPS = 8
+
+
+def _executor(dtype: str = "bfloat16") -> InProcessExecutor:
+    ex = InProcessExecutor(ModelSpec(CONFIG, BLOCKS_PER_JOB * len(PROMPT_LENS) + 2, 0, BLOCK_SIZE, dtype=dtype))
+    torch.manual_seed(0)
+    with torch.no_grad():   # dummy norms are ones: give the norms' scales something to do
+        for layer in ex.runner.model.layers:
+            layer.input_layernorm.weight.normal_(1.0, 0.2)
+            layer.post_attention_layernorm.weight.normal_(1.0, 0.2)
+    return ex
+
+
+def _table(job: int) -> tuple[int, ...]:
+    return tuple(range(job * BLOCKS_PER_JOB, (job + 1) * BLOCKS_PER_JOB))
+
+
+def _prefilled(ex: InProcessExecutor) -> list[int]:
+    """Each job's prompt prefilled; returns each job's first token."""
+    first = []
+    for job, n in enumerate(PROMPT_LENS):
+        draw = torch.Generator().manual_seed(job)
+        prompt = tuple(int(t) for t in torch.randint(3, CONFIG.vocab_size, (n,), generator=draw))
+        entry = BatchEntry(str(job), prompt, 0, _table(job), True, GREEDY)
+        first.append(ex.execute(BatchPlan(0, (entry,))).tokens[str(job)])
+    return first
+
+
+@pytest.fixture
+def executor() -> Iterator[InProcessExecutor]:
+    ex = _executor()
+    yield ex
+    ex.close()
+
+
+def _model(ex: InProcessExecutor) -> LlamaStage:
+    model = ex.runner.model
+    assert isinstance(model, LlamaStage)
+    return model
+
+
+def _decode_batch(tokens: list[int], step: int) -> tuple[BatchEntry, ...]:
+    return tuple(BatchEntry(str(job), (tokens[job],), n + step, _table(job), False, GREEDY, step + 1)
+                 for job, n in enumerate(PROMPT_LENS))
+
+
+def test_a_decode_step_equals_the_module_path_bit_for_bit(executor: InProcessExecutor) -> None:
+    model, pool = _model(executor), executor.runner.kv.device_pool
+    assert model._decode_run is not None            # a bf16 stage on the bf16 kernels takes the run
+    batch = ForwardBatch.build(_decode_batch(_prefilled(executor), 0), BLOCK_SIZE)
+    before = pool.clone()
+    with torch.no_grad():
+        fast = model(batch, pool, None)
+        after_fast = pool.clone()
+        pool.copy_(before)
+        run, model._decode_run = model._decode_run, None
+        module = model(batch, pool, None)
+        model._decode_run = run
+    assert fast.dtype == torch.bfloat16 and fast.shape == (len(PROMPT_LENS), CONFIG.hidden_size)
+    assert torch.equal(fast, module)
+    assert torch.equal(after_fast, pool)             # the same K/V rows written to the same slots
+    assert not torch.equal(before, pool)
+
+
+def test_greedy_steps_give_the_module_paths_tokens_and_cache(executor: InProcessExecutor) -> None:
+    model, pool = _model(executor), executor.runner.kv.device_pool
+    first = _prefilled(executor)
+    start = pool.clone()
+    outputs: dict[bool, tuple[list[list[int]], torch.Tensor]] = {}
+    run = model._decode_run
+    for fast in (True, False):
+        model._decode_run = run if fast else None
+        pool.copy_(start)
+        tokens, steps = list(first), []
+        for step in range(DECODE_STEPS):
+            out = executor.execute(BatchPlan(step + 1, _decode_batch(tokens, step))).tokens
+            tokens = [out[str(job)] for job in range(len(PROMPT_LENS))]
+            steps.append(tokens)
+        outputs[fast] = (steps, pool.clone())
+    assert outputs[True][0] == outputs[False][0]
+    assert torch.equal(outputs[True][1], outputs[False][1])
+    assert len({tuple(s) for s in outputs[True][0]}) > 1     # the jobs moved on, not one token repeated
+
+
+def test_the_module_path_runs_where_the_run_does_not_apply(executor: InProcessExecutor,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("the run was taken")
+
+    tokens = _prefilled(executor)                     # prefill batches: the module path
+    monkeypatch.setattr(cpu_decode, "decode_layers", refuse)
+    monkeypatch.setenv("FASTSERVE_KERNEL_BACKEND", "torch")   # the reference forced
+    assert len(executor.execute(BatchPlan(1, _decode_batch(tokens, 0))).tokens) == len(PROMPT_LENS)
+    fp32 = _executor("float32")
+    try:
+        assert _model(fp32)._decode_run is None
+    finally:
+        fp32.close()
+
+
+def test_tables_and_slots_outside_the_pool_are_refused(executor: InProcessExecutor) -> None:
+    model, pool = _model(executor), executor.runner.kv.device_pool
+    assert model._decode_run is not None
+    dims, layers = model._decode_run
+    x = torch.zeros(1, CONFIG.hidden_size, dtype=torch.bfloat16)
+    cos = torch.ones(1, 1, dims.head_dim, dtype=torch.bfloat16)
+    sin = torch.zeros(1, 1, dims.head_dim, dtype=torch.bfloat16)
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    slots, lens = torch.tensor([3], dtype=torch.int64), torch.tensor([4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="needs more than the table's 2 blocks of 16"):
+        cpu_decode.decode_layers(x, layers, dims, pool, cos, sin, slots, table, torch.tensor([33], dtype=torch.int32))
+    with pytest.raises(IndexError, match="outside the cache's 18 blocks"):
+        cpu_decode.decode_layers(x, layers, dims, pool, cos, sin, slots, torch.tensor([[0, 18]], dtype=torch.int32),
+                                 torch.tensor([20], dtype=torch.int32))
+    with pytest.raises(IndexError, match="slot 288 lies past the cache's 18 blocks of 16"):
+        cpu_decode.decode_layers(x, layers, dims, pool, cos, sin, torch.tensor([288], dtype=torch.int64), table, lens)
+    with pytest.raises(ValueError, match=r"context_lens \(1,\) torch.int64"):
+        cpu_decode.decode_layers(x, layers, dims, pool, cos, sin, slots, table, lens.long())
