@@ -139,8 +139,8 @@ def _forced_reference() -> bool:
     return os.environ.get(BACKEND_ENV_VAR, "").strip().lower() == TORCH_BACKEND
 
 
-def cpu_decode_allowed() -> bool:
-    """Whether a decode step may take ``kernels.cpu_decode``'s run of C calls (not while the
+def cpu_step_allowed() -> bool:
+    """Whether a decode step may take ``kernels.cpu_step``'s run of C calls (not while the
     torch reference is forced: that run has no reference inside it)."""
     return not _forced_reference()
 

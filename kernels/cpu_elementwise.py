@@ -68,7 +68,8 @@ def fits_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) ->
             and x.shape[2] % (2 * ROTARY_HALF_MULTIPLE) == 0 and available())
 
 
-def _lib() -> ctypes.CDLL:
+def library() -> ctypes.CDLL:
+    """The loaded kernels, for callers that make their own ctypes calls (``kernels.cpu_step``)."""
     lib = _library()
     if lib is None:
         raise KernelBuildError("the CPU bf16 elementwise kernels are not available on this machine")
@@ -86,7 +87,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     out = torch.empty(rows, cols, dtype=torch.bfloat16)
     total = x if delta is None else torch.empty(rows, cols, dtype=torch.bfloat16)
     if rows:
-        _lib().rms_norm_bf16(x.data_ptr(), x.stride(0), None if delta is None else delta.data_ptr(),
+        library().rms_norm_bf16(x.data_ptr(), x.stride(0), None if delta is None else delta.data_ptr(),
                              0 if delta is None else delta.stride(0), None if delta is None else total.data_ptr(),
                              weight.data_ptr(), out.data_ptr(), rows, cols, float(eps), torch.get_num_threads())
     return total, out
@@ -100,7 +101,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     rows, cols = gate.shape
     out = torch.empty(rows, cols, dtype=torch.bfloat16)
     if rows:
-        _lib().silu_mul_bf16(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), out.data_ptr(),
+        library().silu_mul_bf16(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), out.data_ptr(),
                              rows, cols, torch.get_num_threads())
     return out
 
@@ -113,6 +114,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     tokens, heads, head_dim = x.shape
     out = torch.empty(tokens, heads, head_dim, dtype=torch.bfloat16)
     if tokens:
-        _lib().rope_bf16(x.data_ptr(), x.stride(0), heads, head_dim, cos.data_ptr(), signed_sin.data_ptr(),
+        library().rope_bf16(x.data_ptr(), x.stride(0), heads, head_dim, cos.data_ptr(), signed_sin.data_ptr(),
                          out.data_ptr(), tokens, torch.get_num_threads())
     return out

@@ -53,6 +53,14 @@ def available() -> bool:
     return _library() is not None
 
 
+def library() -> ctypes.CDLL:
+    """The loaded kernel, for callers that make their own ctypes calls (``kernels.cpu_step``)."""
+    lib = _library()
+    if lib is None:
+        raise KernelBuildError("the CPU bf16 linear kernel is not available on this machine")
+    return lib
+
+
 def fits(weight: torch.Tensor) -> bool:
     """Whether ``weight`` ([out, in]) can be packed for the kernel: a CPU bf16 matrix whose out
     features are a multiple of 32 and in features even, on a machine where the kernel built."""

@@ -159,6 +159,14 @@ def available() -> bool:
     return _library() is not None
 
 
+def library() -> ctypes.CDLL:
+    """The loaded kernels, for callers that make their own ctypes calls (``kernels.cpu_step``)."""
+    lib = _library()
+    if lib is None:
+        raise KernelBuildError("CPU kernels are not available on this machine")
+    return lib
+
+
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """Whether ``paged_attention`` here can take these tensors (CPU; a float32 cache with a float32
     query, or a bfloat16 cache with a float32 or bfloat16 query; head_dim contiguous)."""
@@ -208,21 +216,34 @@ def paged_attention(
     status = (_check_tables_torch(tables, lens, block_size, key_cache.shape[0]) if check is None else
               check(tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr(), num_seqs, block_size,
                     key_cache.shape[0]))
-    if status == TABLE_TOO_SHORT:
-        raise ValueError(f"a context of {int(lens.max())} tokens needs more than the table's "
-                         f"{tables.shape[1]} blocks of {block_size}")
-    if status == OUTSIDE_POOL:
-        raise IndexError(f"a block id the contexts reach is outside the cache's {key_cache.shape[0]} blocks")
+    raise_for_tables(status, lens, tables.shape[1], block_size, key_cache.shape[0])
     block_stride, token_stride, head_stride, _ = key_cache.stride()
     status = getattr(lib, KERNEL_FOR_CACHE[key_cache.dtype])(
         q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_stride, token_stride, head_stride,
         tables.data_ptr(), tables.stride(0), lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
         float(scale), out.data_ptr(), torch.get_num_threads())
-    if status == SCRATCH_FAILED:
-        raise MemoryError(f"{KERNEL_FOR_CACHE[key_cache.dtype]}: scratch allocation failed")
-    if status != 0:
-        raise RuntimeError(f"{KERNEL_FOR_CACHE[key_cache.dtype]} failed with status {status}")
+    raise_for_status(KERNEL_FOR_CACHE[key_cache.dtype], status)
     return out.to(query.dtype)
+
+
+def raise_for_tables(status: int, context_lens: torch.Tensor, table_width: int, block_size: int,
+                     num_blocks: int) -> None:
+    """The error ``check_block_tables``' ``status`` stands for (none for 0): a table too short
+    for its context (ValueError) or a block id outside the pool (IndexError)."""
+    if status == TABLE_TOO_SHORT:
+        raise ValueError(f"a context of {int(context_lens.max())} tokens needs more than the table's "
+                         f"{table_width} blocks of {block_size}")
+    if status == OUTSIDE_POOL:
+        raise IndexError(f"a block id the contexts reach is outside the cache's {num_blocks} blocks")
+
+
+def raise_for_status(kernel: str, status: int) -> None:
+    """The error a kernel's nonzero ``status`` stands for: MemoryError where its scratch
+    allocation failed, RuntimeError otherwise."""
+    if status == SCRATCH_FAILED:
+        raise MemoryError(f"{kernel}: scratch allocation failed")
+    if status != 0:
+        raise RuntimeError(f"{kernel} failed with status {status}")
 
 
 def _check_tables_torch(tables: torch.Tensor, lens: torch.Tensor, block_size: int, num_blocks: int) -> int:

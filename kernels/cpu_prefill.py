@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.cpu_ops import SCRATCH_FAILED, SOURCE_DIR, load_optional
+from kernels.cpu_ops import SOURCE_DIR, KernelBuildError, load_optional, raise_for_status
 
 PREFILL_SOURCE = SOURCE_DIR / "prefill_attention_bf16.c"
 #: head_dim must be a multiple of this (the kernel's value sums take 32 dims at a time).
@@ -36,6 +36,14 @@ def available() -> bool:
     return _library() is not None
 
 
+def library() -> ctypes.CDLL:
+    """The loaded kernel, for callers that make their own ctypes calls (``kernels.cpu_step``)."""
+    lib = _library()
+    if lib is None:
+        raise KernelBuildError("the CPU bf16 prefill attention kernel is not available on this machine")
+    return lib
+
+
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """Whether the kernel takes a bf16 ``query`` [T, H, D] (each token's heads one contiguous
     run, rows 4-byte aligned) over a bf16 CPU cache [blocks, block_size, KV, D] (head_dim
@@ -50,6 +58,17 @@ def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
             and query.data_ptr() % 4 == 0 and key_cache.stride(-1) == 1
             and key_cache.shape[3] == dim and dim % HEAD_DIM_MULTIPLE == 0
             and kv_heads >= 1 and heads % kv_heads == 0 and available())
+
+
+def check_tables(tables: torch.Tensor, starts: torch.Tensor, positions: torch.Tensor, block_size: int,
+                 num_blocks: int) -> None:
+    """The kernel trusts its tables: every block a sequence reaches (``positions[b]`` + its
+    tokens) must be in its table and inside the pool; IndexError naming the sequence if not."""
+    for b in range(positions.numel()):
+        width = -(-(int(positions[b]) + int(starts[b + 1] - starts[b])) // block_size)
+        used = tables[b, :width]
+        if width > tables.shape[1] or (used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks)):
+            raise IndexError(f"sequence {b}'s table does not hold its {width} blocks inside the pool of {num_blocks}")
 
 
 def context_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -73,12 +92,7 @@ def context_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, valu
         raise ValueError(f"{num_seqs} start positions, {starts.numel()} cumulative starts, {tables.shape[0]} "
                          f"tables for {query.shape[0]} query rows")
     block_size, num_blocks = key_cache.shape[1], key_cache.shape[0]
-    # The kernel trusts its tables: every block a sequence reaches must be in the table and the pool.
-    for b in range(num_seqs):
-        width = -(-(int(positions[b]) + int(starts[b + 1] - starts[b])) // block_size)
-        used = tables[b, :width]
-        if width > tables.shape[1] or (used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks)):
-            raise IndexError(f"sequence {b}'s table does not hold its {width} blocks inside the pool of {num_blocks}")
+    check_tables(tables, starts, positions, block_size, num_blocks)
     out = torch.empty(query.shape, dtype=torch.bfloat16)
     if query.shape[0] == 0:
         return out
@@ -88,8 +102,5 @@ def context_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, valu
         head_stride, tables.data_ptr(), tables.stride(0), starts.data_ptr(), positions.data_ptr(), num_seqs,
         query.shape[1], key_cache.shape[2], query.shape[2], block_size, float(scale), out.data_ptr(),
         torch.get_num_threads())
-    if status == SCRATCH_FAILED:
-        raise MemoryError("prefill_attention_bf16: scratch allocation failed")
-    if status != 0:
-        raise RuntimeError(f"prefill_attention_bf16 failed with status {status}")
+    raise_for_status("prefill_attention_bf16", status)
     return out

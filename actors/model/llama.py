@@ -33,7 +33,7 @@ from actors.model.llama_config import LlamaConfig
 from actors.model.opt import AllReduce
 from actors.model.rope import Rotary
 from actors.model.shard import StageShard
-from kernels import cpu_decode
+from kernels import cpu_step
 
 #: Checkpoint names: ``model.*`` and a top-level ``lm_head.weight``.
 LLAMA_WEIGHTS = WeightLayout(
@@ -143,9 +143,9 @@ class LlamaStage(nn.Module):
 
     #: The LM head packed for CPU GEMMs (last stage, after ``pack_linear_weights``).
     _head_packed: PackedWeight | None = None
-    #: The layers as ``kernels.cpu_decode`` runs a decode step over them (after
-    #: ``pack_linear_weights``, where it can: see ``_decode_run_layers``).
-    _decode_run: tuple[cpu_decode.DecodeDims, tuple[cpu_decode.DecodeLayer, ...]] | None = None
+    #: The layers as ``kernels.cpu_step`` runs a step over them (after
+    #: ``pack_linear_weights``, where it can: see ``_step_run_layers``).
+    _step_run: tuple[cpu_step.LayerDims, tuple[cpu_step.StepLayer, ...]] | None = None
 
     def __init__(self, config: LlamaConfig, shard: StageShard | None = None,
                  all_reduce: AllReduce = _no_reduce) -> None:
@@ -187,15 +187,15 @@ class LlamaStage(nn.Module):
         if self.shard.is_last:
             self._head_packed = pack_weight(self._head_weight())
             packed += self._head_packed is not None
-        self._decode_run = self._decode_run_layers()
+        self._step_run = self._step_run_layers()
         return packed
 
-    def _decode_run_layers(self) -> tuple[cpu_decode.DecodeDims, tuple[cpu_decode.DecodeLayer, ...]] | None:
-        """The layers' weights for ``kernels.cpu_decode``, or None where it does not apply: tensor
+    def _step_run_layers(self) -> tuple[cpu_step.LayerDims, tuple[cpu_step.StepLayer, ...]] | None:
+        """The layers' weights for ``kernels.cpu_step``, or None where it does not apply: tensor
         parallel (the run has no all-reduce), a linear not on the bf16 kernel or with a bias, a
         non-bf16 norm, shapes the kernels do not take, or the kernels not built here."""
         decoder_layers = [cast(DecoderLayer, m) for m in self.layers]
-        if self.shard.tp_size != 1 or not decoder_layers or not cpu_decode.available():
+        if self.shard.tp_size != 1 or not decoder_layers or not cpu_step.available():
             return None
         layers = []
         for layer in decoder_layers:
@@ -204,13 +204,13 @@ class LlamaStage(nn.Module):
             gate_up, down = mlp.gate_up.kernel_weight(), mlp.down_proj.kernel_weight()
             if qkv is None or o is None or gate_up is None or down is None:
                 return None
-            layers.append(cpu_decode.DecodeLayer(layer.input_layernorm.weight.detach(),
+            layers.append(cpu_step.StepLayer(layer.input_layernorm.weight.detach(),
                                                  layer.post_attention_layernorm.weight.detach(),
                                                  qkv, o, gate_up, down))
         first = decoder_layers[0].self_attn
-        dims = cpu_decode.DecodeDims(self.config.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim,
+        dims = cpu_step.LayerDims(self.config.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim,
                                      self.config.intermediate_size, self.config.rms_norm_eps, first.scale)
-        return (dims, tuple(layers)) if cpu_decode.fits(dims, layers) else None
+        return (dims, tuple(layers)) if cpu_step.fits(dims, layers) else None
 
     def _head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
@@ -223,12 +223,17 @@ class LlamaStage(nn.Module):
         """
         x = self.embed_tokens(batch.input_ids) if hidden is None else hidden
         cos, signed_sin = self.rotary.cos_sin(batch.positions, x.dtype)
-        run = self._decode_run
-        if (run is not None and batch.num_prefill_tokens == 0 and x.dtype == cache.dtype == torch.bfloat16
-                and kernels.cpu_decode_allowed()):
-            return cpu_decode.decode_layers(x.contiguous(), run[1], run[0], cache, cos, signed_sin,
-                                            batch.slot_mapping, batch.decode_block_tables,
-                                            batch.decode_context_lens)
+        run = self._step_run
+        # The run's prefill attention is the C kernel the module path takes where the prefill
+        # rows come with block tables (``actors.model.attention``).
+        if (run is not None and x.dtype == cache.dtype == torch.bfloat16 and kernels.cpu_step_allowed()
+                and (batch.num_prefill_tokens == 0 or batch.prefill_block_tables is not None)):
+            prefill = None
+            if batch.num_prefill_tokens and batch.prefill_block_tables is not None:
+                prefill = cpu_step.PrefillRows.of(batch.prefill_cu_seqlens, batch.prefill_start_pos,
+                                                  batch.prefill_block_tables)
+            return cpu_step.run_layers(x.contiguous(), run[1], run[0], cache, cos, signed_sin, batch.slot_mapping,
+                                       batch.decode_block_tables, batch.decode_context_lens, prefill)
         for i, layer in enumerate(self.layers):
             x = layer(x, batch, cache[:, i], cos, signed_sin)
         return x

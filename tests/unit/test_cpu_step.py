@@ -1,4 +1,4 @@
-"""``kernels.cpu_decode``: a bf16 decode step's layers as one run of C calls, bit for bit the
+"""``kernels.cpu_step``: a bf16 decode step's layers as one run of C calls, bit for bit the
 module path (``actors.model.llama``) it replaces where it applies. Skipped where the kernels did
 not build with AVX-512 BF16."""
 
@@ -15,9 +15,9 @@ from actors.model.batch import ForwardBatch
 from actors.model.llama import LlamaStage
 from actors.model.llama_config import LlamaConfig
 from actors.spec import ModelSpec
-from kernels import cpu_decode
+from kernels import cpu_step
 
-pytestmark = pytest.mark.skipif(not cpu_decode.available(),
+pytestmark = pytest.mark.skipif(not cpu_step.available(),
                                 reason="the C compiler does not target AVX-512 BF16 on this machine")
 
 #: Head width 32 and every linear's out features a multiple of 32: the kernels' shapes.
@@ -76,16 +76,16 @@ def _decode_batch(tokens: list[int], step: int) -> tuple[BatchEntry, ...]:
 
 def test_a_decode_step_equals_the_module_path_bit_for_bit(executor: InProcessExecutor) -> None:
     model, pool = _model(executor), executor.runner.kv.device_pool
-    assert model._decode_run is not None            # a bf16 stage on the bf16 kernels takes the run
+    assert model._step_run is not None            # a bf16 stage on the bf16 kernels takes the run
     batch = ForwardBatch.build(_decode_batch(_prefilled(executor), 0), BLOCK_SIZE)
     before = pool.clone()
     with torch.no_grad():
         fast = model(batch, pool, None)
         after_fast = pool.clone()
         pool.copy_(before)
-        run, model._decode_run = model._decode_run, None
+        run, model._step_run = model._step_run, None
         module = model(batch, pool, None)
-        model._decode_run = run
+        model._step_run = run
     assert fast.dtype == torch.bfloat16 and fast.shape == (len(PROMPT_LENS), CONFIG.hidden_size)
     assert torch.equal(fast, module)
     assert torch.equal(after_fast, pool)             # the same K/V rows written to the same slots
@@ -97,9 +97,9 @@ def test_greedy_steps_give_the_module_paths_tokens_and_cache(executor: InProcess
     first = _prefilled(executor)
     start = pool.clone()
     outputs: dict[bool, tuple[list[list[int]], torch.Tensor]] = {}
-    run = model._decode_run
+    run = model._step_run
     for fast in (True, False):
-        model._decode_run = run if fast else None
+        model._step_run = run if fast else None
         pool.copy_(start)
         tokens, steps = list(first), []
         for step in range(DECODE_STEPS):
@@ -117,32 +117,58 @@ def test_the_module_path_runs_where_the_run_does_not_apply(executor: InProcessEx
     def refuse(*args: object, **kwargs: object) -> torch.Tensor:
         raise AssertionError("the run was taken")
 
-    tokens = _prefilled(executor)                     # prefill batches: the module path
-    monkeypatch.setattr(cpu_decode, "decode_layers", refuse)
+    tokens = _prefilled(executor)
+    monkeypatch.setattr(cpu_step, "run_layers", refuse)
     monkeypatch.setenv("FASTSERVE_KERNEL_BACKEND", "torch")   # the reference forced
     assert len(executor.execute(BatchPlan(1, _decode_batch(tokens, 0))).tokens) == len(PROMPT_LENS)
     fp32 = _executor("float32")
     try:
-        assert _model(fp32)._decode_run is None
+        assert _model(fp32)._step_run is None
     finally:
         fp32.close()
 
 
 def test_tables_and_slots_outside_the_pool_are_refused(executor: InProcessExecutor) -> None:
     model, pool = _model(executor), executor.runner.kv.device_pool
-    assert model._decode_run is not None
-    dims, layers = model._decode_run
+    assert model._step_run is not None
+    dims, layers = model._step_run
     x = torch.zeros(1, CONFIG.hidden_size, dtype=torch.bfloat16)
     cos = torch.ones(1, 1, dims.head_dim, dtype=torch.bfloat16)
     sin = torch.zeros(1, 1, dims.head_dim, dtype=torch.bfloat16)
     table = torch.tensor([[0, 1]], dtype=torch.int32)
     slots, lens = torch.tensor([3], dtype=torch.int64), torch.tensor([4], dtype=torch.int32)
     with pytest.raises(ValueError, match="needs more than the table's 2 blocks of 16"):
-        cpu_decode.decode_layers(x, layers, dims, pool, cos, sin, slots, table, torch.tensor([33], dtype=torch.int32))
+        cpu_step.run_layers(x, layers, dims, pool, cos, sin, slots, table, torch.tensor([33], dtype=torch.int32))
     with pytest.raises(IndexError, match="outside the cache's 18 blocks"):
-        cpu_decode.decode_layers(x, layers, dims, pool, cos, sin, slots, torch.tensor([[0, 18]], dtype=torch.int32),
+        cpu_step.run_layers(x, layers, dims, pool, cos, sin, slots, torch.tensor([[0, 18]], dtype=torch.int32),
                                  torch.tensor([20], dtype=torch.int32))
     with pytest.raises(IndexError, match="slot 288 lies past the cache's 18 blocks of 16"):
-        cpu_decode.decode_layers(x, layers, dims, pool, cos, sin, torch.tensor([288], dtype=torch.int64), table, lens)
+        cpu_step.run_layers(x, layers, dims, pool, cos, sin, torch.tensor([288], dtype=torch.int64), table, lens)
     with pytest.raises(ValueError, match=r"context_lens \(1,\) torch.int64"):
-        cpu_decode.decode_layers(x, layers, dims, pool, cos, sin, slots, table, lens.long())
+        cpu_step.run_layers(x, layers, dims, pool, cos, sin, slots, table, lens.long())
+    no_decodes, no_lens = torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+    outside = cpu_step.PrefillRows.of([0, 1], [0], torch.tensor([[18]]))
+    with pytest.raises(IndexError, match="sequence 0's table does not hold its 1 blocks inside the pool of 18"):
+        cpu_step.run_layers(x, layers, dims, pool, cos, sin, slots, no_decodes, no_lens, outside)
+
+
+def test_a_step_with_prefill_chunks_beside_decodes_equals_the_module_path(executor: InProcessExecutor) -> None:
+    """Job 1 decodes; job 2's prompt goes in as a first chunk (start 0) and job 0 continues a
+    chunk after its 5 cached tokens (start 5): prefill rows first, as the batch puts them."""
+    model, pool = _model(executor), executor.runner.kv.device_pool
+    tokens = _prefilled(executor)
+    entries = (BatchEntry("0", tuple(range(40, 52)), 5, _table(0), True, GREEDY),
+               BatchEntry("2", tuple(range(60, 90)), 0, _table(2), True, GREEDY),
+               BatchEntry("1", (tokens[1],), 17, _table(1), False, GREEDY, 1))
+    batch = ForwardBatch.build(entries, BLOCK_SIZE)
+    assert batch.num_prefill_tokens == 42 and batch.prefill_start_pos == (5, 0) and batch.num_decode == 1
+    before = pool.clone()
+    with torch.no_grad():
+        fast = model(batch, pool, None)
+        after_fast = pool.clone()
+        pool.copy_(before)
+        run, model._step_run = model._step_run, None
+        module = model(batch, pool, None)
+        model._step_run = run
+    assert torch.equal(fast, module) and fast.shape == (43, CONFIG.hidden_size)
+    assert torch.equal(after_fast, pool)
