@@ -35,6 +35,7 @@ __all__ = [
     "RequestMetrics",
     "RequestRecord",
     "RunSummary",
+    "SLORatio",
     "ThroughputAtSLO",
     "goodput",
     "latency_breakdown",
@@ -42,6 +43,7 @@ __all__ = [
     "meets_slo",
     "request_metrics",
     "slo_attainment",
+    "slo_ratio",
     "summarize",
     "throughput_at_slo",
 ]
@@ -393,6 +395,46 @@ class ThroughputAtSLO:
             "status": self.status,
             "bracket": None if self.bracket is None else list(self.bracket),
         }
+
+
+#: How an SLO-throughput ratio bounds the truth.
+RATIO_EXACT = "exact"          # both crossings measured (or both below the grid)
+RATIO_AT_LEAST = "at_least"    # ours never crossed on the grid, the peer did
+RATIO_AT_MOST = "at_most"      # the peer never crossed, ours did
+RATIO_UNKNOWN = "unknown"      # neither crossed, or neither held the lowest rate
+
+
+@dataclass(frozen=True)
+class SLORatio:
+    """Ours ÷ the peer's throughput at one SLO, with what a grid's end makes of it: a rate that
+    stayed under the SLO up to the grid's highest is only a lower bound on its crossing."""
+
+    value: float | None
+    kind: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"value": self.value, "kind": self.kind}
+
+    def __str__(self) -> str:
+        if self.value is None:
+            return ("unbounded (the peer missed the SLO at every rate)" if self.kind == RATIO_AT_LEAST
+                    else "unmeasured (neither crossed inside the grid)")
+        prefix = {RATIO_AT_LEAST: "≥ ", RATIO_AT_MOST: "≤ "}.get(self.kind, "")
+        return f"{prefix}{self.value:.2f}"
+
+
+def slo_ratio(ours: ThroughputAtSLO, peer: ThroughputAtSLO) -> SLORatio:
+    """``ours.rate ÷ peer.rate``, marked a bound where a side's rate is a lower bound (it held the
+    SLO at every measured rate); None where the quotient says nothing (both lower bounds, or a
+    zero denominator)."""
+    if ours.status == STATUS_NONE_UNDER and peer.status == STATUS_NONE_UNDER:
+        return SLORatio(None, RATIO_UNKNOWN)
+    if ours.is_lower_bound and peer.is_lower_bound:
+        return SLORatio(None, RATIO_UNKNOWN)
+    if peer.rate <= 0:
+        return SLORatio(None, RATIO_AT_LEAST if ours.rate > 0 else RATIO_UNKNOWN)
+    kind = RATIO_AT_LEAST if ours.is_lower_bound else RATIO_AT_MOST if peer.is_lower_bound else RATIO_EXACT
+    return SLORatio(ours.rate / peer.rate, kind)
 
 
 def throughput_at_slo(

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import pytest
 
+from loadtest import metrics, race
 from loadtest import prompts as P
-from loadtest import race
 from loadtest.client import HEALTH_PATH
 
 
@@ -79,10 +80,43 @@ def test_race_reports_both_systems_ratios_and_throughput_at_slo(capsys: pytest.C
             assert point["completed"] == 4 and point["failed"] == 0
         # Every point is far under a 10 s/token SLO: the highest rate is a lower bound.
         assert result["throughput_at_slo"][name] == {"rate": 100.0, "status": "lower_bound", "bracket": None}
-    assert result["throughput_at_slo_ratio"] == 1.0
+        assert result["throughput_at_slo_p95"][name] == {"rate": 100.0, "status": "lower_bound", "bracket": None}
+    # Neither crossed: the quotient of two lower bounds says nothing.
+    assert result["throughput_at_slo_ratio"] == result["throughput_at_slo_p95_ratio"] == {"value": None,
+                                                                                          "kind": "unknown"}
     assert set(result["ratios_ours_over_peer"]) == {"50.0", "100.0"}
     race.print_table(result)
-    assert "throughput at SLO 10.000 s/token" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "throughput at SLO 10.000 s/token (mean per-token)" in out
+    assert "(p95 per-token): ours 100.000 (lower_bound), peer 100.000 (lower_bound), ratio unmeasured" in out
+
+
+def _point(mean_s: float, p95_s: float) -> dict[str, float]:
+    return {"per_token_mean_s": mean_s, "per_token_p95_s": p95_s}
+
+
+def test_recheck_reads_each_slo_crossing_and_marks_a_bound(tmp_path: Path) -> None:
+    """The peer's P95 crosses 0.5 s halfway between 2 and 3 req/s (0.4 → 0.6); ours never does,
+    so ours ÷ peer at P95 is at least 3 / 2.5. Both means cross: 2.5 against 1.5 req/s exactly."""
+    saved = {"rates": [1.0, 2.0, 3.0], "slo_s": 0.5, "points": {
+        "ours": {"1.0": _point(0.1, 0.2), "2.0": _point(0.4, 0.3), "3.0": _point(0.6, 0.45)},
+        "peer": {"1.0": _point(0.3, 0.35), "2.0": _point(0.7, 0.4), "3.0": _point(0.9, 0.6)}}}
+    path = tmp_path / "race.json"
+    path.write_text(json.dumps(saved))
+    result = race.recheck(path)
+    assert result["throughput_at_slo"]["ours"] == {"rate": 2.5, "status": "interpolated", "bracket": [2.0, 3.0]}
+    assert result["throughput_at_slo"]["peer"] == {"rate": 1.5, "status": "interpolated", "bracket": [1.0, 2.0]}
+    assert result["throughput_at_slo_ratio"] == {"value": 2.5 / 1.5, "kind": "exact"}
+    assert result["throughput_at_slo_p95"]["ours"] == {"rate": 3.0, "status": "lower_bound", "bracket": None}
+    assert result["throughput_at_slo_p95"]["peer"]["rate"] == pytest.approx(2.5)
+    assert result["throughput_at_slo_p95_ratio"]["kind"] == "at_least"
+    assert result["throughput_at_slo_p95_ratio"]["value"] == pytest.approx(1.2)
+    # A tighter SLO: the peer's mean misses it at every rate, ours crosses between 1 and 2.
+    tight = race.recheck(path, slo=0.2)
+    assert tight["throughput_at_slo"]["peer"] == {"rate": 0.0, "status": "none_under", "bracket": None}
+    assert tight["throughput_at_slo_ratio"] == {"value": None, "kind": "at_least"}
+    assert str(metrics.SLORatio(None, "at_least")) == "unbounded (the peer missed the SLO at every rate)"
+    assert str(metrics.SLORatio(1.2, "at_least")) == "≥ 1.20" and str(metrics.SLORatio(0.8, "at_most")) == "≤ 0.80"
 
 
 def test_race_refuses_a_remote_peer() -> None:
