@@ -74,18 +74,28 @@ def _decode_batch(tokens: list[int], step: int) -> tuple[BatchEntry, ...]:
                  for job, n in enumerate(PROMPT_LENS))
 
 
-def test_a_decode_step_equals_the_module_path_bit_for_bit(executor: InProcessExecutor) -> None:
-    model, pool = _model(executor), executor.runner.kv.device_pool
-    assert model._step_run is not None            # a bf16 stage on the bf16 kernels takes the run
-    batch = ForwardBatch.build(_decode_batch(_prefilled(executor), 0), BLOCK_SIZE)
+def _both_paths(model: LlamaStage, batch: ForwardBatch, pool: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The run's hidden rows, the pool after it, and the module path's rows from the same pool
+    (the pool left as the module path wrote it)."""
     before = pool.clone()
     with torch.no_grad():
         fast = model(batch, pool, None)
         after_fast = pool.clone()
         pool.copy_(before)
         run, model._step_run = model._step_run, None
-        module = model(batch, pool, None)
-        model._step_run = run
+        try:
+            module = model(batch, pool, None)
+        finally:
+            model._step_run = run
+    return fast, after_fast, module
+
+
+def test_a_decode_step_equals_the_module_path_bit_for_bit(executor: InProcessExecutor) -> None:
+    model, pool = _model(executor), executor.runner.kv.device_pool
+    assert model._step_run is not None            # a bf16 stage on the bf16 kernels takes the run
+    batch = ForwardBatch.build(_decode_batch(_prefilled(executor), 0), BLOCK_SIZE)
+    before = pool.clone()
+    fast, after_fast, module = _both_paths(model, batch, pool)
     assert fast.dtype == torch.bfloat16 and fast.shape == (len(PROMPT_LENS), CONFIG.hidden_size)
     assert torch.equal(fast, module)
     assert torch.equal(after_fast, pool)             # the same K/V rows written to the same slots
@@ -162,13 +172,6 @@ def test_a_step_with_prefill_chunks_beside_decodes_equals_the_module_path(execut
                BatchEntry("1", (tokens[1],), 17, _table(1), False, GREEDY, 1))
     batch = ForwardBatch.build(entries, BLOCK_SIZE)
     assert batch.num_prefill_tokens == 42 and batch.prefill_start_pos == (5, 0) and batch.num_decode == 1
-    before = pool.clone()
-    with torch.no_grad():
-        fast = model(batch, pool, None)
-        after_fast = pool.clone()
-        pool.copy_(before)
-        run, model._step_run = model._step_run, None
-        module = model(batch, pool, None)
-        model._step_run = run
+    fast, after_fast, module = _both_paths(model, batch, pool)
     assert torch.equal(fast, module) and fast.shape == (43, CONFIG.hidden_size)
     assert torch.equal(after_fast, pool)
