@@ -140,7 +140,7 @@ def _forced_reference() -> bool:
 
 
 def cpu_step_allowed() -> bool:
-    """Whether a decode step may take ``kernels.cpu_step``'s run of C calls (not while the
+    """Whether a step may take ``kernels.cpu_step``'s run of C calls (not while the
     torch reference is forced: that run has no reference inside it)."""
     return not _forced_reference()
 

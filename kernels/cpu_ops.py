@@ -273,9 +273,7 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
              slot_mapping: torch.Tensor) -> None:
     """Same contract as ``kernels.reference.write_kv`` (slots < 0 skipped), for tensors
     ``supports_write`` accepts: one C call copies every token's K and V row."""
-    lib = _library()
-    if lib is None:
-        raise KernelBuildError("CPU kernels are not available on this machine")
+    lib = library()
     if key_cache.stride() != value_cache.stride() or key_cache.shape != value_cache.shape:
         raise ValueError(f"key/value caches differ: {tuple(key_cache.shape)} {key_cache.stride()} vs "
                          f"{tuple(value_cache.shape)} {value_cache.stride()}")
