@@ -398,10 +398,10 @@ class ThroughputAtSLO:
 
 
 #: How an SLO-throughput ratio bounds the truth.
-RATIO_EXACT = "exact"          # both crossings measured (or both below the grid)
+RATIO_EXACT = "exact"          # both crossings measured (or ours below the grid: 0)
 RATIO_AT_LEAST = "at_least"    # ours never crossed on the grid, the peer did
 RATIO_AT_MOST = "at_most"      # the peer never crossed, ours did
-RATIO_UNKNOWN = "unknown"      # neither crossed, or neither held the lowest rate
+RATIO_UNKNOWN = "unknown"      # neither crossed inside the grid, or both missed its lowest rate
 
 
 @dataclass(frozen=True)

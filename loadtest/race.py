@@ -195,12 +195,11 @@ def race(args: argparse.Namespace,
     mode: dict[str, Any] = {"mode": args.mode, "temperature": args.temperature}
     if args.mode == "chat":
         mode.update(system_prompt=args.system_prompt, eos_cap=asdict(C.eos_cap_from_args(args)))
+    by_rate = {name: {str(r): row for r, row in pts.items()} for name, pts in points.items()}
     return {"cpu": cpu_model(), "dataset": args.dataset, "num_prompts": args.num_prompts, **mode,
             "workload": args.workload,
             "output_scale": args.output_scale, "seed": args.seed, "rates": rates, "slo_s": slo,
-            "points": {name: {str(r): row for r, row in pts.items()} for name, pts in points.items()},
-            **slo_throughputs({name: {str(r): row for r, row in pts.items()} for name, pts in points.items()},
-                              rates, slo),
+            "points": by_rate, **slo_throughputs(by_rate, rates, slo),
             "ratios_ours_over_peer": ratios}
 
 
