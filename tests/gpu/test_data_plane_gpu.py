@@ -111,16 +111,21 @@ def test_host_pool_is_pinned_in_place_at_its_exact_size() -> None:
 
 def test_swaps_see_compute_issued_before_them_and_run_in_issue_order() -> None:
     """A swap-out issued right after a slow write on the compute stream copies the written data
-    (the side stream waits for the compute stream); a swap-in from that host block issued before
-    the swap-out finished reads it (one side stream: issue order); the step that uses the swapped-in
-    blocks waits on the copy's event (``wait_for``) without blocking the host."""
+    (the side stream waits for the compute stream); the blocks' next owner, waiting as a step does
+    (``wait_for``), overwrites them only after the copy read them; a swap-in from that host block
+    issued before the swap-out finished reads it (one side stream: issue order); the step that uses
+    the swapped-in blocks waits on the copy's event (``wait_for``) without blocking the host."""
     kv = KVStore(num_layers=2, num_heads=2, head_dim=64, block_size=16, num_device_blocks=8,
                  num_host_blocks=4, dtype=torch.float16, device="cuda")
     try:
         torch.cuda._sleep(50_000_000)                  # keep the compute stream busy
         kv.device_pool[1:3].fill_(7.0)                 # ... then write the blocks to be swapped
         kv.swap(SwapCommand("out", "a", (1, 2), (0, 3)))
-        kv.device_pool[1:3].fill_(-1.0)                # the blocks' next owner, after the swap
+        # The blocks' next owner writes them only after its step's wait on the swaps touching
+        # them (``StageRunner.forward`` waits for every block its batch reads or writes), so the
+        # copy reads 7s, not the -1s issued after it; the host does not block.
+        assert kv.wait_for([1, 2]) == 0.0
+        kv.device_pool[1:3].fill_(-1.0)
         kv.swap(SwapCommand("in", "a", (0, 3), (5, 6)))
         waited = kv.wait_for([5, 6])
         assert waited == 0.0                           # the compute stream waits, not the host
