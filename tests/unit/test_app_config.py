@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from pydantic import ValidationError
 from actors.spec import ParallelSpec, PipelineTimeouts
 from app.config import AppArgs, ProfileMismatchWarning
 from app.config_layout import ParallelArgs
+from app.engine.replica import build_scheduler
 from tests.harness.app_config import demo_args, error_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,6 +140,18 @@ def test_profile_layout_mismatch_warns() -> None:
     args["kv_cache"].update(num_device_blocks=128, num_host_blocks=128)
     with pytest.warns(ProfileMismatchWarning, match="measured with block_size=16, but this config has block_size=32"):
         AppArgs.model_validate(args)
+
+
+def test_profile_dtype_mismatch_warns_where_the_replica_resolves_the_dtype() -> None:
+    """The opt-125m profile was measured in float32: a float32 replica builds its scheduler
+    silently, a bfloat16 one is warned (``auto`` is resolved only in the replica)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ProfileMismatchWarning)
+        build_scheduler(AppArgs.model_validate(demo_args()))
+    args = demo_args()
+    args["model"]["dtype"] = "bfloat16"
+    with pytest.warns(ProfileMismatchWarning, match="measured in float32, but this replica runs bfloat16"):
+        build_scheduler(AppArgs.model_validate(args))
 
 
 @pytest.mark.parametrize("section", ["ingress", "scheduler_deployment"])
