@@ -18,6 +18,8 @@
 #
 # The tracked tree must stay under the tool's 64 MiB: move `loadtest/results/` aside for the call.
 set -u
+# Time limits (s): the whole pytest run, one test, the benchmark.
+PYTEST_LIMIT_S=240 TEST_LIMIT_S=90 BENCH_LIMIT_S=200
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-./gpu-check-out}"
 mkdir -p "$OUT"
@@ -38,12 +40,12 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_
 } 2>&1 | tee "$OUT/env.txt"
 
 echo "== pytest tests/gpu"
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider --timeout=90 tests/gpu -rs --junitxml="$OUT/pytest.xml" 2>&1 | tee "$OUT/pytest.txt" | tail -25
+timeout "$PYTEST_LIMIT_S" "$PY" -m pytest -q -p no:cacheprovider --timeout="$TEST_LIMIT_S" tests/gpu -rs --junitxml="$OUT/pytest.xml" 2>&1 | tee "$OUT/pytest.txt" | tail -25
 PYTEST_RC=${PIPESTATUS[0]}
 echo "pytest exit status: $PYTEST_RC"
 
 echo "== loadtest.bench_gpu"
-timeout 200 "$PY" -m loadtest.bench_gpu 2>&1 | tee "$OUT/bench_gpu.txt"
+timeout "$BENCH_LIMIT_S" "$PY" -m loadtest.bench_gpu 2>&1 | tee "$OUT/bench_gpu.txt"
 BENCH_RC=${PIPESTATUS[0]}
 tail -1 "$OUT/bench_gpu.txt" > "$OUT/bench_gpu.json"
 echo "pytest=$PYTEST_RC bench=$BENCH_RC"
