@@ -67,6 +67,19 @@ def variant_config(variants: Mapping[str, Mapping[str, Mapping[str, Any]]], port
     return raw
 
 
+def serve_env(ray_tmpdir: str) -> dict[str, str]:
+    """The environment of a benchmark's ``serve run``: a cluster of its own (``RAY_TMPDIR``, no
+    ``RAY_ADDRESS``), and our replicas at nice 0 as ``make serve`` runs them. Ray starts its
+    workers at nice 15 (``RAY_worker_niceness``), so beside a peer and a load client at nice 0 on
+    the same cores our model's threads would be the ones preempted (docs/facts.md). A caller's
+    own ``RAY_worker_niceness`` wins."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": ray_tmpdir,
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    env.setdefault("RAY_worker_niceness", "0")
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
 class ServeApps:
     """Context manager: ``serve run`` of one app per policy (or per named variant of the args:
     ``variants``, name → section → settings, in place of ``policies``); ``url(name)`` is its base URL."""
@@ -95,9 +108,7 @@ class ServeApps:
         config = Path(self._tmp.name) / "serve.yaml"
         raw = variant_config(self.variants, self.port, self.base, self.args_overrides)
         config.write_text(yaml.safe_dump(raw, sort_keys=False))
-        env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": self._tmp.name,
-               "RAY_USAGE_STATS_ENABLED": "0"}
-        env.pop("RAY_ADDRESS", None)
+        env = serve_env(self._tmp.name)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("wb")
         self._proc = subprocess.Popen([str(SERVE_BIN), "run", "--address", "local", str(config)], cwd=ROOT, env=env,

@@ -1,10 +1,13 @@
-"""The real experiments' Serve config: one app per policy, the paper's admit-everything setting."""
+"""The real experiments' Serve config: one app per policy, the paper's admit-everything setting;
+the environment its ``serve run`` gets."""
 
 from __future__ import annotations
 
+import pytest
+
 from app.config import AppArgs
 from loadtest.experiments.fig11_real import ADMIT_ALL
-from loadtest.experiments.server import multi_policy_config
+from loadtest.experiments.server import multi_policy_config, serve_env
 
 
 def test_one_app_per_policy_with_overrides_validated_by_app_args() -> None:
@@ -25,3 +28,13 @@ def test_without_overrides_the_demo_limits_stay() -> None:
     assert app["args"]["engine"]["max_jobs"] == 64
     assert app["args"]["scheduler"]["admission_queue_limit"] == 64
     assert app["args"]["scheduler"]["max_batch_size"] == 32
+
+
+def test_serve_env_runs_our_replicas_at_nice_0_unless_the_caller_says_otherwise(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    env = serve_env("/tmp/ray-x")
+    assert (env["RAY_worker_niceness"], env["RAY_TMPDIR"], "RAY_ADDRESS" in env) == ("0", "/tmp/ray-x", False)
+    monkeypatch.setenv("RAY_worker_niceness", "5")
+    assert serve_env("/tmp/ray-x")["RAY_worker_niceness"] == "5"
