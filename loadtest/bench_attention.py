@@ -37,14 +37,20 @@ WARMUP = 3
 
 def baseline_library(ref: str) -> ctypes.CDLL | None:
     """The kernel as it was at git ``ref``, built and loaded (None when git or the ref is not there)."""
-    try:
-        source = subprocess.run(["git", "show", f"{ref}:{SOURCE}"], cwd=ROOT, check=True,
-                                capture_output=True, text=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    path = Path(tempfile.mkdtemp()) / "paged_attention_baseline.c"
-    path.write_text(source)
-    return cpu_ops.load(path)
+    folder = Path(tempfile.mkdtemp())
+    # The kernel and the headers beside it (it includes simd_math.h), each as it was at ``ref``.
+    headers = sorted(h.relative_to(ROOT).as_posix() for h in (ROOT / SOURCE).parent.glob("*.h"))
+    for source in (SOURCE, *headers):
+        try:
+            text = subprocess.run(["git", "show", f"{ref}:{source}"], cwd=ROOT, check=True,
+                                  capture_output=True, text=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            if source == SOURCE:
+                return None
+            continue
+        name = "paged_attention_baseline.c" if source == SOURCE else Path(source).name
+        (folder / name).write_text(text)
+    return cpu_ops.load(folder / "paged_attention_baseline.c")
 
 
 def case(batch: int, context: int, layers: int, cache_dtype: torch.dtype, query_dtype: torch.dtype,

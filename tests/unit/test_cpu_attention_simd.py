@@ -42,17 +42,17 @@ def cpu_flags() -> set[str]:
 
 
 def paged_case(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, cache_dtype: torch.dtype,
-               seed: int) -> tuple[torch.Tensor, ...]:
+               seed: int, contexts: list[int] = CONTEXTS) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
-    per_seq = [-(-n // block_size) for n in CONTEXTS]
+    per_seq = [-(-n // block_size) for n in contexts]
     num_blocks = sum(per_seq) + 3
     pool = torch.randn(num_blocks, LAYERS, 2, block_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
     order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = torch.zeros(len(CONTEXTS), max(per_seq) + 1, dtype=torch.int32)
+    tables = torch.zeros(len(contexts), max(per_seq) + 1, dtype=torch.int32)
     for seq, n in enumerate(per_seq):
-        tables[seq, :n] = torch.tensor([order.pop() for _ in range(n)])
-    query = torch.randn(len(CONTEXTS), num_heads, head_dim, generator=gen)
-    return query, pool[:, LAYER, 0], pool[:, LAYER, 1], tables, torch.tensor(CONTEXTS, dtype=torch.int32)
+        tables[seq, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.int32)
+    query = torch.randn(len(contexts), num_heads, head_dim, generator=gen)
+    return query, pool[:, LAYER, 0], pool[:, LAYER, 1], tables, torch.tensor(contexts, dtype=torch.int32)
 
 
 def run_kernel(threads: int, *args: object) -> torch.Tensor:
@@ -112,6 +112,26 @@ def test_bf16_cache_matches_reference(num_heads: int, num_kv_heads: int, head_di
     assert out_bf16.dtype == torch.bfloat16
     rounded = expected(exact, key, value, tables, lens, scale).to(torch.bfloat16)
     torch.testing.assert_close(out_bf16.float(), rounded.float(), **BF16_OUT_TOL)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_uneven_items_and_empty_contexts_match_reference(cache_dtype: torch.dtype, threads: int) -> None:
+    """Each thread runs its own run of work items and fetches the next one's rows while it
+    computes: item counts that do not divide among the threads, a thread with none (5 threads,
+    4 sequences of one KV head: 4 items), and empty sequences (zeros out) before, between and
+    after real ones."""
+    if threads == 5:
+        contexts, (num_heads, num_kv_heads) = [0, 0, 200, 33], (4, 1)
+    else:
+        contexts, (num_heads, num_kv_heads) = [0, 300, 0, 0, 47, 129, 0], (9, 3)
+    query, key, value, tables, lens = paged_case(num_heads, num_kv_heads, 64, 16, cache_dtype, 3, contexts)
+    query = query.to(torch.bfloat16).float()
+    scale = 64**-0.5
+    out = run_kernel(threads, query, key, value, tables, lens, scale)
+    want = expected(query, key, value, tables, lens, scale)
+    torch.testing.assert_close(out, want, **F32_TOL)
+    assert out[lens == 0].abs().max() == 0
 
 
 def test_kernel_flags_compile_the_simd_path_on_this_cpu() -> None:
