@@ -38,9 +38,14 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "fastserve" / "cpu-kernels"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 BUILD_TIMEOUT_S = 120.0
 #: Cache dtypes the C kernel reads, and its entry point for each. The query and output cross
-#: the boundary as float32 (a bf16 query is widened first, the output rounded back once).
+#: these entries as float32 (a bf16 query is widened first, the output rounded back once);
+#: a bf16 query over a bf16 cache takes ``BF16_ROWS`` where built, with the same result.
 KERNEL_FOR_CACHE = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
 SUPPORTED_DTYPES = frozenset(KERNEL_FOR_CACHE)
+#: The bf16 entry that takes the query and writes the output as bf16 rows of the model's own
+#: buffers (AVX-512 BF16 builds; its probe says whether this build has it).
+BF16_ROWS = "paged_attention_bf16_rows"
+BF16_ROWS_PROBE = "paged_attention_bf16_rows_available"
 #: The C entry points that check a batch's block tables and write its K/V rows.
 CHECK_TABLES = "check_block_tables"
 WRITE_KV = "write_kv_rows"
@@ -49,6 +54,7 @@ WRITE_KV = "write_kv_rows"
 SCRATCH_FAILED = -1
 TABLE_TOO_SHORT = -3
 OUTSIDE_POOL = -4
+BF16_ROWS_UNSUPPORTED = -5
 
 _log = logging.getLogger(__name__)
 
@@ -105,13 +111,16 @@ def build(source: Path, compiler: str | None = None) -> Path:
 def load(source: Path) -> ctypes.CDLL:
     """Build ``source`` (a paged-attention C source with the entry points of KERNEL_FOR_CACHE) and
     load it with their signatures set; the benchmark loads an older revision this way (which may
-    lack the table check and the cache write: those are then left unset)."""
+    lack the table check, the cache write and the bf16-rows entry: those are then left unset)."""
     lib = ctypes.CDLL(str(build(source)))
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     signatures = {name: [ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i32, i32, i32, i32, i32, ctypes.c_float,
                          ptr, i32] for name in KERNEL_FOR_CACHE.values()}
     signatures[CHECK_TABLES] = [ptr, i64, i64, ptr, i32, i32, i64]
     signatures[WRITE_KV] = [ptr, ptr, i64, i64, ptr, ptr, i64, i64, ptr, i32, i32, i64, i64]
+    signatures[BF16_ROWS] = [ptr, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i32, i32, i32, i32, i32,
+                             ctypes.c_float, ptr, i64, i32]
+    signatures[BF16_ROWS_PROBE] = []
     for name, argtypes in signatures.items():
         try:
             fn = getattr(lib, name)
@@ -159,6 +168,13 @@ def available() -> bool:
     return _library() is not None
 
 
+def bf16_rows_available(library: ctypes.CDLL | None = None) -> bool:
+    """Whether the kernels here (or ``library``, another build) have ``paged_attention_bf16_rows``."""
+    lib = library or _library()
+    probe = getattr(lib, BF16_ROWS_PROBE, None) if lib is not None else None
+    return bool(probe is not None and probe())
+
+
 def library() -> ctypes.CDLL:
     """The loaded kernels, for callers that make their own ctypes calls (``kernels.cpu_step``)."""
     lib = _library()
@@ -202,14 +218,12 @@ def paged_attention(
                          f"{(num_kv_heads, cache_dim)}: head_dim must be equal and the KV heads divide the query heads")
     if key_cache.dtype != value_cache.dtype or key_cache.dtype not in KERNEL_FOR_CACHE:
         raise ValueError(f"caches of {key_cache.dtype}/{value_cache.dtype}: the C kernel reads float32 or bfloat16")
-    q = query.to(torch.float32).contiguous()
     tables = block_tables.to(dtype=torch.int32).contiguous()
     lens = context_lens.to(dtype=torch.int32).contiguous()
     if lens.numel() != num_seqs or tables.shape[0] != num_seqs:
         raise ValueError(f"{num_seqs} queries but {tables.shape[0]} block tables and {lens.numel()} context lengths")
-    out = torch.empty_like(q)
     if num_seqs == 0:
-        return out.to(query.dtype)
+        return torch.empty(query.shape, dtype=query.dtype)
     # The C kernel trusts its tables (an id out of range would read outside the pool): checked
     # in C, one pass over the ids the contexts reach (an older build, for comparisons: in torch).
     check = getattr(lib, CHECK_TABLES, None)
@@ -218,6 +232,18 @@ def paged_attention(
                     key_cache.shape[0]))
     raise_for_tables(status, lens, tables.shape[1], block_size, key_cache.shape[0])
     block_stride, token_stride, head_stride, _ = key_cache.stride()
+    if query.dtype == key_cache.dtype == torch.bfloat16 and head_dim % 32 == 0 and bf16_rows_available(lib):
+        q16 = query.contiguous()
+        out16 = torch.empty_like(q16)
+        status = getattr(lib, BF16_ROWS)(
+            q16.data_ptr(), num_heads * head_dim, key_cache.data_ptr(), value_cache.data_ptr(), block_stride,
+            token_stride, head_stride, tables.data_ptr(), tables.stride(0), lens.data_ptr(), num_seqs, num_heads,
+            num_kv_heads, head_dim, block_size, float(scale), out16.data_ptr(), num_heads * head_dim,
+            torch.get_num_threads())
+        raise_for_status(BF16_ROWS, status)
+        return out16
+    q = query.to(torch.float32).contiguous()
+    out = torch.empty_like(q)
     status = getattr(lib, KERNEL_FOR_CACHE[key_cache.dtype])(
         q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_stride, token_stride, head_stride,
         tables.data_ptr(), tables.stride(0), lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size,

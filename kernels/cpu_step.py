@@ -6,7 +6,7 @@ C kernels built. The model's module path (``actors.model.llama``) makes the same
 through per-op wrappers that check, convert and allocate on every call, ~330 of them a step; at
 batch 1 on the 2-core AMD EPYC Zen 4 (SmolLM2-135M, context 128) that Python took 11.9 ms of a
 24.5 ms step and the C kernels 12.6 (docs/engine.md). Here the checks are made once per step,
-the step's buffers are allocated once, and a layer is eleven or twelve ctypes calls and two
+the step's buffers are allocated once, and a layer is eleven or twelve ctypes calls and no
 copies. The results are the module path's bits: the same kernels in the same order on the same
 values; the MLP's residual add, which the module path does in torch, is done by the next layer's
 norm (its fused add rounds the sum to bf16 as torch's add does), and the last layer's by torch.
@@ -79,7 +79,7 @@ class PrefillRows:
 def available() -> bool:
     """Whether every kernel of the run built on this machine."""
     return (cpu_linear.available() and cpu_elementwise.available() and cpu_ops.available()
-            and cpu_prefill.available())
+            and cpu_ops.bf16_rows_available() and cpu_prefill.available())
 
 
 def fits(dims: LayerDims, layers: Sequence[StepLayer]) -> bool:
@@ -135,7 +135,7 @@ def run_layers(x: torch.Tensor, layers: Sequence[StepLayer], dims: LayerDims, ca
     linear = cpu_linear.library().linear_bf16
     elementwise = cpu_elementwise.library()
     rms_norm, rope, silu_mul = elementwise.rms_norm_bf16, elementwise.rope_bf16, elementwise.silu_mul_bf16
-    attention = getattr(attention_lib, cpu_ops.KERNEL_FOR_CACHE[BF16])
+    attention = getattr(attention_lib, cpu_ops.BF16_ROWS)
     write_kv = getattr(attention_lib, cpu_ops.WRITE_KV)
     prefill_attention = cpu_prefill.library().prefill_attention_bf16
     threads = torch.get_num_threads()
@@ -146,10 +146,10 @@ def run_layers(x: torch.Tensor, layers: Sequence[StepLayer], dims: LayerDims, ca
     residuals = (empty(rows, hidden), empty(rows, hidden))
     normed, qkv, o, down = empty(rows, hidden), empty(rows, qkv_width), empty(rows, hidden), empty(rows, hidden)
     q_rot, k_rot, attn = empty(rows, heads, head_dim), empty(rows, kv_heads, head_dim), empty(rows, q_width)
-    q32 = empty(num_decode, heads, head_dim, dtype=torch.float32)
-    attn32 = empty(num_decode, heads, head_dim, dtype=torch.float32)
     gate_up, act = empty(rows, 2 * inter), empty(rows, inter)
-    p = _Pointers(x, normed, qkv, o, down, q_rot, k_rot, attn, q32, attn32, gate_up, act)
+    p = _Pointers(x, normed, qkv, o, down, q_rot, k_rot, attn, gate_up, act)
+    # The decode rows' queries and outputs: rows of q_rot and attn after the prefill tokens.
+    decode_q, decode_out = p.q_rot + num_prefill * q_width * BF16_BYTES, p.attn + num_prefill * q_width * BF16_BYTES
     cos_p, sin_p, slots_p = cos.data_ptr(), signed_sin.data_ptr(), slot_mapping.data_ptr()
     tables_p, table_stride, lens_p = block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr()
     k_src, v_src = p.qkv + q_width * BF16_BYTES, p.qkv + (q_width + kv_width) * BF16_BYTES
@@ -186,11 +186,10 @@ def run_layers(x: torch.Tensor, layers: Sequence[StepLayer], dims: LayerDims, ca
                 prefill_tables_p, prefill_table_stride, prefill_starts_p, prefill_positions_p, prefill_seqs, heads,
                 kv_heads, head_dim, block_size, dims.scale, p.attn, threads))
         if num_decode:
-            q32.copy_(q_rot[num_prefill:])
-            cpu_ops.raise_for_status(cpu_ops.KERNEL_FOR_CACHE[BF16], attention(
-                p.q32, key_cache, value_cache, block_stride, token_stride, head_stride, tables_p, table_stride,
-                lens_p, num_decode, heads, kv_heads, head_dim, block_size, dims.scale, p.attn32, threads))
-            attn[num_prefill:].view(num_decode, heads, head_dim).copy_(attn32)
+            cpu_ops.raise_for_status(cpu_ops.BF16_ROWS, attention(
+                decode_q, q_width, key_cache, value_cache, block_stride, token_stride, head_stride, tables_p,
+                table_stride, lens_p, num_decode, heads, kv_heads, head_dim, block_size, dims.scale, decode_out,
+                q_width, threads))
         linear(p.attn, rows, q_width, q_width, layer.o.data_ptr(), hidden, None, p.o, threads)
         current = residuals[0] if current is not residuals[0] else residuals[1]
         rms_norm(res, res_stride, p.o, hidden, current.data_ptr(), layer.post_norm.data_ptr(), p.normed,
@@ -207,8 +206,8 @@ class _Pointers:
 
     def __init__(self, x: torch.Tensor, *buffers: torch.Tensor) -> None:
         self.x = x.data_ptr()
-        (self.normed, self.qkv, self.o, self.down, self.q_rot, self.k_rot, self.attn, self.q32, self.attn32,
-         self.gate_up, self.act) = (b.data_ptr() for b in buffers)
+        (self.normed, self.qkv, self.o, self.down, self.q_rot, self.k_rot, self.attn, self.gate_up,
+         self.act) = (b.data_ptr() for b in buffers)
 
 
 def _check(x: torch.Tensor, cache: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,

@@ -52,6 +52,9 @@
  * contexts, few enough that each item still reads long contiguous runs of heads. */
 #define ITEMS_PER_THREAD 4
 
+/* paged_attention_bf16_rows' status where this build or the shapes cannot take it. */
+#define BF16_ROWS_UNSUPPORTED -5
+
 static inline float f32_at(const float *p, int64_t i) { return p[i]; }
 
 /* bfloat16 is the high half of a float32: widening is a 16-bit shift, exact. */
@@ -416,13 +419,37 @@ static void attend_run(const struct item *it, enum cache_kind kind, int ng, cons
     }
 }
 
+/* A bf16 query and output in rows of a wider matrix (paged_attention_bf16_rows), instead of
+ * float32 [num_seqs][num_heads][head_dim]: the model's step passes its rotated queries and its
+ * attention output buffer as they are. */
+struct bf16_rows {
+    const uint16_t *query;
+    int64_t query_stride;           /* elements between two sequences' query rows */
+    uint16_t *out;
+    int64_t out_stride;
+};
+
+/* An item's float32 output [nq][head_dim] rounded to bf16 (to nearest even, as torch rounds)
+ * into its sequence's output row. head_dim is a multiple of 32. */
+static void round_out(const float *o, const struct bf16_rows *bf16, int b, int q0, int nq, int head_dim) {
+#if defined(__AVX512BF16__)
+    uint16_t *dst = bf16->out + (int64_t)b * bf16->out_stride + (int64_t)q0 * head_dim;
+    for (int64_t j = 0; j < (int64_t)nq * head_dim; j += 16)
+        _mm256_storeu_si256((__m256i *)(dst + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(o + j)));
+#else
+    (void)o; (void)bf16; (void)b; (void)q0; (void)nq; (void)head_dim;
+#endif
+}
+
 /* The AVX-512 kernel; cache is float32 (CACHE_F32) or bf16 (either other kind). Same contract,
- * arguments and statuses as the scalar kernels. */
+ * arguments and statuses as the scalar kernels; with bf16 (non-NULL; CACHE_BF16_DOT only) the
+ * query and output are its rows, and query / out are unused. */
 static int paged_attention_avx512(
         const float *query, const void *key_cache, const void *value_cache, int64_t block_stride,
         int64_t token_stride, int64_t head_stride, const int32_t *block_tables, int64_t table_stride,
         const int32_t *context_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-        int block_size, float scale, float *out, int num_threads, enum cache_kind kind) {
+        int block_size, float scale, float *out, int num_threads, enum cache_kind kind,
+        const struct bf16_rows *bf16) {
     const int group = num_heads / num_kv_heads;
     int max_context = 1;
     for (int b = 0; b < num_seqs; ++b)
@@ -438,7 +465,8 @@ static int paged_attention_avx512(
      * (half a float each). */
     const int64_t score_stride = ((int64_t)max_context + TILE - 1) / TILE * TILE;
     const int64_t q_per_chunk = (int64_t)heads_per_chunk * group;
-    const int64_t row = MAX_TILE_HEADS * score_stride + 2 * (int64_t)max_context + (q_per_chunk * head_dim + 1) / 2 + 16;
+    const int64_t row = MAX_TILE_HEADS * score_stride + 2 * (int64_t)max_context + (q_per_chunk * head_dim + 1) / 2
+                        + q_per_chunk * head_dim + 16;
     float *scratch = malloc(sizeof(float) * (size_t)(row * num_threads));
     if (scratch == NULL) return -1;
     const size_t elem = kind == CACHE_F32 ? sizeof(float) : sizeof(uint16_t);
@@ -452,18 +480,23 @@ static int paged_attention_avx512(
         const int first = tid * share + (tid < extra ? tid : extra), last = first + share + (tid < extra);
         float *scores = scratch + row * tid;
         int64_t *rows = (int64_t *)(scores + MAX_TILE_HEADS * score_stride);
-        uint16_t *qb = (uint16_t *)(rows + max_context);
+        uint16_t *qb_scratch = (uint16_t *)(rows + max_context);
+        /* the item's float32 output before rounding, with a bf16 output (16 floats aligned) */
+        float *o_scratch = (float *)(((uintptr_t)(qb_scratch + q_per_chunk * head_dim) + 63) & ~(uintptr_t)63);
         for (int i = first; i < last; ++i) {
             const int b = i / chunks, c = i % chunks;
             const int kv0 = c * heads_per_chunk;
             const int kv1 = kv0 + heads_per_chunk < num_kv_heads ? kv0 + heads_per_chunk : num_kv_heads;
             const int q0 = kv0 * group, nq = (kv1 - kv0) * group;
-            const float *q = query + ((int64_t)b * num_heads + q0) * head_dim;
-            float *o = out + ((int64_t)b * num_heads + q0) * head_dim;
+            const float *q = bf16 ? NULL : query + ((int64_t)b * num_heads + q0) * head_dim;
+            const uint16_t *qb = bf16 ? bf16->query + (int64_t)b * bf16->query_stride + (int64_t)q0 * head_dim
+                                      : qb_scratch;
+            float *o = bf16 ? o_scratch : out + ((int64_t)b * num_heads + q0) * head_dim;
             const int32_t *table = block_tables + (int64_t)b * table_stride;
             const int context = context_lens[b];
             if (context <= 0) {   /* nothing to attend to: zeros, as the scalar kernels give */
                 for (int64_t j = 0; j < (int64_t)nq * head_dim; ++j) o[j] = 0.0f;
+                if (bf16) round_out(o, bf16, b, q0, nq, head_dim);
                 continue;
             }
             struct prefetch_cursor next, *ahead = NULL;
@@ -488,10 +521,10 @@ static int paged_attention_avx512(
                 rows[p] = (int64_t)table[blk] * block_stride + (int64_t)slot * token_stride;
                 if (++slot == block_size) { slot = 0; ++blk; }
             }
-            if (kind == CACHE_BF16_DOT)   /* exact: the caller checked the query is bf16 */
+            if (kind == CACHE_BF16_DOT && !bf16)   /* exact: the caller checked the query is bf16 */
                 for (int64_t j = 0; j < (int64_t)nq * head_dim; ++j) {
                     union { float f; uint32_t u; } v = { .f = q[j] };
-                    qb[j] = (uint16_t)(v.u >> 16);
+                    qb_scratch[j] = (uint16_t)(v.u >> 16);
                 }
             for (int kvh = kv0; kvh < kv1; ++kvh) {
                 struct item it = {
@@ -503,9 +536,11 @@ static int paged_attention_avx512(
                 for (int g0 = 0; g0 < group; g0 += MAX_TILE_HEADS) {
                     const int ng = group - g0 < MAX_TILE_HEADS ? group - g0 : MAX_TILE_HEADS;
                     const int64_t at = (int64_t)(kvh - kv0) * group + g0;   /* within the item */
-                    attend_run(&it, kind, ng, q + at * head_dim, qb + at * head_dim, scale, scores, o + at * head_dim);
+                    attend_run(&it, kind, ng, q ? q + at * head_dim : NULL, qb + at * head_dim, scale, scores,
+                               o + at * head_dim);
                 }
             }
+            if (bf16) round_out(o, bf16, b, q0, nq, head_dim);
         }
     }
     free(scratch);
@@ -537,7 +572,7 @@ int paged_attention_f32(const float *query, const float *key_cache, const float 
         return paged_attention_avx512(query, key_cache, value_cache, block_stride, token_stride, head_stride,
                                       block_tables, table_stride, context_lens, num_seqs, num_heads,
                                       num_kv_heads, head_dim, block_size, scale, out,
-                                      num_threads < 1 ? 1 : num_threads, CACHE_F32);
+                                      num_threads < 1 ? 1 : num_threads, CACHE_F32, NULL);
 #endif
     return paged_attention_f32_scalar(query, key_cache, value_cache, block_stride, token_stride, head_stride,
                                       block_tables, table_stride, context_lens, num_seqs, num_heads,
@@ -558,12 +593,52 @@ int paged_attention_bf16(const float *query, const uint16_t *key_cache, const ui
         return paged_attention_avx512(query, key_cache, value_cache, block_stride, token_stride, head_stride,
                                       block_tables, table_stride, context_lens, num_seqs, num_heads,
                                       num_kv_heads, head_dim, block_size, scale, out,
-                                      num_threads < 1 ? 1 : num_threads, kind);
+                                      num_threads < 1 ? 1 : num_threads, kind, NULL);
     }
 #endif
     return paged_attention_bf16_scalar(query, key_cache, value_cache, block_stride, token_stride, head_stride,
                                        block_tables, table_stride, context_lens, num_seqs, num_heads,
                                        num_kv_heads, head_dim, block_size, scale, out, num_threads);
+}
+
+/* A bf16 query and cache, the output in bf16: the query's sequences query_stride elements
+ * apart, the output's out_stride apart (each row [num_heads][head_dim] contiguous), as the
+ * model's bf16 step holds them, so neither is converted or copied around the call. Each output
+ * is the float32 result paged_attention_bf16 gives for the same (exactly bf16) query, rounded
+ * once to bf16. Returns paged_attention_bf16's statuses, and -5 where this build or these
+ * shapes cannot take it (no AVX-512 BF16, head_dim not a multiple of 32): nothing is written
+ * then, and the caller keeps the float32 entry. */
+/* Whether paged_attention_bf16_rows is built here (AVX-512 BF16 in the compiler's target). */
+int paged_attention_bf16_rows_available(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int paged_attention_bf16_rows(const uint16_t *query, int64_t query_stride, const uint16_t *key_cache,
+                              const uint16_t *value_cache, int64_t block_stride, int64_t token_stride,
+                              int64_t head_stride, const int32_t *block_tables, int64_t table_stride,
+                              const int32_t *context_lens, int num_seqs, int num_heads, int num_kv_heads,
+                              int head_dim, int block_size, float scale, uint16_t *out, int64_t out_stride,
+                              int num_threads) {
+#if defined(__AVX512BF16__)
+    if (num_kv_heads < 1 || num_heads % num_kv_heads) return -2;
+    if (head_dim % 32 == 0) {
+        const struct bf16_rows rows = { .query = query, .query_stride = query_stride, .out = out,
+                                        .out_stride = out_stride };
+        return paged_attention_avx512(NULL, key_cache, value_cache, block_stride, token_stride, head_stride,
+                                      block_tables, table_stride, context_lens, num_seqs, num_heads,
+                                      num_kv_heads, head_dim, block_size, scale, NULL,
+                                      num_threads < 1 ? 1 : num_threads, CACHE_BF16_DOT, &rows);
+    }
+#endif
+    (void)query; (void)query_stride; (void)key_cache; (void)value_cache; (void)block_stride; (void)token_stride;
+    (void)head_stride; (void)block_tables; (void)table_stride; (void)context_lens; (void)num_seqs;
+    (void)num_heads; (void)num_kv_heads; (void)head_dim; (void)block_size; (void)scale; (void)out;
+    (void)out_stride; (void)num_threads;
+    return BF16_ROWS_UNSUPPORTED;
 }
 
 /* ------------------------------------------------------------------ checks and cache writes

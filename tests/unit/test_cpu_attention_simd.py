@@ -150,3 +150,36 @@ def test_kernel_flags_compile_the_simd_path_on_this_cpu() -> None:
     macros = {line.split()[1] for line in done.stdout.splitlines() if line.startswith("#define ")}
     assert "__AVX512F__" in macros
     assert ("__AVX512BF16__" in macros) == ("avx512_bf16" in flags)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_rows_entry_is_the_float32_entry_rounded_once(threads: int) -> None:
+    """``paged_attention_bf16_rows`` (the step's entry: bf16 query rows and output rows inside
+    wider buffers) gives exactly the float32 entry's result on the same query, rounded to bf16
+    as torch rounds; the buffer around the rows is untouched."""
+    from kernels import cpu_ops
+
+    if not cpu_ops.bf16_rows_available():
+        pytest.skip("no AVX-512 BF16 in this build: the step keeps the float32 entry")
+    query, key, value, tables, lens = paged_case(9, 3, 64, 16, torch.bfloat16, 4)
+    query = query.to(torch.bfloat16)
+    scale = 64**-0.5
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        want = cpu_ops.paged_attention(query.float(), key, value, tables, lens, scale).to(torch.bfloat16)
+        n, width, pad = query.shape[0], 9 * 64, 40   # rows of a wider matrix, starting 2 rows in
+        q_rows = torch.zeros(n + 2, width + pad, dtype=torch.bfloat16)
+        q_rows[2:, :width] = query.view(n, width)
+        out_rows = torch.full((n + 2, width + pad), 7.0, dtype=torch.bfloat16)
+        block_stride, token_stride, head_stride, _ = key.stride()
+        status = getattr(cpu_ops.library(), cpu_ops.BF16_ROWS)(
+            q_rows[2:].data_ptr(), width + pad, key.data_ptr(), value.data_ptr(), block_stride, token_stride,
+            head_stride, tables.data_ptr(), tables.stride(0), lens.data_ptr(), n, 9, 3, 64, 16, scale,
+            out_rows[2:].data_ptr(), width + pad, threads)
+    finally:
+        torch.set_num_threads(previous)
+    assert status == 0
+    assert torch.equal(out_rows[2:, :width].view(n, 9, 64), want)
+    assert torch.equal(out_rows[:2], torch.full((2, width + pad), 7.0, dtype=torch.bfloat16))
+    assert torch.equal(out_rows[2:, width:], torch.full((n, pad), 7.0, dtype=torch.bfloat16))
