@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from actors.messages import SamplingContext, SamplingParams, TokenLogprobs
+from kernels import cpu_greedy
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio multiplier: spreads (seed, step) over 63 bits
 _SEED_BITS = (1 << 63) - 1
@@ -61,14 +62,21 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logit rows for {len(params)} requests")
         if contexts is not None and len(contexts) != len(params):
             raise ValueError(f"{len(contexts)} sampling contexts for {len(params)} requests")
-        # A row holds a NaN or an infinity exactly when its float64 sum is not finite (float32
-        # values cannot overflow a float64 sum); one reduction instead of a mask over the vocabulary.
-        finite: list[bool] = torch.isfinite(logits.sum(dim=-1, dtype=torch.float64)).tolist()
+        raw = logits
+        greedy: list[int] | None = None
+        if cpu_greedy.fits(logits):   # argmax and the finiteness check in one C pass a row
+            greedy, finite = cpu_greedy.greedy_rows(logits)
+        else:
+            # A row holds a NaN or an infinity exactly when its float64 sum is not finite (float32
+            # values cannot overflow a float64 sum); one reduction instead of a mask over the vocabulary.
+            finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float64)).tolist()
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None and finite[i]]
         raw_logprobs = torch.log_softmax(logits[lp_rows].float(), dim=-1) if lp_rows else None
         if contexts is not None:
             logits = self._adjusted(logits, params, contexts, finite)
-        greedy = logits.argmax(dim=-1).tolist()
+        if any(p.greedy for p in params) and (greedy is None or logits is not raw):
+            greedy = (cpu_greedy.greedy_rows(logits)[0] if cpu_greedy.fits(logits)
+                      else logits.argmax(dim=-1).tolist())
         rows = [i for i, p in enumerate(params) if finite[i] and not p.greedy]
         drawn: dict[int, int | None] = {}
         if rows:
@@ -82,6 +90,7 @@ class Sampler:
             if not finite[row]:
                 out.append(None)
             elif p.greedy:
+                assert greedy is not None
                 out.append(int(greedy[row]))
             else:
                 out.append(drawn[row])

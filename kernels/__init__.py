@@ -36,6 +36,9 @@ Which implementation runs:
   embedding) on bf16 CPU tensors run the C kernels in ``kernels/cpu/elementwise_bf16.c``
   (``kernels.cpu_elementwise``: one pass each instead of four to eight torch ops) where they
   build (AVX-512 BF16); otherwise, and on every other device and dtype, the torch reference.
+* The sampler's greedy argmax and finiteness check over float32 CPU logits run the C kernel in
+  ``kernels/cpu/greedy.c`` (``kernels.cpu_greedy``, called by ``actors.sampler`` directly) where
+  it builds; otherwise torch's ``argmax`` and a float64 sum.
 * ``copy_blocks`` copies one slice per run of consecutive block ids: a torch copy on CUDA
   (``cudaMemcpyAsync`` underneath; with pinned host memory and ``non_blocking=True`` on a side
   stream it overlaps with compute), a single-threaded memcpy between CPU tensors (it runs on the
