@@ -45,6 +45,8 @@ def _library() -> ctypes.CDLL | None:
     lib.linear_bf16_pack.restype = None
     lib.linear_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
     lib.linear_bf16.restype = None
+    lib.linear_bf16_swiglu.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ctypes.c_int]
+    lib.linear_bf16_swiglu.restype = None
     return lib
 
 

@@ -6,10 +6,11 @@ C kernels built. The model's module path (``actors.model.llama``) makes the same
 through per-op wrappers that check, convert and allocate on every call, ~330 of them a step; at
 batch 1 on the 2-core AMD EPYC Zen 4 (SmolLM2-135M, context 128) that Python took 11.9 ms of a
 24.5 ms step and the C kernels 12.6 (docs/engine.md). Here the checks are made once per step,
-the step's buffers are allocated once, and a layer is eleven or twelve ctypes calls and no
+the step's buffers are allocated once, and a layer is nine or ten ctypes calls and no
 copies. The results are the module path's bits: the same kernels in the same order on the same
 values; the MLP's residual add, which the module path does in torch, is done by the next layer's
-norm (its fused add rounds the sum to bf16 as torch's add does), and the last layer's by torch.
+norm (its fused add rounds the sum to bf16 as torch's add does), and the last layer's by torch;
+the gate/up projection and silu_mul are one call (``linear_bf16_swiglu``: the same roundings).
 
 Where CUDA serving replays a captured graph for the same reason, a CPU step pays for Python
 directly; vLLM's CPU build compiles its model for it. This is the smallest thing that removes
@@ -93,7 +94,8 @@ def fits(dims: LayerDims, layers: Sequence[StepLayer]) -> bool:
                 and packed.shape[1] * 2 == in_features and packed.is_contiguous())
 
     return (available() and dims.head_dim % (2 * cpu_elementwise.ROTARY_HALF_MULTIPLE) == 0
-            and dims.num_heads % dims.num_kv_heads == 0 and dims.hidden % 2 == 0 and dims.intermediate % 2 == 0
+            and dims.num_heads % dims.num_kv_heads == 0 and dims.hidden % 2 == 0
+            and dims.intermediate % cpu_linear.OUTPUT_BLOCK == 0
             and all(n.dtype == BF16 and n.shape == (dims.hidden,) and n.is_contiguous()
                     for layer in layers for n in (layer.input_norm, layer.post_norm))
             and all(shaped(layer.qkv, q + 2 * kv, dims.hidden) and shaped(layer.o, dims.hidden, q)
@@ -134,7 +136,8 @@ def run_layers(x: torch.Tensor, layers: Sequence[StepLayer], dims: LayerDims, ca
         return x
     linear = cpu_linear.library().linear_bf16
     elementwise = cpu_elementwise.library()
-    rms_norm, rope, silu_mul = elementwise.rms_norm_bf16, elementwise.rope_bf16, elementwise.silu_mul_bf16
+    rms_norm, rope = elementwise.rms_norm_bf16, elementwise.rope_bf16
+    swiglu = cpu_linear.library().linear_bf16_swiglu
     attention = getattr(attention_lib, cpu_ops.BF16_ROWS)
     write_kv = getattr(attention_lib, cpu_ops.WRITE_KV)
     prefill_attention = cpu_prefill.library().prefill_attention_bf16
@@ -145,14 +148,16 @@ def run_layers(x: torch.Tensor, layers: Sequence[StepLayer], dims: LayerDims, ca
 
     residuals = (empty(rows, hidden), empty(rows, hidden))
     normed, qkv, o, down = empty(rows, hidden), empty(rows, qkv_width), empty(rows, hidden), empty(rows, hidden)
-    q_rot, k_rot, attn = empty(rows, heads, head_dim), empty(rows, kv_heads, head_dim), empty(rows, q_width)
-    gate_up, act = empty(rows, 2 * inter), empty(rows, inter)
-    p = _Pointers(x, normed, qkv, o, down, q_rot, k_rot, attn, gate_up, act)
-    # The decode rows' queries and outputs: rows of q_rot and attn after the prefill tokens.
-    decode_q, decode_out = p.q_rot + num_prefill * q_width * BF16_BYTES, p.attn + num_prefill * q_width * BF16_BYTES
+    # q and k rotated by one call into one buffer: each row its query heads, then its KV heads.
+    qk_width = q_width + kv_width
+    qk_rot, attn, act = empty(rows, heads + kv_heads, head_dim), empty(rows, q_width), empty(rows, inter)
+    p = _Pointers(x, normed, qkv, o, down, qk_rot, attn, act)
+    k_rot = p.qk_rot + q_width * BF16_BYTES
+    # The decode rows' queries and outputs: rows of qk_rot and attn after the prefill tokens.
+    decode_q, decode_out = p.qk_rot + num_prefill * qk_width * BF16_BYTES, p.attn + num_prefill * q_width * BF16_BYTES
     cos_p, sin_p, slots_p = cos.data_ptr(), signed_sin.data_ptr(), slot_mapping.data_ptr()
     tables_p, table_stride, lens_p = block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr()
-    k_src, v_src = p.qkv + q_width * BF16_BYTES, p.qkv + (q_width + kv_width) * BF16_BYTES
+    v_src = p.qkv + (q_width + kv_width) * BF16_BYTES
     cache_p = cache.data_ptr()
     prefill_seqs = prefill_tables_p = prefill_table_stride = prefill_starts_p = prefill_positions_p = 0
     if prefill is not None:
@@ -173,21 +178,20 @@ def run_layers(x: torch.Tensor, layers: Sequence[StepLayer], dims: LayerDims, ca
                      rows, hidden, dims.rms_norm_eps, threads)
             res, res_stride = current.data_ptr(), hidden
         linear(p.normed, rows, hidden, hidden, layer.qkv.data_ptr(), qkv_width, None, p.qkv, threads)
-        rope(p.qkv, qkv_width, heads, head_dim, cos_p, sin_p, p.q_rot, rows, threads)
-        rope(k_src, qkv_width, kv_heads, head_dim, cos_p, sin_p, p.k_rot, rows, threads)
-        if write_kv(p.k_rot, v_src, kv_width * BF16_BYTES, qkv_width * BF16_BYTES, key_cache, value_cache,
+        rope(p.qkv, qkv_width, heads + kv_heads, head_dim, cos_p, sin_p, p.qk_rot, rows, threads)
+        if write_kv(k_rot, v_src, qk_width * BF16_BYTES, qkv_width * BF16_BYTES, key_cache, value_cache,
                     block_stride * BF16_BYTES, token_stride * BF16_BYTES, slots_p, rows, block_size, num_blocks,
                     kv_width * BF16_BYTES) == cpu_ops.OUTSIDE_POOL:
             raise IndexError(f"slot {int(slot_mapping.max())} lies past the cache's {num_blocks} blocks "
                              f"of {block_size}")
         if prefill is not None:   # the new K/V are in the cache: the kernel reads them there
             cpu_ops.raise_for_status("prefill_attention_bf16", prefill_attention(
-                p.q_rot, q_width, key_cache, value_cache, block_stride, token_stride, head_stride,
+                p.qk_rot, qk_width, key_cache, value_cache, block_stride, token_stride, head_stride,
                 prefill_tables_p, prefill_table_stride, prefill_starts_p, prefill_positions_p, prefill_seqs, heads,
                 kv_heads, head_dim, block_size, dims.scale, p.attn, threads))
         if num_decode:
             cpu_ops.raise_for_status(cpu_ops.BF16_ROWS, attention(
-                decode_q, q_width, key_cache, value_cache, block_stride, token_stride, head_stride, tables_p,
+                decode_q, qk_width, key_cache, value_cache, block_stride, token_stride, head_stride, tables_p,
                 table_stride, lens_p, num_decode, heads, kv_heads, head_dim, block_size, dims.scale, decode_out,
                 q_width, threads))
         linear(p.attn, rows, q_width, q_width, layer.o.data_ptr(), hidden, None, p.o, threads)
@@ -195,8 +199,7 @@ def run_layers(x: torch.Tensor, layers: Sequence[StepLayer], dims: LayerDims, ca
         rms_norm(res, res_stride, p.o, hidden, current.data_ptr(), layer.post_norm.data_ptr(), p.normed,
                  rows, hidden, dims.rms_norm_eps, threads)
         res, res_stride = current.data_ptr(), hidden
-        linear(p.normed, rows, hidden, hidden, layer.gate_up.data_ptr(), 2 * inter, None, p.gate_up, threads)
-        silu_mul(p.gate_up, 2 * inter, p.gate_up + inter * BF16_BYTES, 2 * inter, p.act, rows, inter, threads)
+        swiglu(p.normed, rows, hidden, hidden, layer.gate_up.data_ptr(), inter, p.act, threads)
         linear(p.act, rows, inter, inter, layer.down.data_ptr(), hidden, None, p.down, threads)
     return current + down if layers else x
 
@@ -206,8 +209,7 @@ class _Pointers:
 
     def __init__(self, x: torch.Tensor, *buffers: torch.Tensor) -> None:
         self.x = x.data_ptr()
-        (self.normed, self.qkv, self.o, self.down, self.q_rot, self.k_rot, self.attn, self.gate_up,
-         self.act) = (b.data_ptr() for b in buffers)
+        self.normed, self.qkv, self.o, self.down, self.qk_rot, self.attn, self.act = (b.data_ptr() for b in buffers)
 
 
 def _check(x: torch.Tensor, cache: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,

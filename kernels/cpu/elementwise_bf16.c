@@ -32,9 +32,6 @@
 
 #define LANES 16
 #define PARALLEL_MIN_ELEMENTS 65536
-/* exp's argument bound for silu: exp(104) is +inf in float32 (as expf), and the clamp keeps
- * exp512's range reduction exact for any input. */
-#define EXP_ARG_MAX 104.0f
 
 int elementwise_bf16_available(void) { return 1; }
 

@@ -25,6 +25,8 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include "simd_math.h"
+
 #define NB 16        /* outputs per block: one register of float32 */
 #define MAX_ROWS 8   /* rows sharing each weight register: 8 rows x 2 blocks = 16 accumulators */
 #define ROW_PANEL 256 /* rows whose x one pass over the weights reads: 256 x 1,536 bf16 = 768 KB */
@@ -119,6 +121,54 @@ void linear_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, cons
                     if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + col));
                     _mm256_storeu_si256((__m256i *)(y + (r0 + r) * n + col), (__m256i)_mm512_cvtneps_pbh(v));
                 }
+        }
+    }
+    }
+}
+/* 16 floats rounded to bf16 (nearest even) and widened back: a value torch would store as bf16. */
+static inline __m512 round_bf16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+/* SwiGLU's first half in one call: act [m][inter] bf16 = silu(gate) * up, where gate and up are
+ * x times the merged gate/up weight's two halves (packed as one [2 inter][k] weight, gate rows
+ * first), each rounded to bf16 as linear_bf16 rounds them. Each task pairs gate block j with up
+ * block j, so its epilogue has both and writes act directly; the arithmetic after the rounding
+ * is elementwise_bf16.c's silu_mul_bf16 op for op (bf16(bf16(g / (1 + exp(-g))) * u)), so act
+ * is the two calls' bits. Why: at batch 32 silu_mul ran on one thread (below its parallel
+ * threshold) as its own call, ~27 us a layer of a ~35 ms step on the Zen 4; here it rides the
+ * GEMM's threads. inter must be a multiple of 16. */
+void linear_bf16_swiglu(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const uint16_t *packed,
+                        int64_t inter, uint16_t *act, int num_threads) {
+    const int64_t kpairs = k / 2, blocks = inter / NB;
+    const __m512 one = _mm512_set1_ps(1.0f), arg_max = _mm512_set1_ps(EXP_ARG_MAX);
+    for (int64_t p0 = 0; p0 < m; p0 += ROW_PANEL) {
+    const int64_t p1 = p0 + ROW_PANEL < m ? p0 + ROW_PANEL : m;
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t j = 0; j < blocks; ++j) {
+        const uint16_t *pw_gate = packed + j * kpairs * 32, *pw_up = packed + (blocks + j) * kpairs * 32;
+        float acc[MAX_ROWS * 32];
+        for (int64_t r0 = p0; r0 < p1; r0 += MAX_ROWS) {
+            const int R = p1 - r0 < MAX_ROWS ? (int)(p1 - r0) : MAX_ROWS;
+            const uint16_t *xr = x + r0 * x_stride;
+            switch (R) {
+            case 1: block_rows(pw_gate, pw_up, kpairs, xr, x_stride, 1, acc); break;
+            case 2: block_rows(pw_gate, pw_up, kpairs, xr, x_stride, 2, acc); break;
+            case 3: block_rows(pw_gate, pw_up, kpairs, xr, x_stride, 3, acc); break;
+            case 4: block_rows(pw_gate, pw_up, kpairs, xr, x_stride, 4, acc); break;
+            case 5: block_rows(pw_gate, pw_up, kpairs, xr, x_stride, 5, acc); break;
+            case 6: block_rows(pw_gate, pw_up, kpairs, xr, x_stride, 6, acc); break;
+            case 7: block_rows(pw_gate, pw_up, kpairs, xr, x_stride, 7, acc); break;
+            default: block_rows(pw_gate, pw_up, kpairs, xr, x_stride, 8, acc); break;
+            }
+            for (int r = 0; r < R; ++r) {
+                const __m512 g = round_bf16(_mm512_loadu_ps(acc + r * 32));
+                const __m512 u = round_bf16(_mm512_loadu_ps(acc + r * 32 + 16));
+                const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), arg_max));
+                const __m512 silu = round_bf16(_mm512_div_ps(g, _mm512_add_ps(one, e)));
+                _mm256_storeu_si256((__m256i *)(act + (r0 + r) * inter + j * NB),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, u)));
+            }
         }
     }
     }

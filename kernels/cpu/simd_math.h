@@ -23,6 +23,11 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* exp's argument bound for silu: exp(104) is +inf in float32 (as expf), and the clamp keeps
+ * exp512's range reduction exact for any input (elementwise_bf16.c's silu_mul and
+ * linear_bf16.c's fused SwiGLU, which must agree bit for bit). */
+#define EXP_ARG_MAX 104.0f
+
 /* 16 bf16 widened to float32: zero-extend each to 32 bits, shift into the high half. */
 static inline __m512 widen16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(

@@ -55,3 +55,27 @@ def test_kernel_reads_strided_rows_and_refuses_what_does_not_fit() -> None:
         cpu_linear.pack(weight.float())
     with pytest.raises(ValueError, match="does not fit a bf16 CPU weight of 32 in features"):
         cpu_linear.linear(torch.randn(2, 30).to(torch.bfloat16), packed, None)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 32, 300])
+def test_fused_swiglu_is_linear_then_silu_mul_bit_for_bit(rows: int) -> None:
+    """``linear_bf16_swiglu`` (the step's MLP first half) gives exactly what the gate/up linear
+    followed by the elementwise kernels' ``silu_mul`` gives, on rows of a wider matrix, with
+    gates large enough in both signs to reach exp's clamp."""
+    from kernels import cpu_elementwise
+
+    if not cpu_elementwise.available():
+        pytest.skip("the elementwise kernels did not build here")
+    torch.manual_seed(rows)
+    inter, hidden = 48, 70
+    weight = (torch.randn(2 * inter, hidden) * 3).to(torch.bfloat16)   # gate rows, then up rows
+    wide = (torch.randn(rows, hidden + 6) * 4).to(torch.bfloat16)
+    x = wide[:, 6:]
+    packed = cpu_linear.pack(weight)
+    gate_up = cpu_linear.linear(x, packed, None)
+    want = cpu_elementwise.silu_mul(gate_up[:, :inter], gate_up[:, inter:])
+    act = torch.full((rows, inter), 9.0, dtype=torch.bfloat16)
+    cpu_linear.library().linear_bf16_swiglu(x.data_ptr(), rows, hidden, x.stride(0), packed.data_ptr(), inter,
+                                            act.data_ptr(), 2)
+    assert torch.equal(act, want)
+    assert float(gate_up[:, :inter].float().min()) < -104        # exp's clamp (EXP_ARG_MAX) was reached
