@@ -87,6 +87,21 @@ static inline __attribute__((always_inline)) void block_rows(
     }
 }
 
+/* block_rows with R (1..MAX_ROWS) a constant in each branch, so its accumulators stay in registers. */
+static inline void rows_of_two_blocks(const uint16_t *pw0, const uint16_t *pw1, int64_t kpairs, const uint16_t *x,
+                                      int64_t x_stride, int R, float *acc_out) {
+    switch (R) {
+    case 1: block_rows(pw0, pw1, kpairs, x, x_stride, 1, acc_out); break;
+    case 2: block_rows(pw0, pw1, kpairs, x, x_stride, 2, acc_out); break;
+    case 3: block_rows(pw0, pw1, kpairs, x, x_stride, 3, acc_out); break;
+    case 4: block_rows(pw0, pw1, kpairs, x, x_stride, 4, acc_out); break;
+    case 5: block_rows(pw0, pw1, kpairs, x, x_stride, 5, acc_out); break;
+    case 6: block_rows(pw0, pw1, kpairs, x, x_stride, 6, acc_out); break;
+    case 7: block_rows(pw0, pw1, kpairs, x, x_stride, 7, acc_out); break;
+    default: block_rows(pw0, pw1, kpairs, x, x_stride, 8, acc_out); break;
+    }
+}
+
 /* y [m][n] bf16 = x [m][k] bf16 (rows x_stride apart) times the packed W, transposed, plus
  * bias (float32 [n], or NULL), rounded once to bf16. */
 void linear_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const uint16_t *packed,
@@ -104,16 +119,7 @@ void linear_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, cons
         for (int64_t r0 = p0; r0 < p1; r0 += MAX_ROWS) {
             const int R = p1 - r0 < MAX_ROWS ? (int)(p1 - r0) : MAX_ROWS;
             const uint16_t *xr = x + r0 * x_stride;
-            switch (R) {
-            case 1: block_rows(pw0, pw1, kpairs, xr, x_stride, 1, acc); break;
-            case 2: block_rows(pw0, pw1, kpairs, xr, x_stride, 2, acc); break;
-            case 3: block_rows(pw0, pw1, kpairs, xr, x_stride, 3, acc); break;
-            case 4: block_rows(pw0, pw1, kpairs, xr, x_stride, 4, acc); break;
-            case 5: block_rows(pw0, pw1, kpairs, xr, x_stride, 5, acc); break;
-            case 6: block_rows(pw0, pw1, kpairs, xr, x_stride, 6, acc); break;
-            case 7: block_rows(pw0, pw1, kpairs, xr, x_stride, 7, acc); break;
-            default: block_rows(pw0, pw1, kpairs, xr, x_stride, 8, acc); break;
-            }
+            rows_of_two_blocks(pw0, pw1, kpairs, xr, x_stride, R, acc);
             for (int r = 0; r < R; ++r)
                 for (int h = 0; h < 2; ++h) {
                     __m512 v = _mm512_loadu_ps(acc + r * 32 + h * 16);
@@ -151,16 +157,7 @@ void linear_bf16_swiglu(const uint16_t *x, int64_t m, int64_t k, int64_t x_strid
         for (int64_t r0 = p0; r0 < p1; r0 += MAX_ROWS) {
             const int R = p1 - r0 < MAX_ROWS ? (int)(p1 - r0) : MAX_ROWS;
             const uint16_t *xr = x + r0 * x_stride;
-            switch (R) {
-            case 1: block_rows(pw_gate, pw_up, kpairs, xr, x_stride, 1, acc); break;
-            case 2: block_rows(pw_gate, pw_up, kpairs, xr, x_stride, 2, acc); break;
-            case 3: block_rows(pw_gate, pw_up, kpairs, xr, x_stride, 3, acc); break;
-            case 4: block_rows(pw_gate, pw_up, kpairs, xr, x_stride, 4, acc); break;
-            case 5: block_rows(pw_gate, pw_up, kpairs, xr, x_stride, 5, acc); break;
-            case 6: block_rows(pw_gate, pw_up, kpairs, xr, x_stride, 6, acc); break;
-            case 7: block_rows(pw_gate, pw_up, kpairs, xr, x_stride, 7, acc); break;
-            default: block_rows(pw_gate, pw_up, kpairs, xr, x_stride, 8, acc); break;
-            }
+            rows_of_two_blocks(pw_gate, pw_up, kpairs, xr, x_stride, R, acc);
             for (int r = 0; r < R; ++r) {
                 const __m512 g = round_bf16(_mm512_loadu_ps(acc + r * 32));
                 const __m512 u = round_bf16(_mm512_loadu_ps(acc + r * 32 + 16));
