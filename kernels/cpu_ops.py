@@ -268,6 +268,8 @@ def raise_for_status(kernel: str, status: int) -> None:
     allocation failed, RuntimeError otherwise."""
     if status == SCRATCH_FAILED:
         raise MemoryError(f"{kernel}: scratch allocation failed")
+    if status == BF16_ROWS_UNSUPPORTED:
+        raise RuntimeError(f"{kernel}: this build lacks AVX-512 BF16, or head_dim is not a multiple of 32")
     if status != 0:
         raise RuntimeError(f"{kernel} failed with status {status}")
 

@@ -183,3 +183,23 @@ def test_bf16_rows_entry_is_the_float32_entry_rounded_once(threads: int) -> None
     assert torch.equal(out_rows[2:, :width].view(n, 9, 64), want)
     assert torch.equal(out_rows[:2], torch.full((2, width + pad), 7.0, dtype=torch.bfloat16))
     assert torch.equal(out_rows[2:, width:], torch.full((n, pad), 7.0, dtype=torch.bfloat16))
+
+
+def test_bf16_rows_entry_refuses_a_head_dim_it_cannot_take() -> None:
+    """head_dim 48 (not a multiple of 32): the entry writes nothing and says why."""
+    from kernels import cpu_ops
+
+    if not cpu_ops.bf16_rows_available():
+        pytest.skip("no AVX-512 BF16 in this build")
+    _, key, value, tables, lens = paged_case(6, 3, 48, 16, torch.bfloat16, 5)
+    query = torch.zeros(len(CONTEXTS), 6, 48, dtype=torch.bfloat16)
+    out = torch.full_like(query, 3.0)
+    block_stride, token_stride, head_stride, _ = key.stride()
+    status = getattr(cpu_ops.library(), cpu_ops.BF16_ROWS)(
+        query.data_ptr(), 6 * 48, key.data_ptr(), value.data_ptr(), block_stride, token_stride, head_stride,
+        tables.data_ptr(), tables.stride(0), lens.data_ptr(), len(CONTEXTS), 6, 3, 48, 16, 48**-0.5,
+        out.data_ptr(), 6 * 48, 1)
+    assert status == cpu_ops.BF16_ROWS_UNSUPPORTED
+    assert torch.equal(out, torch.full_like(query, 3.0))
+    with pytest.raises(RuntimeError, match="head_dim is not a multiple of 32"):
+        cpu_ops.raise_for_status(cpu_ops.BF16_ROWS, status)
