@@ -32,6 +32,7 @@ import torch
 
 import kernels
 from actors.messages import SwapCommand
+from kernels import huge_pages
 
 #: cudaHostRegisterDefault: page-locked, usable by the current device's copies.
 CUDA_HOST_REGISTER_DEFAULT = 0
@@ -145,7 +146,10 @@ class KVStore:
         self.block_size = block_size
         self.device = torch.device(device)
         shape = (num_layers, 2, block_size, num_heads, head_dim)
-        self.device_pool = torch.zeros((num_device_blocks, *shape), dtype=dtype, device=self.device)
+        # On a CPU the device pool is what every decode step's attention reads: on huge pages
+        # (kernels.huge_pages). The host pool is only copied from and to, a block at a time.
+        self.device_pool = (huge_pages.zeros((num_device_blocks, *shape), dtype) if self.device.type == "cpu"
+                            else torch.zeros((num_device_blocks, *shape), dtype=dtype, device=self.device))
         self.host_pool = torch.zeros((num_host_blocks, *shape), dtype=dtype)
         self._registered = self.device.type == "cuda" and register_host_memory(self.host_pool)
         self._inflight: list[SwapHandle] = []

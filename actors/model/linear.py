@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_linear
+from kernels import cpu_linear, huge_pages
 from kernels.cpu_features import cpu_has_bf16, cpu_vendor
 
 #: Row count the packed layout is tuned for (a decode batch); any row count is served.
@@ -197,6 +197,16 @@ class MergedLinear:
         if not low <= x.shape[0] <= high:
             return [m(x) for m in self.members]
         return list(self._packed.matmul(x, self._bias).split(self.widths, dim=-1))
+
+
+def place_on_huge_pages(root: nn.Module, *extra: PackedWeight | None) -> int:
+    """Move the weights packed for ``kernels.cpu_linear`` under ``root`` (and ``extra``: a head
+    packed apart) onto one huge-page mapping, in place (``kernels.huge_pages.relocate``: why);
+    returns the bytes moved (0 where huge pages are not available)."""
+    found = [m._packed for m in root.modules() if isinstance(m, ServingLinear)]
+    found += [v._packed for m in root.modules() for v in vars(m).values() if isinstance(v, MergedLinear)]
+    data = {id(d): d for d in (_kernel_data(p) for p in (*found, *extra)) if d is not None}
+    return huge_pages.relocate(list(data.values()))
 
 
 def pack_linears(root: nn.Module) -> int:

@@ -28,7 +28,15 @@ import kernels
 from actors.model.attention import paged_self_attention
 from actors.model.batch import ForwardBatch
 from actors.model.layout import WeightLayout
-from actors.model.linear import MergedLinear, PackedWeight, ServingLinear, multiply, pack_linears, pack_weight
+from actors.model.linear import (
+    MergedLinear,
+    PackedWeight,
+    ServingLinear,
+    multiply,
+    pack_linears,
+    pack_weight,
+    place_on_huge_pages,
+)
 from actors.model.llama_config import LlamaConfig
 from actors.model.opt import AllReduce
 from actors.model.rope import Rotary
@@ -187,6 +195,7 @@ class LlamaStage(nn.Module):
         if self.shard.is_last:
             self._head_packed = pack_weight(self._head_weight())
             packed += self._head_packed is not None
+        place_on_huge_pages(self.layers, self._head_packed)
         self._step_run = self._step_run_layers()
         return packed
 

@@ -26,7 +26,15 @@ from actors.model.attention import paged_self_attention
 from actors.model.batch import ForwardBatch
 from actors.model.config import POSITION_OFFSET, OPTConfig
 from actors.model.layout import WeightLayout
-from actors.model.linear import MergedLinear, PackedWeight, ServingLinear, multiply, pack_linears, pack_weight
+from actors.model.linear import (
+    MergedLinear,
+    PackedWeight,
+    ServingLinear,
+    multiply,
+    pack_linears,
+    pack_weight,
+    place_on_huge_pages,
+)
 from actors.model.shard import StageShard
 
 __all__ = ["AllReduce", "OPTStage", "StageShard"]
@@ -153,6 +161,7 @@ class OPTStage(nn.Module):
         if self.shard.is_last:
             self._head_packed = pack_weight(self.embed_tokens.weight)
             packed += self._head_packed is not None
+        place_on_huge_pages(self.layers, self._head_packed)
         return packed
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
