@@ -45,6 +45,8 @@ def _library() -> ctypes.CDLL | None:
     lib.linear_bf16_pack.restype = None
     lib.linear_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
     lib.linear_bf16.restype = None
+    lib.linear_bf16_widened.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    lib.linear_bf16_widened.restype = None
     lib.linear_bf16_swiglu.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ctypes.c_int]
     lib.linear_bf16_swiglu.restype = None
     return lib
@@ -85,9 +87,12 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+           widened: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a bf16 ``x`` [rows, in] and ``pack(weight)``: products
-    summed in float32, the bias added in float32, one rounding to bf16."""
+    summed in float32, the bias added in float32, one rounding to bf16. With ``widened``, those
+    bf16 values as float32 (``F.linear(...).float()``'s bits) written by the kernel itself: a
+    model's logits without a second pass over them."""
     lib = library()
     out_features, in_features = packed.shape[0] * OUTPUT_BLOCK, packed.shape[1] * 2
     if x.dim() != 2 or x.shape[1] != in_features or x.dtype != torch.bfloat16 or x.device.type != "cpu":
@@ -101,9 +106,9 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
         fp32_bias = bias.detach().to(torch.float32).contiguous()
         if fp32_bias.shape != (out_features,):
             raise ValueError(f"bias of shape {tuple(bias.shape)} for {out_features} out features")
-    out = torch.empty(x.shape[0], out_features, dtype=torch.bfloat16)
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32 if widened else torch.bfloat16)
     if x.shape[0]:
-        lib.linear_bf16(x.data_ptr(), x.shape[0], in_features, x.stride(0), packed.data_ptr(), out_features,
-                        None if fp32_bias is None else fp32_bias.data_ptr(), out.data_ptr(),
-                        torch.get_num_threads())
+        call = lib.linear_bf16_widened if widened else lib.linear_bf16
+        call(x.data_ptr(), x.shape[0], in_features, x.stride(0), packed.data_ptr(), out_features,
+             None if fp32_bias is None else fp32_bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out

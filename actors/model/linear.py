@@ -152,6 +152,16 @@ def multiply(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None,
     return packed.matmul(x, bias)
 
 
+def multiply_widened(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None) -> torch.Tensor:
+    """``multiply(x, weight, packed, None).float()``, bit for bit (a model's logits): where our bf16
+    kernel runs the product it writes the float32 values itself, with no pass to widen them."""
+    if packed is not None and packed.kernel == BF16_KERNEL and x.dim() == 2:
+        low, high = packed_row_bounds(weight.dtype)
+        if low <= x.shape[0] <= high:
+            return cpu_linear.linear(x, packed.data, None, widened=True)
+    return multiply(x, weight, packed, None).float()
+
+
 class MergedLinear:
     """Linears that read the same input (q/k/v; gate/up), multiplied as one GEMM.
 

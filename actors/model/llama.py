@@ -32,7 +32,7 @@ from actors.model.linear import (
     MergedLinear,
     PackedWeight,
     ServingLinear,
-    multiply,
+    multiply_widened,
     pack_linears,
     pack_weight,
     place_on_huge_pages,
@@ -249,4 +249,4 @@ class LlamaStage(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head; float32 logits for the rows given."""
-        return multiply(self.norm(hidden), self._head_weight(), self._head_packed, None).float()
+        return multiply_widened(self.norm(hidden), self._head_weight(), self._head_packed)

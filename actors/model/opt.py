@@ -30,7 +30,7 @@ from actors.model.linear import (
     MergedLinear,
     PackedWeight,
     ServingLinear,
-    multiply,
+    multiply_widened,
     pack_linears,
     pack_weight,
     place_on_huge_pages,
@@ -188,4 +188,4 @@ class OPTStage(nn.Module):
             hidden = self.final_layer_norm(hidden)
         if hasattr(self, "project_out"):
             hidden = self.project_out(hidden)
-        return multiply(hidden, self.embed_tokens.weight, self._head_packed, None).float()
+        return multiply_widened(hidden, self.embed_tokens.weight, self._head_packed)

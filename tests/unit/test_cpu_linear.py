@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from actors.model.linear import BF16_KERNEL, PackedWeight, multiply, multiply_widened
 from kernels import cpu_linear
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(),
@@ -55,6 +56,25 @@ def test_kernel_reads_strided_rows_and_refuses_what_does_not_fit() -> None:
         cpu_linear.pack(weight.float())
     with pytest.raises(ValueError, match="does not fit a bf16 CPU weight of 32 in features"):
         cpu_linear.linear(torch.randn(2, 30).to(torch.bfloat16), packed, None)
+
+
+@pytest.mark.parametrize("rows", [1, 9, 32, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_widened_output_is_the_bf16_output_as_float32_bit_for_bit(rows: int, with_bias: bool) -> None:
+    """Logits straight from the kernel in float32 are the bf16 results ``.float()`` gives, and
+    the model's head call (``multiply_widened``) takes that path for a packed bf16 weight."""
+    torch.manual_seed(rows)
+    weight = torch.randn(160, 64).to(torch.bfloat16)
+    bias = torch.randn(160).to(torch.bfloat16) if with_bias else None
+    wide = (torch.randn(rows, 70) * 3).to(torch.bfloat16)
+    x = wide[:, 2:66]
+    packed = cpu_linear.pack(weight)
+    widened = cpu_linear.linear(x, packed, bias, widened=True)
+    assert widened.dtype == torch.float32 and widened.shape == (rows, 160)
+    assert torch.equal(widened, cpu_linear.linear(x, packed, bias).float())
+    head = PackedWeight(packed, BF16_KERNEL)
+    assert torch.equal(multiply_widened(x, weight, head), multiply(x, weight, head, None).float())
+    assert torch.equal(multiply_widened(x, weight, None), F.linear(x, weight).float())
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 32, 300])
