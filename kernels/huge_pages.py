@@ -100,5 +100,5 @@ def relocate(tensors: Sequence[torch.Tensor]) -> int:
             nbytes = t.numel() * t.element_size()
             view = arena[at:at + nbytes].view(t.dtype).view(t.shape)
             view.copy_(t)
-            t.set_(view)
+            t.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
     return total
