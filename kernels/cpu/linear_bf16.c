@@ -128,6 +128,18 @@ static inline void next_task_streams(const char *next0, const char *next1, int64
     *pf_b = one_group ? next1 : NULL;
 }
 
+/* A task's row group: rows r0 .. r0 + R of the panel [p0, p1) times its two blocks (pw0, pw1)
+ * into acc [R][32], asking meanwhile for the group's share of the next task's streams. Returns R. */
+static inline __attribute__((always_inline)) int task_row_group(
+        const uint16_t *pw0, const uint16_t *pw1, int64_t kpairs, const uint16_t *x, int64_t x_stride, int64_t p0,
+        int64_t p1, int64_t r0, const char *next0, const char *next1, float *acc) {
+    const int R = p1 - r0 < MAX_ROWS ? (int)(p1 - r0) : MAX_ROWS;
+    const char *pf_a, *pf_b;
+    next_task_streams(next0, next1, (r0 - p0) / MAX_ROWS, p1 - p0 <= MAX_ROWS, &pf_a, &pf_b);
+    rows_of_two_blocks(pw0, pw1, kpairs, x + r0 * x_stride, x_stride, R, pf_a, pf_b, acc);
+    return R;
+}
+
 /* 16 floats rounded to bf16 (nearest even) and widened back: a value torch would store as bf16. */
 static inline __m512 round_bf16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
@@ -153,11 +165,7 @@ static inline __attribute__((always_inline)) void linear_rows(
         const char *next0 = t + 1 < tasks ? (const char *)(pw1 + kpairs * 32) : NULL;
         const char *next1 = next0 ? next0 + kpairs * LINE : NULL;
         for (int64_t r0 = p0; r0 < p1; r0 += MAX_ROWS) {
-            const int R = p1 - r0 < MAX_ROWS ? (int)(p1 - r0) : MAX_ROWS;
-            const uint16_t *xr = x + r0 * x_stride;
-            const char *pf_a, *pf_b;
-            next_task_streams(next0, next1, (r0 - p0) / MAX_ROWS, p1 - p0 <= MAX_ROWS, &pf_a, &pf_b);
-            rows_of_two_blocks(pw0, pw1, kpairs, xr, x_stride, R, pf_a, pf_b, acc);
+            const int R = task_row_group(pw0, pw1, kpairs, x, x_stride, p0, p1, r0, next0, next1, acc);
             for (int r = 0; r < R; ++r)
                 for (int h = 0; h < 2; ++h) {
                     __m512 v = _mm512_loadu_ps(acc + r * 32 + h * 16);
@@ -206,11 +214,7 @@ void linear_bf16_swiglu(const uint16_t *x, int64_t m, int64_t k, int64_t x_strid
         const char *next0 = j + 1 < blocks ? (const char *)(pw_gate + kpairs * 32) : NULL;
         const char *next1 = next0 ? (const char *)(pw_up + kpairs * 32) : NULL;
         for (int64_t r0 = p0; r0 < p1; r0 += MAX_ROWS) {
-            const int R = p1 - r0 < MAX_ROWS ? (int)(p1 - r0) : MAX_ROWS;
-            const uint16_t *xr = x + r0 * x_stride;
-            const char *pf_a, *pf_b;
-            next_task_streams(next0, next1, (r0 - p0) / MAX_ROWS, p1 - p0 <= MAX_ROWS, &pf_a, &pf_b);
-            rows_of_two_blocks(pw_gate, pw_up, kpairs, xr, x_stride, R, pf_a, pf_b, acc);
+            const int R = task_row_group(pw_gate, pw_up, kpairs, x, x_stride, p0, p1, r0, next0, next1, acc);
             for (int r = 0; r < R; ++r) {
                 const __m512 g = round_bf16(_mm512_loadu_ps(acc + r * 32));
                 const __m512 u = round_bf16(_mm512_loadu_ps(acc + r * 32 + 16));
