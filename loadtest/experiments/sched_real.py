@@ -94,9 +94,13 @@ def per_job(records: Sequence[dict[str, Any]]) -> dict[str, float]:
     def mean(key: str) -> float:
         return statistics.fmean(float(s.get(key) or 0.0) for s in stats)
 
+    def most(key: str) -> float:
+        return max(float(s.get(key) or 0.0) for s in stats)
+
     return {"jobs": len(stats), "demotions": mean("demotions"), "promotions": mean("promotions"),
-            "swaps_out": mean("swaps_out"), "kv_wait_mean_s": mean("swap_blocked_s"),
-            "kv_wait_max_s": max(float(s.get("longest_swap_blocked_s") or 0.0) for s in stats)}
+            "promotions_max": most("promotions"), "swaps_out": mean("swaps_out"),
+            "swaps_out_max": most("swaps_out"), "kv_wait_mean_s": mean("swap_blocked_s"),
+            "kv_wait_max_s": most("longest_swap_blocked_s")}
 
 
 def run_point(url: str, requests: Sequence[Any], args: argparse.Namespace, batch: int,
@@ -193,7 +197,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"Real server, {cpu_model()}: SmolLM2-135M dtype {demo_dtype()}, {args.dataset} chat (real EOS), "
           f"{args.num_prompts} prompts per rate, {args.device_blocks} device blocks, batch {args.batch}")
     header = ("| policy | req/s | completed | s/token mean | P95 | TTFT | tok/s | demotions/job | promotions/job | "
-              "swap-outs/job | KV wait mean / longest (s) | bound α + B·step (s) |")
+              "swap-outs/job | KV-blocked per job, mean (s) / longest wait for device space (s) | "
+              "bound α + B·step (s) |")
     print(header)
     print("|" + "---|" * 12)
     for policy in POLICIES:
@@ -201,7 +206,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"| {policy} | {p['rate']:g} | {p['completed']}/{p['offered']} | "
                   f"{p['per_token_mean_s']:.3f} | {p['per_token_p95_s']:.3f} | "
                   f"{p['ttft_mean_s']:.2f} | {p['output_tok_s']:.1f} | {p.get('demotions', 0):.2f} | "
-                  f"{p.get('promotions', 0):.2f} | {p.get('swaps_out', 0):.2f} | "
+                  f"{p.get('promotions', 0):.2f} (max {p.get('promotions_max', 0):.0f}) | "
+                  f"{p.get('swaps_out', 0):.2f} (max {p.get('swaps_out_max', 0):.0f}) | "
                   f"{p.get('kv_wait_mean_s', 0):.2f} / {p.get('kv_wait_max_s', 0):.2f} | {p['kv_wait_bound_s']:.2f} |")
     print_steps(points)
     slo = args.slo or SLO_ITERATIONS * demo_q1()
