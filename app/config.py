@@ -35,7 +35,7 @@ from app.config_drain import DrainArgs, graceful_shutdown_timeout_s
 from app.config_layout import ParallelArgs
 from app.config_model import ModelArgs, ProfileArgs, Strict, resolve_path
 from app.config_server import ServerArgs
-from app.scheduler.config import EngineConfig, KVCacheConfig, SchedulerConfig
+from app.scheduler.config import LEVELLED_POLICIES, EngineConfig, KVCacheConfig, SchedulerConfig
 from app.scheduler.profile import Profile
 
 GIB = 1 << 30
@@ -92,7 +92,17 @@ class AppArgs(Strict):
         self._check_parallel()
         self._check_sizes()
         self._check_profile()
+        self._check_priority()
         return self
+
+    def _check_priority(self) -> None:
+        """A request's ``priority`` moves its MLFQ entry level; a one-level policy would accept
+        it and change nothing, so the pair is refused at start instead."""
+        policy = self.scheduler.policy
+        if self.server.allow_priority and policy not in LEVELLED_POLICIES:
+            raise ValueError(f"server.allow_priority is on but scheduler.policy '{policy}' has one level, so a "
+                             f"request's priority would change nothing: use one of {sorted(LEVELLED_POLICIES)} "
+                             "or turn allow_priority off")
 
     def _check_profile(self) -> None:
         """The profile should describe this layout: its timings drive skip-join and the quanta."""

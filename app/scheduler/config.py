@@ -20,6 +20,9 @@ POLICIES: tuple[PolicyName, ...] = (
     "skip_join_mlfq", "naive_mlfq", "fixed_priority", "fcfs", "srpt_oracle",
 )
 SWAP_MODES: tuple[SwapMode, ...] = ("proactive", "reactive", "recompute")
+#: The policies with more than one level: a request's ``priority`` shifts its entry level there
+#: and changes nothing under the others.
+LEVELLED_POLICIES: frozenset[PolicyName] = frozenset({"skip_join_mlfq", "naive_mlfq"})
 
 
 def alpha_from_slo(per_token_slo_s: float, decode_time_s: float = 0.0) -> float:

@@ -126,8 +126,11 @@ class RequestPreparer:
         self._check_model(req.model)
         limits = self.ctx.limits
         req.check_limits(limits.max_stop_strings, limits.max_stop_string_chars, limits.max_choices)
-        if not limits.allow_priority:
-            req.priority = 0   # any caller could jump the queue (server.allow_priority is off)
+        if req.priority and not limits.allow_priority:
+            # As vLLM without its priority policy: refused, not dropped (any caller could jump
+            # the queue, so the config must ask for it).
+            raise bad_request(f"priority {req.priority} is not honoured: request priorities are off on this "
+                              "server (server.allow_priority); send 0 or leave it out", "priority")
 
     def _check_model(self, model: str) -> None:
         if model != self.ctx.model_name:

@@ -56,6 +56,18 @@ def test_bad_policy_value_is_named() -> None:
     assert "scheduler.policy" in msg and "lifo" in msg
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "fixed_priority", "srpt_oracle"])
+def test_request_priorities_need_a_policy_with_levels(policy: str) -> None:
+    args = demo_args()
+    args["scheduler"]["policy"] = policy
+    args.setdefault("server", {})["allow_priority"] = True
+    assert (f"server.allow_priority is on but scheduler.policy '{policy}' has one level, so a request's "
+            "priority would change nothing: use one of ['naive_mlfq', 'skip_join_mlfq'] or turn "
+            "allow_priority off") in error_of(args)
+    args["scheduler"]["policy"] = "skip_join_mlfq"
+    assert AppArgs.model_validate(args).server.allow_priority
+
+
 def test_missing_profile_file_names_the_path() -> None:
     args = demo_args()
     args["profile"]["path"] = "config/profiles/nope.json"

@@ -376,9 +376,14 @@ def test_stop_string_count_and_length_limits() -> None:
     assert resp.json()["error"]["param"] == "stop" and backend.requests == []
 
 
-def test_priority_is_ignored_unless_the_config_allows_it() -> None:
+def test_priority_is_refused_unless_the_config_allows_it() -> None:
     off, on = FakeBackend(TEXT_IDS), FakeBackend(TEXT_IDS)
-    assert post_limited(off, {"model": MODEL, "prompt": "x", "priority": -5}).status_code == 200
+    resp = post_limited(off, {"model": MODEL, "prompt": "x", "priority": -5})
+    assert resp.status_code == 400 and off.requests == []
+    assert resp.json()["error"]["param"] == "priority"
+    assert resp.json()["error"]["message"] == ("priority -5 is not honoured: request priorities are off on this "
+                                               "server (server.allow_priority); send 0 or leave it out")
+    assert post_limited(off, {"model": MODEL, "prompt": "x", "priority": 0}).status_code == 200
     assert post_limited(on, {"model": MODEL, "prompt": "x", "priority": -5}, allow_priority=True).status_code == 200
     assert off.requests[0].priority == 0 and on.requests[0].priority == -5
 
