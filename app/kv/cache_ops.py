@@ -11,6 +11,11 @@ from app.kv.tables import SPILL_JOB, KVState, Tier, Tokens, _JobKV
 
 class PrefixCacheOps(KVState):
     # ---- the prefix cache ----------------------------------------------------------------
+    def salt(self, job_id: str, salt: str) -> None:
+        """Only jobs with this salt share cached blocks with ``job_id`` (vLLM's ``cache_salt``);
+        called before its prefix is first looked up, kept until it is freed."""
+        self._salt(job_id, salt)
+
     def prefix_hit(self, job_id: str, num_tokens: int, tokens: Tokens,
                    max_host: int | None = None) -> PrefixHit:
         """The longest cached prefix of the job's first ``num_tokens`` positions, in full blocks,

@@ -242,6 +242,7 @@ class KVCacheManager(PrefixCacheOps):
         """Release a finished or aborted job's KV; the last reference to a block an in-flight
         step or swap still touches goes when that step completes."""
         self._hashes.pop(job_id, None)
+        self._salted_roots.pop(job_id, None)
         kv = self._jobs.pop(job_id, None)
         if kv is None:
             return

@@ -37,10 +37,16 @@ def root_hash(key: str) -> BlockHash:
     return hashlib.sha256(b"fastserve-prefix\0" + key.encode()).digest()
 
 
+def salted_root(root: BlockHash, salt: str) -> BlockHash:
+    """The root of a salted request's chain (vLLM's ``cache_salt``): its blocks hash apart from
+    every unsalted or differently salted request's, so only the same salt finds them."""
+    return hashlib.sha256(root + b"\0cache-salt\0" + salt.encode()).digest()
+
+
 def hash_block(parent: BlockHash, tokens: Sequence[int], extra: bytes = b"") -> BlockHash:
     """Chained hash of one full block: its parent's hash, its token ids, ``extra`` (per-request
-    keys such as a cache salt or an adapter; empty today). SHA-256, so distinct prefixes never
-    share KV by a hash collision."""
+    keys such as an adapter; empty today: a cache salt goes in the root, ``salted_root``).
+    SHA-256, so distinct prefixes never share KV by a hash collision."""
     h = hashlib.sha256(parent)
     h.update(array("q", tokens).tobytes())
     h.update(extra)

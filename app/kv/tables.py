@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from actors.messages import blocks_for
-from app.kv.prefix import BlockHash, TierBlocks, hash_blocks, root_hash
+from app.kv.prefix import BlockHash, TierBlocks, hash_blocks, root_hash, salted_root
 
 #: The job id a cache spill's swap-out carries (the data plane only copies blocks).
 SPILL_JOB = "prefix-cache"
@@ -87,6 +87,7 @@ class KVState:
         self._root = root_hash(config.prefix_cache_key)
         self._jobs: dict[str, _JobKV] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
+        self._salted_roots: dict[str, BlockHash] = {}   # jobs with a cache salt: their chain's root
         self._steps: dict[int, _StepReleases] = {}
         self._evicted: list[tuple[int, BlockHash]] = []   # device evictions not yet spilled
         self.device_releasing = 0   # device references in-flight steps let go of on completion
@@ -118,9 +119,14 @@ class KVState:
     def _job_hashes(self, job_id: str, n: int, tokens: Tokens) -> list[BlockHash]:
         have = self._hashes.setdefault(job_id, [])
         if len(have) < n:
-            parent = have[-1] if have else self._root
+            parent = have[-1] if have else self._salted_roots.get(job_id, self._root)
             have.extend(hash_blocks(parent, tokens(), self.block_size, len(have), n))
         return have[:n]
+
+    def _salt(self, job_id: str, salt: str) -> None:
+        if job_id in self._hashes:
+            raise ValueError(f"job {job_id}: salted after its blocks were hashed")
+        self._salted_roots[job_id] = salted_root(self._root, salt)
 
     def _settled(self, job_id: str, tier: Tier) -> _JobKV:
         kv = self._jobs.get(job_id)

@@ -92,8 +92,10 @@ class JobRequest:
     sampling: SamplingParams
     arrival: float | None = None
     #: Request priority (vLLM's field; lower = more urgent): shifts the MLFQ entry level by this
-    #: many levels, clamped to the existing ones. Single-level policies ignore it.
+    #: many levels, clamped to the existing ones (the config refuses it for one-level policies).
     priority: int = 0
+    #: Only jobs with the same salt share prefix-cache blocks (vLLM's ``cache_salt``).
+    cache_salt: str | None = None
 
 
 @dataclass

@@ -139,6 +139,8 @@ class Scheduler:
             raise AdmissionQueueFull(
                 f"{s.num_unadmitted} jobs already wait for admission "
                 f"(admission_queue_limit={s.config.admission_queue_limit})")
+        if isinstance(req, JobRequest) and req.cache_salt is not None:
+            s.kv.salt(job.job_id, req.cache_salt)   # before the lookup: its chain starts there
         # Skip-join places it by the prompt it must compute: what the prefix cache lacks now.
         job.cached_at_arrival = s.kv.prefix_hit(job.job_id, job.prompt_len, job.tokens).tokens
         self.applier.add(job, self._entry_level(job), now)

@@ -126,6 +126,8 @@ class RequestPreparer:
         self._check_model(req.model)
         limits = self.ctx.limits
         req.check_limits(limits.max_stop_strings, limits.max_stop_string_chars, limits.max_choices)
+        if req.cache_salt is not None and not req.cache_salt:
+            raise bad_request("cache_salt must be a non-empty string if provided", "cache_salt")
         if req.priority and not limits.allow_priority:
             # As vLLM without its priority policy: refused, not dropped (any caller could jump
             # the queue, so the config must ask for it).
@@ -150,7 +152,7 @@ class RequestPreparer:
                               "stop_token_ids")
         n = req.num_choices
         jobs = tuple(JobRequest(choice_job_id(request_id, i, n), tuple(ids), choice_sampling(sampling, i),
-                                priority=req.priority) for i in range(n))
+                                priority=req.priority, cache_salt=req.cache_salt) for i in range(n))
         return Prepared(req, jobs[0], chat, jobs, request_id)
 
     def refusal(self, code: ErrorCode, message: str, param: str | None) -> APIError:

@@ -13,7 +13,8 @@ What goes back (response bodies, stream chunks, ``usage``, stop strings) is ``ap
 Beyond OpenAI, as vLLM accepts them: ``top_k`` (0 or -1 disables it), ``ignore_eos`` (benchmark
 clients fix output lengths with it), ``return_token_ids`` (the generated ids beside the text), and
 ``priority`` (an integer, lower = more urgent: the MLFQ policies shift the job's entry level by it,
-clamped to the existing levels; single-level policies ignore it). Responses carry ``job_stats``: the scheduler's
+clamped to the existing levels; refused unless ``server.allow_priority``), and ``cache_salt`` (only
+requests with the same salt share prefix-cache blocks). Responses carry ``job_stats``: the scheduler's
 per-job accounting (queueing, execution and swap-blocked seconds, demotions, promotions, swaps).
 
 Every other field a client may send is honoured or refused by the table in ``app.server.request_fields``
@@ -99,6 +100,9 @@ class _GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0
+    #: vLLM's: salts the prefix cache's hash chain, so only requests with the same salt share
+    #: cached KV (one tenant cannot probe another's prompts by timing).
+    cache_salt: str | None = None
     return_token_ids: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True

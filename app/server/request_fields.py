@@ -8,10 +8,10 @@ Honoured (declared on the request models in ``app.server.protocol``): ``model``,
 with ``top_logprobs``; completions: an int), ``n``, ``best_of`` (only 1 or n), ``stream``,
 ``stream_options``, ``skip_special_tokens``, ``spaces_between_special_tokens`` (only true: our
 byte-level decode is the fast tokenizer's, which never inserts spaces), ``priority``,
-``return_token_ids``.
+``cache_salt``, ``return_token_ids``.
 
 Accepted because they change no output: ``HARMLESS`` (``user``, ``metadata``, ``store``,
-``service_tier``, ``cache_salt``; we keep no prefix cache to salt).
+``service_tier``).
 
 Refused with a 400 naming the field, unless the value is the one that changes nothing
 (``REFUSED``: field → the values that are no-ops):
@@ -48,7 +48,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "cache_salt"})
+HARMLESS = frozenset({"user", "metadata", "store", "service_tier"})
 
 _NONE: tuple[Any, ...] = ()
 _FALSE: tuple[Any, ...] = (False,)

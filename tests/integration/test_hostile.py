@@ -34,7 +34,8 @@ GOOD_PROMPTS = ("Hello there", "The capital of France is", "Once upon a time", "
 ODD_VALUES: list[Any] = [None, True, -1, 0, 1, 2**63, -(2**63), 1e308, -1e-300, 1e-300, 3.7, "", "x" * 5000,
                          "12", [], [1, 2], {"a": 1}, "\u202e\u200bé\U0001f600", [-5], [10**9], ["a", "b"]]
 FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "n", "priority", "model",
-          "prompt", "ignore_eos", "logprobs", "best_of", "stream_options", "return_token_ids", "echo")
+          "prompt", "ignore_eos", "logprobs", "best_of", "stream_options", "return_token_ids", "echo",
+          "cache_salt")
 CHAT_FIELDS = ("messages", "max_tokens", "temperature", "stop", "stream", "model")
 ODD_MESSAGES: list[Any] = [[], [{"role": "user"}], [{"role": "wizard", "content": "hi"}],
                            [{"role": "user", "content": 5}], [{"content": "hi"}], "hi", [[]],

@@ -527,6 +527,18 @@ def test_api_key_is_required(server: Server) -> None:
     assert httpx.get(server.url("/health"), timeout=30).status_code == 200   # probes need no key
 
 
+def test_a_cache_salt_shares_a_prefix_only_with_the_same_salt(server: Server) -> None:
+    prompt = [2, *range(1000, 1047)]    # 48 tokens: 2 full blocks of 16 can come from the cache
+
+    def cached(salt: str | None) -> int:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, **({} if salt is None else {"cache_salt": salt})}
+        resp = httpx.post(server.url("/v1/completions"), json=body, headers=AUTH, timeout=REQUEST_TIMEOUT_S)
+        assert resp.status_code == 200, resp.text
+        return int(resp.json()["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0))
+
+    assert [cached("tenant-a"), cached("tenant-a"), cached("tenant-b"), cached(None)] == [0, 32, 0, 0]
+
+
 def kv_usage(m: Scrape) -> float:
     return m.total("fastserve:kv_cache_usage_perc")
 

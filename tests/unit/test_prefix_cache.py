@@ -191,6 +191,28 @@ def test_skip_join_places_a_job_by_its_uncached_suffix_and_charges_only_that(cac
     assert s.totals["prefix_cache_hits"] == (60 if cache else 0)
 
 
+@pytest.mark.parametrize("warm_salt,next_salt,cached", [(None, None, 60), ("t1", "t1", 60), ("t1", None, 0),
+                                                         (None, "t1", 0), ("t1", "t2", 0)])
+def test_only_jobs_with_the_same_cache_salt_share_a_prefix(warm_salt: str | None, next_salt: str | None,
+                                                           cached: int) -> None:
+    s = scheduler(cache=True)
+    long = tuple(range(3, 63))
+    s.add(JobRequest("warm", long, greedy(1), cache_salt=warm_salt), 0.0)
+    now = finish(s, 0.0)
+    job = s.add(JobRequest("next", long + (99,), greedy(3), cache_salt=next_salt), now)
+    assert job.cached_at_arrival == cached
+    finish(s, now)
+    assert job.stats.cached_tokens == cached
+    assert s.state.kv._salted_roots == {}     # forgotten with the jobs
+
+
+def test_a_salt_after_the_first_lookup_is_refused() -> None:
+    kv = manager()
+    kv.prefix_hit("a", len(PREFIX), lambda: PREFIX)
+    with pytest.raises(ValueError, match="job a: salted after its blocks were hashed"):
+        kv.salt("a", "t1")
+
+
 def test_a_job_whose_prefix_is_on_the_host_is_not_ready_until_the_copy_lands() -> None:
     """Proactive: the first plan after the arrival fetches the host blocks (no entry for the
     job), the next runs only the uncached suffix."""

@@ -388,6 +388,18 @@ def test_priority_is_refused_unless_the_config_allows_it() -> None:
     assert off.requests[0].priority == 0 and on.requests[0].priority == -5
 
 
+def test_cache_salt_reaches_every_choice_and_an_empty_one_is_refused() -> None:
+    backend = FakeBackend(TEXT_IDS)
+    assert post_limited(backend, {"model": MODEL, "prompt": "x", "n": 2, "cache_salt": "tenant-7"}).status_code == 200
+    assert [r.cache_salt for r in backend.requests] == ["tenant-7", "tenant-7"]
+    assert post_limited(backend, {"model": MODEL, "prompt": "x"}).status_code == 200
+    assert backend.requests[-1].cache_salt is None
+    for bad in ("", 7, ["a"]):
+        resp = post_limited(backend, {"model": MODEL, "prompt": "x", "cache_salt": bad})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "cache_salt", bad
+    assert len(backend.requests) == 3
+
+
 def test_a_request_past_its_timeout_ends_with_504_or_an_error_event_and_is_aborted() -> None:
     backend = HangingBackend(TEXT_IDS)
     resp = post_limited(backend, {"model": MODEL, "prompt": "x"}, request_timeout_s=0.3)

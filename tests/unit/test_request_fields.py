@@ -74,7 +74,7 @@ def test_no_op_values_and_harmless_fields_are_accepted(field: str, value: Any) -
 
 
 def test_unknown_fields_are_refused_and_harmless_ones_listed() -> None:
-    assert {"user", "metadata", "store", "service_tier", "cache_salt"} == HARMLESS
+    assert {"user", "metadata", "store", "service_tier"} == HARMLESS
     err = post(script(), CMPL, body(False, thinking_budget=5)).json()["error"]
     assert err == {"message": "unknown field 'thinking_budget': this server does not support it",
                    "type": "invalid_request_error", "param": "thinking_budget", "code": None}
