@@ -9,6 +9,7 @@ for its own layers and heads, so one plan addresses the whole pipeline.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -44,6 +45,8 @@ class SamplingParams:
     over prompt and generated tokens) divides positive logits by it and multiplies negative ones.
     ``logprobs`` (None = not asked) returns the sampled token's log-probability and that many
     most likely alternatives, of the model's raw distribution (before penalties and temperature).
+    ``logit_bias`` (OpenAI's, as (token id, bias) pairs by id) is added to those tokens' logits
+    before penalties, masks and temperature, so it steers greedy decoding too.
     """
 
     max_tokens: int = 16
@@ -59,6 +62,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the offending value."""
@@ -80,6 +84,9 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not math.isfinite(bias):
+                raise ValueError(f"logit_bias entry {token}: {bias} needs a token id >= 0 and a finite bias")
 
     @property
     def greedy(self) -> bool:

@@ -2,7 +2,8 @@
 top-k, top-p, per-request seeds, and logprobs.
 
 In vLLM's order: the logprobs a row asked for are taken from the raw logits (``log_softmax``
-before anything below changes them); then a row with a ``SamplingContext`` gets its repetition,
+before anything below changes them); then a row's ``logit_bias`` is added; then a row with a
+``SamplingContext`` gets its repetition,
 frequency and presence penalties and its ``min_tokens`` mask (EOS and stop ids at -inf); then
 greedy rows take the argmax. Other rows are scaled by temperature, filtered by min-p, top-k then
 top-p (the smallest set of tokens whose probability reaches ``top_p``; the most likely token always
@@ -72,6 +73,7 @@ class Sampler:
             finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float64)).tolist()
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None and finite[i]]
         raw_logprobs = torch.log_softmax(logits[lp_rows].float(), dim=-1) if lp_rows else None
+        logits = add_logit_bias(logits, params, finite)
         if contexts is not None:
             logits = self._adjusted(logits, params, contexts, finite)
         if any(p.greedy for p in params) and (greedy is None or logits is not raw):
@@ -161,6 +163,25 @@ class Sampler:
         (tests). Raises ``ValueError`` where the batched path gives ``None``."""
         probs = filtered_probs(row.float().cpu(), p)
         return draw(probs, self._generator(p, step))
+
+
+def add_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams], finite: list[bool]) -> torch.Tensor:
+    """``logits`` with each row's ``logit_bias`` added (a copy; the same tensor when no row has
+    one). A row naming a token outside the vocabulary is marked not ``finite``: its job alone
+    fails (the ingress refuses such a request, so only a caller that skipped it gets here)."""
+    rows = [i for i, p in enumerate(params) if p.logit_bias and finite[i]]
+    if not rows:
+        return logits
+    out = logits.clone()
+    vocab = logits.shape[-1]
+    for i in rows:
+        ids = [t for t, _ in params[i].logit_bias]
+        if max(ids) >= vocab:
+            log.warning("logit_bias names a token outside the vocabulary of %d", vocab)
+            finite[i] = False
+            continue
+        out[i, ids] += torch.tensor([b for _, b in params[i].logit_bias], dtype=out.dtype, device=out.device)
+    return out
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:

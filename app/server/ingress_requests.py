@@ -146,10 +146,12 @@ class RequestPreparer:
             validate_request(ids, sampling, self.ctx.vocab_size, self.ctx.context_len)
         except RequestError as exc:
             raise self.refusal(exc.code, str(exc), "messages" if chat else "prompt") from None
-        bad = [t for t in sampling.stop_token_ids if not 0 <= t < self.ctx.vocab_size]
-        if bad:
-            raise bad_request(f"stop token id {bad[0]} is outside the vocabulary [0, {self.ctx.vocab_size})",
-                              "stop_token_ids")
+        named = (("stop_token_ids", "stop token id", sampling.stop_token_ids),
+                 ("logit_bias", "logit_bias token id", [t for t, _ in sampling.logit_bias]))
+        for param, what, tokens in named:
+            bad = [t for t in tokens if not 0 <= t < self.ctx.vocab_size]
+            if bad:
+                raise bad_request(f"{what} {bad[0]} is outside the vocabulary [0, {self.ctx.vocab_size})", param)
         n = req.num_choices
         jobs = tuple(JobRequest(choice_job_id(request_id, i, n), tuple(ids), choice_sampling(sampling, i),
                                 priority=req.priority, cache_salt=req.cache_salt) for i in range(n))

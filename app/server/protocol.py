@@ -40,6 +40,8 @@ INVALID_REQUEST = "invalid_request_error"
 MAX_LOGPROBS = 20
 #: OpenAI's range for ``presence_penalty`` and ``frequency_penalty``.
 MAX_ABS_PENALTY = 2.0
+#: OpenAI's range for a ``logit_bias`` value; larger ones are clamped to it, as vLLM does.
+MAX_ABS_LOGIT_BIAS = 100.0
 
 
 class APIError(Exception):
@@ -95,6 +97,8 @@ class _GenerationRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    #: Token id (a string, as JSON keys are) → bias added to its logit.
+    logit_bias: dict[str, float] | None = None
     n: int | None = None
     best_of: int | None = None
     stream: bool = False
@@ -192,7 +196,18 @@ class _GenerationRequest(BaseModel):
                               top_k=top_k, seed=self.seed, stop_token_ids=tuple(self.stop_token_ids or ()),
                               ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, min_p=min_p,
                               presence_penalty=presence, frequency_penalty=frequency,
-                              repetition_penalty=repetition, logprobs=self.logprob_count())
+                              repetition_penalty=repetition, logprobs=self.logprob_count(),
+                              logit_bias=self.logit_bias_pairs())
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs by id, each bias clamped to ±100 (OpenAI's
+        range, as vLLM clamps); the vocabulary bound is the ingress's, which knows the model."""
+        pairs: dict[int, float] = {}
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise bad_request(f"logit_bias key {key!r} is not a token id (a non-negative integer)", "logit_bias")
+            pairs[int(key)] = min(MAX_ABS_LOGIT_BIAS, max(-MAX_ABS_LOGIT_BIAS, bias))
+        return tuple(sorted(pairs.items()))
 
 
 class CompletionRequest(_GenerationRequest):

@@ -4,7 +4,7 @@ vLLM's ``ChatCompletionRequest`` / ``CompletionRequest`` (and OpenAI's) define.
 Honoured (declared on the request models in ``app.server.protocol``): ``model``, ``prompt`` /
 ``messages``, ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k``,
 ``min_p``, ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``,
-``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logprobs`` (chat: bool,
+``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logit_bias``, ``logprobs`` (chat: bool,
 with ``top_logprobs``; completions: an int), ``n``, ``best_of`` (only 1 or n), ``stream``,
 ``stream_options``, ``skip_special_tokens``, ``spaces_between_special_tokens`` (only true: our
 byte-level decode is the fast tokenizer's, which never inserts spaces), ``priority``,
@@ -22,7 +22,6 @@ Refused with a 400 naming the field, unless the value is the one that changes no
 | ``tools`` | ``[]`` |
 | ``tool_choice`` | ``"none"`` |
 | ``parallel_tool_calls``, ``functions``, ``function_call`` | — |
-| ``logit_bias`` | ``{}`` |
 | ``echo`` (completions) | ``false`` |
 | ``suffix`` (completions) | ``""`` |
 | ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` | — |
@@ -59,7 +58,6 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "tools": ([],),
     "tool_choice": ("none",),
     "parallel_tool_calls": _NONE, "functions": _NONE, "function_call": _NONE,
-    "logit_bias": ({},),
     "echo": _FALSE,
     "suffix": ("",),
     **{name: _NONE for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",

@@ -497,7 +497,7 @@ ERROR_CASES: list[tuple[str, Any, int, dict[str, Any]]] = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, {"param": "top_p"}),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, {"param": "max_tokens"}),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 17}, 400, {"param": "n"}),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 1}}, 400, {"param": "logit_bias"}),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"99999": 1}}, 400, {"param": "logit_bias"}),
     ("/v1/completions", {"model": MODEL, "prompt": [99999]}, 400, {"param": "prompt"}),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400,
      {"param": "messages[0].role"}),
@@ -525,6 +525,14 @@ def test_api_key_is_required(server: Server) -> None:
         assert resp.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(server.url("/v1/models"), timeout=30).status_code == 401
     assert httpx.get(server.url("/health"), timeout=30).status_code == 200   # probes need no key
+
+
+def test_logit_bias_forces_its_token_through_the_real_sampler(server: Server) -> None:
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True, "temperature": 0,
+            "logit_bias": {"1437": 100}, "return_token_ids": True}
+    resp = httpx.post(server.url("/v1/completions"), json=body, headers=AUTH, timeout=REQUEST_TIMEOUT_S)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["token_ids"] == [1437] * 4
 
 
 def test_a_cache_salt_shares_a_prefix_only_with_the_same_salt(server: Server) -> None:

@@ -388,6 +388,20 @@ def test_priority_is_refused_unless_the_config_allows_it() -> None:
     assert off.requests[0].priority == 0 and on.requests[0].priority == -5
 
 
+def test_logit_bias_reaches_the_sampling_params_clamped_and_bad_keys_are_refused() -> None:
+    backend = FakeBackend(TEXT_IDS)
+    body = {"model": MODEL, "prompt": "x", "logit_bias": {"7": -300, "5": 2.5, " 9": 100}}
+    assert post_limited(backend, body).status_code == 200
+    assert backend.requests[0].sampling.logit_bias == ((5, 2.5), (7, -100.0), (9, 100.0))
+    for bad, message in (({"a": 1}, "logit_bias key 'a' is not a token id (a non-negative integer)"),
+                         ({"-3": 1}, "logit_bias key '-3' is not a token id (a non-negative integer)"),
+                         ({str(VOCAB): 1}, f"logit_bias token id {VOCAB} is outside the vocabulary [0, {VOCAB})")):
+        resp = post_limited(backend, {"model": MODEL, "prompt": "x", "logit_bias": bad})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "logit_bias"
+        assert resp.json()["error"]["message"] == message
+    assert len(backend.requests) == 1
+
+
 def test_cache_salt_reaches_every_choice_and_an_empty_one_is_refused() -> None:
     backend = FakeBackend(TEXT_IDS)
     assert post_limited(backend, {"model": MODEL, "prompt": "x", "n": 2, "cache_salt": "tenant-7"}).status_code == 200

@@ -48,7 +48,7 @@ def body(chat: bool, **fields: Any) -> dict[str, Any]:
 # ---- refused ----------------------------------------------------------------------------------
 
 BAD_VALUE: dict[str, Any] = {"response_format": {"type": "json_object"}, "tools": [{"type": "function"}],
-                             "tool_choice": "auto", "logit_bias": {"5": 1.0}, "echo": True,
+                             "tool_choice": "auto", "echo": True,
                              "suffix": "end", "add_generation_prompt": False, "length_penalty": 2.0,
                              "bad_words": ["x"]}
 

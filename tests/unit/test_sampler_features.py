@@ -102,3 +102,28 @@ def test_a_batch_without_features_is_not_copied() -> None:
     sampler._adjusted = lambda *a: seen.append(real(*a)) or seen[-1]  # type: ignore[method-assign]
     sampler.sample(logits, [GREEDY, GREEDY], [0, 0], [None, None])
     assert seen[0] is logits
+
+
+def test_logit_bias_steers_greedy_and_sampled_rows_and_leaves_logprobs_raw() -> None:
+    # ROW's argmax is token 0 (2.0); +1.5 on token 4 makes it 2.5, the new argmax.
+    steer = SamplingParams(temperature=0.0, logit_bias=((4, 1.5),), logprobs=0)
+    tokens, lps = Sampler().sample_with_logprobs(ROW.repeat(2, 1), [steer, GREEDY], [0, 0])
+    assert tokens == [4, 0]
+    assert math.isclose(lps[0].logprob, float(torch.log_softmax(ROW, -1)[0, 4]), abs_tol=1e-6)
+    # -100 on the argmax leaves token 4 (1.0) on top; +100 on token 1 makes a sampled row certain.
+    banned = SamplingParams(temperature=0.0, logit_bias=((0, -100.0),))
+    forced = SamplingParams(temperature=1.0, seed=3, logit_bias=((1, 100.0),))
+    for step in range(10):
+        assert Sampler().sample(ROW.repeat(2, 1), [banned, forced], [step, step]) == [4, 1]
+
+
+def test_logit_bias_naming_a_token_outside_the_vocabulary_fails_only_its_row() -> None:
+    bad = SamplingParams(temperature=0.0, logit_bias=((99, 1.0),))
+    assert Sampler().sample(ROW.repeat(2, 1), [bad, GREEDY], [0, 0]) == [None, 0]
+
+
+def test_logit_bias_entries_are_checked() -> None:
+    with pytest.raises(ValueError, match="logit_bias entry -1: 1.0 needs a token id >= 0 and a finite bias"):
+        SamplingParams(logit_bias=((-1, 1.0),)).validate()
+    with pytest.raises(ValueError, match="logit_bias entry 3: nan"):
+        SamplingParams(logit_bias=((3, float("nan")),)).validate()
