@@ -139,7 +139,8 @@ class OpenAIServer(RequestPreparer):
         reading it.
         """
         decoder = IncrementalDecoder(self.ctx.tokenizer, prep.prompt_ids, prep.req.skip_special_tokens)
-        matcher = StopStringMatcher(prep.req.stop_strings())
+        include_stop = prep.req.include_stop_str_in_output
+        matcher = StopStringMatcher(prep.req.stop_strings(), include_stop)
         min_tokens = prep.req.min_tokens
         count = 0
         done = False
@@ -152,8 +153,8 @@ class OpenAIServer(RequestPreparer):
                 delay.observe(delta.emitted_at)
                 text, ids = [], []
                 # A job the scheduler stopped on EOS or a stop token id: that token counts as
-                # generated but is not text (vLLM).
-                last_silent = delta.finish_reason == "stop"
+                # generated but is not text, unless include_stop_str_in_output (vLLM).
+                last_silent = delta.finish_reason == "stop" and not include_stop
                 for k, token_id in enumerate(delta.token_ids):
                     ids.append(token_id)
                     count += 1

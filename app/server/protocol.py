@@ -110,6 +110,8 @@ class _GenerationRequest(BaseModel):
     return_token_ids: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    #: vLLM's: the matched stop string, or the stop token's text, stays in the output.
+    include_stop_str_in_output: bool = False
 
     @property
     def include_usage(self) -> bool:

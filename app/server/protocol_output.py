@@ -22,10 +22,12 @@ class StopStringMatcher:
     ``push(delta)`` returns the text that is safe to send: everything except the last
     ``len(longest stop) - 1`` characters, which could still begin a stop string. ``flush()``
     releases the rest at the end. Once a stop string matches, ``stopped`` is True and nothing
-    after its start is ever released.
+    after its start (``include``: after its end, vLLM's ``include_stop_str_in_output``) is ever
+    released. The earliest match wins; at one position, the first in the list.
     """
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    def __init__(self, stop: Sequence[str], include: bool = False) -> None:
+        self._include = include
         self._stop = [s for s in stop if s]
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._text = ""
@@ -45,9 +47,10 @@ class StopStringMatcher:
         start = max(0, len(self._text) - self._hold)
         self._text += delta
         if self._stop and check:
-            hits = [i for i in (self._text.find(s, start) for s in self._stop) if i >= 0]
+            hits = [(i, k) for k, i in enumerate(self._text.find(s, start) for s in self._stop) if i >= 0]
             if hits:
-                self._text = self._text[: min(hits)]
+                at, k = min(hits)
+                self._text = self._text[: at + (len(self._stop[k]) if self._include else 0)]
                 self.stopped = True
                 return self._release(len(self._text))
         return self._release(max(self._sent, len(self._text) - self._hold))

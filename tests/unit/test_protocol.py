@@ -129,6 +129,16 @@ def test_stop_string_matcher_holds_back_split_stops() -> None:
     assert m.push("abc") == "abc" and m.flush() == ""
 
 
+def test_stop_string_matcher_keeps_the_match_when_asked() -> None:
+    m = StopStringMatcher(["STOP", "xy"], include=True)
+    sent = [m.push(d) for d in ["ab", "cS", "TO", "Pzz"]]
+    assert "".join(sent) + m.flush() == "abcSTOP" and m.stopped
+    m = StopStringMatcher(["ST", "STOP", "b"], include=True)     # earliest wins: "b" at 1
+    assert m.push("abSTOP") + m.flush() == "ab"
+    m = StopStringMatcher(["ST", "STOP"], include=True)          # one position: the first listed
+    assert m.push("aSTOP") + m.flush() == "aST"
+
+
 # ---- the HTTP layer over a scripted backend --------------------------------------------------
 
 def client(backend: FakeBackend, api_key: str | None = None) -> httpx.AsyncClient:

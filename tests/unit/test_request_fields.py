@@ -116,6 +116,14 @@ def test_a_stop_token_counts_as_generated_but_is_not_text() -> None:
     assert resp["usage"]["completion_tokens"] == len(IDS) + 1
 
 
+def test_include_stop_str_in_output_keeps_the_stop_token_and_the_stop_string() -> None:
+    stop = TOK.encode("!", add_special_tokens=False)[0]
+    resp = post(script("stop", IDS + [stop]), CMPL, body(False, stop_token_ids=[stop], include_stop_str_in_output=True))
+    assert resp.json()["choices"][0]["text"] == "Hello world!"
+    choice = post(script(), CMPL, body(False, stop=" wor", include_stop_str_in_output=True)).json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == ("Hello wor", "stop")
+
+
 def test_skip_special_tokens_false_keeps_special_text() -> None:
     eos = TOK.eos_token_id
     kept = post(script("stop", IDS + [eos, IDS[0]]), CMPL, body(False, skip_special_tokens=False)).json()
