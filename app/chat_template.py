@@ -17,6 +17,10 @@ This module owns:
   text is tokenized like a completion prompt (OPT's leading ``</s>``).
 * `ChatTemplateError`: a conversation the template refuses (``raise_exception``, a role sequence
   it does not support) or cannot render; the ingress answers it with a 400 naming the reason.
+* `ChatOptions`: vLLM's chat request options — ``add_generation_prompt``,
+  ``continue_final_message`` (the prompt ends inside the final message, cut as transformers cuts
+  it, so the model continues that text) and ``chat_template_kwargs`` (extra template variables;
+  a template that does not read one renders as without it, as in transformers and vLLM).
 
 Plain ``jinja2`` rather than transformers itself: importing transformers' tokenizer classes
 pulls in torch, which the CPU-only ingress never loads (see ``app.tokenizer``).
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -38,9 +43,11 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 __all__ = [
     "ASSISTANT_ROLE",
+    "DEFAULT_CHAT_OPTIONS",
     "OPT_FALLBACK",
     "SYSTEM_ROLE",
     "USER_ROLE",
+    "ChatOptions",
     "ChatTemplate",
     "ChatTemplateError",
     "apply_chat_template",
@@ -55,7 +62,54 @@ _RENDER_ERRORS = (jinja2.TemplateError, TypeError, ValueError, LookupError, Attr
 
 
 class ChatTemplateError(ValueError):
-    """A conversation the chat template refuses or cannot render; the message says why."""
+    """A conversation the chat template refuses or cannot render; the message says why, and
+    ``param`` which request field is at fault."""
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+#: Names the renderer passes itself: a ``chat_template_kwargs`` key may not replace them.
+_RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How a conversation becomes a prompt (vLLM's chat request fields, its defaults)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def check(self, special_tokens: Mapping[str, str]) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true",
+                                    "continue_final_message")
+        taken = sorted(set(self.template_kwargs) & (_RESERVED_VARIABLES | set(special_tokens)))
+        if taken:
+            raise ChatTemplateError(f"chat_template_kwargs may not set '{taken[0]}': the server passes it",
+                                    "chat_template_kwargs")
+
+
+DEFAULT_CHAT_OPTIONS = ChatOptions()
+
+
+def continue_final_message(rendered: str, messages: Sequence[Mapping[str, Any]]) -> str:
+    """``rendered`` cut right after the final message's text, as transformers'
+    ``apply_chat_template(continue_final_message=True)`` cuts it (whatever the template wrote
+    after it, an end-of-turn token, is dropped)."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise ChatTemplateError("continue_final_message needs a final message with text to continue")
+    stripped = final.strip()
+    at = rendered.rfind(stripped)
+    if at < 0:
+        raise ChatTemplateError("continue_final_message: the chat template does not write the final "
+                                "message's text into the prompt")
+    kept = final.lstrip()
+    end = at + (len(kept) if rendered[at:at + len(kept)] == kept else len(stripped))
+    return rendered[:end]
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -152,17 +206,21 @@ class ChatTemplate:
             raise ValueError(f"chat template{where} does not compile: {exc.message} "
                              f"(line {exc.lineno})") from None
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text ``apply_chat_template(messages, add_generation_prompt, tokenize=False)``
-        gives. Raises `ChatTemplateError` naming why the template refused the conversation."""
+    def render(self, messages: Sequence[Mapping[str, Any]],
+               options: ChatOptions = DEFAULT_CHAT_OPTIONS) -> str:
+        """The prompt text ``apply_chat_template(messages, add_generation_prompt,
+        continue_final_message, tokenize=False, **chat_template_kwargs)`` gives. Raises
+        `ChatTemplateError` naming why the options or the template refused the conversation."""
+        options.check(self._special_tokens)
         chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
-            return self._template.render(messages=chat, tools=None, documents=None,
-                                         add_generation_prompt=add_generation_prompt,
-                                         **self._special_tokens)
+            text = self._template.render(messages=chat, tools=None, documents=None,
+                                         add_generation_prompt=options.add_generation_prompt,
+                                         **self._special_tokens, **options.template_kwargs)
         except _RENDER_ERRORS as exc:
             raise ChatTemplateError(f"the model's chat template refused these messages: "
                                     f"{type(exc).__name__}: {exc}") from None
+        return continue_final_message(text, chat) if options.continue_final_message else text
 
 
 # ---- the fallback format (models without a template) ------------------------------------------
@@ -176,14 +234,15 @@ _TURN_SEPARATOR = "\n"
 _GENERATION_PROMPT = _ROLE_PREFIX[ASSISTANT_ROLE]
 
 
-def apply_chat_template(messages: Sequence[Mapping[str, str]]) -> str:
+def apply_chat_template(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
     """Render chat messages in the project's format for models without a template (OPT):
 
     * one line per message, ``"<Role>: <content>"`` with Role in System / User / Assistant and the
       content stripped of surrounding whitespace (an empty content leaves just ``"<Role>:"``);
     * system messages come first (in their given order), then the others in their given order;
     * lines are joined by a single newline, and the prompt ends with a final ``"Assistant:"`` line
-      (no trailing space: the model's first token usually carries its own leading space).
+      (no trailing space: the model's first token usually carries its own leading space) unless
+      ``add_generation_prompt`` is false.
 
     Example: ``[{"role": "user", "content": "Hi"}]`` -> ``"User: Hi\\nAssistant:"``.
 
@@ -201,7 +260,8 @@ def apply_chat_template(messages: Sequence[Mapping[str, str]]) -> str:
         text = content.strip()
         line = f"{_ROLE_PREFIX[role]} {text}" if text else _ROLE_PREFIX[role]
         (system_lines if role == SYSTEM_ROLE else turn_lines).append(line)
-    return _TURN_SEPARATOR.join([*system_lines, *turn_lines, _GENERATION_PROMPT])
+    prompt = [_GENERATION_PROMPT] if add_generation_prompt else []
+    return _TURN_SEPARATOR.join([*system_lines, *turn_lines, *prompt])
 
 
 class _FallbackTemplate(ChatTemplate):
@@ -213,8 +273,11 @@ class _FallbackTemplate(ChatTemplate):
         self.source = ""
         self._special_tokens = {}
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        return apply_chat_template(messages)
+    def render(self, messages: Sequence[Mapping[str, Any]],
+               options: ChatOptions = DEFAULT_CHAT_OPTIONS) -> str:
+        options.check(self._special_tokens)
+        text = apply_chat_template(messages, options.add_generation_prompt)
+        return continue_final_message(text, messages) if options.continue_final_message else text
 
 
 OPT_FALLBACK: ChatTemplate = _FallbackTemplate()

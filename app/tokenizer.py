@@ -39,7 +39,7 @@ from typing import Any
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _RustTokenizer
 
-from app.chat_template import OPT_FALLBACK, ChatTemplate
+from app.chat_template import DEFAULT_CHAT_OPTIONS, OPT_FALLBACK, ChatOptions, ChatTemplate
 from app.detokenizer import IncrementalDecoder
 
 __all__ = [
@@ -306,11 +306,12 @@ class Tokenizer:
         """Text of `ids`. Ids the tokenizer does not know (OPT's 7 padding rows) are skipped."""
         return str(self._rust.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """The ids of a chat prompt: the folder's template with the generation prompt (or the
-        fallback format), as transformers' ``apply_chat_template(messages,
-        add_generation_prompt=True, tokenize=True)``. Raises ``ChatTemplateError``."""
-        text = self.chat_template.render(messages, add_generation_prompt=True)
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]],
+                    options: ChatOptions = DEFAULT_CHAT_OPTIONS) -> list[int]:
+        """The ids of a chat prompt: the folder's template (or the fallback format), as
+        transformers' ``apply_chat_template(messages, tokenize=True)`` with ``options`` (by
+        default the generation prompt). Raises ``ChatTemplateError``."""
+        text = self.chat_template.render(messages, options)
         return self.encode(text, add_special_tokens=self.chat_template.add_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:

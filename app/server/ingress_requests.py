@@ -111,9 +111,10 @@ class RequestPreparer:
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, raw)
         self._check_request(req)
         try:   # the model's own template (its specials written by it), or the OPT fallback
-            ids = self.ctx.tokenizer.encode_chat([m.as_template_message() for m in req.messages])
+            ids = self.ctx.tokenizer.encode_chat([m.as_template_message() for m in req.messages],
+                                                 req.chat_options())
         except ChatTemplateError as exc:
-            raise bad_request(str(exc), "messages") from None
+            raise bad_request(str(exc), exc.param) from None
         room = self.ctx.context_len - len(ids)
         if room < 1:
             raise bad_request(

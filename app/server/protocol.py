@@ -30,6 +30,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from actors.messages import SamplingParams
+from app.chat_template import ChatOptions
 from app.server.request_fields import refused_field
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's legacy completions default
@@ -263,6 +264,13 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    #: vLLM's chat options (``app.chat_template.ChatOptions``).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def chat_options(self) -> ChatOptions:
+        return ChatOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs or {})
 
     def logprob_count(self) -> int | None:
         if self.top_logprobs is not None:

@@ -8,7 +8,8 @@ Honoured (declared on the request models in ``app.server.protocol``): ``model``,
 with ``top_logprobs``; completions: an int), ``n``, ``best_of`` (only 1 or n), ``stream``,
 ``stream_options``, ``skip_special_tokens``, ``spaces_between_special_tokens`` (only true: our
 byte-level decode is the fast tokenizer's, which never inserts spaces), ``priority``,
-``cache_salt``, ``return_token_ids``, ``include_stop_str_in_output``.
+``cache_salt``, ``return_token_ids``, ``include_stop_str_in_output``; chat only:
+``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``.
 
 Accepted because they change no output: ``HARMLESS`` (``user``, ``metadata``, ``store``,
 ``service_tier``).
@@ -31,10 +32,9 @@ Refused with a 400 naming the field, unless the value is the one that changes no
 | ``logits_processors``, ``vllm_xargs``, ``kv_transfer_params``, ``request_id``, ``prompt_embeds`` | — |
 | ``bad_words`` | ``[]`` |
 | ``use_beam_search`` | ``false`` |
-| ``return_tokens_as_token_ids``, ``continue_final_message`` | ``false`` |
+| ``return_tokens_as_token_ids`` | ``false`` |
 | ``length_penalty`` | ``1.0`` (beam search only) |
-| ``add_generation_prompt`` | ``true`` (our template always adds it) |
-| ``add_special_tokens``, ``chat_template``, ``chat_template_kwargs``, ``documents``, ``mm_processor_kwargs`` | — |
+| ``add_special_tokens``, ``chat_template``, ``documents``, ``mm_processor_kwargs`` | — |
 | ``reasoning_effort``, ``include_reasoning``, ``prediction``, ``modalities``, ``audio``, ``web_search_options`` | — |
 
 ``null`` is a no-op for every field. Any other field is refused as unknown (it might change the
@@ -67,10 +67,9 @@ REFUSED: dict[str, tuple[Any, ...]] = {
                                 "logits_processors", "vllm_xargs", "kv_transfer_params",
                                 "request_id", "prompt_embeds")},
     "bad_words": ([],),
-    **{name: _FALSE for name in ("use_beam_search", "return_tokens_as_token_ids", "continue_final_message")},
+    **{name: _FALSE for name in ("use_beam_search", "return_tokens_as_token_ids")},
     "length_penalty": (1.0,),
-    "add_generation_prompt": (True,),
-    **{name: _NONE for name in ("add_special_tokens", "chat_template", "chat_template_kwargs",
+    **{name: _NONE for name in ("add_special_tokens", "chat_template",
                                 "documents", "mm_processor_kwargs", "reasoning_effort",
                                 "include_reasoning", "prediction", "modalities", "audio",
                                 "web_search_options")},

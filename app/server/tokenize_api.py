@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.chat_template import ChatTemplateError
+from app.chat_template import ChatOptions, ChatTemplateError
 from app.server.protocol import APIError, ChatMessage, bad_request, parse_request
 from app.server.request_limits import read_body
 
@@ -48,8 +48,9 @@ class TokenizeChatRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: Literal[True] = True
-    continue_final_message: Literal[False] = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
     return_token_strs: bool | None = False
 
@@ -90,9 +91,10 @@ def tokenize_response(ctx: ServerContext, raw: bytes) -> dict[str, Any]:
     if isinstance(req, TokenizeChatRequest):
         template = tok.chat_template
         try:
-            text = template.render([m.as_template_message() for m in req.messages], add_generation_prompt=True)
+            options = ChatOptions(req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs or {})
+            text = template.render([m.as_template_message() for m in req.messages], options)
         except ChatTemplateError as exc:
-            raise bad_request(str(exc), "messages") from None
+            raise bad_request(str(exc), exc.param) from None
         ids = tok.encode(text, add_special_tokens=template.add_special_tokens or req.add_special_tokens)
     else:
         ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)

@@ -41,8 +41,10 @@ def hf_tokenizer(folder: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
 
-def hf_chat_ids(folder: Path, messages: list[dict[str, str]]) -> list[int]:
-    """transformers' ``apply_chat_template(messages, add_generation_prompt=True, tokenize=True)``."""
-    out = hf_tokenizer(folder).apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def hf_chat_ids(folder: Path, messages: list[dict[str, str]], **options: Any) -> list[int]:
+    """transformers' ``apply_chat_template(messages, add_generation_prompt=True, tokenize=True)``,
+    ``options`` (``continue_final_message``, template variables ...) overriding."""
+    options = {"add_generation_prompt": True, **options}
+    out = hf_tokenizer(folder).apply_chat_template(messages, tokenize=True, **options)
     ids = out["input_ids"] if not isinstance(out, list) else out
     return [int(i) for i in ids]

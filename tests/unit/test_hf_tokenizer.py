@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from app.chat_template import ChatTemplateError
+from app.chat_template import OPT_FALLBACK, ChatOptions, ChatTemplate, ChatTemplateError
 from app.config_model import ModelArgs
 from app.detokenizer import IncrementalDecoder
 from app.tokenizer import Tokenizer, TokenizerLoadError, load_tokenizer
@@ -105,6 +105,53 @@ def test_smollm2_template_injects_its_default_system_prompt(smol: Tokenizer) -> 
     assert smol.decode(ids, skip_special_tokens=False) == (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
         "<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+
+
+PARTIAL_ANSWER = [*NO_SYSTEM, {"role": "assistant", "content": "The capital of France is"}]
+
+
+def test_smollm2_continue_final_message_equals_transformers(smol: Tokenizer) -> None:
+    options = ChatOptions(add_generation_prompt=False, continue_final_message=True)
+    ids = smol.encode_chat(PARTIAL_ANSWER, options)
+    assert ids == hf_chat_ids(smol.directory, PARTIAL_ANSWER, add_generation_prompt=False,
+                              continue_final_message=True)
+    assert smol.decode(ids, skip_special_tokens=False).endswith(
+        "<|im_start|>assistant\nThe capital of France is")    # no <|im_end|>: the model goes on
+
+
+def test_smollm2_without_the_generation_prompt_equals_transformers(smol: Tokenizer) -> None:
+    ids = smol.encode_chat(NO_SYSTEM, ChatOptions(add_generation_prompt=False))
+    assert ids == hf_chat_ids(smol.directory, NO_SYSTEM, add_generation_prompt=False)
+    assert smol.decode(ids, skip_special_tokens=False).endswith("France?<|im_end|>\n")
+
+
+def test_chat_template_kwargs_reach_the_template_and_may_not_replace_the_servers() -> None:
+    template = ChatTemplate("{{ greeting }}{% for m in messages %}{{ m.content }}{% endfor %}", {"bos_token": "<s>"})
+    assert template.render(NO_SYSTEM[:1], ChatOptions(template_kwargs={"greeting": "Hey: "})) == \
+        "Hey: What is the capital of France?"
+    assert template.render(NO_SYSTEM[:1]) == "What is the capital of France?"   # unread: as without it
+    for key in ("messages", "add_generation_prompt", "bos_token"):
+        with pytest.raises(ChatTemplateError, match=f"chat_template_kwargs may not set '{key}'") as info:
+            template.render(NO_SYSTEM, ChatOptions(template_kwargs={key: "x"}))
+        assert info.value.param == "chat_template_kwargs"
+
+
+def test_continue_final_message_refusals() -> None:
+    template = ChatTemplate("{% for m in messages %}{{ m.role }}{% endfor %}", {})
+    with pytest.raises(ChatTemplateError, match="cannot both be true"):
+        template.render(PARTIAL_ANSWER, ChatOptions(continue_final_message=True))
+    cont = ChatOptions(add_generation_prompt=False, continue_final_message=True)
+    with pytest.raises(ChatTemplateError, match="does not write the final message's text"):
+        template.render(PARTIAL_ANSWER, cont)
+    with pytest.raises(ChatTemplateError, match="needs a final message with text"):
+        template.render([*NO_SYSTEM, {"role": "assistant", "content": "  "}], cont)
+
+
+def test_the_fallback_format_honours_both_options() -> None:
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure, "}]
+    assert OPT_FALLBACK.render(chat[:1], ChatOptions(add_generation_prompt=False)) == "User: Hi"
+    assert OPT_FALLBACK.render(chat, ChatOptions(add_generation_prompt=False, continue_final_message=True)) == \
+        "User: Hi\nAssistant: Sure,"
 
 
 @pytest.mark.parametrize("text", MULTIBYTE)

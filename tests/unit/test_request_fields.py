@@ -49,7 +49,7 @@ def body(chat: bool, **fields: Any) -> dict[str, Any]:
 
 BAD_VALUE: dict[str, Any] = {"response_format": {"type": "json_object"}, "tools": [{"type": "function"}],
                              "tool_choice": "auto", "echo": True,
-                             "suffix": "end", "add_generation_prompt": False, "length_penalty": 2.0,
+                             "suffix": "end", "length_penalty": 2.0,
                              "bad_words": ["x"]}
 
 
@@ -122,6 +122,18 @@ def test_include_stop_str_in_output_keeps_the_stop_token_and_the_stop_string() -
     assert resp.json()["choices"][0]["text"] == "Hello world!"
     choice = post(script(), CMPL, body(False, stop=" wor", include_stop_str_in_output=True)).json()["choices"][0]
     assert (choice["text"], choice["finish_reason"]) == ("Hello wor", "stop")
+
+
+def test_chat_options_shape_the_prompt_the_job_gets() -> None:
+    backend = script()
+    partial = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, "}]
+    fields = {"messages": partial, "add_generation_prompt": False, "continue_final_message": True}
+    assert post(backend, CHAT, body(True, **fields)).status_code == 200
+    assert backend.requests[0].prompt_ids == tuple(TOK.encode("User: hi\nAssistant: Sure,"))
+    err = post(backend, CHAT, body(True, continue_final_message=True)).json()["error"]
+    assert err["param"] == "continue_final_message" and len(backend.requests) == 1
+    err = post(backend, CMPL, body(False, continue_final_message=True)).json()["error"]
+    assert err["message"] == "unknown field 'continue_final_message': this server does not support it"
 
 
 def test_skip_special_tokens_false_keeps_special_text() -> None:
