@@ -63,3 +63,12 @@ def test_demo_answers_the_capital_of_france_and_streams_the_same_text(server: Se
     streamed = _chat(server, stream=True)
     assert streamed.status_code == 200, streamed.text
     assert _streamed_text(streamed) == (answer, "stop")
+
+
+def test_demo_continues_a_partial_assistant_message(server: Server) -> None:
+    partial = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+    body = {"model": MODEL, "messages": partial, "max_tokens": 4, "temperature": 0,
+            "add_generation_prompt": False, "continue_final_message": True}
+    resp = httpx.post(server.url("/v1/chat/completions"), headers=AUTH, json=body, timeout=REQUEST_TIMEOUT_S)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"].startswith(" Paris")
