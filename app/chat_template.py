@@ -81,6 +81,8 @@ class ChatOptions:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    #: The tokenizer's specials (BOS) on top of what the template writes.
+    add_special_tokens: bool = False
 
     def check(self, special_tokens: Mapping[str, str]) -> None:
         if self.add_generation_prompt and self.continue_final_message:

@@ -312,7 +312,7 @@ class Tokenizer:
         transformers' ``apply_chat_template(messages, tokenize=True)`` with ``options`` (by
         default the generation prompt). Raises ``ChatTemplateError``."""
         text = self.chat_template.render(messages, options)
-        return self.encode(text, add_special_tokens=self.chat_template.add_special_tokens)
+        return self.encode(text, add_special_tokens=self.chat_template.add_special_tokens or options.add_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The UTF-8 bytes one id contributes to the text (OpenAI logprobs' ``bytes``): exact for

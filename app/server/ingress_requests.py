@@ -103,7 +103,9 @@ class RequestPreparer:
     def prepare_completion(self, raw: bytes) -> Prepared:
         req: CompletionRequest = parse_request(CompletionRequest, raw)
         self._check_request(req)
-        ids = self.ctx.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        ids = (self.ctx.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+               if isinstance(req.prompt, str) else list(req.prompt))
+        ids = req.truncated(ids, self.ctx.context_len)
         sampling = req.to_sampling(DEFAULT_COMPLETION_MAX_TOKENS)
         return self._prepared(req, f"cmpl-{uuid.uuid4().hex}", ids, sampling, False)
 
@@ -115,6 +117,7 @@ class RequestPreparer:
                                                  req.chat_options())
         except ChatTemplateError as exc:
             raise bad_request(str(exc), exc.param) from None
+        ids = req.truncated(ids, self.ctx.context_len)
         room = self.ctx.context_len - len(ids)
         if room < 1:
             raise bad_request(

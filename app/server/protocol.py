@@ -113,6 +113,8 @@ class _GenerationRequest(BaseModel):
     spaces_between_special_tokens: bool = True
     #: vLLM's: the matched stop string, or the stop token's text, stays in the output.
     include_stop_str_in_output: bool = False
+    #: vLLM's: keep only the prompt's last k tokens (-1: the model's context).
+    truncate_prompt_tokens: int | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -143,6 +145,18 @@ class _GenerationRequest(BaseModel):
                               f"{max_stop_chars} allowed (server.max_stop_string_chars)", "stop")
         if max_choices is not None and self.num_choices > max_choices:
             raise bad_request(f"n must be at most {max_choices} (server.max_choices), got {self.n}", "n")
+
+    def truncated(self, ids: list[int], context_len: int) -> list[int]:
+        """``ids`` left-truncated to ``truncate_prompt_tokens`` (vLLM's: the last k tokens)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k == -1:
+            k = context_len
+        if k < 1:
+            raise bad_request(f"truncate_prompt_tokens must be >= 1 or -1, got {self.truncate_prompt_tokens}",
+                              "truncate_prompt_tokens")
+        return ids[-k:]
 
     def check_unsupported(self) -> None:
         refused = refused_field(self.model_extra or {})
@@ -215,6 +229,8 @@ class _GenerationRequest(BaseModel):
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[int]
+    #: vLLM's: a text prompt gets the tokenizer's specials (BOS); token ids are used as sent.
+    add_special_tokens: bool = True
     #: Legacy completions: how many top alternatives per token (0 = only the sampled token's).
     logprobs: int | None = None
 
@@ -268,9 +284,12 @@ class ChatCompletionRequest(_GenerationRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    #: vLLM's: the tokenizer's specials on top of what the template writes.
+    add_special_tokens: bool = False
 
     def chat_options(self) -> ChatOptions:
-        return ChatOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs or {})
+        return ChatOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs or {},
+                           self.add_special_tokens)
 
     def logprob_count(self) -> int | None:
         if self.top_logprobs is not None:

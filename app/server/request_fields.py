@@ -8,8 +8,9 @@ Honoured (declared on the request models in ``app.server.protocol``): ``model``,
 with ``top_logprobs``; completions: an int), ``n``, ``best_of`` (only 1 or n), ``stream``,
 ``stream_options``, ``skip_special_tokens``, ``spaces_between_special_tokens`` (only true: our
 byte-level decode is the fast tokenizer's, which never inserts spaces), ``priority``,
-``cache_salt``, ``return_token_ids``, ``include_stop_str_in_output``; chat only:
-``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``.
+``cache_salt``, ``return_token_ids``, ``include_stop_str_in_output``, ``truncate_prompt_tokens``,
+``add_special_tokens`` (completions: default true; chat: on top of the template's, default
+false); chat only: ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``.
 
 Accepted because they change no output: ``HARMLESS`` (``user``, ``metadata``, ``store``,
 ``service_tier``).
@@ -28,13 +29,13 @@ Refused with a 400 naming the field, unless the value is the one that changes no
 | ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` | — |
 | ``guided_decoding_backend``, ``guided_whitespace_pattern``, ``structural_tag`` | — |
 | ``structured_outputs`` | — |
-| ``prompt_logprobs``, ``allowed_token_ids``, ``truncate_prompt_tokens`` | — |
+| ``prompt_logprobs``, ``allowed_token_ids`` | — |
 | ``logits_processors``, ``vllm_xargs``, ``kv_transfer_params``, ``request_id``, ``prompt_embeds`` | — |
 | ``bad_words`` | ``[]`` |
 | ``use_beam_search`` | ``false`` |
 | ``return_tokens_as_token_ids`` | ``false`` |
 | ``length_penalty`` | ``1.0`` (beam search only) |
-| ``add_special_tokens``, ``chat_template``, ``documents``, ``mm_processor_kwargs`` | — |
+| ``chat_template``, ``documents``, ``mm_processor_kwargs`` | — |
 | ``reasoning_effort``, ``include_reasoning``, ``prediction``, ``modalities``, ``audio``, ``web_search_options`` | — |
 
 ``null`` is a no-op for every field. Any other field is refused as unknown (it might change the
@@ -63,14 +64,12 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     **{name: _NONE for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
                                 "guided_decoding_backend", "guided_whitespace_pattern",
                                 "structural_tag", "structured_outputs")},
-    **{name: _NONE for name in ("prompt_logprobs", "allowed_token_ids", "truncate_prompt_tokens",
-                                "logits_processors", "vllm_xargs", "kv_transfer_params",
-                                "request_id", "prompt_embeds")},
+    **{name: _NONE for name in ("prompt_logprobs", "allowed_token_ids", "logits_processors", "vllm_xargs",
+                                "kv_transfer_params", "request_id", "prompt_embeds")},
     "bad_words": ([],),
     **{name: _FALSE for name in ("use_beam_search", "return_tokens_as_token_ids")},
     "length_penalty": (1.0,),
-    **{name: _NONE for name in ("add_special_tokens", "chat_template",
-                                "documents", "mm_processor_kwargs", "reasoning_effort",
+    **{name: _NONE for name in ("chat_template", "documents", "mm_processor_kwargs", "reasoning_effort",
                                 "include_reasoning", "prediction", "modalities", "audio",
                                 "web_search_options")},
 }

@@ -147,6 +147,12 @@ def test_continue_final_message_refusals() -> None:
         template.render([*NO_SYSTEM, {"role": "assistant", "content": "  "}], cont)
 
 
+def test_add_special_tokens_puts_the_tokenizers_bos_before_the_templates(llama3: Tokenizer) -> None:
+    plain = llama3.encode_chat(NO_SYSTEM)
+    assert plain[0] == LLAMA3_BOS   # the template wrote it
+    assert llama3.encode_chat(NO_SYSTEM, ChatOptions(add_special_tokens=True)) == [LLAMA3_BOS, *plain]
+
+
 def test_the_fallback_format_honours_both_options() -> None:
     chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure, "}]
     assert OPT_FALLBACK.render(chat[:1], ChatOptions(add_generation_prompt=False)) == "User: Hi"

@@ -136,6 +136,21 @@ def test_chat_options_shape_the_prompt_the_job_gets() -> None:
     assert err["message"] == "unknown field 'continue_final_message': this server does not support it"
 
 
+def test_add_special_tokens_and_truncate_prompt_tokens_shape_the_prompt_ids() -> None:
+    backend = script()
+    for fields in ({}, {"add_special_tokens": False}, {"prompt": [5, 6, 7, 8], "truncate_prompt_tokens": 2},
+                   {"prompt": [5, 6, 7, 8], "truncate_prompt_tokens": -1}):
+        assert post(backend, CMPL, body(False, **fields)).status_code == 200
+    assert [r.prompt_ids for r in backend.requests] == [
+        tuple(TOK.encode("hi")), tuple(TOK.encode("hi", add_special_tokens=False)), (7, 8), (5, 6, 7, 8)]
+    assert TOK.encode("hi")[0] == TOK.bos_token_id != TOK.encode("hi", add_special_tokens=False)[0]
+    err = post(backend, CMPL, body(False, truncate_prompt_tokens=0)).json()["error"]
+    assert (err["param"], err["message"]) == ("truncate_prompt_tokens",
+                                              "truncate_prompt_tokens must be >= 1 or -1, got 0")
+    assert post(backend, CHAT, body(True, truncate_prompt_tokens=1)).status_code == 200
+    assert len(backend.requests[-1].prompt_ids) == 1
+
+
 def test_skip_special_tokens_false_keeps_special_text() -> None:
     eos = TOK.eos_token_id
     kept = post(script("stop", IDS + [eos, IDS[0]]), CMPL, body(False, skip_special_tokens=False)).json()
