@@ -46,7 +46,8 @@ class SamplingParams:
     ``logprobs`` (None = not asked) returns the sampled token's log-probability and that many
     most likely alternatives, of the model's raw distribution (before penalties and temperature).
     ``logit_bias`` (OpenAI's, as (token id, bias) pairs by id) is added to those tokens' logits
-    before penalties, masks and temperature, so it steers greedy decoding too.
+    before penalties, masks and temperature, so it steers greedy decoding too;
+    ``allowed_token_ids`` (vLLM's; None = all) keeps only those tokens sampleable.
     """
 
     max_tokens: int = 16
@@ -63,6 +64,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the offending value."""
@@ -84,6 +86,9 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.allowed_token_ids is not None and (not self.allowed_token_ids or min(self.allowed_token_ids) < 0):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids >= 0, got "
+                             f"{list(self.allowed_token_ids)}")
         for token, bias in self.logit_bias:
             if token < 0 or not math.isfinite(bias):
                 raise ValueError(f"logit_bias entry {token}: {bias} needs a token id >= 0 and a finite bias")

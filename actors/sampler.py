@@ -2,7 +2,8 @@
 top-k, top-p, per-request seeds, and logprobs.
 
 In vLLM's order: the logprobs a row asked for are taken from the raw logits (``log_softmax``
-before anything below changes them); then a row's ``logit_bias`` is added; then a row with a
+before anything below changes them); then a row's ``allowed_token_ids`` leave only those tokens
+and its ``logit_bias`` is added; then a row with a
 ``SamplingContext`` gets its repetition,
 frequency and presence penalties and its ``min_tokens`` mask (EOS and stop ids at -inf); then
 greedy rows take the argmax. Other rows are scaled by temperature, filtered by min-p, top-k then
@@ -73,7 +74,7 @@ class Sampler:
             finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float64)).tolist()
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None and finite[i]]
         raw_logprobs = torch.log_softmax(logits[lp_rows].float(), dim=-1) if lp_rows else None
-        logits = add_logit_bias(logits, params, finite)
+        logits = steer_logits(logits, params, finite)
         if contexts is not None:
             logits = self._adjusted(logits, params, contexts, finite)
         if any(p.greedy for p in params) and (greedy is None or logits is not raw):
@@ -165,22 +166,31 @@ class Sampler:
         return draw(probs, self._generator(p, step))
 
 
-def add_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams], finite: list[bool]) -> torch.Tensor:
-    """``logits`` with each row's ``logit_bias`` added (a copy; the same tensor when no row has
-    one). A row naming a token outside the vocabulary is marked not ``finite``: its job alone
-    fails (the ingress refuses such a request, so only a caller that skipped it gets here)."""
-    rows = [i for i, p in enumerate(params) if p.logit_bias and finite[i]]
+def steer_logits(logits: torch.Tensor, params: Sequence[SamplingParams], finite: list[bool]) -> torch.Tensor:
+    """``logits`` with each row's ``allowed_token_ids`` (every other token at -inf) and
+    ``logit_bias`` applied (a copy; the same tensor when no row has either). A row naming a
+    token outside the vocabulary is marked not ``finite``: its job alone fails (the ingress
+    refuses such a request, so only a caller that skipped it gets here)."""
+    rows = [i for i, p in enumerate(params) if (p.logit_bias or p.allowed_token_ids is not None) and finite[i]]
     if not rows:
         return logits
     out = logits.clone()
     vocab = logits.shape[-1]
     for i in rows:
-        ids = [t for t, _ in params[i].logit_bias]
+        p = params[i]
+        ids = [t for t, _ in p.logit_bias] + list(p.allowed_token_ids or ())
         if max(ids) >= vocab:
-            log.warning("logit_bias names a token outside the vocabulary of %d", vocab)
+            log.warning("allowed_token_ids or logit_bias names a token outside the vocabulary of %d", vocab)
             finite[i] = False
             continue
-        out[i, ids] += torch.tensor([b for _, b in params[i].logit_bias], dtype=out.dtype, device=out.device)
+        if p.allowed_token_ids is not None:
+            kept = list(p.allowed_token_ids)
+            row = torch.full_like(out[i], float("-inf"))
+            row[kept] = out[i, kept]
+            out[i] = row
+        if p.logit_bias:
+            out[i, [t for t, _ in p.logit_bias]] += torch.tensor([b for _, b in p.logit_bias], dtype=out.dtype,
+                                                                   device=out.device)
     return out
 
 

@@ -151,7 +151,8 @@ class RequestPreparer:
         except RequestError as exc:
             raise self.refusal(exc.code, str(exc), "messages" if chat else "prompt") from None
         named = (("stop_token_ids", "stop token id", sampling.stop_token_ids),
-                 ("logit_bias", "logit_bias token id", [t for t, _ in sampling.logit_bias]))
+                 ("logit_bias", "logit_bias token id", [t for t, _ in sampling.logit_bias]),
+                 ("allowed_token_ids", "allowed token id", sampling.allowed_token_ids or ()))
         for param, what, tokens in named:
             bad = [t for t in tokens if not 0 <= t < self.ctx.vocab_size]
             if bad:

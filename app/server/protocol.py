@@ -100,6 +100,8 @@ class _GenerationRequest(BaseModel):
     repetition_penalty: float | None = None
     #: Token id (a string, as JSON keys are) → bias added to its logit.
     logit_bias: dict[str, float] | None = None
+    #: vLLM's: only these tokens may be sampled.
+    allowed_token_ids: list[int] | None = None
     n: int | None = None
     best_of: int | None = None
     stream: bool = False
@@ -214,7 +216,14 @@ class _GenerationRequest(BaseModel):
                               ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, min_p=min_p,
                               presence_penalty=presence, frequency_penalty=frequency,
                               repetition_penalty=repetition, logprobs=self.logprob_count(),
-                              logit_bias=self.logit_bias_pairs())
+                              logit_bias=self.logit_bias_pairs(), allowed_token_ids=self.allowed_ids())
+
+    def allowed_ids(self) -> tuple[int, ...] | None:
+        if self.allowed_token_ids is None:
+            return None
+        if not self.allowed_token_ids or min(self.allowed_token_ids) < 0:
+            raise bad_request("allowed_token_ids must be a non-empty list of token ids >= 0", "allowed_token_ids")
+        return tuple(sorted(set(self.allowed_token_ids)))
 
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
         """``logit_bias`` as (token id, bias) pairs by id, each bias clamped to ±100 (OpenAI's

@@ -9,6 +9,7 @@ with ``top_logprobs``; completions: an int), ``n``, ``best_of`` (only 1 or n), `
 ``stream_options``, ``skip_special_tokens``, ``spaces_between_special_tokens`` (only true: our
 byte-level decode is the fast tokenizer's, which never inserts spaces), ``priority``,
 ``cache_salt``, ``return_token_ids``, ``include_stop_str_in_output``, ``truncate_prompt_tokens``,
+``allowed_token_ids``,
 ``add_special_tokens`` (completions: default true; chat: on top of the template's, default
 false); chat only: ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``.
 
@@ -29,7 +30,7 @@ Refused with a 400 naming the field, unless the value is the one that changes no
 | ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` | — |
 | ``guided_decoding_backend``, ``guided_whitespace_pattern``, ``structural_tag`` | — |
 | ``structured_outputs`` | — |
-| ``prompt_logprobs``, ``allowed_token_ids`` | — |
+| ``prompt_logprobs`` | — |
 | ``logits_processors``, ``vllm_xargs``, ``kv_transfer_params``, ``request_id``, ``prompt_embeds`` | — |
 | ``bad_words`` | ``[]`` |
 | ``use_beam_search`` | ``false`` |
@@ -64,7 +65,7 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     **{name: _NONE for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
                                 "guided_decoding_backend", "guided_whitespace_pattern",
                                 "structural_tag", "structured_outputs")},
-    **{name: _NONE for name in ("prompt_logprobs", "allowed_token_ids", "logits_processors", "vllm_xargs",
+    **{name: _NONE for name in ("prompt_logprobs", "logits_processors", "vllm_xargs",
                                 "kv_transfer_params", "request_id", "prompt_embeds")},
     "bad_words": ([],),
     **{name: _FALSE for name in ("use_beam_search", "return_tokens_as_token_ids")},

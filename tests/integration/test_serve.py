@@ -527,9 +527,11 @@ def test_api_key_is_required(server: Server) -> None:
     assert httpx.get(server.url("/health"), timeout=30).status_code == 200   # probes need no key
 
 
-def test_logit_bias_forces_its_token_through_the_real_sampler(server: Server) -> None:
-    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True, "temperature": 0,
-            "logit_bias": {"1437": 100}, "return_token_ids": True}
+@pytest.mark.parametrize("steer", [{"logit_bias": {"1437": 100}}, {"allowed_token_ids": [1437]}])
+def test_logit_bias_and_allowed_token_ids_force_a_token_through_the_real_sampler(
+        server: Server, steer: dict[str, Any]) -> None:
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True, "temperature": 0.8,
+            "return_token_ids": True, **steer}
     resp = httpx.post(server.url("/v1/completions"), json=body, headers=AUTH, timeout=REQUEST_TIMEOUT_S)
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["token_ids"] == [1437] * 4

@@ -412,6 +412,19 @@ def test_logit_bias_reaches_the_sampling_params_clamped_and_bad_keys_are_refused
     assert len(backend.requests) == 1
 
 
+def test_allowed_token_ids_reach_the_sampling_params_and_bad_ones_are_refused() -> None:
+    backend = FakeBackend(TEXT_IDS)
+    assert post_limited(backend, {"model": MODEL, "prompt": "x", "allowed_token_ids": [3, 1, 3]}).status_code == 200
+    assert backend.requests[0].sampling.allowed_token_ids == (1, 3)
+    for bad, message in (([], "allowed_token_ids must be a non-empty list of token ids >= 0"),
+                         ([-1], "allowed_token_ids must be a non-empty list of token ids >= 0"),
+                         ([VOCAB], f"allowed token id {VOCAB} is outside the vocabulary [0, {VOCAB})")):
+        resp = post_limited(backend, {"model": MODEL, "prompt": "x", "allowed_token_ids": bad})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "allowed_token_ids"
+        assert resp.json()["error"]["message"] == message
+    assert len(backend.requests) == 1
+
+
 def test_cache_salt_reaches_every_choice_and_an_empty_one_is_refused() -> None:
     backend = FakeBackend(TEXT_IDS)
     assert post_limited(backend, {"model": MODEL, "prompt": "x", "n": 2, "cache_salt": "tenant-7"}).status_code == 200

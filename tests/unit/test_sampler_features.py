@@ -127,3 +127,17 @@ def test_logit_bias_entries_are_checked() -> None:
         SamplingParams(logit_bias=((-1, 1.0),)).validate()
     with pytest.raises(ValueError, match="logit_bias entry 3: nan"):
         SamplingParams(logit_bias=((3, float("nan")),)).validate()
+
+
+def test_allowed_token_ids_leave_only_those_tokens() -> None:
+    # ROW = [2.0, -1.0, 0.5, -0.5, 1.0]: among tokens 1 and 3 the greedy pick is 3 (-0.5).
+    only = SamplingParams(temperature=0.0, allowed_token_ids=(1, 3))
+    biased = SamplingParams(temperature=0.0, allowed_token_ids=(1, 3), logit_bias=((1, 1.0),))
+    assert Sampler().sample(ROW.repeat(3, 1), [only, biased, GREEDY], [0, 0, 0]) == [3, 1, 0]
+    drawn = {Sampler(s).sample(ROW, [SamplingParams(temperature=2.0, allowed_token_ids=(1, 3))], [s])[0]
+             for s in range(40)}
+    assert drawn == {1, 3}
+    outside = SamplingParams(temperature=0.0, allowed_token_ids=(1, 99))
+    assert Sampler().sample(ROW.repeat(2, 1), [outside, GREEDY], [0, 0]) == [None, 0]
+    with pytest.raises(ValueError, match=r"allowed_token_ids must be a non-empty list of token ids >= 0, got \[\]"):
+        SamplingParams(allowed_token_ids=()).validate()
