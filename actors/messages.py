@@ -47,7 +47,9 @@ class SamplingParams:
     most likely alternatives, of the model's raw distribution (before penalties and temperature).
     ``logit_bias`` (OpenAI's, as (token id, bias) pairs by id) is added to those tokens' logits
     before penalties, masks and temperature, so it steers greedy decoding too;
-    ``allowed_token_ids`` (vLLM's; None = all) keeps only those tokens sampleable.
+    ``allowed_token_ids`` (vLLM's; None = all) keeps only those tokens sampleable;
+    ``bad_words_ids`` (vLLM's ``bad_words``, tokenized at the ingress) bans a word's last token
+    whenever the tokens generated last are the rest of it (a one-token word: always).
     """
 
     max_tokens: int = 16
@@ -65,6 +67,7 @@ class SamplingParams:
     logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the offending value."""
@@ -89,6 +92,8 @@ class SamplingParams:
         if self.allowed_token_ids is not None and (not self.allowed_token_ids or min(self.allowed_token_ids) < 0):
             raise ValueError(f"allowed_token_ids must be a non-empty list of token ids >= 0, got "
                              f"{list(self.allowed_token_ids)}")
+        if any(not word or min(word) < 0 for word in self.bad_words_ids):
+            raise ValueError(f"bad_words_ids must hold non-empty token id sequences, got {self.bad_words_ids}")
         for token, bias in self.logit_bias:
             if token < 0 or not math.isfinite(bias):
                 raise ValueError(f"logit_bias entry {token}: {bias} needs a token id >= 0 and a finite bias")
@@ -109,10 +114,20 @@ class SamplingParams:
         suppress: tuple[int, ...] = ()
         if len(generated) < self.min_tokens:
             suppress = self.stop_token_ids + (() if self.ignore_eos else tuple(sorted(eos_token_ids)))
+        suppress += self.banned_words(generated)
         if not suppress and not self.uses_penalties:
             return None
         return SamplingContext(tuple(generated) if self.uses_penalties else (),
                                prompt_ids if self.repetition_penalty != 1.0 else (), suppress)
+
+    def banned_words(self, generated: Sequence[int]) -> tuple[int, ...]:
+        """The last tokens of the bad words the generated tail would complete next (vLLM's rule)."""
+        banned = []
+        for word in self.bad_words_ids:
+            head = len(word) - 1
+            if head == 0 or (len(generated) >= head and tuple(generated[len(generated) - head:]) == word[:-1]):
+                banned.append(word[-1])
+        return tuple(banned)
 
     def finish_reason(self, token_id: int, num_generated: int,
                       eos_token_ids: frozenset[int]) -> FinishReason | None:

@@ -76,29 +76,35 @@ def _logprob(value: float) -> float:
 
 class LogprobFormatter:
     """One choice's logprobs in the endpoint's shape, one delta at a time (the completions
-    ``text_offset`` runs on across deltas)."""
+    ``text_offset`` runs on across deltas, over the output text). ``as_ids``: each token is
+    named ``"token_id:<id>"`` (vLLM's ``return_tokens_as_token_ids``: a token that is not
+    valid UTF-8 on its own stays identifiable)."""
 
-    def __init__(self, tokenizer: Tokenizer, chat: bool) -> None:
+    def __init__(self, tokenizer: Tokenizer, chat: bool, as_ids: bool = False) -> None:
         self._tok = tokenizer
         self._chat = chat
+        self._as_ids = as_ids
         self._offset = 0
 
     def token_text(self, token_id: int) -> str:
         return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def token_name(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self._as_ids else self.token_text(token_id)
 
     def format(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs]) -> dict[str, Any]:
         if self._chat:
             return {"content": [self._chat_entry(t, lp) for t, lp in zip(token_ids, logprobs, strict=True)]}
         tokens, values, tops, offsets = [], [], [], []
         for token_id, lp in zip(token_ids, logprobs, strict=True):
-            text = self.token_text(token_id)
-            tokens.append(text)
+            name = self.token_name(token_id)
+            tokens.append(name)
             values.append(_logprob(lp.logprob))
-            top = {self.token_text(t): _logprob(v) for t, v in lp.top}
-            top.setdefault(text, _logprob(lp.logprob))   # OpenAI: the sampled token is always there
+            top = {self.token_name(t): _logprob(v) for t, v in lp.top}
+            top.setdefault(name, _logprob(lp.logprob))   # OpenAI: the sampled token is always there
             tops.append(top)
             offsets.append(self._offset)
-            self._offset += len(text)
+            self._offset += len(self.token_text(token_id))
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
     def _chat_entry(self, token_id: int, lp: TokenLogprobs) -> dict[str, Any]:
@@ -107,7 +113,7 @@ class LogprobFormatter:
         return entry
 
     def _alternative(self, token_id: int, value: float) -> dict[str, Any]:
-        return {"token": self.token_text(token_id), "logprob": _logprob(value),
+        return {"token": self.token_name(token_id), "logprob": _logprob(value),
                 "bytes": list(self._tok.token_bytes(token_id))}
 
 

@@ -226,7 +226,8 @@ class OpenAIServer(RequestPreparer):
         text: list[str] = []
         ids: list[int] = []
         logprobs: list[dict[str, Any]] = []
-        fmt = LogprobFormatter(self.ctx.tokenizer, prep.chat) if prep.req.logprob_count() is not None else None
+        fmt = (LogprobFormatter(self.ctx.tokenizer, prep.chat, prep.req.return_tokens_as_token_ids)
+               if prep.req.logprob_count() is not None else None)
         last = TokenDelta(prep.request_id)
         async for delta, delta_text in self.events(stream, prep):
             text.append(delta_text)
@@ -246,7 +247,7 @@ class OpenAIServer(RequestPreparer):
         created, model, rid = now_s(), self.ctx.model_name, prep.request_id
         want_usage, want_ids = prep.req.include_usage, prep.req.return_token_ids
         base: dict[str, Any] = {"usage": None} if want_usage else {}
-        fmts = [LogprobFormatter(self.ctx.tokenizer, prep.chat) for _ in streams] \
+        fmts = [LogprobFormatter(self.ctx.tokenizer, prep.chat, prep.req.return_tokens_as_token_ids) for _ in streams] \
             if prep.req.logprob_count() is not None else None
 
         def chunk(index: int, text: str, reason: str | None, delta_: TokenDelta, extra: dict[str, Any]) -> bytes:

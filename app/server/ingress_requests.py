@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import secrets
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from actors.messages import SamplingParams
 from app.chat_template import ChatTemplateError
@@ -60,6 +60,20 @@ class ServerContext:
         return cls(args.model.name, tokenizer, args.model.hf_config().vocab_size,
                    args.model.context_len(), srv.resolved_api_key(), srv.retry_after_s, limits,
                    allow_reset_prefix_cache=srv.allow_reset_prefix_cache)
+
+
+def bad_words_ids(tokenizer: Tokenizer, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's ``bad_words`` as token sequences: each word as written (left-stripped), and with a
+    leading space too when that is another token sequence of the same length (a word starting
+    mid-text)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        out.append(bare)
+        if len(spaced) == len(bare) and spaced[0] != bare[0]:
+            out.append(spaced)
+    return tuple(out)
 
 
 @dataclass
@@ -146,13 +160,15 @@ class RequestPreparer:
     def _prepared(self, req: CompletionRequest | ChatCompletionRequest, request_id: str, ids: list[int],
                   sampling: SamplingParams, chat: bool) -> Prepared:
         """The request's one validation (``validate_request``), then its ``JobRequest``."""
+        sampling = replace(sampling, bad_words_ids=bad_words_ids(self.ctx.tokenizer, req.bad_word_texts()))
         try:
             validate_request(ids, sampling, self.ctx.vocab_size, self.ctx.context_len)
         except RequestError as exc:
             raise self.refusal(exc.code, str(exc), "messages" if chat else "prompt") from None
         named = (("stop_token_ids", "stop token id", sampling.stop_token_ids),
                  ("logit_bias", "logit_bias token id", [t for t, _ in sampling.logit_bias]),
-                 ("allowed_token_ids", "allowed token id", sampling.allowed_token_ids or ()))
+                 ("allowed_token_ids", "allowed token id", sampling.allowed_token_ids or ()),
+                 ("bad_words", "bad_words token id", [t for w in sampling.bad_words_ids for t in w]))
         for param, what, tokens in named:
             bad = [t for t in tokens if not 0 <= t < self.ctx.vocab_size]
             if bad:

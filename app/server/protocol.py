@@ -102,6 +102,8 @@ class _GenerationRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     #: vLLM's: only these tokens may be sampled.
     allowed_token_ids: list[int] | None = None
+    #: vLLM's: words never generated (tokenized at the ingress, ``bad_words_ids``).
+    bad_words: list[str] | None = None
     n: int | None = None
     best_of: int | None = None
     stream: bool = False
@@ -115,6 +117,8 @@ class _GenerationRequest(BaseModel):
     spaces_between_special_tokens: bool = True
     #: vLLM's: the matched stop string, or the stop token's text, stays in the output.
     include_stop_str_in_output: bool = False
+    #: vLLM's: logprobs name each token "token_id:<id>".
+    return_tokens_as_token_ids: bool = False
     #: vLLM's: keep only the prompt's last k tokens (-1: the model's context).
     truncate_prompt_tokens: int | None = None
 
@@ -147,6 +151,12 @@ class _GenerationRequest(BaseModel):
                               f"{max_stop_chars} allowed (server.max_stop_string_chars)", "stop")
         if max_choices is not None and self.num_choices > max_choices:
             raise bad_request(f"n must be at most {max_choices} (server.max_choices), got {self.n}", "n")
+
+    def bad_word_texts(self) -> list[str]:
+        words = self.bad_words or []
+        if any(not w.strip() for w in words):
+            raise bad_request("bad_words must be non-empty strings", "bad_words")
+        return words
 
     def truncated(self, ids: list[int], context_len: int) -> list[int]:
         """``ids`` left-truncated to ``truncate_prompt_tokens`` (vLLM's: the last k tokens)."""

@@ -9,7 +9,7 @@ with ``top_logprobs``; completions: an int), ``n``, ``best_of`` (only 1 or n), `
 ``stream_options``, ``skip_special_tokens``, ``spaces_between_special_tokens`` (only true: our
 byte-level decode is the fast tokenizer's, which never inserts spaces), ``priority``,
 ``cache_salt``, ``return_token_ids``, ``include_stop_str_in_output``, ``truncate_prompt_tokens``,
-``allowed_token_ids``,
+``allowed_token_ids``, ``bad_words``, ``return_tokens_as_token_ids``,
 ``add_special_tokens`` (completions: default true; chat: on top of the template's, default
 false); chat only: ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``.
 
@@ -32,9 +32,7 @@ Refused with a 400 naming the field, unless the value is the one that changes no
 | ``structured_outputs`` | — |
 | ``prompt_logprobs`` | — |
 | ``logits_processors``, ``vllm_xargs``, ``kv_transfer_params``, ``request_id``, ``prompt_embeds`` | — |
-| ``bad_words`` | ``[]`` |
 | ``use_beam_search`` | ``false`` |
-| ``return_tokens_as_token_ids`` | ``false`` |
 | ``length_penalty`` | ``1.0`` (beam search only) |
 | ``chat_template``, ``documents``, ``mm_processor_kwargs`` | — |
 | ``reasoning_effort``, ``include_reasoning``, ``prediction``, ``modalities``, ``audio``, ``web_search_options`` | — |
@@ -67,8 +65,7 @@ REFUSED: dict[str, tuple[Any, ...]] = {
                                 "structural_tag", "structured_outputs")},
     **{name: _NONE for name in ("prompt_logprobs", "logits_processors", "vllm_xargs",
                                 "kv_transfer_params", "request_id", "prompt_embeds")},
-    "bad_words": ([],),
-    **{name: _FALSE for name in ("use_beam_search", "return_tokens_as_token_ids")},
+    "use_beam_search": _FALSE,
     "length_penalty": (1.0,),
     **{name: _NONE for name in ("chat_template", "documents", "mm_processor_kwargs", "reasoning_effort",
                                 "include_reasoning", "prediction", "modalities", "audio",

@@ -537,6 +537,15 @@ def test_logit_bias_and_allowed_token_ids_force_a_token_through_the_real_sampler
     assert resp.json()["choices"][0]["token_ids"] == [1437] * 4
 
 
+def test_bad_words_keep_a_word_out_through_the_scheduler_and_sampler(server: Server) -> None:
+    the, a = 5, 10      # " the" and " a" in OPT's vocabulary
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True, "temperature": 0.8,
+            "return_token_ids": True, "allowed_token_ids": [the, a], "bad_words": ["the"]}
+    resp = httpx.post(server.url("/v1/completions"), json=body, headers=AUTH, timeout=REQUEST_TIMEOUT_S)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["token_ids"] == [a] * 4
+
+
 def test_a_cache_salt_shares_a_prefix_only_with_the_same_salt(server: Server) -> None:
     prompt = [2, *range(1000, 1047)]    # 48 tokens: 2 full blocks of 16 can come from the cache
 

@@ -425,6 +425,17 @@ def test_allowed_token_ids_reach_the_sampling_params_and_bad_ones_are_refused() 
     assert len(backend.requests) == 1
 
 
+def test_bad_words_are_tokenized_as_written_and_after_a_space() -> None:
+    backend = FakeBackend(TEXT_IDS)
+    assert post_limited(backend, {"model": MODEL, "prompt": "x", "bad_words": ["Hello", " the"]}).status_code == 200
+    hello, spaced_hello = TOK.encode("Hello", add_special_tokens=False), TOK.encode(" Hello", add_special_tokens=False)
+    the, spaced_the = TOK.encode("the", add_special_tokens=False), TOK.encode(" the", add_special_tokens=False)
+    assert backend.requests[0].sampling.bad_words_ids == (tuple(hello), tuple(spaced_hello), tuple(the),
+                                                          tuple(spaced_the))
+    resp = post_limited(backend, {"model": MODEL, "prompt": "x", "bad_words": [" "]})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "bad_words"
+
+
 def test_cache_salt_reaches_every_choice_and_an_empty_one_is_refused() -> None:
     backend = FakeBackend(TEXT_IDS)
     assert post_limited(backend, {"model": MODEL, "prompt": "x", "n": 2, "cache_salt": "tenant-7"}).status_code == 200

@@ -181,6 +181,18 @@ def test_chat_logprobs_streaming_one_entry_per_token() -> None:
     assert [c["choices"][0]["logprobs"] for c in chunks] == [{"content": [chat_entry(i)]} for i in range(len(IDS))]
 
 
+def test_return_tokens_as_token_ids_names_every_logprob_token_by_id() -> None:
+    chat = post(script(), CHAT, body(True, logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True)).json()
+    entries = chat["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in entries] == [f"token_id:{t}" for t in IDS]
+    assert [[a["token"] for a in e["top_logprobs"]] for e in entries] == \
+        [[f"token_id:{t}" for t, _ in LP[i].top[:2]] for i in range(len(IDS))]
+    cmpl = post(script(), CMPL, body(False, logprobs=1, return_tokens_as_token_ids=True)).json()["choices"][0]
+    assert cmpl["logprobs"]["tokens"] == [f"token_id:{t}" for t in IDS]
+    assert cmpl["logprobs"]["text_offset"] == [0, len(TOK.decode(IDS[:1]))]   # offsets stay in the text
+    assert cmpl["text"] == "Hello world"
+
+
 def legacy(i: int, offset: int) -> dict[str, Any]:
     text = TOK.decode([IDS[i]], skip_special_tokens=False)
     top = {TOK.decode([t], skip_special_tokens=False): v for t, v in LP[i].top}

@@ -141,3 +141,17 @@ def test_allowed_token_ids_leave_only_those_tokens() -> None:
     assert Sampler().sample(ROW.repeat(2, 1), [outside, GREEDY], [0, 0]) == [None, 0]
     with pytest.raises(ValueError, match=r"allowed_token_ids must be a non-empty list of token ids >= 0, got \[\]"):
         SamplingParams(allowed_token_ids=()).validate()
+
+
+def test_bad_words_ban_a_words_last_token_when_the_tail_would_complete_it() -> None:
+    p = SamplingParams(bad_words_ids=((5,), (7, 8), (1, 2, 3)))
+    assert p.banned_words([]) == (5,)
+    assert p.banned_words([4, 7]) == (5, 8)
+    assert p.banned_words([1, 2]) == (5, 3)
+    assert p.banned_words([2]) == (5,)
+    ctx = SamplingParams(temperature=0.0, bad_words_ids=((0,), (2, 4))).context((9,), [2], frozenset())
+    assert ctx == SamplingContext(suppress_ids=(0, 4))
+    # ROW = [2.0, -1.0, 0.5, -0.5, 1.0]: with 0 and 4 banned the greedy pick is 2.
+    assert Sampler().sample(ROW, [SamplingParams(temperature=0.0)], [0], [ctx]) == [2]
+    with pytest.raises(ValueError, match="bad_words_ids must hold non-empty token id sequences"):
+        SamplingParams(bad_words_ids=((),)).validate()
