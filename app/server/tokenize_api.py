@@ -89,13 +89,12 @@ def tokenize_response(ctx: ServerContext, raw: bytes) -> dict[str, Any]:
     check_model(ctx, req.model)
     tok = ctx.tokenizer
     if isinstance(req, TokenizeChatRequest):
-        template = tok.chat_template
-        try:
-            options = ChatOptions(req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs or {})
-            text = template.render([m.as_template_message() for m in req.messages], options)
+        options = ChatOptions(req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs or {},
+                              req.add_special_tokens)
+        try:   # the chat endpoint's own encoding, so /tokenize gives the ids it would prefill
+            ids = tok.encode_chat([m.as_template_message() for m in req.messages], options)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), exc.param) from None
-        ids = tok.encode(text, add_special_tokens=template.add_special_tokens or req.add_special_tokens)
     else:
         ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     strs = [tok.id_to_token(i) or "" for i in ids] if req.return_token_strs else None
