@@ -2,7 +2,7 @@
 #
 #   GPU (A100/H100 nodes, CUDA 12; what rayservice-opt175b.yaml runs):
 #     docker build -t fastserve-ray:0.1.0-cu121 .
-#   ... with Ray Serve LLM (app.server.llm_server, config/serve-llm-demo.yaml):
+#   ... with Ray Serve LLM (fastserve.server.llm_server, config/serve-llm-demo.yaml):
 #     docker build -t fastserve-ray:0.1.0-cu121-llm --build-arg EXTRAS=gpu,serve-llm .
 #   CPU (the kind/minikube demo, rayservice-demo.yaml; CPU-only torch, ~1 GB smaller):
 #     docker build -t fastserve-ray:0.1.0-cpu --build-arg RAY_IMAGE=rayproject/ray:2.60.0-py311-cpu \
@@ -20,14 +20,14 @@ ARG PIP_EXTRA_INDEX_URL=
 
 WORKDIR /home/ray/fastserve
 COPY --chown=ray:users . /home/ray/fastserve
-# Editable: Serve's import path app.main:build_app resolves config/ (model configs, tokenizer,
-# profiles) next to app/, so the package must run from this tree, not from site-packages.
+# Editable: Serve's import path fastserve.main:build_app resolves config/ (model configs, tokenizer,
+# profiles) next to fastserve/, so the package must run from this tree, not from site-packages.
 RUN pip install --no-cache-dir -e ".[${EXTRAS}]"
 # vLLM's protocol models for the serve-llm extra, without vLLM's own dependency pins
 # (config/requirements-nodeps.txt says why); skipped for the other extras.
 RUN case ",${EXTRAS}," in *,serve-llm,*) pip install --no-cache-dir --no-deps -r config/requirements-nodeps.txt;; esac
 
-# The CPU decode-attention kernel (kernels/cpu/) is compiled on each node at first use, for that
+# The CPU decode-attention kernel (fastserve/kernels/cpu/) is compiled on each node at first use, for that
 # node's CPU (-march=native); without a C compiler it silently falls back to the 5-11x slower
 # torch reference. Ray's images carry none, so gcc (and its OpenMP runtime) go in, and the build
 # is tried once here so a broken toolchain fails the image build instead.

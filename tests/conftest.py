@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from actors.model.llama_config import LlamaConfig
+    from fastserve.worker.model.llama_config import LlamaConfig
 
 _exit_status = pytest.StashKey[int]()
 
@@ -39,7 +39,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def smollm2_folder() -> Path:
     """The demo's real model folder (SmolLM2-135M-Instruct, fp32), converted first if missing:
     CI runs ``make model`` before the tests, so this never skips."""
-    from app.model_folder import ensure
+    from fastserve.model_folder import ensure
 
     return ensure()
 

@@ -8,7 +8,7 @@
 # timeout, and each test under 90 s, so one hang cannot eat the lease). The last line printed is
 # bench_gpu's JSON object.
 #
-# The device image has torch, CuPy and transformers but neither Ray nor pydantic; `actors.spec`
+# The device image has torch, CuPy and transformers but neither Ray nor pydantic; `fastserve.worker.spec`
 # imports `annotated_types`. Download wheels for Python 3.12 into an ignored `.whl/` (annotated-types
 # at our lock's version; transformers at our pin, so the parity tests compare against the version
 # CI uses), carry `.whl`, and install them first:
@@ -16,7 +16,7 @@
 #     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
 #         && export PYTHONPATH=/tmp/site && bash tests/gpu/run_on_device.sh
 #
-# The tracked tree must stay under the tool's 64 MiB: move `loadtest/results/` aside for the call.
+# The tracked tree must stay under the tool's 64 MiB: move `results/` aside for the call.
 set -u
 # Time limits (s): the whole pytest run, one test, the benchmark.
 PYTEST_LIMIT_S=240 TEST_LIMIT_S=90 BENCH_LIMIT_S=200
@@ -44,8 +44,8 @@ timeout "$PYTEST_LIMIT_S" "$PY" -m pytest -q -p no:cacheprovider --timeout="$TES
 PYTEST_RC=${PIPESTATUS[0]}
 echo "pytest exit status: $PYTEST_RC"
 
-echo "== loadtest.bench_gpu"
-timeout "$BENCH_LIMIT_S" "$PY" -m loadtest.bench_gpu 2>&1 | tee "$OUT/bench_gpu.txt"
+echo "== fastserve.bench.bench_gpu"
+timeout "$BENCH_LIMIT_S" "$PY" -m fastserve.bench.bench_gpu 2>&1 | tee "$OUT/bench_gpu.txt"
 BENCH_RC=${PIPESTATUS[0]}
 tail -1 "$OUT/bench_gpu.txt" > "$OUT/bench_gpu.json"
 echo "pytest=$PYTEST_RC bench=$BENCH_RC"

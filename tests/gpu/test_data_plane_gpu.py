@@ -15,12 +15,12 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import kernels
-from actors.executor import InProcessExecutor
-from actors.kv_store import KVStore
-from actors.messages import BatchEntry, BatchPlan, SamplingParams, SwapCommand
-from actors.model.llama_config import LlamaConfig, RopeScaling
-from actors.spec import ModelSpec
+from fastserve import kernels
+from fastserve.worker.executor import InProcessExecutor
+from fastserve.worker.kv_store import KVStore
+from fastserve.worker.messages import BatchEntry, BatchPlan, SamplingParams, SwapCommand
+from fastserve.worker.model.llama_config import LlamaConfig, RopeScaling
+from fastserve.worker.spec import ModelSpec
 from tests.harness.engine_driver import Driver
 from tests.harness.greedy import SwapMidway, greedy_until_stop
 from tests.harness.hf_reference import Reference, hf_greedy_reference
@@ -161,7 +161,7 @@ def test_swap_wait_is_the_compute_streams_stall_read_after_the_device_passed_it(
 
 
 def test_cupys_nccl_binding_loads_libnccl_beside_torch() -> None:
-    """What Ray's NCCL channels import (``actors.transport.check_nccl_binding`` checks it at a GPU
+    """What Ray's NCCL channels import (``fastserve.worker.transport.check_nccl_binding`` checks it at a GPU
     pipeline's start): with torch loaded first, as in a stage worker, CuPy's binding finds the
     libnccl torch's wheel brought, and has the call Ray makes. Skipped where CuPy is absent."""
     pytest.importorskip("cupy")

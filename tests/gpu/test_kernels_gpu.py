@@ -13,9 +13,9 @@ from types import ModuleType
 import pytest
 import torch
 
-import kernels
-from actors.messages import blocks_for
-from kernels import reference
+from fastserve import kernels
+from fastserve.kernels import reference
+from fastserve.worker.messages import blocks_for
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,7 +43,7 @@ def dtype_id(dtype: torch.dtype) -> str:
 def cupy_ops() -> ModuleType:
     """The CuPy launchers; the CUDA path must actually be taken on this machine."""
     pytest.importorskip("cupy")
-    from kernels import cupy_ops as ops
+    from fastserve.kernels import cupy_ops as ops
 
     assert kernels.backend_for(torch.zeros(1, device="cuda")) == kernels.CUDA_BACKEND
     return ops

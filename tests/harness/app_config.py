@@ -11,7 +11,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from app.config import AppArgs
+from fastserve.config import AppArgs
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,7 +1,7 @@
 """A minimal hand-driven plan builder for exercising the executor without the scheduler.
 
 It allocates blocks from simple free lists and lets a test swap a job out, back in, or drop it
-for recomputation at chosen steps. The real control plane (``app/kv``, ``app/scheduler``) is
+for recomputation at chosen steps. The real control plane (``fastserve/kv``, ``fastserve/scheduler``) is
 tested separately; this exists so the data plane's tests can say exactly which plan runs.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from actors.executor import InProcessExecutor
-from actors.messages import BatchEntry, BatchPlan, SamplingParams, SwapCommand, blocks_for
+from fastserve.worker.executor import InProcessExecutor
+from fastserve.worker.messages import BatchEntry, BatchPlan, SamplingParams, SwapCommand, blocks_for
 
 
 @dataclass

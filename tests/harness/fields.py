@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from actors.executor import InProcessExecutor
-from actors.messages import SamplingParams
-from actors.model.config import OPTConfig
-from actors.spec import ModelSpec
-from app.scheduler.config import KVCacheConfig, SchedulerConfig
-from app.scheduler.job import JobRequest, TokenDelta
-from app.scheduler.profile import Profile
-from app.scheduler.scheduler import Scheduler
+from fastserve.scheduler.config import KVCacheConfig, SchedulerConfig
+from fastserve.scheduler.job import JobRequest, TokenDelta
+from fastserve.scheduler.profile import Profile
+from fastserve.scheduler.scheduler import Scheduler
+from fastserve.worker.executor import InProcessExecutor
+from fastserve.worker.messages import SamplingParams
+from fastserve.worker.model.config import OPTConfig
+from fastserve.worker.spec import ModelSpec
 
 TINY = OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                  ffn_dim=64, max_position_embeddings=256, name="tiny")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from actors.messages import SamplingParams, SwapCommand
+from fastserve.worker.messages import SamplingParams, SwapCommand
 from tests.harness.engine_driver import Driver
 
 

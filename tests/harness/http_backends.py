@@ -15,12 +15,12 @@ from typing import Any
 
 import httpx
 
-from app.errors import ErrorCode
-from app.scheduler.job import JobRequest, JobStats, TokenDelta
-from app.server.http_api import make_api
-from app.server.ingress import OpenAIServer
-from app.server.ingress_requests import ServerContext
-from app.tokenizer import Tokenizer
+from fastserve.errors import ErrorCode
+from fastserve.scheduler.job import JobRequest, JobStats, TokenDelta
+from fastserve.server.http_api import make_api
+from fastserve.server.ingress import OpenAIServer
+from fastserve.server.ingress_requests import ServerContext
+from fastserve.tokenizer import Tokenizer
 
 MODEL = "opt-125m"
 VOCAB = 50272

@@ -1,12 +1,12 @@
 """A recording stand-in for ``ray.serve.metrics`` objects, so a recorder's output can be read back
-without Ray (``app.engine.metrics.Recorder(..., sink_factory=FakeSink)``)."""
+without Ray (``fastserve.engine.metrics.Recorder(..., sink_factory=FakeSink)``)."""
 
 from __future__ import annotations
 
 import bisect
 from typing import Any
 
-from app.engine.metrics import Family
+from fastserve.engine.metrics import Family
 
 
 class FakeSink:

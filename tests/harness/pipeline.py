@@ -17,13 +17,13 @@ from typing import Any
 
 import ray
 
-from actors import messages
-from actors.executor import InProcessExecutor
-from actors.messages import BatchEntry, BatchPlan, SamplingParams, StepOutput, SwapCommand
-from actors.model.config import ModelConfig
-from actors.pipeline import PipelineExecutor
-from actors.spec import EngineSpec, ModelSpec, ParallelSpec, PipelineTimeouts
-from actors.worker import StepRecord
+from fastserve.worker import messages
+from fastserve.worker.executor import InProcessExecutor
+from fastserve.worker.messages import BatchEntry, BatchPlan, SamplingParams, StepOutput, SwapCommand
+from fastserve.worker.model.config import ModelConfig
+from fastserve.worker.pipeline import PipelineExecutor
+from fastserve.worker.spec import EngineSpec, ModelSpec, ParallelSpec, PipelineTimeouts
+from fastserve.worker.worker import StepRecord
 from tests.harness import tiny_jobs
 from tests.harness.tiny_jobs import BLOCK_SIZE, HOST_POOL, SEED, SMALL_DEVICE_POOL, TINY
 

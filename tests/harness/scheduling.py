@@ -13,9 +13,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from actors.messages import BatchPlan, SamplingParams, StepOutput
-from app.engine.core import EngineCore, VirtualClock
-from app.scheduler.config import (
+from fastserve.engine.core import EngineCore, VirtualClock
+from fastserve.scheduler.config import (
     POLICIES,
     SWAP_MODES,
     ChunkedPrefillConfig,
@@ -24,9 +23,10 @@ from app.scheduler.config import (
     SchedulerConfig,
     SwapMode,
 )
-from app.scheduler.job import JobRequest, TokenDelta
-from app.scheduler.profile import Profile
-from app.scheduler.scheduler import Scheduler
+from fastserve.scheduler.job import JobRequest, TokenDelta
+from fastserve.scheduler.profile import Profile
+from fastserve.scheduler.scheduler import Scheduler
+from fastserve.worker.messages import BatchPlan, SamplingParams, StepOutput
 
 ROOT = Path(__file__).resolve().parents[2]
 EOS = 2

@@ -25,9 +25,9 @@ from typing import Any
 import httpx
 import yaml
 
-from actors import ports
-from app.config_server import API_KEY_ENV
-from app.tokenizer import Tokenizer
+from fastserve.config_server import API_KEY_ENV
+from fastserve.tokenizer import Tokenizer
+from fastserve.worker import ports
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -45,7 +45,7 @@ REQUEST_TIMEOUT_S = 180.0
 # ---- the server: ray start + serve run, torn down by process tree -----------------------------
 
 def free_port() -> int:
-    """A loopback port for a test server (``actors.ports``: not one Ray may take meanwhile)."""
+    """A loopback port for a test server (``fastserve.worker.ports``: not one Ray may take meanwhile)."""
     return ports.free_port("127.0.0.1")
 
 

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import transformers
 
-from actors.model.config import as_model_config
-from actors.model.llama_config import LlamaConfig
+from fastserve.worker.model.config import as_model_config
+from fastserve.worker.model.llama_config import LlamaConfig
 
 CHATS: list[list[dict[str, str]]] = [
     [{"role": "user", "content": "What is the capital of France?"}],

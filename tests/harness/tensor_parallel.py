@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from actors.messages import BatchPlan, StepOutput
-from actors.model.config import ModelConfig
+from fastserve.worker.messages import BatchPlan, StepOutput
+from fastserve.worker.model.config import ModelConfig
 from tests.harness.engine_driver import Driver
 
 #: Seconds to wait for the gloo rendezvous and for each rank's result.
@@ -47,12 +47,12 @@ class RankExecutor:
 
     def __init__(self, config: ModelConfig, path: Path, rank: int, tp_size: int, port: int,
                  pools: RankPools, timeout_s: float) -> None:
-        from actors.executor import build_stage
-        from actors.kv_store import KVStore
-        from actors.model.shard import StageShard
-        from actors.parallel import TensorParallelGroup
-        from actors.sampler import Sampler
-        from actors.stage import StageRunner
+        from fastserve.worker.executor import build_stage
+        from fastserve.worker.kv_store import KVStore
+        from fastserve.worker.model.shard import StageShard
+        from fastserve.worker.parallel import TensorParallelGroup
+        from fastserve.worker.sampler import Sampler
+        from fastserve.worker.stage import StageRunner
 
         group = TensorParallelGroup("cpu")
         group.init("127.0.0.1", port, tp_size, rank, timeout_s)
@@ -86,7 +86,7 @@ def _rank_main(config: ModelConfig, path: Path, rank: int, tp_size: int, port: i
 def run_tensor_parallel(config: ModelConfig, path: Path, work: Work, pools: RankPools, tp_size: int = 2,
                         timeout_s: float = TP_TIMEOUT_S) -> dict[int, RankResult]:
     """Run ``work`` on every rank of a ``tp_size``-way split of ``config``'s checkpoint at ``path``."""
-    from actors.ports import free_port
+    from fastserve.worker.ports import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

@@ -5,7 +5,7 @@ that force swaps. Imports no ray.
 
 from __future__ import annotations
 
-from actors.model.config import OPTConfig
+from fastserve.worker.model.config import OPTConfig
 
 TINY = OPTConfig(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                  ffn_dim=128, max_position_embeddings=256, name="tiny")

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from app.model_folder import DEFAULT_FOLDER, is_complete
+from fastserve.model_folder import DEFAULT_FOLDER, is_complete
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "tokenizers"
 LLAMA3_STYLE = FIXTURES / "llama3-style"

@@ -25,8 +25,8 @@ import httpx
 import pytest
 import yaml
 
-from app.config import AppArgs
-from app.config_server import API_KEY_ENV
+from fastserve.config import AppArgs
+from fastserve.config_server import API_KEY_ENV
 from tests.harness import metrics_view
 from tests.harness.serve import (
     API_KEY,

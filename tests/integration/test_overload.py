@@ -1,7 +1,7 @@
 """Overload is answered, not absorbed: 3× the measured capacity for 30 s against a live ``serve
 run`` of the demo app (with a small admission queue, so the test's burst fills it) gets 429s with
 Retry-After and no 5xx; every accepted request completes; and the latency of admitted requests is
-back to its light-load level within 30 s of the burst (``loadtest.overload`` does the driving)."""
+back to its light-load level within 30 s of the burst (``fastserve.bench.overload`` does the driving)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from loadtest import overload
+from fastserve.bench import overload
 from tests.harness.serve import API_KEY, Server, dummy_opt_yaml, serve_app
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -27,10 +27,10 @@ from typing import Any
 import pytest
 import ray
 
-from actors.executor import InProcessExecutor
-from actors.messages import BatchEntry, BatchPlan, SamplingParams
-from actors.pipeline import PipelineError, PipelineExecutor, PlanFailed
-from actors.spec import ModelSpec
+from fastserve.worker.executor import InProcessExecutor
+from fastserve.worker.messages import BatchEntry, BatchPlan, SamplingParams
+from fastserve.worker.pipeline import PipelineError, PipelineExecutor, PlanFailed
+from fastserve.worker.spec import ModelSpec
 from tests.harness.pipeline import (
     BLOCK_SIZE,
     HOST_POOL,
@@ -181,10 +181,10 @@ def test_missing_resources_are_named(ray_local: None) -> None:
 
 
 def test_scheduler_engine_drives_the_pipeline(ray_local: None) -> None:
-    from app.engine.async_engine import AsyncEngine, ThreadedExecutor
-    from app.scheduler.config import KVCacheConfig, SchedulerConfig
-    from app.scheduler.profile import Profile
-    from app.scheduler.scheduler import Scheduler
+    from fastserve.engine.async_engine import AsyncEngine, ThreadedExecutor
+    from fastserve.scheduler.config import KVCacheConfig, SchedulerConfig
+    from fastserve.scheduler.profile import Profile
+    from fastserve.scheduler.scheduler import Scheduler
 
     profile = Profile.from_dict({"t_init": {"prompt_lens": [1, 64], "seconds": [0.002, 0.01]},
                                  "t_dec": {"batch_sizes": [1, 16], "seconds": [0.002, 0.004]}})

@@ -12,8 +12,8 @@ import asyncio
 
 import pytest
 
-from actors.model.llama_config import LlamaConfig, RopeScaling
-from actors.spec import EngineSpec, ModelSpec, ParallelSpec
+from fastserve.worker.model.llama_config import LlamaConfig, RopeScaling
+from fastserve.worker.spec import EngineSpec, ModelSpec, ParallelSpec
 from tests.harness.pipeline import (
     BLOCK_SIZE,
     HOST_POOL,

@@ -18,9 +18,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from actors.messages import BatchPlan, StepOutput
-from actors.pipeline import PipelineExecutor
-from actors.spec import EngineSpec, ModelSpec, ParallelSpec
+from fastserve.worker.messages import BatchPlan, StepOutput
+from fastserve.worker.pipeline import PipelineExecutor
+from fastserve.worker.spec import EngineSpec, ModelSpec, ParallelSpec
 from tests.harness.engine_driver import Driver
 from tests.harness.greedy import SwapMidway, greedy_until_stop
 from tests.harness.hf_reference import assert_same_tokens, hf_greedy_reference

@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 import ray
 
-from actors.executor import InProcessExecutor
-from actors.messages import SamplingParams
-from actors.pipeline import PipelineExecutor
-from actors.spec import ModelSpec
-from app.engine.async_engine import AsyncEngine, Executor, ThreadedExecutor
-from app.scheduler.config import EngineConfig, KVCacheConfig, SchedulerConfig
-from app.scheduler.scheduler import Scheduler
+from fastserve.engine.async_engine import AsyncEngine, Executor, ThreadedExecutor
+from fastserve.scheduler.config import EngineConfig, KVCacheConfig, SchedulerConfig
+from fastserve.scheduler.scheduler import Scheduler
+from fastserve.worker.executor import InProcessExecutor
+from fastserve.worker.messages import SamplingParams
+from fastserve.worker.pipeline import PipelineExecutor
+from fastserve.worker.spec import ModelSpec
 from tests.harness.pipeline import (
     BLOCK_SIZE,
     HOST_POOL,
@@ -40,7 +40,7 @@ PROFILE_DICT = {"t_init": {"prompt_lens": [1, 64], "seconds": [0.002, 0.01]},
 
 
 def scheduler() -> Scheduler:
-    from app.scheduler.profile import Profile
+    from fastserve.scheduler.profile import Profile
 
     kv = KVCacheConfig(block_size=BLOCK_SIZE, num_device_blocks=DEVICE_POOL, num_host_blocks=HOST_POOL)
     return Scheduler(SchedulerConfig(), kv, Profile.from_dict(PROFILE_DICT),

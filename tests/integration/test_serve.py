@@ -25,9 +25,9 @@ import httpx
 import pytest
 import yaml
 
-from actors.messages import SamplingParams
-from app.config import AppArgs
-from app.scheduler.job import JobRequest, TokenDelta
+from fastserve.config import AppArgs
+from fastserve.scheduler.job import JobRequest, TokenDelta
+from fastserve.worker.messages import SamplingParams
 from tests.harness import metrics_view
 from tests.harness.metrics_view import Scrape
 from tests.harness.serve import (
@@ -55,11 +55,11 @@ GPU_CONFIGS = {"opt13b": (1, 1, 1), "opt66b": (4, 4, 1), "opt175b": (16, 8, 2)}
 
 @pytest.mark.parametrize("name", sorted(GPU_CONFIGS))
 def test_gpu_configs_validate_and_are_consistent(name: str) -> None:
-    from app.main import build_app
+    from fastserve.main import build_app
 
     raw = yaml.safe_load((ROOT / "config" / f"{name}.yaml").read_text())
     (app,) = raw["applications"]
-    assert app["import_path"] == "app.main:build_app"
+    assert app["import_path"] == "fastserve.main:build_app"
     # Profiles of GPU layouts come from the simulator; the schema test alone may waive the file.
     args = AppArgs.model_validate(app["args"], context={"require_profile": False})
     gpus, tp, pp = GPU_CONFIGS[name]
@@ -96,11 +96,11 @@ class LocalStream:
 
 
 def test_full_admission_queue_answers_429_and_aborts_free_blocks() -> None:
-    from app.engine.metrics import SchedulerMetrics
-    from app.engine.replica import EngineReplica
-    from app.server.http_api import make_api
-    from app.server.ingress import OpenAIServer
-    from app.server.ingress_requests import ServerContext
+    from fastserve.engine.metrics import SchedulerMetrics
+    from fastserve.engine.replica import EngineReplica
+    from fastserve.server.http_api import make_api
+    from fastserve.server.ingress import OpenAIServer
+    from fastserve.server.ingress_requests import ServerContext
     from tests.harness.metric_sinks import FakeSink
 
     raw = dummy_opt_yaml()["applications"][0]["args"]
@@ -170,11 +170,11 @@ def test_full_admission_queue_answers_429_and_aborts_free_blocks() -> None:
 def test_delivery_channel_carries_exact_tokens_one_message_per_step_and_breaking_it_frees_blocks() -> None:
     """A real engine replica and the ingress's ``ChannelClient``, in process (no Ray): the
     first job travels on its own stream and opens the channel; the next four share it."""
-    from app.engine.delivery import ChannelClient
-    from app.engine.replica import EngineReplica
-    from app.server.ingress import OpenAIServer
-    from app.server.ingress_requests import ServerContext
-    from app.server.protocol import APIError
+    from fastserve.engine.delivery import ChannelClient
+    from fastserve.engine.replica import EngineReplica
+    from fastserve.server.ingress import OpenAIServer
+    from fastserve.server.ingress_requests import ServerContext
+    from fastserve.server.protocol import APIError
 
     raw = dummy_opt_yaml()["applications"][0]["args"]
     raw["server"]["channel_idle_close_s"] = 600.0   # idle while the own-stream runs below: kept open
@@ -245,8 +245,8 @@ def test_an_idle_delivery_channel_ends_at_both_ends_and_the_next_job_reopens_it(
     """With ``server.channel_idle_close_s``, the engine replica ends a channel with no job on
     it (so Serve's drain of that replica is not held by it), not one with a job running; the
     ingress's next job there travels on its own stream and opens a new channel."""
-    from app.engine.delivery import ChannelClient
-    from app.engine.replica import EngineReplica
+    from fastserve.engine.delivery import ChannelClient
+    from fastserve.engine.replica import EngineReplica
 
     raw = dummy_opt_yaml()["applications"][0]["args"]
     raw["server"]["channel_idle_close_s"] = 0.3
@@ -309,7 +309,7 @@ def test_two_model_copies_each_with_a_ray_pipeline(tmp_path: Path) -> None:
     """Engine ``num_replicas: 2`` with PP 2: each copy places its stage workers in its own
     placement group (bundle 0 = replica, 1..2 = stages) and serves the same tokens as one
     in-process model. Runs before the demo server starts, so the two never share the box."""
-    from app.engine.replica import EngineReplica
+    from fastserve.engine.replica import EngineReplica
 
     args = dummy_opt_yaml()["applications"][0]["args"]
 
@@ -628,7 +628,7 @@ def test_gauges_match_the_schedulers_own_state_at_a_quiet_point(server: Server) 
 
 
 def test_metrics_families_have_their_types_and_parse(server: Server) -> None:
-    from app.engine.metrics import INGRESS_FAMILIES, SCHEDULER_FAMILIES
+    from fastserve.engine.metrics import INGRESS_FAMILIES, SCHEDULER_FAMILIES
 
     resp = httpx.get(server.url("/metrics"), timeout=30)
     assert resp.headers["content-type"].startswith("text/plain")

@@ -1,5 +1,5 @@
 """Ray Serve LLM with our scheduler: ``serve run config/serve-llm-demo.yaml`` (Ray's own
-``build_openai_app`` with ``server_cls: app.server.llm_server:FastServeLLMServer``) answers completions,
+``build_openai_app`` with ``server_cls: fastserve.server.llm_server:FastServeLLMServer``) answers completions,
 chat and both streamed, through the official ``openai`` client; errors come in Ray's format.
 
 Skipped only where the ``serve-llm`` extra is not installed (``make test`` installs it).
@@ -86,7 +86,7 @@ def test_our_validation_errors_arrive_in_ray_serve_llms_error_format(llm_server:
 
 
 def test_tokenize_detokenize_and_model_card_through_ray_serve_llm(llm_server: Server) -> None:
-    """Ray's router routes /tokenize and /detokenize to our engine (app.server.tokenize_api answers) and
+    """Ray's router routes /tokenize and /detokenize to our engine (fastserve.server.tokenize_api answers) and
     answers /v1/models/{id} from its own model cards. It parses /tokenize bodies as vLLM's
     ``TokenizeCompletionRequest`` only: a chat body (``messages``) is refused there."""
     ids = TOK.encode("Hello world")
@@ -124,7 +124,7 @@ def test_full_admission_queue_is_a_429_error_response_without_retry_after() -> N
     from ray.llm._internal.serve.core.configs.openai_api_models import CompletionRequest, ErrorResponse
     from ray.serve.llm import LLMConfig
 
-    from app.server.llm_server import FastServeEngine, FastServeLLMServer
+    from fastserve.server.llm_server import FastServeEngine, FastServeLLMServer
 
     config: dict[str, Any] = yaml.safe_load((ROOT / "config" / "serve-llm-demo.yaml").read_text())
     (llm,) = config["applications"][0]["args"]["llm_configs"]

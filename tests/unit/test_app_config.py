@@ -1,4 +1,4 @@
-"""``AppArgs`` (app.config): the shipped configs validate; bad ones fail naming the key and value."""
+"""``AppArgs`` (fastserve.config): the shipped configs validate; bad ones fail naming the key and value."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from actors.spec import ParallelSpec, PipelineTimeouts
-from app.config import AppArgs, ProfileMismatchWarning
-from app.config_layout import ParallelArgs
-from app.engine.replica import build_scheduler
+from fastserve.config import AppArgs, ProfileMismatchWarning
+from fastserve.config_layout import ParallelArgs
+from fastserve.engine.replica import build_scheduler
+from fastserve.worker.spec import ParallelSpec, PipelineTimeouts
 from tests.harness.app_config import demo_args, error_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +27,7 @@ def test_demo_config_validates_with_the_papers_settings() -> None:
     assert args.placement_group_bundles() == [{"CPU": 0.01}]
     assert args.engine_deployment_defaults() == {
         "max_ongoing_requests": 1024, "ray_actor_options": {"num_cpus": 0}, "placement_group_strategy": "PACK",
-        # 1.5 × 2048 tokens × the profile's 78.5 ms decode step at batch 32, rounded up (app.config_drain)
+        # 1.5 × 2048 tokens × the profile's 78.5 ms decode step at batch 32, rounded up (fastserve.config_drain)
         "graceful_shutdown_timeout_s": 242.0, "placement_group_bundles": [{"CPU": 0.01}]}
 
 
@@ -243,7 +243,7 @@ def test_profile_tp_mismatch_is_reported_when_the_file_is_present() -> None:
 
 
 def test_temperature_below_epsilon_is_greedy() -> None:
-    from app.server.protocol import CompletionRequest
+    from fastserve.server.protocol import CompletionRequest
 
     req = CompletionRequest(model="m", prompt="x", temperature=1e-30)
     assert req.to_sampling(16).temperature == 0.0
@@ -264,7 +264,7 @@ def test_configs_bound_beyond_loopback_require_an_api_key(path: Path) -> None:
 
 
 def test_require_api_key_refuses_to_start_without_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    from app.config_server import API_KEY_ENV, ServerArgs
+    from fastserve.config_server import API_KEY_ENV, ServerArgs
 
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     with pytest.raises(ValueError, match="require_api_key is set but no API key"):
@@ -288,7 +288,7 @@ def test_one_engine_spec_is_built_from_the_args_with_the_pipeline_waits_in_confi
     args["pipeline"] = {"tp_timout_s": 1.0}
     with pytest.raises(ValidationError, match="tp_timout_s"):
         AppArgs.model_validate(args)
-    # The bounds are the dataclass's own (declared once, in actors.spec).
+    # The bounds are the dataclass's own (declared once, in fastserve.worker.spec).
     args["pipeline"] = {"tp_timeout_s": 0}
     with pytest.raises(ValidationError, match=r"pipeline\.tp_timeout_s\n  Input should be greater than 0"):
         AppArgs.model_validate(args)
@@ -330,7 +330,7 @@ def test_memory_sized_pool_follows_the_dtype_this_machine_resolves(monkeypatch: 
     args["kv_cache"]["device_memory_gib"] = 1
     counts = {}
     for bf16 in (True, False):
-        monkeypatch.setattr("app.config_model.cpu_has_bf16", lambda bf16=bf16: bf16)
+        monkeypatch.setattr("fastserve.config_model.cpu_has_bf16", lambda bf16=bf16: bf16)
         counts[bf16] = AppArgs.model_validate(args).kv_cache.num_device_blocks
     assert counts == {True: 1820, False: 910}
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 def test_smoke_run_ends_with_one_complete_json_object() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "loadtest.bench_gpu", "--smoke"], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", "fastserve.bench.bench_gpu", "--smoke"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])

@@ -10,11 +10,11 @@ import zlib
 import httpx
 import pytest
 
-from loadtest import chat as C
-from loadtest import prompts as P
-from loadtest import race
-from loadtest import workloads as W
-from loadtest.client import HEALTH_PATH, ClientConfig, request_body, run_requests
+from fastserve.bench import chat as C
+from fastserve.bench import prompts as P
+from fastserve.bench import race
+from fastserve.bench import workloads as W
+from fastserve.bench.client import HEALTH_PATH, ClientConfig, request_body, run_requests
 
 #: The scripted model stops after this many tokens unless max_tokens comes first.
 SCRIPTED_EOS_AFTER = 3

@@ -20,13 +20,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from actors.executor import InProcessExecutor
-from actors.messages import BatchEntry, BatchPlan, SamplingParams, StepOutput, SwapCommand
-from actors.model.config import OPTConfig
-from actors.spec import ModelSpec
-from app.config import AppArgs
-from app.engine.async_engine import AsyncEngine, ThreadedExecutor
-from app.scheduler.config import (
+from fastserve.bench import workloads as W
+from fastserve.bench.sim import PAPER_PROFILES, SimOptions, SimSetup, simulate
+from fastserve.bench.sim.driver import CostModelExecutor, constant_tokens, drive
+from fastserve.config import AppArgs
+from fastserve.engine.async_engine import AsyncEngine, ThreadedExecutor
+from fastserve.scheduler.config import (
     SWAP_MODES,
     ChunkedPrefillConfig,
     KVCacheConfig,
@@ -34,12 +33,13 @@ from app.scheduler.config import (
     SchedulerConfig,
     SwapMode,
 )
-from app.scheduler.job import JobRequest
-from app.scheduler.profile import Profile
-from app.scheduler.scheduler import Scheduler
-from loadtest import workloads as W
-from loadtest.sim import PAPER_PROFILES, SimOptions, SimSetup, simulate
-from loadtest.sim.driver import CostModelExecutor, constant_tokens, drive
+from fastserve.scheduler.job import JobRequest
+from fastserve.scheduler.profile import Profile
+from fastserve.scheduler.scheduler import Scheduler
+from fastserve.worker.executor import InProcessExecutor
+from fastserve.worker.messages import BatchEntry, BatchPlan, SamplingParams, StepOutput, SwapCommand
+from fastserve.worker.model.config import OPTConfig
+from fastserve.worker.spec import ModelSpec
 from tests.harness.app_config import demo_args, error_of
 
 TINY = OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -80,7 +80,7 @@ def _naive_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 def test_context_prefill_attention_equals_attention_over_the_whole_sequence() -> None:
     """Two sequences in one call: a chunk at position 13 over a cached prefix whose blocks are
     scattered (the prefix's last block holds a stale NaN past it), and a fresh prefill."""
-    import kernels
+    from fastserve import kernels
 
     gen = torch.Generator().manual_seed(5)
     heads, dim, block, scale = 2, 8, 4, 8**-0.5

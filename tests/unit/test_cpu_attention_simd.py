@@ -1,4 +1,4 @@
-"""The C decode attention's AVX-512 path (kernels/cpu/paged_attention.c) against the torch reference.
+"""The C decode attention's AVX-512 path (fastserve/kernels/cpu/paged_attention.c) against the torch reference.
 
 On a CPU with AVX-512 (and avx512_bf16) these shapes take the intrinsics path: head_dim a
 multiple of 32; a bf16 cache with an exactly-bf16 query goes through vdpbf16ps, with a float32
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import reference
+from fastserve.kernels import reference
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler on this machine")
@@ -56,7 +56,7 @@ def paged_case(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
 
 
 def run_kernel(threads: int, *args: object) -> torch.Tensor:
-    from kernels import cpu_ops
+    from fastserve.kernels import cpu_ops
 
     assert cpu_ops.available(), "the C compiler is there, so the CPU kernels must build"
     previous = torch.get_num_threads()
@@ -137,7 +137,7 @@ def test_uneven_items_and_empty_contexts_match_reference(cache_dtype: torch.dtyp
 def test_kernel_flags_compile_the_simd_path_on_this_cpu() -> None:
     """The cases above run the intrinsics only if the kernel's compiler flags turn on the
     instruction sets this CPU has: check the macros the source tests, under those flags."""
-    from kernels import cpu_ops
+    from fastserve.kernels import cpu_ops
 
     flags = cpu_flags()
     if "avx512f" not in flags:
@@ -157,7 +157,7 @@ def test_bf16_rows_entry_is_the_float32_entry_rounded_once(threads: int) -> None
     """``paged_attention_bf16_rows`` (the step's entry: bf16 query rows and output rows inside
     wider buffers) gives exactly the float32 entry's result on the same query, rounded to bf16
     as torch rounds; the buffer around the rows is untouched."""
-    from kernels import cpu_ops
+    from fastserve.kernels import cpu_ops
 
     if not cpu_ops.bf16_rows_available():
         pytest.skip("no AVX-512 BF16 in this build: the step keeps the float32 entry")
@@ -187,7 +187,7 @@ def test_bf16_rows_entry_is_the_float32_entry_rounded_once(threads: int) -> None
 
 def test_bf16_rows_entry_refuses_a_head_dim_it_cannot_take() -> None:
     """head_dim 48 (not a multiple of 32): the entry writes nothing and says why."""
-    from kernels import cpu_ops
+    from fastserve.kernels import cpu_ops
 
     if not cpu_ops.bf16_rows_available():
         pytest.skip("no AVX-512 BF16 in this build")

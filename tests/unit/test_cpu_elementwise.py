@@ -1,4 +1,4 @@
-"""Our CPU bf16 elementwise kernels (``kernels.cpu_elementwise``) against the torch reference.
+"""Our CPU bf16 elementwise kernels (``fastserve.kernels.cpu_elementwise``) against the torch reference.
 
 The rotary embedding and the residual add are torch's bits exactly (bf16 products are exact in
 float32, and each rounding is torch's). The norm's sum of squares runs in another order and
@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from actors.model.rope import Rotary
-from kernels import cpu_elementwise, reference
+from fastserve import kernels
+from fastserve.kernels import cpu_elementwise, reference
+from fastserve.worker.model.rope import Rotary
 
 pytestmark = pytest.mark.skipif(not cpu_elementwise.available(),
                                 reason="the C compiler does not target AVX-512 BF16 on this machine")

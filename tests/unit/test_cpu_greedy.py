@@ -1,4 +1,4 @@
-"""The greedy reductions in kernels/cpu/greedy.c against torch: argmax and the finiteness flag."""
+"""The greedy reductions in fastserve/kernels/cpu/greedy.c against torch: argmax and the finiteness flag."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from kernels import cpu_greedy
+from fastserve.kernels import cpu_greedy
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler on this machine")

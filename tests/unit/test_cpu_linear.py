@@ -1,4 +1,4 @@
-"""Our CPU bf16 linear kernel (``kernels.cpu_linear``) against ``F.linear`` in bf16.
+"""Our CPU bf16 linear kernel (``fastserve.kernels.cpu_linear``) against ``F.linear`` in bf16.
 
 Both sum bf16 products in float32 and round once; the summation order differs, so an output
 may differ by one bf16 step where the float32 sum lies near a rounding boundary. Skipped where
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actors.model.linear import BF16_KERNEL, PackedWeight, multiply, multiply_widened
-from kernels import cpu_linear
+from fastserve.kernels import cpu_linear
+from fastserve.worker.model.linear import BF16_KERNEL, PackedWeight, multiply, multiply_widened
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(),
                                 reason="the C compiler does not target AVX-512 BF16 on this machine")
@@ -82,7 +82,7 @@ def test_fused_swiglu_is_linear_then_silu_mul_bit_for_bit(rows: int) -> None:
     """``linear_bf16_swiglu`` (the step's MLP first half) gives exactly what the gate/up linear
     followed by the elementwise kernels' ``silu_mul`` gives, on rows of a wider matrix, with
     gates large enough in both signs to reach exp's clamp."""
-    from kernels import cpu_elementwise
+    from fastserve.kernels import cpu_elementwise
 
     if not cpu_elementwise.available():
         pytest.skip("the elementwise kernels did not build here")

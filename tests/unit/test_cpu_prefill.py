@@ -1,4 +1,4 @@
-"""Our CPU bf16 prefill attention kernel (``kernels.cpu_prefill``) against the torch reference.
+"""Our CPU bf16 prefill attention kernel (``fastserve.kernels.cpu_prefill``) against the torch reference.
 
 The kernel reads every key and value from the paged cache (the new tokens' too, written first)
 and sums in float32 in another order than SDPA, so outputs may differ by about one bf16 step.
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_prefill, reference
+from fastserve import kernels
+from fastserve.kernels import cpu_prefill, reference
 
 pytestmark = pytest.mark.skipif(not cpu_prefill.available(),
                                 reason="the C compiler does not target AVX-512 BF16 on this machine")

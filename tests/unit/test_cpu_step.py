@@ -1,5 +1,5 @@
-"""``kernels.cpu_step``: a bf16 decode step's layers as one run of C calls, bit for bit the
-module path (``actors.model.llama``) it replaces where it applies. Skipped where the kernels did
+"""``fastserve.kernels.cpu_step``: a bf16 decode step's layers as one run of C calls, bit for bit the
+module path (``fastserve.worker.model.llama``) it replaces where it applies. Skipped where the kernels did
 not build with AVX-512 BF16."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from actors.executor import InProcessExecutor
-from actors.messages import BatchEntry, BatchPlan, SamplingParams
-from actors.model.batch import ForwardBatch
-from actors.model.llama import LlamaStage
-from actors.model.llama_config import LlamaConfig
-from actors.spec import ModelSpec
-from kernels import cpu_step
+from fastserve.kernels import cpu_step
+from fastserve.worker.executor import InProcessExecutor
+from fastserve.worker.messages import BatchEntry, BatchPlan, SamplingParams
+from fastserve.worker.model.batch import ForwardBatch
+from fastserve.worker.model.llama import LlamaStage
+from fastserve.worker.model.llama_config import LlamaConfig
+from fastserve.worker.spec import ModelSpec
 
 pytestmark = pytest.mark.skipif(not cpu_step.available(),
                                 reason="the C compiler does not target AVX-512 BF16 on this machine")

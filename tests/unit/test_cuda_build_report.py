@@ -1,5 +1,5 @@
 """The CUDA kernels' build report for the GPUs we deploy on (A100: sm_80, H100/H200: sm_90):
-every ``kernels/cuda/*.cu`` compiles with ``nvcc -Xptxas -v`` and no kernel spills registers to
+every ``fastserve/kernels/cuda/*.cu`` compiles with ``nvcc -Xptxas -v`` and no kernel spills registers to
 local memory (a spill turns a register access into a memory round trip in the inner loop).
 CuPy compiles the same sources with NVRTC at run time (no extra options), so this is the code a
 GPU runs. Skipped only where nvcc is absent."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import kernels
+from fastserve import kernels
 
 CUDA_DIR = Path(kernels.__file__).resolve().parent / "cuda"
 SOURCES = sorted(CUDA_DIR.glob("*.cu"))

@@ -15,11 +15,11 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import kernels
-from actors.kv_store import KVStore, pinned_allocator_bytes, register_host_memory
-from actors.messages import BatchEntry, SamplingParams
-from actors.model.batch import ForwardBatch
-from actors.parallel import TensorParallelGroup, cuda_device_index
+from fastserve import kernels
+from fastserve.worker.kv_store import KVStore, pinned_allocator_bytes, register_host_memory
+from fastserve.worker.messages import BatchEntry, SamplingParams
+from fastserve.worker.model.batch import ForwardBatch
+from fastserve.worker.parallel import TensorParallelGroup, cuda_device_index
 from tests.harness.host_reads import host_reads
 
 HEAD_DIM = 16
@@ -157,9 +157,9 @@ def test_the_gloo_group_takes_no_device_and_a_bad_index_is_refused() -> None:
 
 def test_the_model_is_built_in_its_dtype_and_equals_a_cast_of_the_fp32_build() -> None:
     """Built in bf16 directly (no fp32 copy first), the weights are exactly the fp32 build's cast."""
-    from actors.executor import build_stage
-    from actors.model.config import OPTConfig
-    from actors.model.shard import StageShard
+    from fastserve.worker.executor import build_stage
+    from fastserve.worker.model.config import OPTConfig
+    from fastserve.worker.model.shard import StageShard
 
     tiny = OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                      ffn_dim=64, max_position_embeddings=64, name="tiny")

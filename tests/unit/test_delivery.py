@@ -1,4 +1,4 @@
-"""Delivery channels (``app.engine.delivery``) at both ends, without Ray: the engine replica's
+"""Delivery channels (``fastserve.engine.delivery``) at both ends, without Ray: the engine replica's
 ``Channel`` with a real ``Engine`` over a fake executor, and the ingress replica's
 ``ChannelClient`` with fake Serve streams."""
 
@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from app.engine.delivery import Channel, ChannelClient, Message, merged_by_job
-from app.scheduler.job import TokenDelta
+from fastserve.engine.delivery import Channel, ChannelClient, Message, merged_by_job
+from fastserve.scheduler.job import TokenDelta
 
 
 def test_merged_by_job_keeps_each_jobs_tokens_in_order_and_its_finish() -> None:
@@ -221,7 +221,7 @@ def test_cancelling_a_job_on_a_channel_cancels_its_own_stream_and_drops_its_rout
 
 
 def test_a_refused_job_ends_with_its_refusal_and_opens_no_channel() -> None:
-    from app.errors import ErrorCode
+    from fastserve.errors import ErrorCode
 
     async def run() -> None:
         opened = Opened()

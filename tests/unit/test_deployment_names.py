@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
-from app.config import AppArgs
-from app.main import DEPRECATED_ENGINE, ENGINE, build_app, declared_deployment_names, engine_deployment_name
+from fastserve.config import AppArgs
+from fastserve.main import DEPRECATED_ENGINE, ENGINE, build_app, declared_deployment_names, engine_deployment_name
 from tests.harness.serve import ROOT
 
 
@@ -27,16 +27,16 @@ def shipped_config() -> dict[str, Any]:
 
 
 def test_the_new_name_is_used_and_nothing_is_logged(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.DEBUG, logger="app.main"):
+    with caplog.at_level(logging.DEBUG, logger="fastserve.main"):
         assert engine_deployment_name(["Ingress", "Engine"]) == ENGINE == "Engine"
         assert engine_deployment_name([]) == "Engine"   # no deployments: section at all
     assert caplog.records == []
 
 
 def test_the_old_name_is_kept_for_one_release_with_a_logged_deprecation(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="app.main"):
+    with caplog.at_level(logging.WARNING, logger="fastserve.main"):
         assert engine_deployment_name(["Ingress", "Scheduler"]) == DEPRECATED_ENGINE == "Scheduler"
-    assert [(r.name, r.levelno) for r in caplog.records] == [("app.main", logging.WARNING)]
+    assert [(r.name, r.levelno) for r in caplog.records] == [("fastserve.main", logging.WARNING)]
     assert caplog.records[0].getMessage() == (
         "deployments: names 'Scheduler', the engine deployment's deprecated name: it is 'Engine' now. "
         "The old name is accepted for one release and then refused: rename the entry to 'Engine'.")
@@ -65,18 +65,3 @@ def test_the_built_application_names_its_deployments_engine_and_ingress() -> Non
 
     built = serve_build(build_app(shipped_config()["args"]), name="fastserve")
     assert sorted(d.name for d in built.deployments) == ["Engine", "Ingress"]
-
-
-def test_the_serve_llm_server_class_loads_from_its_old_path_with_a_deprecation() -> None:
-    """A Serve LLM config's ``server_cls: app.llm_server:FastServeLLMServer`` (the class's path
-    before ``app/server/``) still loads the same class, for one release, and says so."""
-    import importlib
-    import sys
-
-    pytest.importorskip("ray.serve.llm", reason="needs the serve-llm extra: pip install -e '.[serve-llm]'")
-    from app.server.llm_server import FastServeLLMServer
-
-    sys.modules.pop("app.llm_server", None)
-    with pytest.warns(DeprecationWarning, match=r"moved to app\.server\.llm_server"):
-        old = importlib.import_module("app.llm_server")
-    assert old.FastServeLLMServer is FastServeLLMServer

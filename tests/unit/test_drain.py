@@ -1,4 +1,4 @@
-"""Serve's graceful_shutdown_timeout_s sized for a max_tokens stream at a TPOT (app.config_drain)."""
+"""Serve's graceful_shutdown_timeout_s sized for a max_tokens stream at a TPOT (fastserve.config_drain)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from app.config import INGRESS_DEFAULTS, AppArgs, resolve_path
-from app.scheduler.profile import Profile
+from fastserve.config import INGRESS_DEFAULTS, AppArgs, resolve_path
+from fastserve.scheduler.profile import Profile
 from tests.harness.app_config import demo_args, error_of
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from actors import executor
-from actors.executor import resolve_dtype
-from kernels.cpu_features import cpu_has_bf16
+from fastserve.kernels.cpu_features import cpu_has_bf16
+from fastserve.worker import executor
+from fastserve.worker.executor import resolve_dtype
 
 
 @pytest.mark.parametrize(("native", "expected"), [(True, "bfloat16"), (False, "float32")])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.messages import BatchPlan, StepOutput
-from app.engine.core import EngineCore, VirtualClock
+from fastserve.engine.core import EngineCore, VirtualClock
+from fastserve.worker.messages import BatchPlan, StepOutput
 from tests.harness.scheduling import TOKEN, ChargedExecutor, make, req
 
 

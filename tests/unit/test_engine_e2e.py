@@ -10,13 +10,13 @@ import asyncio
 
 import pytest
 
-from actors.executor import InProcessExecutor
-from actors.messages import SamplingParams
-from actors.spec import ModelSpec
-from app.engine.async_engine import AsyncEngine, ThreadedExecutor
-from app.scheduler.config import KVCacheConfig, SchedulerConfig, SwapMode
-from app.scheduler.profile import Profile
-from app.scheduler.scheduler import Scheduler
+from fastserve.engine.async_engine import AsyncEngine, ThreadedExecutor
+from fastserve.scheduler.config import KVCacheConfig, SchedulerConfig, SwapMode
+from fastserve.scheduler.profile import Profile
+from fastserve.scheduler.scheduler import Scheduler
+from fastserve.worker.executor import InProcessExecutor
+from fastserve.worker.messages import SamplingParams
+from fastserve.worker.spec import ModelSpec
 from tests.harness.tiny_jobs import BLOCK_SIZE, HOST_POOL, MAX_TOKENS, PROMPTS, SEED, SMALL_DEVICE_POOL, TINY
 
 #: The jobs need 5 + 6 + 8 + 6 + 5 + 7 + 5 + 6 = 48 blocks at their longest; SMALL_DEVICE_POOL

@@ -8,8 +8,8 @@ import math
 
 import torch
 
-from actors.messages import SamplingParams
-from app.server.choices import choice_sampling
+from fastserve.server.choices import choice_sampling
+from fastserve.worker.messages import SamplingParams
 from tests.harness.fields import TINY, boost, recording, run_jobs, tiny_executor
 
 EOS = TINY.eos_token_id

@@ -1,15 +1,15 @@
-"""Bad input is refused naming the value: a request by ``app.errors.validate_request`` (with the
+"""Bad input is refused naming the value: a request by ``fastserve.errors.validate_request`` (with the
 code the HTTP layer answers by), a malformed plan by the executor, which stays usable."""
 
 from __future__ import annotations
 
 import pytest
 
-from actors.executor import InProcessExecutor
-from actors.messages import BatchEntry, BatchPlan, SamplingParams
-from actors.model.config import OPTConfig
-from actors.spec import ModelSpec
-from app.errors import ErrorCode, InvalidRequest, validate_request
+from fastserve.errors import ErrorCode, InvalidRequest, validate_request
+from fastserve.worker.executor import InProcessExecutor
+from fastserve.worker.messages import BatchEntry, BatchPlan, SamplingParams
+from fastserve.worker.model.config import OPTConfig
+from fastserve.worker.spec import ModelSpec
 
 TINY = OPTConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                  ffn_dim=64, max_position_embeddings=64, name="tiny")

@@ -8,17 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from actors.messages import SamplingParams, StepOutput
-from app.engine.offline import load_app_args
-from app.generation_config import eos_token_ids
-from app.scheduler.config import KVCacheConfig, SchedulerConfig
-from app.scheduler.job import JobRequest
-from app.scheduler.profile import Profile
-from app.scheduler.scheduler import Scheduler
-from app.server.ingress import OpenAIServer
-from app.server.ingress_requests import ServerContext
-from app.server.protocol import APIError
-from app.tokenizer import Tokenizer
+from fastserve.engine.offline import load_app_args
+from fastserve.generation_config import eos_token_ids
+from fastserve.scheduler.config import KVCacheConfig, SchedulerConfig
+from fastserve.scheduler.job import JobRequest
+from fastserve.scheduler.profile import Profile
+from fastserve.scheduler.scheduler import Scheduler
+from fastserve.server.ingress import OpenAIServer
+from fastserve.server.ingress_requests import ServerContext
+from fastserve.server.protocol import APIError
+from fastserve.tokenizer import Tokenizer
+from fastserve.worker.messages import SamplingParams, StepOutput
 from tests.harness.tokenizers import LLAMA3_END_OF_TEXT, LLAMA3_EOT, LLAMA3_STYLE, require_smollm2
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from app.config import AppArgs
-from loadtest.experiments.fig11_real import ADMIT_ALL
-from loadtest.experiments.server import multi_policy_config, serve_env
+from fastserve.bench.experiments.fig11_real import ADMIT_ALL
+from fastserve.bench.experiments.server import multi_policy_config, serve_env
+from fastserve.config import AppArgs
 
 
 def test_one_app_per_policy_with_overrides_validated_by_app_args() -> None:

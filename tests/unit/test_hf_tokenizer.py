@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from app.chat_template import OPT_FALLBACK, ChatOptions, ChatTemplate, ChatTemplateError
-from app.config_model import ModelArgs
-from app.detokenizer import IncrementalDecoder
-from app.tokenizer import Tokenizer, TokenizerLoadError, load_tokenizer
+from fastserve.chat_template import OPT_FALLBACK, ChatOptions, ChatTemplate, ChatTemplateError
+from fastserve.config_model import ModelArgs
+from fastserve.detokenizer import IncrementalDecoder
+from fastserve.tokenizer import Tokenizer, TokenizerLoadError, load_tokenizer
 from tests.harness.tokenizers import (
     LLAMA3_BOS,
     LLAMA3_EOT,

@@ -1,4 +1,4 @@
-"""kernels.huge_pages: the step's large tensors on advised huge-page mappings, values unchanged."""
+"""fastserve.kernels.huge_pages: the step's large tensors on advised huge-page mappings, values unchanged."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.model.linear import ServingLinear, place_on_huge_pages
-from kernels import cpu_linear, huge_pages
+from fastserve.kernels import cpu_linear, huge_pages
+from fastserve.worker.model.linear import ServingLinear, place_on_huge_pages
 
 needs_thp = pytest.mark.skipif(not huge_pages.available(), reason="transparent huge pages are off here")
 

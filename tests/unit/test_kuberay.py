@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import yaml
 
-from app.config import AppArgs
+from fastserve.config import AppArgs
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBERAY = ROOT / "config" / "kuberay"
@@ -182,7 +182,7 @@ def test_dockerfile_installs_pyproject_extras_on_the_matching_ray_image() -> Non
 
 @pytest.mark.parametrize("name", MANIFESTS)
 def test_every_pod_gets_the_api_key_from_a_secret(name: str) -> None:
-    from app.config_server import API_KEY_ENV
+    from fastserve.config_server import API_KEY_ENV
 
     for group, spec in pod_groups(documents(name)["RayService"]).items():
         (container,) = spec["template"]["spec"]["containers"]
@@ -203,7 +203,7 @@ def test_upgrades_never_build_a_second_full_cluster(name: str) -> None:
 
 def test_dockerfile_has_a_c_compiler_and_builds_the_cpu_kernel() -> None:
     """Without a compiler the CPU decode attention silently falls back to the torch reference."""
-    from kernels import cpu_ops
+    from fastserve.kernels import cpu_ops
 
     dockerfile = (ROOT / "Dockerfile").read_text()
     (apt,) = re.findall(r"^RUN apt-get update && apt-get install .*$", dockerfile, flags=re.M)

@@ -7,15 +7,15 @@ from collections.abc import Callable
 
 import pytest
 
-from actors.messages import BatchEntry, StepOutput, SwapCommand
-from app.kv.enst import EnstTable
-from app.kv.manager import KVCacheManager, Residency, Tier
-from app.kv.swap_planner import PoolCounts, SwapDecision, plan_swaps
-from app.scheduler.apply import Applied
-from app.scheduler.config import KVCacheConfig, SchedulerConfig, SwapMode
-from app.scheduler.decision import BatchDecision, Decision
-from app.scheduler.queues import LevelQueues
-from app.scheduler.scheduler import Scheduler
+from fastserve.kv.enst import EnstTable
+from fastserve.kv.manager import KVCacheManager, Residency, Tier
+from fastserve.kv.swap_planner import PoolCounts, SwapDecision, plan_swaps
+from fastserve.scheduler.apply import Applied
+from fastserve.scheduler.config import KVCacheConfig, SchedulerConfig, SwapMode
+from fastserve.scheduler.decision import BatchDecision, Decision
+from fastserve.scheduler.queues import LevelQueues
+from fastserve.scheduler.scheduler import Scheduler
+from fastserve.worker.messages import BatchEntry, StepOutput, SwapCommand
 from tests.harness.scheduling import PROFILE, TOKEN, ids, make, req, step
 
 

@@ -7,9 +7,9 @@ import threading
 import pytest
 import torch
 
-import kernels
-from actors.kv_store import DeviceStalls, KVStore
-from actors.messages import SwapCommand
+from fastserve import kernels
+from fastserve.worker.kv_store import DeviceStalls, KVStore
+from fastserve.worker.messages import SwapCommand
 
 
 def make_store(**kw: int) -> KVStore:
@@ -135,7 +135,7 @@ def test_device_stalls_sum_the_waits_the_device_passed_and_keep_the_rest() -> No
 def test_a_steps_swap_wait_takes_the_device_stalls_read_after_it() -> None:
     """``StageRunner.finish_swaps`` adds what the device stalled (a GPU's ``wait_for``) to the
     step's ``swap_wait``, beside what the host waited; on CPU there is none to add."""
-    from actors.stage import StageRunner
+    from fastserve.worker.stage import StageRunner
 
     store = make_store()
     runner = StageRunner(model=None, kv=store)   # type: ignore[arg-type]   # finish_swaps needs no model

@@ -12,9 +12,9 @@ import pytest
 import torch
 import yaml
 
-from actors.model.config import ModelConfig, OPTConfig, load_model_config, model_config_from_dict
-from actors.model.llama_config import LlamaConfig, RopeScaling
-from actors.model.rope import inverse_frequencies
+from fastserve.worker.model.config import ModelConfig, OPTConfig, load_model_config, model_config_from_dict
+from fastserve.worker.model.llama_config import LlamaConfig, RopeScaling
+from fastserve.worker.model.rope import inverse_frequencies
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE: dict[str, Any] = {"model_type": "llama", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
@@ -98,8 +98,8 @@ def test_kv_heads_are_split_or_replicated_across_tensor_parallel_ranks() -> None
 
 
 def test_checkpoint_shape_mismatch_names_the_tensor(tmp_path: Path) -> None:
-    from actors.model.llama import LlamaStage
-    from actors.model.weights import load_weights
+    from fastserve.worker.model.llama import LlamaStage
+    from fastserve.worker.model.weights import load_weights
 
     config = LlamaConfig(**{k: v for k, v in BASE.items() if k != "model_type"})
     stage = LlamaStage(config)
@@ -118,10 +118,10 @@ def test_shipped_llama_configs_load(name: str) -> None:
 
 
 def test_demo_model_serves_with_dummy_weights_and_fits_the_opt_tokenizer() -> None:
-    from actors.executor import InProcessExecutor
-    from actors.messages import BatchEntry, BatchPlan, SamplingParams
-    from actors.spec import ModelSpec
-    from app.tokenizer import Tokenizer
+    from fastserve.tokenizer import Tokenizer
+    from fastserve.worker.executor import InProcessExecutor
+    from fastserve.worker.messages import BatchEntry, BatchPlan, SamplingParams
+    from fastserve.worker.spec import ModelSpec
 
     config = load_model_config(ROOT / "config/models/llama-demo-150m")
     assert config.vocab_size >= Tokenizer.default().vocab_size
@@ -137,7 +137,7 @@ def test_demo_model_serves_with_dummy_weights_and_fits_the_opt_tokenizer() -> No
 def test_llama_serve_configs_validate(name: str) -> None:
     from ray.serve.schema import ServeDeploySchema
 
-    from app.config import AppArgs
+    from fastserve.config import AppArgs
 
     raw = yaml.safe_load((ROOT / "config" / f"{name}.yaml").read_text())
     ServeDeploySchema.model_validate(raw)
@@ -150,9 +150,9 @@ def test_llama_serve_configs_validate(name: str) -> None:
 
 
 def test_kv_projection_of_the_wrong_size_is_refused_at_tensor_parallel_2() -> None:
-    from actors.model.llama import LlamaStage
-    from actors.model.shard import StageShard
-    from actors.model.weights import load_weights
+    from fastserve.worker.model.llama import LlamaStage
+    from fastserve.worker.model.shard import StageShard
+    from fastserve.worker.model.weights import load_weights
 
     config = LlamaConfig(**{k: v for k, v in BASE.items() if k != "model_type"})   # 2 KV heads x 8
     stage = LlamaStage(config, StageShard(0, 2, 2, tp_rank=1, tp_size=2))

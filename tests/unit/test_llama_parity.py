@@ -18,10 +18,10 @@ import pytest
 import torch
 import transformers
 
-from actors.executor import InProcessExecutor
-from actors.messages import BatchEntry, BatchPlan, SamplingParams
-from actors.model.llama_config import LlamaConfig, RopeScaling
-from actors.spec import ModelSpec
+from fastserve.worker.executor import InProcessExecutor
+from fastserve.worker.messages import BatchEntry, BatchPlan, SamplingParams
+from fastserve.worker.model.llama_config import LlamaConfig, RopeScaling
+from fastserve.worker.spec import ModelSpec
 from tests.harness.engine_driver import Driver
 from tests.harness.tensor_parallel import RankPools, run_tensor_parallel
 
@@ -241,8 +241,8 @@ def test_norm_and_rotary_are_transformers_formulas_bit_for_bit(dtype: torch.dtyp
     # The torch reference's RMSNorm runs F.rms_norm and its rotary a roll with a signed sin:
     # fewer ops per layer, the same bits as transformers' pow/mean/rsqrt and rotate_half formulas.
     # (The C kernels that replace them for bf16 are held to this reference in test_cpu_elementwise.)
-    from actors.model.rope import Rotary
-    from kernels import reference
+    from fastserve.kernels import reference
+    from fastserve.worker.model.rope import Rotary
 
     torch.manual_seed(3)
     weight = torch.randn(576).to(dtype)

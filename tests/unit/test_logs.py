@@ -1,10 +1,10 @@
-"""``app.logs.join_serve_logs``: our log lines reach the handlers Serve gives its own logger."""
+"""``fastserve.logs.join_serve_logs``: our log lines reach the handlers Serve gives its own logger."""
 
 from __future__ import annotations
 
 import logging
 
-from app.logs import APP_LOGGER, SERVE_LOGGER, join_serve_logs
+from fastserve.logs import APP_LOGGER, SERVE_LOGGER, join_serve_logs
 
 
 def test_app_records_reach_the_serve_loggers_handlers_once() -> None:
@@ -23,8 +23,8 @@ def test_app_records_reach_the_serve_loggers_handlers_once() -> None:
     try:
         join_serve_logs()
         join_serve_logs()   # a second replica init in the same process adds nothing twice
-        logging.getLogger("app.engine.delivery").info("channel to %s open", "r1")
-        assert collect.lines == ["app.engine.delivery: channel to r1 open"]
+        logging.getLogger("fastserve.engine.delivery").info("channel to %s open", "r1")
+        assert collect.lines == ["fastserve.engine.delivery: channel to r1 open"]
     finally:
         serve.removeHandler(collect)
         ours.handlers[:] = saved[0]

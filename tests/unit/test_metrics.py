@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from loadtest.metrics import (
+from fastserve.bench.metrics import (
     METRIC_E2E,
     METRIC_PER_TOKEN,
     METRIC_TPOT,

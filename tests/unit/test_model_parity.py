@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from actors.executor import InProcessExecutor
-from actors.messages import BatchEntry, BatchPlan, SamplingParams
-from actors.model.config import OPTConfig
-from actors.model.weights import dummy_weights
-from actors.spec import ModelSpec
-from kernels.cpu_features import cpu_has_bf16
+from fastserve.kernels.cpu_features import cpu_has_bf16
+from fastserve.worker.executor import InProcessExecutor
+from fastserve.worker.messages import BatchEntry, BatchPlan, SamplingParams
+from fastserve.worker.model.config import OPTConfig
+from fastserve.worker.model.weights import dummy_weights
+from fastserve.worker.spec import ModelSpec
 from tests.harness.engine_driver import Driver
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -185,7 +185,7 @@ def test_opt125m_shaped_dummy_model_matches_transformers() -> None:
 
 
 def test_serving_linear_packed_path_equals_f_linear_for_every_row_count() -> None:
-    from actors.model import linear as L
+    from fastserve.worker.model import linear as L
 
     torch.manual_seed(0)
     lin = L.ServingLinear(48, 80)
@@ -203,7 +203,7 @@ def test_serving_linear_packed_path_equals_f_linear_for_every_row_count() -> Non
 def test_merged_linear_gives_each_members_output() -> None:
     # q/k/v (with biases, as OPT) and gate/up (without, as LLaMA) merged into one packed GEMM:
     # each output is its member's own F.linear, before packing and after, at every row count.
-    from actors.model import linear as L
+    from fastserve.worker.model import linear as L
 
     torch.manual_seed(0)
     for bias in (True, False):
@@ -234,7 +234,7 @@ def test_merged_linear_gives_each_members_output() -> None:
 
 def test_packed_row_bounds_per_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     # float32 keeps MKL for single rows and whole prompts on Intel only; bf16 is packed throughout.
-    from actors.model import linear as L
+    from fastserve.worker.model import linear as L
 
     for vendor, fp32 in (("GenuineIntel", (2, 256)), ("AuthenticAMD", (1, L.UNBOUNDED))):
         monkeypatch.setattr(L, "cpu_vendor", lambda v=vendor: v)
@@ -246,7 +246,7 @@ def test_packed_row_bounds_per_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no native bf16 (no avx512_bf16 / amx_bf16 flag)")
 def test_serving_linear_packs_bf16_and_equals_f_linear() -> None:
-    from actors.model import linear as L
+    from fastserve.worker.model import linear as L
 
     torch.manual_seed(0)
     lin = L.ServingLinear(48, 80).to(torch.bfloat16)
@@ -260,7 +260,7 @@ def test_serving_linear_packs_bf16_and_equals_f_linear() -> None:
 def test_packed_lm_head_gives_the_unpacked_logits(tiny_pair: tuple) -> None:
     # The executor packs the tied LM head (CPU float32); its logits for a decode-sized batch must
     # be the plain projection's to float32 rounding, and a lone row takes the plain path.
-    from actors.model import linear as L
+    from fastserve.worker.model import linear as L
 
     ex = _tiny_executor(tiny_pair[1])
     model = ex.model

@@ -1,5 +1,5 @@
 """A GPU pipeline whose compiled graph needs Ray's NCCL channels checks for CuPy's NCCL binding
-first (``actors.transport.check_nccl_binding``) and fails naming the module, before placing a
+first (``fastserve.worker.transport.check_nccl_binding``) and fails naming the module, before placing a
 worker; the binding's absence is simulated here (this machine has no CuPy)."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import types
 
 import pytest
 
-from actors.pipeline import PipelineExecutor
-from actors.spec import EngineSpec
-from actors.transport import NCCL_BINDING, check_nccl_binding, uses_nccl_channels
-from app.config import AppArgs
+from fastserve.config import AppArgs
+from fastserve.worker.pipeline import PipelineExecutor
+from fastserve.worker.spec import EngineSpec
+from fastserve.worker.transport import NCCL_BINDING, check_nccl_binding, uses_nccl_channels
 from tests.harness.app_config import demo_args
 
 

@@ -1,4 +1,4 @@
-"""The offline runner (app.engine.offline): a Serve YAML's ``args`` read and refused as the server would,
+"""The offline runner (fastserve.engine.offline): a Serve YAML's ``args`` read and refused as the server would,
 and the demo's real model answering through the same engine in this process (no Ray, no HTTP).
 """
 
@@ -11,7 +11,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from app.engine.offline import load_app_args, main
+from fastserve.engine.offline import load_app_args, main
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "config/demo.yaml"

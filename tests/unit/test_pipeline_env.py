@@ -4,8 +4,8 @@ so the processes that run the model wait the way the config says."""
 
 from __future__ import annotations
 
-from actors.placement import worker_runtime_env
-from actors.spec import PipelineTimeouts
+from fastserve.worker.placement import worker_runtime_env
+from fastserve.worker.spec import PipelineTimeouts
 
 
 def test_the_replicas_omp_wait_policy_reaches_the_stage_workers() -> None:

@@ -1,4 +1,4 @@
-"""``actors.ports.free_port``: drawn between Ray's worker ports and the kernel's ephemeral range."""
+"""``fastserve.worker.ports.free_port``: drawn between Ray's worker ports and the kernel's ephemeral range."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from actors import ports
+from fastserve.worker import ports
 
 
 def _bind(port: int) -> None:

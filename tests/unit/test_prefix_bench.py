@@ -1,4 +1,4 @@
-"""loadtest.prefix_bench: the applications it starts, and its checks of reported cached tokens."""
+"""fastserve.bench.prefix_bench: the applications it starts, and its checks of reported cached tokens."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from app.config import AppArgs
-from loadtest.experiments.server import variant_config
-from loadtest.prefix_bench import DEMO, cache_checks, parse_system, recheck, setup_variants, slo_sweep
+from fastserve.bench.experiments.server import variant_config
+from fastserve.bench.prefix_bench import DEMO, cache_checks, parse_system, recheck, setup_variants, slo_sweep
+from fastserve.config import AppArgs
 
 
 def test_cache_setup_differs_only_in_prefix_caching() -> None:

@@ -1,4 +1,4 @@
-"""Automatic prefix caching (``app.kv.prefix``, ``app.kv.manager``): hand-computed block
+"""Automatic prefix caching (``fastserve.kv.prefix``, ``fastserve.kv.manager``): hand-computed block
 accounting, the two tiers, the swap rule for shared blocks, and what the scheduler does with a
 cached prefix (skip-join by the uncached suffix, service for it only, not ready before a copy
 from the host landed)."""
@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from actors.messages import SamplingParams, StepOutput
-from app.kv.manager import SPILL_JOB, KVCacheManager, Residency, Tier
-from app.kv.prefix import hash_block, root_hash
-from app.scheduler.config import KVCacheConfig, SchedulerConfig, SwapMode
-from app.scheduler.job import JobRequest
-from app.scheduler.scheduler import Scheduler
+from fastserve.kv.manager import SPILL_JOB, KVCacheManager, Residency, Tier
+from fastserve.kv.prefix import hash_block, root_hash
+from fastserve.scheduler.config import KVCacheConfig, SchedulerConfig, SwapMode
+from fastserve.scheduler.job import JobRequest
+from fastserve.scheduler.scheduler import Scheduler
+from fastserve.worker.messages import SamplingParams, StepOutput
 from tests.harness.fields import PROFILE
 
 BLOCK = 4

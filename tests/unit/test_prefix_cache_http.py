@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from app.config_server import ServerArgs
-from app.scheduler.job import TokenDelta
+from fastserve.config_server import ServerArgs
+from fastserve.scheduler.job import TokenDelta
 from tests.harness.http_backends import STATS, ScriptedBackend, post, sse_events
 
 

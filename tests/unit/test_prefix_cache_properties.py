@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from actors.messages import BatchPlan, SamplingParams, StepOutput
-from app.scheduler.config import PolicyName, SwapMode
-from app.scheduler.job import JobRequest
+from fastserve.scheduler.config import PolicyName, SwapMode
+from fastserve.scheduler.job import JobRequest
+from fastserve.worker.messages import BatchPlan, SamplingParams, StepOutput
 from tests.harness.scheduling import RANDOM_LOAD_PROFILE, every_policy_and_mode, make
 
 PREFIXES = ((5,) * 8, tuple(range(10, 18)), (5, 5, 5, 5, 6, 6, 6, 6))

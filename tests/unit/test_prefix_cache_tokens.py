@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import pytest
 
-from actors.executor import InProcessExecutor
-from actors.messages import SamplingParams
-from actors.spec import ModelSpec
-from app.scheduler.config import PolicyName, SwapMode
-from app.scheduler.job import JobRequest
-from app.scheduler.scheduler import Scheduler
+from fastserve.scheduler.config import PolicyName, SwapMode
+from fastserve.scheduler.job import JobRequest
+from fastserve.scheduler.scheduler import Scheduler
+from fastserve.worker.executor import InProcessExecutor
+from fastserve.worker.messages import SamplingParams
+from fastserve.worker.spec import ModelSpec
 from tests.harness.fields import PROFILE, TINY
 from tests.harness.scheduling import every_policy_and_mode, make
 

@@ -1,4 +1,4 @@
-"""The prefix-sharing workloads (``loadtest.prefix_workloads``) and their use by ``loadtest.race``:
+"""The prefix-sharing workloads (``fastserve.bench.prefix_workloads``) and their use by ``fastserve.bench.race``:
 conversations send turns in order with the whole history (the server's own answers included), a
 shared system prompt leads every request, and the hit rate comes from the server's usage."""
 
@@ -11,10 +11,10 @@ from typing import Any
 import httpx
 import pytest
 
-from loadtest import prefix_workloads as PW
-from loadtest import prompts as P
-from loadtest import race
-from loadtest.client import HEALTH_PATH, ClientConfig
+from fastserve.bench import prefix_workloads as PW
+from fastserve.bench import prompts as P
+from fastserve.bench import race
+from fastserve.bench.client import HEALTH_PATH, ClientConfig
 
 
 def chat_server(model: str, seen: list[list[dict[str, str]]]) -> httpx.MockTransport:

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import pytest
 
-from actors.executor import InProcessExecutor
-from actors.messages import BatchPlan, SamplingParams, StepOutput
-from actors.spec import ModelSpec
-from app.scheduler.config import KVCacheConfig, SchedulerConfig, SwapMode
-from app.scheduler.job import JobRequest
-from app.scheduler.scheduler import Scheduler
+from fastserve.scheduler.config import KVCacheConfig, SchedulerConfig, SwapMode
+from fastserve.scheduler.job import JobRequest
+from fastserve.scheduler.scheduler import Scheduler
+from fastserve.worker.executor import InProcessExecutor
+from fastserve.worker.messages import BatchPlan, SamplingParams, StepOutput
+from fastserve.worker.spec import ModelSpec
 from tests.harness.fields import PROFILE, TINY
 from tests.harness.scheduling import make, req, step
 

@@ -1,4 +1,4 @@
-"""The job profiler (app.engine.profiler) on a tiny random OPT: the file it writes is the one the scheduler
+"""The job profiler (fastserve.engine.profiler) on a tiny random OPT: the file it writes is the one the scheduler
 reads. Checked exactly: its name, grids, layout fields and KV block size; the measured seconds only
 for being one positive number per grid point (their values are the machine's, not the test's).
 """
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from app.engine.profiler import hardware_name, main, profile, profile_path
-from app.scheduler.profile import Profile
+from fastserve.engine.profiler import hardware_name, main, profile, profile_path
+from fastserve.scheduler.profile import Profile
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS, HIDDEN, HEADS, BLOCK = 2, 32, 2, 4

@@ -19,12 +19,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.messages import BatchPlan, SamplingParams
-from app.kv.manager import Residency
-from app.scheduler.config import SWAP_MODES, PolicyName, SwapMode
-from app.scheduler.job import JobRequest, JobState
-from app.scheduler.scheduler import Scheduler
-from loadtest.sim.driver import CostModelExecutor, drive
+from fastserve.bench.sim.driver import CostModelExecutor, drive
+from fastserve.kv.manager import Residency
+from fastserve.scheduler.config import SWAP_MODES, PolicyName, SwapMode
+from fastserve.scheduler.job import JobRequest, JobState
+from fastserve.scheduler.scheduler import Scheduler
+from fastserve.worker.messages import BatchPlan, SamplingParams
 from tests.harness.scheduling import RANDOM_LOAD_PROFILE as PROFILE
 from tests.harness.scheduling import every_policy_and_mode, make
 

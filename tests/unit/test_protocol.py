@@ -1,4 +1,5 @@
-"""The OpenAI wire format (app.server.protocol) and the HTTP layer (app.server.ingress) over a fake scheduler.
+"""The OpenAI wire format (fastserve.server.protocol) and the HTTP layer (fastserve.server.ingress) over a fake
+scheduler.
 
 Exact error messages and bodies, sampling conversion, stop strings, SSE framing and usage; no Ray
 cluster (the scheduler side is a scripted ``Backend``).
@@ -13,18 +14,18 @@ from typing import Any
 import httpx
 import pytest
 
-from app.scheduler.job import JobRequest, TokenDelta
-from app.server.http_api import make_api, respond
-from app.server.ingress import OpenAIServer
-from app.server.ingress_requests import ServerContext
-from app.server.protocol import (
+from fastserve.scheduler.job import JobRequest, TokenDelta
+from fastserve.server.http_api import make_api, respond
+from fastserve.server.ingress import OpenAIServer
+from fastserve.server.ingress_requests import ServerContext
+from fastserve.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     parse_request,
 )
-from app.server.protocol_output import StopStringMatcher
-from app.server.request_limits import RequestLimits
+from fastserve.server.protocol_output import StopStringMatcher
+from fastserve.server.request_limits import RequestLimits
 from tests.harness.http_backends import CONTEXT, FAKE_STATS, MODEL, TEXT_IDS, TOK, VOCAB, FakeBackend, FakeStream
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadtest import metrics, race
-from loadtest import prompts as P
-from loadtest.client import HEALTH_PATH
+from fastserve.bench import metrics, race
+from fastserve.bench import prompts as P
+from fastserve.bench.client import HEALTH_PATH
 
 
 def test_prompt_datasets_load_with_bos_inclusive_lengths() -> None:
@@ -129,7 +129,7 @@ def test_race_refuses_a_remote_peer() -> None:
 def test_race_waits_for_health_and_warms_each_server_up_unrecorded(monkeypatch: pytest.MonkeyPatch) -> None:
     # /health answers 503 twice (an engine still starting), then 200; the warm-up requests go
     # one at a time before the first rate and are in no point's figures.
-    monkeypatch.setattr("loadtest.client.HEALTH_POLL_S", 0.01)
+    monkeypatch.setattr("fastserve.bench.client.HEALTH_POLL_S", 0.01)
     log: dict[str, list[str]] = {"ours": [], "peer": []}
 
     def server(name: str) -> httpx.MockTransport:
@@ -159,7 +159,7 @@ def test_race_waits_for_health_and_warms_each_server_up_unrecorded(monkeypatch: 
 
 
 def test_race_gives_up_on_a_server_that_never_gets_healthy(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("loadtest.client.HEALTH_POLL_S", 0.01)
+    monkeypatch.setattr("fastserve.bench.client.HEALTH_POLL_S", 0.01)
     sick = httpx.MockTransport(lambda request: httpx.Response(503))
     args = race.parse_args(["--ours", "http://127.0.0.1:1", "--peer", "http://127.0.0.1:2", "--rates", "50",
                             "--num-prompts", "1", "--ready-timeout-s", "0.05"])

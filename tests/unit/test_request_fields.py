@@ -1,4 +1,5 @@
-"""The request fields at the HTTP layer (``app.server.protocol``, ``app.server.request_fields``, ``app.server.choices``
+"""The request fields at the HTTP layer (``fastserve.server.protocol``, ``fastserve.server.request_fields``,
+``fastserve.server.choices``
 through ``OpenAIServer`` over a scripted backend): every field we do not honour is a 400 naming
 it, honoured fields reach the job's ``SamplingParams``, and the logprobs and ``n`` shapes, both
 streaming and not."""
@@ -9,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from actors.messages import SamplingParams, TokenLogprobs
-from app.scheduler.job import JobRequest, TokenDelta
-from app.server.request_fields import HARMLESS, REFUSED
-from app.tokenizer import Tokenizer
+from fastserve.scheduler.job import JobRequest, TokenDelta
+from fastserve.server.request_fields import HARMLESS, REFUSED
+from fastserve.tokenizer import Tokenizer
+from fastserve.worker.messages import SamplingParams, TokenLogprobs
 from tests.harness.http_backends import MODEL, STATS, ScriptedBackend, post, sse_events
 
 TOK = Tokenizer.default()

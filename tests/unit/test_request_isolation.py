@@ -8,15 +8,15 @@ import asyncio
 import pytest
 import torch
 
-from actors.executor import InProcessExecutor
-from actors.messages import SamplingParams
-from actors.model.config import OPTConfig
-from actors.sampler import Sampler
-from actors.spec import ModelSpec
-from app.engine.async_engine import AsyncEngine, ThreadedExecutor
-from app.scheduler.config import KVCacheConfig, SchedulerConfig
-from app.scheduler.profile import Profile
-from app.scheduler.scheduler import Scheduler
+from fastserve.engine.async_engine import AsyncEngine, ThreadedExecutor
+from fastserve.scheduler.config import KVCacheConfig, SchedulerConfig
+from fastserve.scheduler.profile import Profile
+from fastserve.scheduler.scheduler import Scheduler
+from fastserve.worker.executor import InProcessExecutor
+from fastserve.worker.messages import SamplingParams
+from fastserve.worker.model.config import OPTConfig
+from fastserve.worker.sampler import Sampler
+from fastserve.worker.spec import ModelSpec
 
 TINY = OPTConfig(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  ffn_dim=128, max_position_embeddings=256, name="tiny")
@@ -105,8 +105,8 @@ class StuckExecutor:
 
 
 def test_a_stuck_step_turns_the_engine_unhealthy_and_a_dead_loop_refuses_work() -> None:
-    from app.engine.async_engine import EngineUnavailable
-    from app.scheduler.config import EngineConfig
+    from fastserve.engine.async_engine import EngineUnavailable
+    from fastserve.scheduler.config import EngineConfig
 
     async def run() -> None:
         scheduler = tiny_scheduler()
@@ -133,8 +133,8 @@ def test_a_stuck_step_turns_the_engine_unhealthy_and_a_dead_loop_refuses_work() 
 
 
 def test_an_engine_holds_at_most_max_jobs() -> None:
-    from app.scheduler.config import EngineConfig
-    from app.scheduler.scheduler import AdmissionQueueFull
+    from fastserve.scheduler.config import EngineConfig
+    from fastserve.scheduler.scheduler import AdmissionQueueFull
 
     async def run() -> None:
         scheduler = tiny_scheduler()
@@ -179,7 +179,7 @@ def new_executor() -> ThreadedExecutor:
 
 async def run_with(executor: object, rebuild: object, deadline_s: float = 30.0
                    ) -> tuple[dict[str, list[int]], dict[str, str], AsyncEngine]:
-    from app.scheduler.config import EngineConfig
+    from fastserve.scheduler.config import EngineConfig
 
     scheduler = tiny_scheduler()
     engine = AsyncEngine(scheduler, executor, config=EngineConfig(rebuild_deadline_s=deadline_s, rebuild_retry_s=0.1),  # type: ignore[arg-type]
@@ -221,11 +221,11 @@ def test_health_on_the_http_port_turns_503_when_a_step_is_stuck() -> None:
     work has waited for a step longer than engine.watchdog_s."""
     import httpx
 
-    from app.scheduler.config import EngineConfig
-    from app.server.http_api import make_api
-    from app.server.ingress import OpenAIServer
-    from app.server.ingress_requests import ServerContext
-    from app.tokenizer import Tokenizer
+    from fastserve.scheduler.config import EngineConfig
+    from fastserve.server.http_api import make_api
+    from fastserve.server.ingress import OpenAIServer
+    from fastserve.server.ingress_requests import ServerContext
+    from fastserve.tokenizer import Tokenizer
 
     async def run() -> list[int]:
         scheduler = tiny_scheduler()

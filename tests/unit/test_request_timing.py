@@ -1,4 +1,4 @@
-"""vLLM's per-token and per-request metrics from the engine loop (app.engine.request_timing), exactly.
+"""vLLM's per-token and per-request metrics from the engine loop (fastserve.engine.request_timing), exactly.
 
 The real ``Engine`` and ``Scheduler`` run on a manual clock; the data plane is a script that
 advances the clock by a chosen time per step (binary-exact, so every interval is exact) and
@@ -13,11 +13,11 @@ from collections.abc import Sequence
 
 import pytest
 
-from actors.messages import BatchPlan, StepOutput
-from app.engine.async_engine import AsyncEngine
-from app.engine.metrics import SchedulerMetrics
-from app.engine.request_timing import RequestTimer, TimingBatch
-from app.scheduler.job import TokenDelta
+from fastserve.engine.async_engine import AsyncEngine
+from fastserve.engine.metrics import SchedulerMetrics
+from fastserve.engine.request_timing import RequestTimer, TimingBatch
+from fastserve.scheduler.job import TokenDelta
+from fastserve.worker.messages import BatchPlan, StepOutput
 from tests.harness.metric_sinks import FakeSink, sinks
 from tests.harness.scheduling import TOKEN, make, req
 

@@ -1,4 +1,4 @@
-"""The roofline's arithmetic (``loadtest.roofline``) on a hand-made model, counted by hand; the CPU
+"""The roofline's arithmetic (``fastserve.bench.roofline``) on a hand-made model, counted by hand; the CPU
 feature parsing it labels figures with; and a smoke run of the command on that model."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from actors.model.llama_config import LlamaConfig
-from kernels.cpu_features import bf16_flags, cpu_has_bf16, cpu_name
-from loadtest.roofline import StepCost, decode_step_cost, floor_s
+from fastserve.bench.roofline import StepCost, decode_step_cost, floor_s
+from fastserve.kernels.cpu_features import bf16_flags, cpu_has_bf16, cpu_name
+from fastserve.worker.model.llama_config import LlamaConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 #: hidden 8, MLP 12, 2 layers, 2 query heads and 1 KV head of 4 dims, a vocabulary of 10.
@@ -69,7 +69,7 @@ def test_roofline_smoke_run(tmp_path: Path) -> None:
     (folder / "config.json").write_text(json.dumps({**shape, "model_type": "llama", "tie_word_embeddings": True,
                                                     "max_position_embeddings": 256}))
     done = subprocess.run(
-        [sys.executable, "-m", "loadtest.roofline", "--model", str(folder), "--batch-sizes", "1", "2",
+        [sys.executable, "-m", "fastserve.bench.roofline", "--model", str(folder), "--batch-sizes", "1", "2",
          "--dtypes", "float32", "--repeats", "1", "--stream-mib", "16", "--gemm-sides", "64"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
     result = json.loads(done.stdout.strip().splitlines()[-1])

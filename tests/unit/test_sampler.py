@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.messages import SamplingParams
-from actors.sampler import Sampler, filtered_probs
+from fastserve.worker.messages import SamplingParams
+from fastserve.worker.sampler import Sampler, filtered_probs
 
 LOGITS = torch.tensor([[0.1, 2.0, 1.5, -1.0, 0.3], [3.0, 0.0, 0.0, 0.0, 2.9]])
 
@@ -80,7 +80,7 @@ def test_top_p_that_underflows_float32_keeps_the_most_likely_token() -> None:
 
 
 def test_draw_follows_the_distribution_and_never_picks_zero_mass() -> None:
-    from actors.sampler import draw
+    from fastserve.worker.sampler import draw
 
     probs = torch.tensor([0.1, 0.0, 0.6, 0.3, 0.0])
     gen = torch.Generator().manual_seed(0)

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from actors.messages import SamplingContext, SamplingParams
-from actors.sampler import Sampler, apply_penalties, filtered_probs
+from fastserve.worker.messages import SamplingContext, SamplingParams
+from fastserve.worker.sampler import Sampler, apply_penalties, filtered_probs
 
 ROW = torch.tensor([[2.0, -1.0, 0.5, -0.5, 1.0]])
 GREEDY = SamplingParams(temperature=0.0)

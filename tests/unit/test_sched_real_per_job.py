@@ -1,8 +1,8 @@
-"""The per-job figures ``loadtest.experiments.sched_real`` reports from responses' ``job_stats``."""
+"""The per-job figures ``fastserve.bench.experiments.sched_real`` reports from responses' ``job_stats``."""
 
 from __future__ import annotations
 
-from loadtest.experiments.sched_real import per_job
+from fastserve.bench.experiments.sched_real import per_job
 
 
 def test_per_job_reports_means_and_the_worst_job() -> None:

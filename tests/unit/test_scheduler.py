@@ -13,20 +13,20 @@ from collections.abc import AsyncIterator
 import pytest
 from pydantic import ValidationError
 
-from actors.messages import BatchPlan, StepOutput
-from app.engine.async_engine import AsyncEngine, ThreadedExecutor
-from app.kv.enst import enst, level_waits
-from app.scheduler.config import (
+from fastserve.bench.sim.driver import CostModelExecutor, constant_tokens, drive
+from fastserve.engine.async_engine import AsyncEngine, ThreadedExecutor
+from fastserve.kv.enst import enst, level_waits
+from fastserve.scheduler.config import (
     KVCacheConfig,
     PolicyName,
     SchedulerConfig,
     SwapMode,
     alpha_from_slo,
 )
-from app.scheduler.job import JobRequest, JobState, TokenDelta
-from app.scheduler.profile import Profile
-from app.scheduler.scheduler import AdmissionQueueFull
-from loadtest.sim.driver import CostModelExecutor, constant_tokens, drive
+from fastserve.scheduler.job import JobRequest, JobState, TokenDelta
+from fastserve.scheduler.profile import Profile
+from fastserve.scheduler.scheduler import AdmissionQueueFull
+from fastserve.worker.messages import BatchPlan, StepOutput
 from tests.harness.scheduling import EOS, PROFILE, ROOT, TOKEN, greedy, ids, make, req, step
 
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import pytest
 
-from actors.messages import StepOutput
-from app.kv.manager import Residency
-from app.kv.swap_planner import SwapDecision
-from app.scheduler.apply import Applied
-from app.scheduler.config import ChunkedPrefillConfig, KVCacheConfig
-from app.scheduler.decision import BatchDecision, Decision
-from app.scheduler.reserve import ArrivalReserve
+from fastserve.kv.manager import Residency
+from fastserve.kv.swap_planner import SwapDecision
+from fastserve.scheduler.apply import Applied
+from fastserve.scheduler.config import ChunkedPrefillConfig, KVCacheConfig
+from fastserve.scheduler.decision import BatchDecision, Decision
+from fastserve.scheduler.reserve import ArrivalReserve
+from fastserve.worker.messages import StepOutput
 from tests.harness.scheduling import ids, make, req, step
 
 

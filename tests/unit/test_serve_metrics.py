@@ -1,4 +1,5 @@
-"""The metric families (app.engine.metrics) and the app's /metrics view of Ray's agents (app.server.metrics_export).
+"""The metric families (fastserve.engine.metrics) and the app's /metrics view of Ray's agents
+(fastserve.server.metrics_export).
 
 No Ray: recorders write into fake sinks; the exposition is fed text in the format Ray 2.60's
 metrics agent serves (names ``ray_<name>``, counters with ``_total``, Ray's own labels).
@@ -13,7 +14,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.engine.metrics import (
+from fastserve.engine.metrics import (
     INGRESS_FAMILIES,
     SCHEDULER_FAMILIES,
     TTFT_BUCKETS,
@@ -22,11 +23,11 @@ from app.engine.metrics import (
     SchedulerMetrics,
     length_buckets,
 )
-from app.scheduler.job import JobStats, TokenDelta
-from app.server.http_api import make_api
-from app.server.ingress import OpenAIServer
-from app.server.ingress_requests import ServerContext
-from app.server.metrics_export import our_families, render
+from fastserve.scheduler.job import JobStats, TokenDelta
+from fastserve.server.http_api import make_api
+from fastserve.server.ingress import OpenAIServer
+from fastserve.server.ingress_requests import ServerContext
+from fastserve.server.metrics_export import our_families, render
 from tests.harness.http_backends import CONTEXT, MODEL, TEXT_IDS, TOK, VOCAB, FakeBackend, FakeStream
 from tests.harness.metric_sinks import FakeSink, sinks
 

@@ -1,5 +1,5 @@
 """The simulator: it replays workloads through the real scheduler, agrees with the real engine loop
-on completion order, beats FCFS with skip-join MLFQ at high load, and feeds loadtest.metrics exact
+on completion order, beats FCFS with skip-join MLFQ at high load, and feeds fastserve.bench.metrics exact
 values on hand-checkable cases."""
 
 from __future__ import annotations
@@ -12,25 +12,25 @@ from pathlib import Path
 import httpx
 import pytest
 
-from actors.executor import InProcessExecutor
-from actors.messages import SamplingParams
-from actors.model.config import OPTConfig
-from actors.spec import ModelSpec
-from app.engine.async_engine import AsyncEngine, ThreadedExecutor
-from app.scheduler.config import KVCacheConfig, PolicyName, SchedulerConfig
-from app.scheduler.profile import Profile
-from app.scheduler.scheduler import Scheduler
-from loadtest import client as C
-from loadtest import workloads as W
-from loadtest.metrics import latency_breakdown, request_metrics, summarize
-from loadtest.sim import PAPER_PROFILES, CostModel, SimOptions, SimSetup, Simulator, simulate
-from loadtest.sim.paper_profiles import (
+from fastserve.bench import client as C
+from fastserve.bench import workloads as W
+from fastserve.bench.metrics import latency_breakdown, request_metrics, summarize
+from fastserve.bench.sim import PAPER_PROFILES, CostModel, SimOptions, SimSetup, Simulator, simulate
+from fastserve.bench.sim.paper_profiles import (
     PAPER_SETTINGS,
     PCIE4_X16_BYTES_PER_S,
     build_profile,
     fit_cost_params,
     load_dims,
 )
+from fastserve.engine.async_engine import AsyncEngine, ThreadedExecutor
+from fastserve.scheduler.config import KVCacheConfig, PolicyName, SchedulerConfig
+from fastserve.scheduler.profile import Profile
+from fastserve.scheduler.scheduler import Scheduler
+from fastserve.worker.executor import InProcessExecutor
+from fastserve.worker.messages import SamplingParams
+from fastserve.worker.model.config import OPTConfig
+from fastserve.worker.spec import ModelSpec
 
 EXACT = 1e-12
 

@@ -17,18 +17,18 @@ import asyncio
 
 import pytest
 
-from actors.executor import InProcessExecutor
-from actors.messages import BatchPlan, SamplingParams, StepOutput
-from actors.model.config import OPTConfig
-from actors.spec import ModelSpec
-from app.engine.async_engine import AsyncEngine, ThreadedExecutor
-from app.scheduler.config import KVCacheConfig, PolicyName, SchedulerConfig
-from app.scheduler.job import JobStats
-from app.scheduler.profile import Profile
-from app.scheduler.scheduler import Scheduler
-from loadtest import workloads as W
-from loadtest.sim import CostModel, Simulator
-from loadtest.sim.pipeline import SimPipeline
+from fastserve.bench import workloads as W
+from fastserve.bench.sim import CostModel, Simulator
+from fastserve.bench.sim.pipeline import SimPipeline
+from fastserve.engine.async_engine import AsyncEngine, ThreadedExecutor
+from fastserve.scheduler.config import KVCacheConfig, PolicyName, SchedulerConfig
+from fastserve.scheduler.job import JobStats
+from fastserve.scheduler.profile import Profile
+from fastserve.scheduler.scheduler import Scheduler
+from fastserve.worker.executor import InProcessExecutor
+from fastserve.worker.messages import BatchPlan, SamplingParams, StepOutput
+from fastserve.worker.model.config import OPTConfig
+from fastserve.worker.spec import ModelSpec
 
 TINY = OPTConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                  ffn_dim=64, max_position_embeddings=128, name="tiny")

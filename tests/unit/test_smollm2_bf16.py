@@ -1,7 +1,7 @@
 """bfloat16 on the demo's real model, SmolLM2-135M-Instruct, against ``transformers`` in bfloat16.
 
 Runs only on a CPU with native bf16 (``avx512_bf16`` or ``amx_bf16`` in /proc/cpuinfo, read by
-``kernels.cpu_features``): elsewhere ``dtype: auto`` serves float32 and bf16 would be emulated.
+``fastserve.kernels.cpu_features``): elsewhere ``dtype: auto`` serves float32 and bf16 would be emulated.
 
 * ``dtype: auto`` resolves to bf16 here: weights, activations and the KV pool are bf16, the
   decoder linears and the LM head run on oneDNN's packed bf16 GEMM (fp32 accumulation) and decode
@@ -13,7 +13,7 @@ Runs only on a CPU with native bf16 (``avx512_bf16`` or ``amx_bf16`` in /proc/cp
   the 8 that leave it at a token where HF's top two logits were within ``BF16_TIE_GAP`` (a tie at
   bf16 precision — HF's own gaps there are 0 or one bf16 step — after which either continuation
   is the model's). How many leave depends on the linears' summation order: on oneDNN's (HF's
-  own on CPU) 2; on our bf16 kernel's (``kernels.cpu_linear``, chosen off Intel) 5, every one at
+  own on CPU) 2; on our bf16 kernel's (``fastserve.kernels.cpu_linear``, chosen off Intel) 5, every one at
   such a tie. For scale, over 64 tokens HF bf16 itself leaves HF fp32 on 3 of the 8 jobs, our
   kernel path on 5 and our oneDNN path on 4 (AMD EPYC Zen 4).
 * The France prompt gets the fp32 model's answer, "The capital of France is Paris.", and stops at
@@ -29,13 +29,13 @@ import pytest
 import torch
 import transformers
 
-import kernels
-from actors.executor import InProcessExecutor
-from actors.messages import BatchEntry, BatchPlan, SamplingParams
-from actors.model.linear import BF16_KERNEL, ONEDNN, bf16_kernel_chosen
-from actors.model.llama_config import LlamaConfig
-from actors.spec import ModelSpec
-from kernels.cpu_features import cpu_has_bf16
+from fastserve import kernels
+from fastserve.kernels.cpu_features import cpu_has_bf16
+from fastserve.worker.executor import InProcessExecutor
+from fastserve.worker.messages import BatchEntry, BatchPlan, SamplingParams
+from fastserve.worker.model.linear import BF16_KERNEL, ONEDNN, bf16_kernel_chosen
+from fastserve.worker.model.llama_config import LlamaConfig
+from fastserve.worker.spec import ModelSpec
 from tests.harness.engine_driver import Driver
 from tests.harness.greedy import greedy_until_stop
 from tests.harness.hf_reference import Reference, hf_greedy_reference

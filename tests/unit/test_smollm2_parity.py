@@ -30,14 +30,14 @@ from pathlib import Path
 
 import pytest
 
-from actors.executor import InProcessExecutor
-from actors.messages import BatchPlan, SamplingParams, StepOutput
-from actors.model.llama_config import LlamaConfig
-from actors.spec import ModelSpec
-from app.engine.async_engine import AsyncEngine, ThreadedExecutor
-from app.scheduler.config import ChunkedPrefillConfig, KVCacheConfig, SchedulerConfig
-from app.scheduler.profile import Profile
-from app.scheduler.scheduler import Scheduler
+from fastserve.engine.async_engine import AsyncEngine, ThreadedExecutor
+from fastserve.scheduler.config import ChunkedPrefillConfig, KVCacheConfig, SchedulerConfig
+from fastserve.scheduler.profile import Profile
+from fastserve.scheduler.scheduler import Scheduler
+from fastserve.worker.executor import InProcessExecutor
+from fastserve.worker.messages import BatchPlan, SamplingParams, StepOutput
+from fastserve.worker.model.llama_config import LlamaConfig
+from fastserve.worker.spec import ModelSpec
 from tests.harness.engine_driver import Driver
 from tests.harness.greedy import SwapMidway, greedy_until_stop
 from tests.harness.hf_reference import Reference, assert_same_tokens, hf_greedy_reference

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from app.scheduler.profile import Profile
-from loadtest import workloads as W
-from loadtest.experiments.common import capacity_rate
-from loadtest.sim import CostModel, SimResult, SimSetup, simulate
+from fastserve.bench import workloads as W
+from fastserve.bench.experiments.common import capacity_rate
+from fastserve.bench.sim import CostModel, SimResult, SimSetup, simulate
+from fastserve.scheduler.profile import Profile
 
 ALPHA_S = 0.3
 PROFILE = Profile.from_dict({

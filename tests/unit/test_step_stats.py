@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from app.engine.async_engine import RequestStream
-from app.engine.step_stats import StepStats, diff_totals, summarize
-from app.errors import ErrorCode
-from app.scheduler.job import JobStats, TokenDelta
+from fastserve.engine.async_engine import RequestStream
+from fastserve.engine.step_stats import StepStats, diff_totals, summarize
+from fastserve.errors import ErrorCode
+from fastserve.scheduler.job import JobStats, TokenDelta
 
 
 def test_step_stats_means_per_kind_and_overhead_share() -> None:

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from actors.messages import BatchPlan, StepOutput
-from app.engine.async_engine import ThreadedExecutor
+from fastserve.engine.async_engine import ThreadedExecutor
+from fastserve.worker.messages import BatchPlan, StepOutput
 
 
 class ThreadRecorder:

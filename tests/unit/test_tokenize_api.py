@@ -1,4 +1,4 @@
-"""``/tokenize``, ``/detokenize``, ``/v1/models`` and ``/v1/models/{id}`` (app.server.tokenize_api) over
+"""``/tokenize``, ``/detokenize``, ``/v1/models`` and ``/v1/models/{id}`` (fastserve.server.tokenize_api) over
 the real FastAPI app and tokenizers, no Ray: vLLM's shapes, exact ids, refusals as OpenAI bodies."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from typing import Any
 import httpx
 import pytest
 
-from app.server.http_api import make_api
-from app.server.ingress import OpenAIServer
-from app.server.ingress_requests import ServerContext
-from app.tokenizer import Tokenizer
+from fastserve.server.http_api import make_api
+from fastserve.server.ingress import OpenAIServer
+from fastserve.server.ingress_requests import ServerContext
+from fastserve.tokenizer import Tokenizer
 from tests.harness.http_backends import ScriptedBackend
 from tests.harness.tokenizers import LLAMA3_BOS, LLAMA3_STYLE
 

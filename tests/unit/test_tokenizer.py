@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.chat_template import ChatTemplateError, apply_chat_template
-from app.tokenizer import DEFAULT_TOKENIZER_DIR, IncrementalDecoder, Tokenizer, TokenizerLoadError
+from fastserve.chat_template import ChatTemplateError, apply_chat_template
+from fastserve.tokenizer import DEFAULT_TOKENIZER_DIR, IncrementalDecoder, Tokenizer, TokenizerLoadError
 
 VECTORS_FILE = DEFAULT_TOKENIZER_DIR.parent / "tokenizer_test_vectors.json"
 OPT_VOCAB_SIZE = 50265

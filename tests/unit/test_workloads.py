@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from app.tokenizer import Tokenizer
-from loadtest.workloads import (
+from fastserve.bench.workloads import (
     AZURE_CODE_CSV,
     AZURE_CONV_CSV,
     BOS_TOKEN_ID,
@@ -34,6 +33,7 @@ from loadtest.workloads import (
     with_prompt_text,
     workload,
 )
+from fastserve.tokenizer import Tokenizer
 
 # Counts published in the shared data notes for the shipped files.
 SHAREGPT_ROWS = 17400

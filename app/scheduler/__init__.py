@@ -1,6 +1,0 @@
-"""Control-plane scheduling (paper §4.1): jobs, policies, batch formation and the ``Scheduler``.
-
-Pure Python (no torch, ray or cupy) so the same objects run in the Serve replica, in tests and in
-the simulator. Entry points: ``Scheduler`` (``app.scheduler.scheduler``), the configs
-(``app.scheduler.config``) and the profile (``app.scheduler.profile``).
-"""

@@ -1,0 +1,195 @@
+"""The machine's roofline and how far our decode step is from it: ``python -m fastserve.bench.roofline``.
+
+Measures this CPU's sustained GEMM FLOP/s (square ``torch.mm``; fp32, and bf16 only where
+``/proc/cpuinfo`` names native bf16 — ``fastserve.kernels.cpu_features``) and its memory bandwidth (a large
+tensor read by a reduction, and copied), then prints, for the served model (default: the demo's
+SmolLM2-135M, ``config/demo.yaml``) at batch 1 / 16 / 32, the **floor of one decode step**:
+
+    floor = max(bytes read / bandwidth, FLOPs / peak FLOP/s)
+
+* bytes: every weight the step multiplies by once (decoder linears, norms, the LM head — the
+  embedding matrix again when tied) plus the embedding rows of the batch's tokens, plus the KV
+  cache each sequence attends over (``context`` tokens, all layers) — at the dtype's width;
+* FLOPs: 2 per multiply-add of every linear layer and the LM head per row, plus attention's
+  ``q·k`` and ``p·v`` (4 × heads × head_dim × context per layer per row); norms, rotary,
+  softmax and sampling are left out (a floor).
+
+Next to it, our measured step (``fastserve.bench.bench_engine``'s machinery: the in-process executor,
+paged KV, sampling included, contexts ``PROMPT_LEN + 1 ..``) and ``transformers``' on the same
+weights, and each one's ratio to the floor. A table, then one JSON object last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from fastserve.bench import bench_engine
+from fastserve.kernels.cpu_features import cpu_has_bf16, cpu_name
+from fastserve.worker.executor import resolve_dtype, torch_dtype
+from fastserve.worker.model.config import ModelConfig
+from fastserve.worker.model.linear import onednn_linear_available
+from fastserve.worker.model.registry import build_model
+from fastserve.worker.model.shard import StageShard
+
+DEFAULT_MODEL = str(bench_engine.ROOT / "config/demo.yaml")
+BATCH_SIZES = (1, 16, 32)
+#: Square GEMM sides of the FLOP/s probe: each is run as ``torch.mm`` (MKL for fp32 here) and
+#: as oneDNN's prepacked linear (what our decoder linears run on); the fastest is the peak.
+GEMM_SIDES = (1024, 2048, 4096)
+#: Bytes of the bandwidth probe's tensor: far beyond any cache (this EPYC's L3 is 32 MiB).
+STREAM_BYTES = 512 * 1024 * 1024
+#: The decode steps' mean context in bench_engine (prompt + half of its decode steps).
+DEFAULT_CONTEXT = bench_engine.PROMPT_LEN + bench_engine.DECODE_STEPS // 2
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What one decode step of ``batch`` sequences must read and compute."""
+
+    weight_bytes: int
+    kv_bytes: int
+    flops: int
+
+    @property
+    def bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Sustained rates measured here: FLOP/s per dtype name, bytes/s."""
+
+    flops: dict[str, float]
+    bandwidth: float
+
+
+def decode_step_cost(config: ModelConfig, batch: int, context: int, dtype_bytes: int) -> StepCost:
+    """Bytes and FLOPs of one decode step of ``batch`` sequences, each attending over ``context``
+    tokens (its new one included), for the whole model (TP 1, PP 1), weights and KV at
+    ``dtype_bytes`` per element. Counted from our own stage module (built on the meta device, so
+    nothing is allocated): what the served model multiplies by is what is counted."""
+    with torch.device("meta"):
+        model = build_model(config, StageShard.whole(config))
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    embedding_ids = {id(m.weight) for m in embeddings}
+    dense = sum(p.numel() for p in model.parameters() if id(p) not in embedding_ids)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    tied_head = 0 if hasattr(model, "lm_head") else model.embed_tokens.weight.numel()
+    rows = batch * sum(m.embedding_dim for m in embeddings)   # token (and position) rows read
+    weight_bytes = (dense + tied_head + rows) * dtype_bytes
+    kv_bytes = batch * context * config.kv_bytes_per_token(dtype_bytes)
+    attention = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * context
+    flops = batch * (2 * (linear + tied_head) + attention)
+    return StepCost(weight_bytes, kv_bytes, flops)
+
+
+def floor_s(cost: StepCost, bandwidth: float, peak_flops: float) -> float:
+    """The roofline floor of a step: its bytes at ``bandwidth`` or its FLOPs at ``peak_flops``,
+    whichever takes longer."""
+    return max(cost.bytes / bandwidth, cost.flops / peak_flops)
+
+
+def _best(run: Callable[[], object], repeats: int) -> float:
+    """Fastest of ``repeats`` timed runs after one warm-up (sustained rate, least disturbed)."""
+    return min(bench_engine.timed_runs(run, repeats))
+
+
+def measure_gemm_flops(dtype: torch.dtype, sides: tuple[int, ...] = GEMM_SIDES, repeats: int = 3) -> float:
+    """The highest sustained FLOP/s of square GEMMs in ``dtype`` over ``sides``, by ``torch.mm``
+    and by oneDNN's prepacked linear (when this torch has it)."""
+    best = 0.0
+    for side in sides:
+        a = torch.randn(side, side).to(dtype)
+        b = torch.randn(side, side).to(dtype)
+        runs: list[Callable[[], object]] = [functools.partial(torch.mm, a, b)]
+        if onednn_linear_available(dtype):
+            packed = torch.ops.mkldnn._reorder_linear_weight(b, side)
+            runs.append(functools.partial(torch.ops.mkldnn._linear_pointwise, a, packed, None, "none", [], ""))
+        best = max(best, *(2 * side**3 / _best(run, repeats) for run in runs))
+    return best
+
+
+def measure_bandwidth(nbytes: int = STREAM_BYTES, repeats: int = 5) -> dict[str, float]:
+    """Bytes/s of a streaming read (``sum``) and of a copy (read + write both counted)."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    return {"read": nbytes / _best(lambda: src.sum(), repeats),
+            "copy": 2 * nbytes / _best(lambda: dst.copy_(src), repeats)}
+
+
+def measure_machine(dtypes: list[str], repeats: int, sides: tuple[int, ...] = GEMM_SIDES,
+                    stream_bytes: int = STREAM_BYTES) -> tuple[Machine, dict[str, float]]:
+    flops = {d: measure_gemm_flops(torch_dtype(d), sides, repeats) for d in dtypes}
+    streams = measure_bandwidth(stream_bytes, repeats)
+    return Machine(flops, max(streams.values())), streams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="model folder / config.json, or a Serve YAML (default: the demo's)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES))
+    parser.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16", "auto"), default=None,
+                        help="default: float32, and bfloat16 where the CPU has native bf16")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--weights", choices=("auto", "real", "dummy"), default="auto")
+    parser.add_argument("--gemm-sides", type=int, nargs="+", default=list(GEMM_SIDES),
+                        help="square GEMM sides of the FLOP/s probe")
+    parser.add_argument("--stream-mib", type=int, default=STREAM_BYTES >> 20,
+                        help="MiB of the bandwidth probe's tensor (far beyond the last-level cache)")
+    parser.add_argument("--no-measure-steps", action="store_true",
+                        help="the machine and the floors only (no model steps)")
+    args = parser.parse_args()
+    dtypes = args.dtypes or (["float32", "bfloat16"] if cpu_has_bf16() else ["float32"])
+    dtypes = list(dict.fromkeys(resolve_dtype(d, "cpu") for d in dtypes))
+    config = bench_engine.load_bench_config(args.model)
+    context = DEFAULT_CONTEXT
+    sides = tuple(args.gemm_sides)
+    machine, streams = measure_machine(dtypes, args.repeats, sides, args.stream_mib << 20)
+    print(f"{cpu_name()}, {torch.get_num_threads()} torch threads")
+    for d in dtypes:
+        print(f"  GEMM {d} (best of sides {', '.join(map(str, sides))}): "
+              f"{machine.flops[d] / 1e9:.1f} GFLOP/s")
+    print(f"  memory: read {streams['read'] / 1e9:.1f} GB/s, copy {streams['copy'] / 1e9:.1f} GB/s "
+          f"(floor uses {machine.bandwidth / 1e9:.1f})")
+    print(f"{config.name}, decode step at context {context}")
+    print(f"{'dtype':>8} {'batch':>5} | {'MB read':>8} {'GFLOP':>7} {'floor ms':>8} {'bound':>7} | "
+          f"{'ours ms':>8} {'÷floor':>6} | {'hf ms':>8} {'÷floor':>6}")
+    rows = []
+    for d in dtypes:
+        width = torch_dtype(d).itemsize
+        ex = hf = None
+        if not args.no_measure_steps:
+            ex, hf, _ = bench_engine.build_pair(args.model, args.weights, args.batch_sizes, d)
+        for b in args.batch_sizes:
+            cost = decode_step_cost(config, b, context, width)
+            floor = floor_s(cost, machine.bandwidth, machine.flops[d])
+            bound = "memory" if cost.bytes / machine.bandwidth >= cost.flops / machine.flops[d] else "compute"
+            row: dict[str, object] = {"dtype": d, "batch": b, **asdict(cost), "floor_ms": float(f"{floor * 1e3:.6g}"),
+                                      "bound": bound}
+            ours = theirs = float("nan")
+            if ex is not None and hf is not None:
+                bench_engine.prefill_s_ours(ex, b, 1)
+                ours = bench_engine.decode_step_s_ours(ex, b, args.repeats)
+                theirs = bench_engine.decode_step_s_hf(hf, b, args.repeats)
+                row.update(ours_ms=round(ours * 1e3, 3), ours_over_floor=round(ours / floor, 3),
+                           hf_ms=round(theirs * 1e3, 3), hf_over_floor=round(theirs / floor, 3))
+            rows.append(row)
+            print(f"{d:>8} {b:>5} | {cost.bytes / 1e6:>8.1f} {cost.flops / 1e9:>7.2f} {floor * 1e3:>8.2f} "
+                  f"{bound:>7} | {ours * 1e3:>8.2f} {ours / floor:>6.2f} | {theirs * 1e3:>8.2f} {theirs / floor:>6.2f}")
+        if ex is not None:
+            ex.close()
+    print(json.dumps({"cpu": cpu_name(), "torch_threads": torch.get_num_threads(), "model": config.name,
+                      "context": context, "gemm_flops": {d: round(f) for d, f in machine.flops.items()},
+                      "bandwidth": {k: round(v) for k, v in streams.items()}, "steps": rows}))
+
+
+if __name__ == "__main__":
+    main()

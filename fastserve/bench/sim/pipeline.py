@@ -1,0 +1,74 @@
+"""The simulated data plane: pipeline stages and a PCIe link as timed resources.
+
+Owns *when* a dispatched ``BatchPlan`` completes, given the ``CostModel``: the plan's swaps run
+on one PCIe resource (FIFO across plans, swap-outs then swap-ins as ``fastserve/worker/stage.py`` issues
+them) overlapped with compute; its forward waits only for same-plan swaps touching its entries'
+blocks (the reactive cases) and then visits the ``pp`` stages in order, each a server that takes
+compute / pp and handles one plan at a time. The output returns at max(last stage, swaps) — the
+``StepOutput`` contract — with the executor's timing keys, so the scheduler's accounting (its
+quantum charge is ``timings["total"]``) sees what it would see from real workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastserve.bench.sim.cost import CostModel
+from fastserve.worker.messages import BatchPlan, StepOutput
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """When a dispatched plan comes back, and its output."""
+
+    completion: float
+    output: StepOutput
+
+
+class SimPipeline:
+    def __init__(self, cost: CostModel, token_id: int) -> None:
+        self.cost = cost
+        self.token_id = token_id
+        self.stage_free = [0.0] * cost.stages
+        self.pcie_free = 0.0
+        self.busy_compute_s = 0.0
+        self.busy_pcie_s = 0.0
+
+    def _swaps(self, plan: BatchPlan, now: float) -> tuple[float, float]:
+        """Run the plan's swaps on the link; returns (all done, the forward may start): the
+        forward waits for every swap touching its entries' blocks (a reactive swap-in, or a
+        swap-out whose blocks it reuses), as ``fastserve/worker/stage.py`` does."""
+        used = {b for e in plan.entries for b in e.block_table}
+        clock = max(now, self.pcie_free)
+        reactive_ready = now
+        for cmd in (*plan.swap_out, *plan.swap_in):
+            seconds = self.cost.swap_seconds(len(cmd.src_blocks))
+            clock += seconds
+            self.busy_pcie_s += seconds
+            device = cmd.src_blocks if cmd.direction == "out" else cmd.dst_blocks
+            if used.intersection(device):
+                reactive_ready = clock
+        self.pcie_free = clock
+        return clock, reactive_ready
+
+    def dispatch(self, plan: BatchPlan, now: float) -> Dispatch:
+        swaps_done, reactive_ready = self._swaps(plan, now)
+        stage_time = self.cost.stage_seconds(plan) if plan.entries else 0.0
+        ready = max(now, self.stage_free[0])
+        start = max(ready, reactive_ready)
+        end = start
+        if plan.entries:
+            for k in range(len(self.stage_free)):
+                end = max(end, self.stage_free[k]) + stage_time
+                self.stage_free[k] = end
+            self.busy_compute_s += stage_time * len(self.stage_free)
+        completion = max(end, swaps_done)
+        timings = {
+            "swap_wait": start - ready,
+            "forward": stage_time * len(self.stage_free),
+            "sample": 0.0,
+            "swap_tail": completion - end,
+            "total": completion - ready,
+        }
+        tokens = {e.job_id: self.token_id for e in plan.entries if e.samples}
+        return Dispatch(completion, StepOutput(plan.step_id, tokens, timings))

@@ -1,0 +1,234 @@
+"""The Serve application's configuration: ``AppArgs``, the ``args`` of every ``config/*.yaml``.
+
+Owns the top-level schema that Serve validates a YAML's ``args`` with (``fastserve.main:build_app``),
+composed of the control plane's own models (``SchedulerConfig``, ``KVCacheConfig``,
+``EngineConfig`` from ``fastserve.scheduler.config``, imported, never duplicated) plus the sections
+declared beside this module: the model and the profile (``fastserve.config_model``), the parallel
+layout and the pipeline's waits (``fastserve.config_layout``), the HTTP server (``fastserve.config_server``)
+and the drain (``fastserve.config_drain``). Serve's deployment options (replicas,
+autoscaling, ``max_ongoing_requests``, actor options) are not here: they belong in the YAML's
+standard ``deployments:`` section, over the defaults ``INGRESS_DEFAULTS``/``ENGINE_DEFAULTS``
+(Serve hashes ``args`` into the code version, so an option here would restart model copies).
+Every model is strict (``extra="forbid"``) so a misspelt key fails naming itself, and cross-field checks reject
+impossible sizes (TP·PP ≠ GPUs requested, a block size that does not divide the context, pools
+or token budgets too small for one max-length request) before anything is deployed.
+
+Relative paths are resolved against the project root (``fastserve.config_model.resolve_path``), not
+the working directory: Serve replicas and the application builder run in Ray worker processes
+with their own cwd.
+
+Pass ``context={"require_profile": False}`` to ``AppArgs.model_validate`` to skip the existence
+check of the profile file. Only the schema test does that, for the GPU configs whose profiles
+come from the simulator; a running server always requires its profile.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from fastserve.config_drain import DrainArgs, graceful_shutdown_timeout_s
+from fastserve.config_layout import ParallelArgs
+from fastserve.config_model import ModelArgs, ProfileArgs, Strict, resolve_path
+from fastserve.config_server import ServerArgs
+from fastserve.scheduler.config import LEVELLED_POLICIES, EngineConfig, KVCacheConfig, SchedulerConfig
+from fastserve.scheduler.profile import Profile
+from fastserve.worker.messages import DEFAULT_BLOCK_SIZE, blocks_for
+from fastserve.worker.spec import OMP_WAIT_POLICY_ENV, EngineSpec, ModelSpec, PipelineTimeouts
+
+GIB = 1 << 30
+
+
+class ProfileMismatchWarning(UserWarning):
+    """The profile was measured on another layout (TP, PP or block size) than the config's."""
+
+
+class AppArgs(Strict):
+    """Everything ``build_app`` needs; the ``args`` of a Serve YAML."""
+
+    model: ModelArgs
+    parallel: ParallelArgs = Field(default_factory=ParallelArgs)
+    profile: ProfileArgs
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    kv_cache: KVCacheConfig
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    pipeline: PipelineTimeouts = Field(default_factory=PipelineTimeouts)
+    server: ServerArgs = Field(default_factory=ServerArgs)
+    drain: DrainArgs = Field(default_factory=DrainArgs)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _pools_from_memory(cls, data: Any) -> Any:
+        """``kv_cache.device_memory_gib`` / ``host_memory_gib``: the block counts they buy for
+        this model on this machine (the dtype decides the bytes per block)."""
+        if not isinstance(data, dict) or not isinstance(data.get("kv_cache"), dict):
+            return data
+        kv = dict(data["kv_cache"])
+        sized = [(tier, gib) for tier in ("device", "host") if (gib := kv.get(f"{tier}_memory_gib")) is not None]
+        if not sized:
+            return data
+        model = ModelArgs.model_validate(data.get("model"))
+        block = model.kv_bytes_per_block(int(kv.get("block_size", DEFAULT_BLOCK_SIZE)))
+        for tier, gib in sized:
+            if kv.get(f"num_{tier}_blocks") is not None:
+                raise ValueError(f"kv_cache: set num_{tier}_blocks or {tier}_memory_gib, not both "
+                                 f"(got {kv[f'num_{tier}_blocks']} and {gib})")
+            kv[f"num_{tier}_blocks"] = int(float(gib) * GIB // block)
+        return {**data, "kv_cache": kv}
+
+    def replica_args(self) -> dict[str, Any]:
+        """These args as the replicas get them: block counts that memory sizes stay unset, so
+        each replica works them out on its own machine (its dtype may differ from here)."""
+        raw = self.model_dump(mode="json")
+        for tier in ("device", "host"):
+            if raw["kv_cache"][f"{tier}_memory_gib"] is not None:
+                del raw["kv_cache"][f"num_{tier}_blocks"]
+        return raw
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AppArgs:
+        self._check_parallel()
+        self._check_sizes()
+        self._check_profile()
+        self._check_priority()
+        return self
+
+    def _check_priority(self) -> None:
+        """A request's ``priority`` moves its MLFQ entry level; a one-level policy would accept
+        it and change nothing, so the pair is refused at start instead."""
+        policy = self.scheduler.policy
+        if self.server.allow_priority and policy not in LEVELLED_POLICIES:
+            raise ValueError(f"server.allow_priority is on but scheduler.policy '{policy}' has one level, so a "
+                             f"request's priority would change nothing: use one of {sorted(LEVELLED_POLICIES)} "
+                             "or turn allow_priority off")
+
+    def _check_profile(self) -> None:
+        """The profile should describe this layout: its timings drive skip-join and the quanta."""
+        path = resolve_path(self.profile.path)
+        if not path.is_file():   # only possible when the caller waived the file check
+            return
+        prof = Profile.load(path)
+        want = {"tp": self.parallel.tensor_parallel_size, "pp": self.parallel.pipeline_parallel_size,
+                "block_size": self.kv_cache.block_size}
+        for key, value in want.items():
+            if getattr(prof, key) != value:
+                # Not fatal: a CPU pipeline demo has no profile of its own; the quanta are off.
+                warnings.warn(f"profile {self.profile.path} was measured with {key}={getattr(prof, key)}, "
+                              f"but this config has {key}={value}: skip-join levels and quanta will be "
+                              "inaccurate", ProfileMismatchWarning, stacklevel=2)
+
+    def _check_parallel(self) -> None:
+        par, model = self.parallel, self.model
+        if model.device == "cuda" and par.num_gpus != par.world_size:
+            raise ValueError(
+                f"parallel.num_gpus={par.num_gpus} but tensor_parallel_size={par.tensor_parallel_size} "
+                f"× pipeline_parallel_size={par.pipeline_parallel_size} = {par.world_size}: "
+                "each TP rank of each stage takes exactly one GPU"
+            )
+        if model.device == "cpu" and par.num_gpus:
+            raise ValueError(f"parallel.num_gpus={par.num_gpus} but model.device is 'cpu'")
+        par.spec().check(model.hf_config())
+
+    def _check_sizes(self) -> None:
+        ctx = self.model.context_len()
+        positions = self.model.hf_config().max_position_embeddings
+        if ctx > positions:
+            raise ValueError(f"model.max_model_len={ctx} exceeds the model's {positions} positions")
+        kv = self.kv_cache
+        if ctx % kv.block_size:
+            raise ValueError(
+                f"kv_cache.block_size={kv.block_size} does not divide the context length {ctx}"
+            )
+        need = blocks_for(ctx, kv.block_size)
+        usable = kv.num_device_blocks - kv.reserved_blocks
+        if usable < need:
+            raise ValueError(
+                f"kv_cache.num_device_blocks={kv.num_device_blocks} (minus reserved_blocks="
+                f"{kv.reserved_blocks}) is too small for one max-length request: {ctx} tokens "
+                f"need {need} blocks of {kv.block_size}"
+            )
+        if kv.swap_mode != "recompute" and kv.num_host_blocks < need:
+            raise ValueError(
+                f"kv_cache.num_host_blocks={kv.num_host_blocks} is too small to swap out one "
+                f"max-length request ({need} blocks)"
+            )
+        if self.scheduler.max_num_batched_tokens < ctx and not self.scheduler.chunked_prefill.enabled:
+            raise ValueError(
+                f"scheduler.max_num_batched_tokens={self.scheduler.max_num_batched_tokens} is below the "
+                f"context length {ctx}: a max-length prompt could never run its first iteration (raise it, or "
+                "enable scheduler.chunked_prefill)"
+            )
+
+    # ---- what the data plane is given ----------------------------------------------------
+
+    def engine_spec(self) -> EngineSpec:
+        """The one spec of this model copy — model, KV pools, layout, pipeline waits — that the
+        executors and every stage worker are given whole."""
+        m, kv = self.model, self.kv_cache
+        model = ModelSpec(resolve_path(m.config_path), kv.num_device_blocks, kv.num_host_blocks,
+                          kv.block_size, m.dtype, m.device, m.seed, m.load_format, m.model_path,
+                          self.parallel.torch_threads)
+        return EngineSpec(model, self.parallel.spec(), self.pipeline)
+
+    # ---- derived deployment settings ------------------------------------------------------
+
+    def placement_group_bundles(self) -> list[dict[str, float]]:
+        """One bundle for the engine replica, then the pipeline's stage bundles (the very ones
+        ``fastserve.worker.pipeline`` places its stages in: ``ParallelSpec.stage_bundles``)."""
+        par = self.parallel
+        replica = dict(par.replica_bundle)
+        if not par.uses_pipeline:
+            if par.num_gpus:
+                replica["GPU"] = replica.get("GPU", 0.0) + par.num_gpus
+            return [replica]
+        return [replica] + par.spec().stage_bundles(self.model.device)
+
+    def engine_deployment_defaults(self) -> dict[str, Any]:
+        """Serve options of the ``Engine`` deployment before the YAML's ``deployments:``.
+
+        The placement group is derived from the model's layout; the rest are plain defaults that
+        ``deployments: [{name: Engine, ...}]`` overrides without restarting replicas (except
+        ``ray_actor_options`` and the placement group: Serve applies those by starting new replicas).
+        """
+        actor_options: dict[str, Any] = dict(ENGINE_DEFAULTS["ray_actor_options"])
+        if not self.parallel.uses_pipeline and self.parallel.num_gpus:
+            actor_options["num_gpus"] = self.parallel.num_gpus   # the in-process model's GPUs
+        env = self.engine_env_vars()
+        if env:   # read by libgomp as torch loads: it must be in the process's environment
+            actor_options["runtime_env"] = {"env_vars": env}
+        return {**ENGINE_DEFAULTS, "ray_actor_options": actor_options,
+                "placement_group_bundles": self.placement_group_bundles(),
+                "graceful_shutdown_timeout_s": graceful_shutdown_timeout_s(self)}
+
+    def engine_env_vars(self) -> dict[str, str]:
+        """Environment an Engine replica needs before it loads torch (its stage workers inherit
+        it): ``OMP_WAIT_POLICY`` from ``parallel.omp_wait_policy``."""
+        policy = self.parallel.omp_wait_policy
+        return {OMP_WAIT_POLICY_ENV: policy.upper()} if policy else {}
+
+    def ingress_deployment_defaults(self) -> dict[str, Any]:
+        """Serve options of the ``Ingress`` deployment: it drains a stream as long as the Engine."""
+        return {**INGRESS_DEFAULTS, "graceful_shutdown_timeout_s": graceful_shutdown_timeout_s(self)}
+
+
+#: Serve options the builder gives the ``Ingress`` deployment; the YAML's ``deployments:``
+#: section overrides any of them (num_replicas, autoscaling_config, max_ongoing_requests, ...).
+INGRESS_DEFAULTS: dict[str, Any] = {
+    # Above every scheduler's admission limit (waiting + running), so overload is answered by
+    # the scheduler with a 429 + Retry-After rather than queued at Serve's proxy.
+    "max_ongoing_requests": 1024,
+    # Serve's own last-resort bound on requests queued for an ingress replica (it answers 503
+    # past it); with the defaults above it is not reached before admission control answers 429.
+    "max_queued_requests": 1024,
+    # Tokenizing and streaming need little CPU; 0 keeps a 2-core box schedulable.
+    "ray_actor_options": {"num_cpus": 0},
+}
+#: Serve options the builder gives the ``Engine`` deployment (one replica = one model copy).
+ENGINE_DEFAULTS: dict[str, Any] = {
+    # Streams one replica accepts; beyond it Serve queues at the handle, outside admission control.
+    "max_ongoing_requests": 1024,
+    "ray_actor_options": {"num_cpus": 0},
+    "placement_group_strategy": "PACK",
+}

@@ -1,0 +1,240 @@
+"""A step's decoder layers (LLaMA family, bf16, CPU) as one fixed run of C calls.
+
+Owns the fast path of the steps a server runs: decode rows and prefill chunks beside them, every
+linear packed for ``fastserve.kernels.cpu_linear``, the elementwise, paged-attention and prefill-attention
+C kernels built. The model's module path (``fastserve.worker.model.llama``) makes the same kernel calls
+through per-op wrappers that check, convert and allocate on every call, ~330 of them a step; at
+batch 1 on the 2-core AMD EPYC Zen 4 (SmolLM2-135M, context 128) that Python took 11.9 ms of a
+24.5 ms step and the C kernels 12.6 (docs/engine.md). Here the checks are made once per step,
+the step's buffers are allocated once, and a layer is nine or ten ctypes calls and no
+copies. The results are the module path's bits: the same kernels in the same order on the same
+values; the MLP's residual add, which the module path does in torch, is done by the next layer's
+norm (its fused add rounds the sum to bf16 as torch's add does), and the last layer's by torch;
+the gate/up projection and silu_mul are one call (``linear_bf16_swiglu``: the same roundings).
+
+Where CUDA serving replays a captured graph for the same reason, a CPU step pays for Python
+directly; vLLM's CPU build compiles its model for it. This is the smallest thing that removes
+the cost without a compiler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fastserve.kernels import cpu_elementwise, cpu_linear, cpu_ops, cpu_prefill
+
+BF16 = torch.bfloat16
+#: Bytes of one bf16 element.
+BF16_BYTES = 2
+
+
+@dataclass(frozen=True)
+class LayerDims:
+    """The stage's shapes: hidden width, query and KV heads, head width, MLP width."""
+
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    rms_norm_eps: float
+    scale: float
+
+
+@dataclass(frozen=True)
+class StepLayer:
+    """One decoder layer's bf16 weights: the two norms' scales [hidden], and q/k/v merged, o,
+    gate/up merged and down, each packed by ``cpu_linear.pack`` (no biases)."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: torch.Tensor
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PrefillRows:
+    """The step's prefill rows (a batch's first rows): each sequence's cumulative start among
+    them, the position its tokens start at (> 0: a chunk after a cached prefix), its block table."""
+
+    cu_seqlens: torch.Tensor       # int64 [num_seqs + 1]
+    start_positions: torch.Tensor  # int64 [num_seqs]
+    block_tables: torch.Tensor     # int32 [num_seqs, width], contiguous
+
+    @classmethod
+    def of(cls, cu_seqlens: Sequence[int], start_positions: Sequence[int], block_tables: torch.Tensor) -> PrefillRows:
+        return cls(torch.tensor(list(cu_seqlens), dtype=torch.int64),
+                   torch.tensor(list(start_positions), dtype=torch.int64),
+                   block_tables.to(dtype=torch.int32).contiguous())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cu_seqlens[-1])
+
+
+def available() -> bool:
+    """Whether every kernel of the run built on this machine."""
+    return (cpu_linear.available() and cpu_elementwise.available() and cpu_ops.available()
+            and cpu_ops.bf16_rows_available() and cpu_prefill.available())
+
+
+def fits(dims: LayerDims, layers: Sequence[StepLayer]) -> bool:
+    """Whether these shapes and weights run here: head width a multiple of 32 (the rotary and
+    attention kernels' vectors), bf16 norm scales, packed weights of the widths the dims say."""
+    q, kv = dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
+    packed_out = cpu_linear.OUTPUT_BLOCK
+
+    def shaped(packed: torch.Tensor, out_features: int, in_features: int) -> bool:
+        return (packed.dtype == BF16 and packed.dim() == 4 and packed.shape[0] * packed_out == out_features
+                and packed.shape[1] * 2 == in_features and packed.is_contiguous())
+
+    return (available() and dims.head_dim % (2 * cpu_elementwise.ROTARY_HALF_MULTIPLE) == 0
+            and dims.num_heads % dims.num_kv_heads == 0 and dims.hidden % 2 == 0
+            and dims.intermediate % cpu_linear.OUTPUT_BLOCK == 0
+            and all(n.dtype == BF16 and n.shape == (dims.hidden,) and n.is_contiguous()
+                    for layer in layers for n in (layer.input_norm, layer.post_norm))
+            and all(shaped(layer.qkv, q + 2 * kv, dims.hidden) and shaped(layer.o, dims.hidden, q)
+                    and shaped(layer.gate_up, 2 * dims.intermediate, dims.hidden)
+                    and shaped(layer.down, dims.hidden, dims.intermediate) for layer in layers))
+
+
+def run_layers(x: torch.Tensor, layers: Sequence[StepLayer], dims: LayerDims, cache: torch.Tensor,
+                  cos: torch.Tensor, signed_sin: torch.Tensor, slot_mapping: torch.Tensor,
+                  block_tables: torch.Tensor, context_lens: torch.Tensor,
+                  prefill: PrefillRows | None = None) -> torch.Tensor:
+    """The hidden rows after ``layers`` for ``x`` [rows, hidden] bf16: ``prefill``'s tokens
+    first (none without it), then one decode token a row.
+
+    ``cache``: the stage's block-major bf16 KV cache ``[num_blocks, num_layers, 2, block_size,
+    num_kv_heads, head_dim]``, layer ``i`` used by ``layers[i]``; ``cos``/``signed_sin``:
+    ``[rows, 1, head_dim]`` bf16 (``Rotary.cos_sin``); ``slot_mapping`` int64 [rows];
+    ``block_tables`` int32 [decodes, width] and ``context_lens`` int32 [decodes] (each row's
+    token included) for the decode rows. ``fits(dims, layers)`` must hold."""
+    rows = x.shape[0]
+    num_prefill = 0 if prefill is None else prefill.num_tokens
+    num_decode = rows - num_prefill
+    hidden, heads, kv_heads, head_dim = dims.hidden, dims.num_heads, dims.num_kv_heads, dims.head_dim
+    q_width, kv_width, inter = heads * head_dim, kv_heads * head_dim, dims.intermediate
+    qkv_width = q_width + 2 * kv_width
+    _check(x, cache, cos, signed_sin, slot_mapping, block_tables, context_lens, dims, len(layers), num_decode)
+    num_blocks, block_size = cache.shape[0], cache.shape[3]
+    block_stride, layer_stride, kv_stride, token_stride, head_stride = cache.stride()[:5]
+    if prefill is not None:
+        cpu_prefill.check_tables(prefill.block_tables, prefill.cu_seqlens, prefill.start_positions, block_size,
+                                 num_blocks)
+    attention_lib = cpu_ops.library()
+    if num_decode:
+        cpu_ops.raise_for_tables(attention_lib.check_block_tables(
+            block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], context_lens.data_ptr(),
+            num_decode, block_size, num_blocks), context_lens, block_tables.shape[1], block_size, num_blocks)
+    if rows == 0:
+        return x
+    linear = cpu_linear.library().linear_bf16
+    elementwise = cpu_elementwise.library()
+    rms_norm, rope = elementwise.rms_norm_bf16, elementwise.rope_bf16
+    swiglu = cpu_linear.library().linear_bf16_swiglu
+    attention = getattr(attention_lib, cpu_ops.BF16_ROWS)
+    write_kv = getattr(attention_lib, cpu_ops.WRITE_KV)
+    prefill_attention = cpu_prefill.library().prefill_attention_bf16
+    threads = torch.get_num_threads()
+
+    def empty(*shape: int, dtype: torch.dtype = BF16) -> torch.Tensor:
+        return torch.empty(*shape, dtype=dtype)
+
+    residuals = (empty(rows, hidden), empty(rows, hidden))
+    normed, qkv, o, down = empty(rows, hidden), empty(rows, qkv_width), empty(rows, hidden), empty(rows, hidden)
+    # q and k rotated by one call into one buffer: each row its query heads, then its KV heads.
+    qk_width = q_width + kv_width
+    qk_rot, attn, act = empty(rows, heads + kv_heads, head_dim), empty(rows, q_width), empty(rows, inter)
+    p = _Pointers(x, normed, qkv, o, down, qk_rot, attn, act)
+    k_rot = p.qk_rot + q_width * BF16_BYTES
+    # The decode rows' queries and outputs: rows of qk_rot and attn after the prefill tokens.
+    decode_q, decode_out = p.qk_rot + num_prefill * qk_width * BF16_BYTES, p.attn + num_prefill * q_width * BF16_BYTES
+    cos_p, sin_p, slots_p = cos.data_ptr(), signed_sin.data_ptr(), slot_mapping.data_ptr()
+    tables_p, table_stride, lens_p = block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr()
+    v_src = p.qkv + (q_width + kv_width) * BF16_BYTES
+    cache_p = cache.data_ptr()
+    prefill_seqs = prefill_tables_p = prefill_table_stride = prefill_starts_p = prefill_positions_p = 0
+    if prefill is not None:
+        prefill_seqs = prefill.start_positions.numel()
+        prefill_tables_p, prefill_table_stride = prefill.block_tables.data_ptr(), prefill.block_tables.stride(0)
+        prefill_starts_p, prefill_positions_p = prefill.cu_seqlens.data_ptr(), prefill.start_positions.data_ptr()
+    # The residual stream: x, then the two buffers in turn (a fused add never writes its input).
+    res, res_stride, current = p.x, x.stride(0), x
+    for i, layer in enumerate(layers):
+        key_cache = cache_p + i * layer_stride * BF16_BYTES
+        value_cache = key_cache + kv_stride * BF16_BYTES
+        if i == 0:
+            rms_norm(res, res_stride, None, 0, None, layer.input_norm.data_ptr(), p.normed, rows, hidden,
+                     dims.rms_norm_eps, threads)
+        else:   # the previous layer's MLP residual, added here
+            current = residuals[0] if current is not residuals[0] else residuals[1]
+            rms_norm(res, res_stride, p.down, hidden, current.data_ptr(), layer.input_norm.data_ptr(), p.normed,
+                     rows, hidden, dims.rms_norm_eps, threads)
+            res, res_stride = current.data_ptr(), hidden
+        linear(p.normed, rows, hidden, hidden, layer.qkv.data_ptr(), qkv_width, None, p.qkv, threads)
+        rope(p.qkv, qkv_width, heads + kv_heads, head_dim, cos_p, sin_p, p.qk_rot, rows, threads)
+        if write_kv(k_rot, v_src, qk_width * BF16_BYTES, qkv_width * BF16_BYTES, key_cache, value_cache,
+                    block_stride * BF16_BYTES, token_stride * BF16_BYTES, slots_p, rows, block_size, num_blocks,
+                    kv_width * BF16_BYTES) == cpu_ops.OUTSIDE_POOL:
+            raise IndexError(f"slot {int(slot_mapping.max())} lies past the cache's {num_blocks} blocks "
+                             f"of {block_size}")
+        if prefill is not None:   # the new K/V are in the cache: the kernel reads them there
+            cpu_ops.raise_for_status("prefill_attention_bf16", prefill_attention(
+                p.qk_rot, qk_width, key_cache, value_cache, block_stride, token_stride, head_stride,
+                prefill_tables_p, prefill_table_stride, prefill_starts_p, prefill_positions_p, prefill_seqs, heads,
+                kv_heads, head_dim, block_size, dims.scale, p.attn, threads))
+        if num_decode:
+            cpu_ops.raise_for_status(cpu_ops.BF16_ROWS, attention(
+                decode_q, qk_width, key_cache, value_cache, block_stride, token_stride, head_stride, tables_p,
+                table_stride, lens_p, num_decode, heads, kv_heads, head_dim, block_size, dims.scale, decode_out,
+                q_width, threads))
+        linear(p.attn, rows, q_width, q_width, layer.o.data_ptr(), hidden, None, p.o, threads)
+        current = residuals[0] if current is not residuals[0] else residuals[1]
+        rms_norm(res, res_stride, p.o, hidden, current.data_ptr(), layer.post_norm.data_ptr(), p.normed,
+                 rows, hidden, dims.rms_norm_eps, threads)
+        res, res_stride = current.data_ptr(), hidden
+        swiglu(p.normed, rows, hidden, hidden, layer.gate_up.data_ptr(), inter, p.act, threads)
+        linear(p.act, rows, inter, inter, layer.down.data_ptr(), hidden, None, p.down, threads)
+    return current + down if layers else x
+
+
+class _Pointers:
+    """The step's buffers' addresses (ints, what the ctypes calls take)."""
+
+    def __init__(self, x: torch.Tensor, *buffers: torch.Tensor) -> None:
+        self.x = x.data_ptr()
+        self.normed, self.qkv, self.o, self.down, self.qk_rot, self.attn, self.act = (b.data_ptr() for b in buffers)
+
+
+def _check(x: torch.Tensor, cache: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+           slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+           dims: LayerDims, num_layers: int, num_decode: int) -> None:
+    rows = x.shape[0]
+    problems = []
+    if not (x.dtype == BF16 and x.dim() == 2 and x.shape[1] == dims.hidden and x.stride(1) == 1
+            and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0 and x.device.type == "cpu"):
+        problems.append(f"x {tuple(x.shape)} {x.dtype} {x.stride()}")
+    if not (cache.dtype == BF16 and cache.dim() == 6 and cache.shape[1] >= num_layers and cache.shape[2] == 2
+            and tuple(cache.shape[4:]) == (dims.num_kv_heads, dims.head_dim) and cache.stride(5) == 1
+            and cache.stride(4) == dims.head_dim):
+        problems.append(f"cache {tuple(cache.shape)} {cache.dtype} {cache.stride()}")
+    for name, t in (("cos", cos), ("signed_sin", signed_sin)):
+        if not (t.dtype == BF16 and tuple(t.shape) == (rows, 1, dims.head_dim) and t.is_contiguous()):
+            problems.append(f"{name} {tuple(t.shape)} {t.dtype}")
+    if not (slot_mapping.dtype == torch.int64 and slot_mapping.shape == (rows,) and slot_mapping.is_contiguous()):
+        problems.append(f"slot_mapping {tuple(slot_mapping.shape)} {slot_mapping.dtype}")
+    if not (block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == num_decode
+            and block_tables.stride(1) == 1):
+        problems.append(f"block_tables {tuple(block_tables.shape)} {block_tables.dtype}")
+    if not (context_lens.dtype == torch.int32 and context_lens.shape == (num_decode,)
+            and context_lens.is_contiguous()):
+        problems.append(f"context_lens {tuple(context_lens.shape)} {context_lens.dtype}")
+    if problems:
+        raise ValueError("run_layers: " + "; ".join(problems) + " do not fit the run")
+

@@ -1,0 +1,254 @@
+"""Control-plane job state: ``JobRequest`` in, ``Job`` and its ``JobState`` and accounting, ``TokenDelta`` out.
+
+A job's progress is one number, ``Job.num_computed_tokens``, against its prompt + generated
+tokens (vLLM's model): prefill, chunks, recompute and a naive-MLFQ cut are what that number, the
+run's end and the policy say, not separate paths.
+
+Only the scheduler mutates a ``Job`` (state, level, service); everything else reads it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from fastserve.errors import ErrorCode
+from fastserve.worker.messages import FinishReason, SamplingParams, TokenLogprobs
+
+
+class JobState(enum.Enum):
+    WAITING = "waiting"      # no KV anywhere: never admitted, or its KV was dropped (recompute)
+    RUNNABLE = "runnable"    # has KV (device or host), not in an in-flight plan
+    RUNNING = "running"      # in an in-flight plan (stays in its queue, paper §4.3)
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+ACTIVE_STATES = frozenset({JobState.WAITING, JobState.RUNNABLE, JobState.RUNNING})
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """The one event type of a job's stream, from the scheduler to the HTTP layer.
+
+    ``token_ids`` are the tokens since the previous event: one per step out of the scheduler,
+    several once a lagging reader's events are merged (``merge``). The finishing event has a
+    ``finish_reason`` and, from the scheduler, the job's ``stats``. A job refused before it
+    started ends with one event carrying an ``error`` code and its ``message``. An event with
+    neither tokens nor a finish says the job was accepted; it names the scheduler replica
+    (``replica_id``) and, when the job's later events travel on that replica's delivery channel
+    to the caller's ingress replica (``fastserve.engine.delivery``), the channel (``channel_id``).
+    ``emitted_at`` (wall clock) lets the reader measure the delivery delay. ``logprobs`` (only
+    for a job that asked) has one entry per token of ``token_ids`` and merges the same way.
+    """
+
+    job_id: str
+    token_ids: tuple[int, ...] = ()
+    finish_reason: FinishReason | None = None
+    stats: JobStats | None = None
+    error: ErrorCode | None = None
+    message: str = ""
+    emitted_at: float = 0.0
+    replica_id: str = ""
+    channel_id: str = ""
+    logprobs: tuple[TokenLogprobs, ...] = ()
+
+    @classmethod
+    def token(cls, job_id: str, token_id: int, finish_reason: FinishReason | None = None,
+              stats: JobStats | None = None, logprobs: TokenLogprobs | None = None) -> TokenDelta:
+        return cls(job_id, (token_id,), finish_reason, stats,
+                   logprobs=() if logprobs is None else (logprobs,))
+
+    @property
+    def finished(self) -> bool:
+        """The last event of its stream: the job finished, or was refused."""
+        return self.finish_reason is not None or self.error is not None
+
+    @property
+    def token_id(self) -> int | None:
+        """The token of a one-step event (None for an event without a token)."""
+        return self.token_ids[-1] if self.token_ids else None
+
+    @classmethod
+    def merge(cls, deltas: Sequence[TokenDelta]) -> TokenDelta:
+        """Consecutive events of one job as one: every token, the last one's finish."""
+        last = deltas[-1]
+        if len(deltas) == 1:
+            return last
+        return replace(last, token_ids=tuple(t for d in deltas for t in d.token_ids),
+                       logprobs=tuple(lp for d in deltas for lp in d.logprobs))
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """The one request type from the ingress to the scheduler: a tokenized request, validated
+    once (``fastserve.errors.validate_request``) at the ingress; it becomes a ``Job`` on ``add``.
+    ``arrival`` None = when the scheduler receives it."""
+
+    job_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    arrival: float | None = None
+    #: Request priority (vLLM's field; lower = more urgent): shifts the MLFQ entry level by this
+    #: many levels, clamped to the existing ones (the config refuses it for one-level policies).
+    priority: int = 0
+    #: Only jobs with the same salt share prefix-cache blocks (vLLM's ``cache_salt``).
+    cache_salt: str | None = None
+
+
+@dataclass
+class JobStats:
+    """Per-job accounting (paper Fig. 15b breakdown, plus ENST accuracy).
+
+    ``queueing_s`` + ``swap_blocked_s`` + ``execution_s`` is the time from arrival to the last
+    token. ``swap_blocked_s`` is time the job would have been picked but its KV was not on the
+    device. ``enst_pairs`` holds (predicted ENST, actual wait until next scheduled) for every
+    prediction made at a swap decision; ``enst_mae_s`` is their mean absolute error, reported in
+    the response's ``job_stats`` and (per prediction) in the ``enst_error_seconds`` metric — how
+    good ENST is, which the paper leaves open.
+    """
+
+    job_id: str
+    arrival: float
+    prompt_len: int
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    finish_reason: FinishReason | None = None
+    num_generated: int = 0
+    queueing_s: float = 0.0
+    execution_s: float = 0.0
+    swap_blocked_s: float = 0.0
+    #: The longest single wait for device space (from being wanted on the host to landing).
+    longest_swap_blocked_s: float = 0.0
+    demotions: int = 0
+    promotions: int = 0
+    swaps_in: int = 0
+    swaps_out: int = 0
+    recomputes: int = 0
+    wasted_prefills: int = 0         # naive MLFQ: first iterations cut at the quantum, work lost
+    #: Prompt positions its first iteration took from the prefix cache instead of computing.
+    cached_tokens: int = 0
+    enst_pairs: list[tuple[float, float]] = field(default_factory=list)
+    #: Mean delay from the scheduler emitting an event to the ingress reading it (the ingress
+    #: sets it on its copy of the finishing event's stats).
+    delivery_s: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The per-job accounting a response carries (``job_stats``), in seconds and counts."""
+        ttft = None if self.first_token_time is None else self.first_token_time - self.arrival
+        e2e = None if self.finish_time is None else self.finish_time - self.arrival
+        out: dict[str, Any] = {
+            "queue_s": self.queueing_s, "exec_s": self.execution_s,
+            "swap_blocked_s": self.swap_blocked_s,
+            "longest_swap_blocked_s": self.longest_swap_blocked_s, "ttft_s": ttft, "e2e_s": e2e,
+            "demotions": self.demotions, "promotions": self.promotions,
+            "swaps_in": self.swaps_in, "swaps_out": self.swaps_out, "recomputes": self.recomputes,
+            "num_generated": self.num_generated, "prompt_len": self.prompt_len,
+            "cached_tokens": self.cached_tokens,
+        }
+        out["enst_mae_s"] = self.enst_mae_s
+        out["enst_predictions"] = len(self.enst_pairs)
+        if self.delivery_s is not None:
+            out["delivery_s"] = self.delivery_s
+        return out
+
+    @property
+    def enst_mae_s(self) -> float | None:
+        """Mean |predicted ENST − actual wait until next scheduled|; None without predictions."""
+        if not self.enst_pairs:
+            return None
+        return sum(abs(p - a) for p, a in self.enst_pairs) / len(self.enst_pairs)
+
+
+@dataclass(eq=False)
+class Job:
+    """A request inside the scheduler."""
+
+    job_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    arrival: float
+    priority: int = 0                # see JobRequest.priority
+    seq: int = 0                     # arrival order (tie-breaks, FCFS)
+    state: JobState = JobState.WAITING
+    generated: list[int] = field(default_factory=list)
+    level: int = 1                   # 1 = highest priority
+    level_seq: int = 0               # order of entering the current level (FIFO within a level)
+    attained_s: float = 0.0          # service attained in the current level
+    last_served: float = 0.0         # starve clock origin: end of its last iteration (or arrival)
+    admitted: bool = False           # ever given KV (leaves the admission queue)
+    admit_seq: int = -1              # admission order (FCFS preempts the latest admitted)
+    idle_since: float = 0.0          # when it last stopped running (queueing time accounting)
+    blocked_since: float | None = None   # first decision it was passed over for not being resident
+    blocked_s: float = 0.0           # of its current idle spell, seconds blocked on a swap
+    pinned_until: int | None = None  # swapped in for its turn: no swap-out victim up to this step
+    promoted: bool = False           # promoted for starvation and not run since
+    #: When it is promoted if still not served: set when its wait begins (from α for the backlog
+    #: ahead of it then), None while it runs or is not watched for starvation.
+    starve_due: float | None = None
+    #: Its progress (vLLM's ``num_computed_tokens``): positions of ``tokens()`` whose KV exists,
+    #: on the device or the host. 0 while it waits (never run, or its KV was dropped, lost or
+    #: wasted); a cached prefix or each prefill chunk moves it on; a sampled token brings it to
+    #: all but the newest position. Every run feeds ``tokens()[num_computed_tokens:end]``.
+    num_computed_tokens: int = 0
+    predictions: list[tuple[float, float]] = field(default_factory=list)  # (made at, ENST)
+    #: Prompt positions the prefix cache held when it arrived (skip-join places it by the rest).
+    cached_at_arrival: int = 0
+    stats: JobStats = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stats = JobStats(self.job_id, self.arrival, len(self.prompt_ids))
+        self.last_served = self.arrival
+        self.idle_since = self.arrival
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def prefill_len(self) -> int:
+        """Prompt positions its first iteration must compute: the uncached suffix."""
+        return self.prompt_len - self.cached_at_arrival
+
+    def tokens(self) -> tuple[int, ...]:
+        """Its context: prompt and generated tokens."""
+        return self.prompt_ids + tuple(self.generated)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.generated)
+
+    @property
+    def num_tokens(self) -> int:
+        """Its context's length, prompt + generated: where the run that samples its next token
+        ends (a first iteration or recompute feeds all of them, a decode the newest one)."""
+        return self.prompt_len + len(self.generated)
+
+    @property
+    def decoding(self) -> bool:
+        """Its next run is a decode: one token, whose KV is all that is missing, after one it
+        sampled. Otherwise the next run is (the rest of) a first iteration — a prompt, a
+        recompute of prompt + generated, or what a cached prefix or earlier chunks left."""
+        return bool(self.generated) and self.num_computed_tokens == self.num_tokens - 1
+
+    @property
+    def prefilling(self) -> bool:
+        """A first iteration is part-way: some of it computed (earlier chunks, or a prefix
+        fetched from the host tier), its token not yet sampled."""
+        return self.num_computed_tokens > 0 and not self.decoding
+
+    @property
+    def table_len(self) -> int:
+        """Positions its block table covers once its last run completed: a first iteration's
+        blocks are all taken with its first chunk; otherwise those computed."""
+        return self.num_tokens if self.prefilling else self.num_computed_tokens
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.sampling.max_tokens - len(self.generated)
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE_STATES

@@ -1,0 +1,147 @@
+"""``MemoryPlanner``: the swap side of a decision (paper §4.2, "Proactive KV cache management").
+
+A pure planner. In proactive mode turns the batch's host jobs, its next growth and the reserve
+of burst slots into a ``SwapDecision`` via ``fastserve.kv.swap_planner`` — ENST-ordered across levels
+for MLFQ policies, policy order otherwise — against the block counts the batch left. (Eviction
+*for* a job the batch wants is the batch walk's, by priority: ``fastserve.scheduler.batcher``.) Also
+plans the stall breaker that guarantees progress. ``Applier.apply`` runs what it returns.
+"""
+
+from __future__ import annotations
+
+from fastserve.kv.enst import EnstTable
+from fastserve.kv.manager import Residency
+from fastserve.kv.swap_planner import PoolCounts, SwapDecision, plan_swaps
+from fastserve.scheduler.decision import BatchDecision, Evict
+from fastserve.scheduler.queues import LevelScore
+from fastserve.scheduler.state import KVView, SchedulerView
+
+
+class _Counts:
+    """The block counts a swap plan reads, seen after the batch: blocks its admissions take as
+    a cached prefix from another job stay on the device when that job is evicted."""
+
+    def __init__(self, kv: KVView, batch: BatchDecision) -> None:
+        self.kv = kv
+        self.keep = frozenset(batch.shared_hits)
+
+    def movable_blocks(self, job_id: str) -> int:
+        return self.kv.movable_blocks(job_id, self.keep)
+
+    def swap_in_blocks(self, job_id: str) -> int:
+        return self.kv.swap_in_blocks(job_id)
+
+    def num_blocks(self, job_id: str) -> int:
+        return self.kv.num_blocks(job_id)
+
+
+class MemoryPlanner:
+    def __init__(self, view: SchedulerView) -> None:
+        self.view = view
+
+    def plan(self, batch: BatchDecision, step: int, now: float,
+             table: EnstTable | None) -> SwapDecision:
+        """Swaps for this plan. Proactive: prefetch and offload by ENST around the reserve (burst
+        slots) and the batch's next growth, in the background of the plan. Reactive and
+        recompute swap nothing here: a job's KV moves only when the batch wants it (the batch
+        walk's own swap-in or preemption). FCFS, which never preempts for priority, evicts here
+        for the decode growth its batch could not get."""
+        view = self.view
+        mode = view.kv_config.swap_mode
+        policy = view.policy
+        unmet = sum(batch.growth_needs.values())
+        if policy.evicts_for_admission:
+            unmet += sum(batch.waiting_needs.values())
+        if mode != "proactive" and policy.preempts_for_priority:
+            return SwapDecision()
+        # Needs the walk could not meet from jobs it outranks are not met from anyone else's
+        # KV (never from equal or higher priority); prefetch still leaves them free.
+        keep = 0 if policy.preempts_for_priority else unmet
+        if mode == "proactive":
+            keep += batch.next_growth
+            if policy.evicts_for_admission:
+                keep += view.reserve_blocks(now)
+        headroom = view.kv_config.prefetch_headroom_iterations * batch.next_growth
+        if policy.preempts_for_priority:
+            headroom += unmet
+        taken = self._taken(batch)
+        protected = batch.protected
+        drop = mode == "recompute"
+
+        def can_evict(job_id: str) -> bool:
+            # A job swapped in for its turn stays until it ran or its pin expired. A first
+            # iteration part-way through its chunks is not dropped (recompute): its chunks
+            # would be lost, and two long prompts could drop each other forever whenever their
+            # chunks outlast α (each is promoted back while the other prefills).
+            return (job_id not in protected and job_id not in taken
+                    and not view.pinned(job_id, step)
+                    and not (drop and view.jobs[job_id].prefilling))
+
+        with view.queues.ordered("evictable", self._score(table, -1.0)) as victims, \
+                view.queues.ordered("onhost", self._score(table, 1.0)) as prefetch:
+            return plan_swaps(_Counts(view.kv, batch), self._pools(batch), keep_free=keep,
+                              wanted=batch.wanted_host,
+                              prefetch=prefetch if mode == "proactive" else (),
+                              victims=victims, can_evict=can_evict,
+                              drop=drop,
+                              max_skips=view.config.max_batch_size,
+                              prefetch_headroom=headroom)
+
+    def plan_unstick(self, batch: BatchDecision, swaps: SwapDecision,
+                     table: EnstTable | None) -> SwapDecision:
+        """Nothing can run and nothing is in flight: make room for the top deferred job by
+        evicting any other idle job (pins ignored; dropped if the host is full), and bring it
+        in if it is on the host. This is the no-deadlock guarantee: the focus job runs within
+        two decisions."""
+        view = self.view
+        focus = batch.focus
+        if batch.runs or view.num_inflight or focus is None:
+            return SwapDecision()
+        kv = _Counts(view.kv, batch)
+        job = view.jobs[focus]
+        pools = self._pools(batch)
+        moved_in = sum(kv.swap_in_blocks(j) for j in swaps.swap_in)
+        dropped = sum(kv.movable_blocks(j) for j in swaps.drop)
+        moved_out = sum(kv.movable_blocks(j) for j in swaps.swap_out)
+        host_taken = sum(kv.num_blocks(j) for j in swaps.swap_out)
+        pools = PoolCounts(pools.free_device - moved_in + dropped, pools.free_host - host_taken,
+                           pools.device_releasing + moved_out)
+        taken = self._taken(batch) | set(swaps.swap_out) | set(swaps.drop) | set(swaps.swap_in) \
+            | set(batch.claimants)
+        need = view.kv.device_blocks_needed(focus, job.num_tokens)
+        with view.queues.ordered("evictable", self._score(table, -1.0)) as victims:
+            decision = plan_swaps(kv, pools, keep_free=need, wanted={}, prefetch=(),
+                                  victims=victims,
+                                  can_evict=lambda j: j != focus and j not in taken,
+                                  drop=view.kv_config.swap_mode == "recompute",
+                                  # Never kill an admitted job's KV to admit a new one: when both
+                                  # tiers are full, admission waits (DESIGN, paper §3.4).
+                                  drop_when_host_full=job.admitted)
+        free_now = pools.free_device + sum(kv.movable_blocks(j) for j in decision.drop)
+        if (view.kv.residency(focus) is Residency.HOST and focus not in swaps.swap_in
+                and kv.swap_in_blocks(focus) <= free_now):
+            decision.swap_in.append(focus)
+        return decision
+
+    def _pools(self, batch: BatchDecision) -> PoolCounts:
+        """Free blocks as the swap plan sees them: what the walk left plus what it set aside for
+        the host jobs it wants (the swap plan brings them in); releasing soon, less what jobs of
+        the walk already claimed."""
+        kv = self.view.kv
+        keep = frozenset(batch.shared_hits)
+        releasing = kv.device_releasing - batch.claimed_release + sum(
+            kv.movable_blocks(a.job_id, keep) for a in batch.actions
+            if isinstance(a, Evict) and not a.drop and not a.reuse_now)
+        free = batch.free_device + sum(batch.wanted_host.values())
+        return PoolCounts(free, batch.free_host, releasing)
+
+    @staticmethod
+    def _taken(batch: BatchDecision) -> set[str]:
+        """Jobs the batch already runs or evicts: not candidates for another move."""
+        return {a.job_id for a in batch.actions}
+
+    def _score(self, table: EnstTable | None, sign: float) -> LevelScore | None:
+        if table is None:
+            return None
+        jobs = self.view.jobs
+        return lambda level, job_id: sign * table(level, jobs[job_id].starve_due)

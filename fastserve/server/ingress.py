@@ -1,0 +1,326 @@
+"""The OpenAI-compatible server's generation logic (the HTTP app is ``fastserve.server.http_api``).
+
+Owns what happens once a request is prepared (``fastserve.server.ingress_requests``: auth, parsing,
+tokenization, validation): the call to a ``Engine`` replica through a streaming backend,
+detokenization with stop strings, the non-streaming body and the SSE stream, every failure
+turned into an OpenAI error with the right status, and how each request ended for its client
+(``request_success{finished_reason}``). Imports no ray and no FastAPI.
+
+``OpenAIServer`` holds the logic and talks to a ``Backend`` (the Serve handles in production,
+``fastserve.server.ingress_deployment.ServeBackend``; a fake in unit tests);
+``fastserve.server.http_api.make_api`` builds
+the FastAPI app over it; ``fastserve.server.ingress_deployment.Ingress`` is the Serve deployment class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+from typing import Any, Protocol
+
+from fastserve.engine.delivery import DeltaStream
+from fastserve.engine.metrics import IngressMetrics
+from fastserve.scheduler.job import JobRequest, TokenDelta
+from fastserve.server.choices import LogprobFormatter, merge_logprobs, merged
+from fastserve.server.ingress_requests import Prepared, RequestPreparer, ServerContext
+from fastserve.server.ingress_streams import DeliveryDelay, Replayed
+from fastserve.server.protocol import APIError, error_body
+from fastserve.server.protocol_output import (
+    StopStringMatcher,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    now_s,
+    usage,
+)
+from fastserve.server.request_limits import timed_out
+from fastserve.tokenizer import IncrementalDecoder
+
+log = logging.getLogger(__name__)
+
+SSE_DONE = b"data: [DONE]\n\n"
+#: Finish reasons that mean the server, not the model, ended the job.
+SERVER_ENDED = {"abort": (503, "the server stopped the request (shutting down?)"),
+                "error": (500, "generation failed inside the engine")}
+
+#: A scheduler stream: an async iterator of ``TokenDelta``s that can be cancelled (a job's own
+#: Serve stream, or ``fastserve.engine.delivery.JobStream`` reading it and its channel).
+Stream = DeltaStream
+
+
+class Backend(Protocol):
+    def generate(self, req: JobRequest) -> Stream: ...
+
+    async def metrics_text(self) -> str: ...
+
+    async def engine_stats(self) -> dict[str, Any]: ...
+
+    async def health(self) -> dict[str, Any]: ...
+
+    async def reset_prefix_cache(self) -> dict[str, Any]: ...
+
+
+def job_stats(delta: TokenDelta) -> dict[str, Any]:
+    """A finishing event's ``job_stats`` as the response carries them ({} without stats)."""
+    return {} if delta.stats is None else delta.stats.as_dict()
+
+
+def cached_tokens(delta: TokenDelta) -> int:
+    """Prompt tokens the prefix cache served the job (0 without stats)."""
+    return 0 if delta.stats is None else delta.stats.cached_tokens
+
+
+class OpenAIServer(RequestPreparer):
+    """A prepared request's jobs started on the backend and their outputs answered: the
+    non-streaming body (``complete``) or the SSE stream (``sse``). Preparation (auth, parsing,
+    validation, refusals) is the base class's."""
+
+    def __init__(self, ctx: ServerContext, backend: Backend, metrics: IngressMetrics | None = None) -> None:
+        super().__init__(ctx)
+        self.backend = backend
+        self.metrics = metrics
+
+    # ---- generation ------------------------------------------------------------------------
+
+    async def start_all(self, prep: Prepared) -> list[Stream]:
+        """Every choice's job handed to a scheduler; if one is refused, the others are cancelled."""
+        if len(prep.choices) == 1:
+            return [await self.start(prep)]
+        started = await asyncio.gather(*(self.start(prep, job) for job in prep.choices),
+                                       return_exceptions=True)
+        failed = [r for r in started if isinstance(r, BaseException)]
+        if failed:
+            for r in started:
+                if not isinstance(r, BaseException):
+                    r.cancel()
+            raise failed[0]
+        return [r for r in started if not isinstance(r, BaseException)]
+
+    async def start(self, prep: Prepared, job: JobRequest | None = None) -> Stream:
+        """Hand the job to a scheduler; raise 429/400 if it refuses."""
+        stream = self.backend.generate(prep.job if job is None else job)
+        try:
+            first = await stream.__anext__()
+        except BaseException:
+            stream.cancel()
+            raise
+        if first.error is not None:
+            raise self.refusal(first.error, first.message, "messages" if prep.chat else "prompt")
+        return await self._first_output(stream)
+
+    async def _first_output(self, stream: Stream) -> Stream:
+        """Wait (at most ``admission_timeout_s``) for the job's first output before answering, so
+        a job stuck behind a backlog is refused with a 429 instead of holding its client."""
+        wait = self.ctx.limits.admission_timeout_s
+        try:
+            first = await asyncio.wait_for(stream.__anext__(), wait)
+        except TimeoutError:
+            stream.cancel()   # the scheduler aborts the queued job
+            raise APIError(429, f"server busy: no capacity for this request within {wait:g} s "
+                           "(server.admission_timeout_s); retry later", None, "admission_timeout",
+                           "rate_limit_error", {"Retry-After": str(self.ctx.retry_after_s)}) from None
+        except StopAsyncIteration:
+            return stream   # ended without output: reading it on reports the broken stream
+        except BaseException:
+            stream.cancel()
+            raise
+        return Replayed(first, stream)
+
+    async def events(self, stream: Stream, prep: Prepared) -> AsyncIterator[tuple[TokenDelta, str]]:
+        """The stream's events with their text (stop strings applied); the last has the finish.
+
+        One event per read: an event carries every token since the previous one, so a lagging
+        reader catches up in one event instead of one per token. A stop string ends the stream
+        with a ``stop`` event of the tokens read so far. The finishing event's stats gain
+        ``delivery_s``: the mean delay from the scheduler emitting an event to this replica
+        reading it.
+        """
+        decoder = IncrementalDecoder(self.ctx.tokenizer, prep.prompt_ids, prep.req.skip_special_tokens)
+        include_stop = prep.req.include_stop_str_in_output
+        matcher = StopStringMatcher(prep.req.stop_strings(), include_stop)
+        min_tokens = prep.req.min_tokens
+        count = 0
+        done = False
+        outcome = "abort"   # unless it finishes: the client went away, or the stream broke (error)
+        delay = DeliveryDelay()
+        try:
+            async for delta in stream:
+                if not delta.token_ids and not delta.finished:
+                    continue   # the accepted event
+                delay.observe(delta.emitted_at)
+                text, ids = [], []
+                # A job the scheduler stopped on EOS or a stop token id: that token counts as
+                # generated but is not text, unless include_stop_str_in_output (vLLM).
+                last_silent = delta.finish_reason == "stop" and not include_stop
+                for k, token_id in enumerate(delta.token_ids):
+                    ids.append(token_id)
+                    count += 1
+                    if last_silent and k == len(delta.token_ids) - 1:
+                        break
+                    # vLLM checks stop strings only once min_tokens tokens were generated.
+                    text.append(matcher.push(decoder.step(token_id), check=count > min_tokens))
+                    if matcher.stopped:
+                        done, outcome = True, "stop"
+                        stream.cancel()   # the scheduler aborts the job and frees its blocks
+                        yield TokenDelta(delta.job_id, tuple(ids), "stop",
+                                         logprobs=delta.logprobs[:len(ids)]), "".join(text)
+                        return
+                if not delta.finished:
+                    yield delta, "".join(text)
+                    continue
+                done = True
+                reason = outcome = delta.finish_reason or "stop"
+                if reason in SERVER_ENDED:
+                    status, message = SERVER_ENDED[reason]
+                    raise APIError(status, message, None, reason, "internal_error")
+                text.append(matcher.push(decoder.flush()))
+                stats = delta.stats
+                if stats is not None and (mean_delay := delay.mean()) is not None:
+                    stats = replace(stats, delivery_s=mean_delay)   # a copy: in process it is the scheduler's
+                yield replace(delta, finish_reason=reason, stats=stats), "".join(text) + matcher.flush()
+                return
+            outcome = "error"
+            raise APIError(500, "the scheduler stream ended without a finish", None, "internal_error",
+                           "internal_error")
+        except Exception:
+            if not done:
+                outcome = "error"
+            raise
+        finally:
+            if not done:
+                stream.cancel()
+            if self.metrics is not None:
+                self.metrics.request_finished(outcome)
+
+    async def complete(self, prep: Prepared, streams: Stream | list[Stream]) -> dict[str, Any]:
+        """The non-streaming response: every choice read to its end, usage summed over choices
+        (the prompt counted once, as vLLM)."""
+        streams = streams if isinstance(streams, list) else [streams]
+        results = await asyncio.gather(*(self._choice(prep, s, i) for i, s in enumerate(streams)))
+        build = chat_response if prep.chat else completion_response
+        first_extra: dict[str, Any] = {}
+        if prep.req.return_token_ids:
+            first_extra["prompt_token_ids"] = list(prep.prompt_ids)
+        text, ids, last, choice_extra = results[0]
+        body = build(prep.request_id, self.ctx.model_name, text, last.finish_reason,
+                     usage(len(prep.prompt_ids), sum(len(r[1]) for r in results),
+                           cached_tokens(last)),
+                     {"job_stats": job_stats(last), "choice": choice_extra, **first_extra})
+        template = body["choices"][0]
+        for index, (text, _, last, extra) in enumerate(results[1:], start=1):
+            choice = dict(template, index=index, finish_reason=last.finish_reason, **extra)
+            if prep.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            body["choices"].append(choice)
+        return body
+
+    async def _choice(self, prep: Prepared, stream: Stream,
+                      index: int) -> tuple[str, list[int], TokenDelta, dict[str, Any]]:
+        """One choice read to its end: its text, token ids, finishing event, and the choice's
+        extra fields (logprobs, token ids)."""
+        text: list[str] = []
+        ids: list[int] = []
+        logprobs: list[dict[str, Any]] = []
+        fmt = (LogprobFormatter(self.ctx.tokenizer, prep.chat, prep.req.return_tokens_as_token_ids)
+               if prep.req.logprob_count() is not None else None)
+        last = TokenDelta(prep.request_id)
+        async for delta, delta_text in self.events(stream, prep):
+            text.append(delta_text)
+            ids += delta.token_ids
+            if fmt is not None:
+                logprobs.append(fmt.format(delta.token_ids, delta.logprobs))
+            last = delta
+        extra: dict[str, Any] = {}
+        if fmt is not None:
+            extra["logprobs"] = merge_logprobs(logprobs, prep.chat)
+        if prep.req.return_token_ids:
+            extra["token_ids"] = ids
+        return "".join(text), ids, last, extra
+
+    async def sse(self, prep: Prepared, streams: Stream | list[Stream]) -> AsyncIterator[bytes]:
+        streams = streams if isinstance(streams, list) else [streams]
+        created, model, rid = now_s(), self.ctx.model_name, prep.request_id
+        want_usage, want_ids = prep.req.include_usage, prep.req.return_token_ids
+        base: dict[str, Any] = {"usage": None} if want_usage else {}
+        fmts = [LogprobFormatter(self.ctx.tokenizer, prep.chat, prep.req.return_tokens_as_token_ids) for _ in streams] \
+            if prep.req.logprob_count() is not None else None
+
+        def chunk(index: int, text: str, reason: str | None, delta_: TokenDelta, extra: dict[str, Any]) -> bytes:
+            more = {**base, **extra}
+            ids = list(delta_.token_ids)
+            choice: dict[str, Any] = {"index": index}
+            if want_ids:
+                choice["token_ids"] = ids
+            if fmts is not None:
+                choice["logprobs"] = fmts[index].format(ids, delta_.logprobs)
+            more["choice"] = choice
+            if prep.chat:
+                delta = {"content": text} if text or reason is None else {}
+                body = chat_chunk(rid, model, created, delta, reason, more)
+            else:
+                body = completion_chunk(rid, model, created, text, reason, more)
+            return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+        if prep.chat:
+            for index in range(len(streams)):
+                first = chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None,
+                                   {**base, "choice": {"index": index}})
+                yield b"data: " + json.dumps(first).encode() + b"\n\n"
+        n = cached = 0
+        try:
+            async with asyncio.timeout(self.ctx.limits.request_timeout_s):
+                async for index, (delta, text) in merged([self.events(s, prep) for s in streams]):
+                    n += len(delta.token_ids)
+                    if delta.finish_reason is not None:
+                        if index == 0:
+                            cached = cached_tokens(delta)
+                        yield chunk(index, text, delta.finish_reason, delta, {"job_stats": job_stats(delta)})
+                    elif text or want_ids or (fmts is not None and delta.token_ids):
+                        yield chunk(index, text, None, delta, {})
+        except TimeoutError:   # ``events`` cancelled the stream on its way out: the job is aborted
+            yield b"data: " + json.dumps(timed_out(self.ctx.limits.request_timeout_s).body()).encode() + b"\n\n"
+            yield SSE_DONE
+            return
+        except APIError as exc:   # the 200 is already sent: the error travels as an event
+            yield b"data: " + json.dumps(exc.body()).encode() + b"\n\n"
+            yield SSE_DONE
+            return
+        except Exception as exc:   # e.g. the engine replica died mid-stream
+            log.exception("stream %s failed", rid)
+            body = error_body(f"internal error: {type(exc).__name__}", "internal_error", None, "internal_error")
+            yield b"data: " + json.dumps(body).encode() + b"\n\n"
+            yield SSE_DONE
+            return
+        if want_usage:
+            u = {"usage": usage(len(prep.prompt_ids), n, cached)}
+            tail = chat_chunk(rid, model, created, None, None, u) if prep.chat else \
+                completion_chunk(rid, model, created, None, None, u)
+            yield b"data: " + json.dumps(tail).encode() + b"\n\n"
+        yield SSE_DONE
+
+    async def complete_unless_gone(self, prep: Prepared, stream: list[Stream],
+                                   disconnected: Callable[[], Awaitable[Any]] | None) -> dict[str, Any]:
+        """The non-streaming body, bounded by ``request_timeout_s``; a client that goes away
+        (``disconnected()`` completes) aborts its jobs: both are ours to enforce, whatever
+        headers the client sent the proxy."""
+        work = asyncio.ensure_future(self.complete(prep, stream))
+        gone = asyncio.ensure_future(disconnected()) if disconnected is not None else None
+        try:
+            done, _ = await asyncio.wait({work} | ({gone} if gone else set()),
+                                         timeout=self.ctx.limits.request_timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if work in done:
+                return work.result()
+            if gone is not None and gone in done:
+                raise APIError(499, "the client closed the connection", None, "client_closed_request")
+            raise timed_out(self.ctx.limits.request_timeout_s)
+        finally:
+            for task in (work, gone):
+                if task is not None and not task.done():
+                    task.cancel()   # cancelling ``complete`` cancels the stream: the job is aborted

@@ -1,0 +1,186 @@
+"""The ingress's request side: what it knows of the served model, and a request made into jobs.
+
+Owns ``ServerContext`` (model name, tokenizer, limits, API key), ``Prepared`` (a parsed request
+and the ``JobRequest`` per choice it asks for) and ``RequestPreparer``: authentication, parsing
+and checking a body (``fastserve.server.protocol``), tokenization and chat templating (``fastserve.tokenizer``), the
+one validation (``fastserve.errors.validate_request``) and how a refusal reads to the client. The
+generation side, ``fastserve.server.ingress.OpenAIServer``, extends it. Imports no ray and no FastAPI.
+"""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from dataclasses import dataclass, field, replace
+
+from fastserve.chat_template import ChatTemplateError
+from fastserve.config import AppArgs
+from fastserve.errors import ErrorCode, RequestError, validate_request
+from fastserve.scheduler.job import JobRequest
+from fastserve.server.choices import choice_job_id, choice_sampling
+from fastserve.server.protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+    parse_request,
+)
+from fastserve.server.protocol_output import now_s
+from fastserve.server.request_limits import RequestLimits
+from fastserve.tokenizer import Tokenizer
+from fastserve.worker.messages import SamplingParams
+
+#: How a refusal's message reads to the client, by its code (default: the message as is).
+REFUSAL_MESSAGES = {ErrorCode.ADMISSION_QUEUE_FULL: "server busy: {}; retry later",
+                    ErrorCode.ENGINE_UNAVAILABLE: "the model is unavailable: {}; retry later"}
+
+
+@dataclass(frozen=True)
+class ServerContext:
+    """What the HTTP layer knows about the served model."""
+
+    model_name: str
+    tokenizer: Tokenizer
+    vocab_size: int
+    context_len: int
+    api_key: str | None = None
+    retry_after_s: int = 1
+    limits: RequestLimits = field(default_factory=lambda: RequestLimits())
+    allow_reset_prefix_cache: bool = False
+    created: int = field(default_factory=now_s)
+
+    @classmethod
+    def from_args(cls, args: AppArgs) -> ServerContext:
+        tokenizer = args.model.tokenizer()
+        srv = args.server
+        limits = RequestLimits(srv.max_request_bytes, srv.max_stop_strings, srv.max_stop_string_chars,
+                               srv.request_timeout_s, srv.admission_timeout_s, srv.allow_priority,
+                               srv.health_timeout_s, srv.max_choices)
+        return cls(args.model.name, tokenizer, args.model.hf_config().vocab_size,
+                   args.model.context_len(), srv.resolved_api_key(), srv.retry_after_s, limits,
+                   allow_reset_prefix_cache=srv.allow_reset_prefix_cache)
+
+
+def bad_words_ids(tokenizer: Tokenizer, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's ``bad_words`` as token sequences: each word as written (left-stripped), and with a
+    leading space too when that is another token sequence of the same length (a word starting
+    mid-text)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        out.append(bare)
+        if len(spaced) == len(bare) and spaced[0] != bare[0]:
+            out.append(spaced)
+    return tuple(out)
+
+
+@dataclass
+class Prepared:
+    """A parsed HTTP request (what the response needs) and the ``JobRequest`` it asks for: one
+    per choice (``n``), ``job`` being the first."""
+
+    req: CompletionRequest | ChatCompletionRequest
+    job: JobRequest
+    chat: bool
+    jobs: tuple[JobRequest, ...] = ()
+    rid: str = ""
+
+    @property
+    def request_id(self) -> str:
+        return self.rid or self.job.job_id
+
+    @property
+    def choices(self) -> tuple[JobRequest, ...]:
+        return self.jobs or (self.job,)
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...]:
+        return self.job.prompt_ids
+
+
+class RequestPreparer:
+    """A request body made into its jobs, or refused with an ``APIError`` naming the problem."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    def check_auth(self, authorization: str | None) -> None:
+        if self.ctx.api_key is None:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), self.ctx.api_key):
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                           None, "invalid_api_key")
+
+    def prepare_completion(self, raw: bytes) -> Prepared:
+        req: CompletionRequest = parse_request(CompletionRequest, raw)
+        self._check_request(req)
+        ids = (self.ctx.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+               if isinstance(req.prompt, str) else list(req.prompt))
+        ids = req.truncated(ids, self.ctx.context_len)
+        sampling = req.to_sampling(DEFAULT_COMPLETION_MAX_TOKENS)
+        return self._prepared(req, f"cmpl-{uuid.uuid4().hex}", ids, sampling, False)
+
+    def prepare_chat(self, raw: bytes) -> Prepared:
+        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, raw)
+        self._check_request(req)
+        try:   # the model's own template (its specials written by it), or the OPT fallback
+            ids = self.ctx.tokenizer.encode_chat([m.as_template_message() for m in req.messages],
+                                                 req.chat_options())
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), exc.param) from None
+        ids = req.truncated(ids, self.ctx.context_len)
+        room = self.ctx.context_len - len(ids)
+        if room < 1:
+            raise bad_request(
+                f"messages of {len(ids)} tokens leave no room to generate within the model's "
+                f"context of {self.ctx.context_len} tokens", "messages", "context_length_exceeded")
+        sampling = req.to_sampling(room)
+        return self._prepared(req, f"chatcmpl-{uuid.uuid4().hex}", ids, sampling, True)
+
+    def _check_request(self, req: CompletionRequest | ChatCompletionRequest) -> None:
+        self._check_model(req.model)
+        limits = self.ctx.limits
+        req.check_limits(limits.max_stop_strings, limits.max_stop_string_chars, limits.max_choices)
+        if req.cache_salt is not None and not req.cache_salt:
+            raise bad_request("cache_salt must be a non-empty string if provided", "cache_salt")
+        if req.priority and not limits.allow_priority:
+            # As vLLM without its priority policy: refused, not dropped (any caller could jump
+            # the queue, so the config must ask for it).
+            raise bad_request(f"priority {req.priority} is not honoured: request priorities are off on this "
+                              "server (server.allow_priority); send 0 or leave it out", "priority")
+
+    def _check_model(self, model: str) -> None:
+        if model != self.ctx.model_name:
+            raise bad_request(f"the model '{model}' does not exist; this server serves "
+                              f"'{self.ctx.model_name}'", "model", "model_not_found")
+
+    def _prepared(self, req: CompletionRequest | ChatCompletionRequest, request_id: str, ids: list[int],
+                  sampling: SamplingParams, chat: bool) -> Prepared:
+        """The request's one validation (``validate_request``), then its ``JobRequest``."""
+        sampling = replace(sampling, bad_words_ids=bad_words_ids(self.ctx.tokenizer, req.bad_word_texts()))
+        try:
+            validate_request(ids, sampling, self.ctx.vocab_size, self.ctx.context_len)
+        except RequestError as exc:
+            raise self.refusal(exc.code, str(exc), "messages" if chat else "prompt") from None
+        named = (("stop_token_ids", "stop token id", sampling.stop_token_ids),
+                 ("logit_bias", "logit_bias token id", [t for t, _ in sampling.logit_bias]),
+                 ("allowed_token_ids", "allowed token id", sampling.allowed_token_ids or ()),
+                 ("bad_words", "bad_words token id", [t for w in sampling.bad_words_ids for t in w]))
+        for param, what, tokens in named:
+            bad = [t for t in tokens if not 0 <= t < self.ctx.vocab_size]
+            if bad:
+                raise bad_request(f"{what} {bad[0]} is outside the vocabulary [0, {self.ctx.vocab_size})", param)
+        n = req.num_choices
+        jobs = tuple(JobRequest(choice_job_id(request_id, i, n), tuple(ids), choice_sampling(sampling, i),
+                                priority=req.priority, cache_salt=req.cache_salt) for i in range(n))
+        return Prepared(req, jobs[0], chat, jobs, request_id)
+
+    def refusal(self, code: ErrorCode, message: str, param: str | None) -> APIError:
+        """The HTTP answer to a refused request: status, type and code come from ``code``."""
+        template = REFUSAL_MESSAGES.get(code, "{}")
+        headers = {"Retry-After": str(self.ctx.retry_after_s)} if code.retry else None
+        return APIError(code.status, template.format(message), param if code.status == 400 else None,
+                        code.wire_code, code.error_type, headers)

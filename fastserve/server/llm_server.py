@@ -1,0 +1,237 @@
+"""Ray Serve LLM integration: our scheduler behind ``ray.serve.llm``'s OpenAI ingress.
+
+Owns ``FastServeLLMServer``, a ``server_cls`` for ``ray.serve.llm.LLMConfig``, and the engine it
+runs (``FastServeEngine``). With it, a Ray Serve LLM application (``build_openai_app``) serves
+a model with FastServe's skip-join MLFQ scheduler and proactive KV swapping instead of vLLM's:
+
+    LLMConfig(model_loading_config={"model_id": "opt-125m"},
+              server_cls="fastserve.server.llm_server:FastServeLLMServer",
+              engine_kwargs={<our AppArgs: model, parallel, profile, scheduler, kv_cache, ...>})
+
+``engine_kwargs`` are validated as ``fastserve.config.AppArgs`` (``model.name`` defaults to the
+``model_id``). Each replica is one model copy: the engine runs a ``EngineReplica`` in
+process, with its placement group derived from the parallel layout exactly as in our own app,
+and answers through our ``OpenAIServer`` (same validation, stop strings, ``job_stats``).
+Subclassing ``LLMServer`` keeps Ray Serve LLM's own behaviour around it: request ids, stream
+batching (``experimental_configs.stream_batching_interval_ms``), its error format.
+
+Needs the ``serve-llm`` extra (``ray.serve.llm`` imports vLLM's OpenAI protocol models).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, cast
+
+from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
+from ray.llm._internal.serve.core.configs.openai_api_models import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    ErrorResponse,
+    TokenizeResponse,
+)
+from ray.llm._internal.serve.core.engine.protocol import LLMEngine
+from ray.serve.llm import LLMServer
+
+from fastserve.config import AppArgs
+from fastserve.engine.metrics import IngressMetrics
+from fastserve.engine.replica import EngineReplica
+from fastserve.scheduler.job import JobRequest, TokenDelta
+from fastserve.server.ingress import OpenAIServer, Stream
+from fastserve.server.ingress_requests import Prepared, ServerContext
+from fastserve.server.protocol import APIError
+from fastserve.server.tokenize_api import detokenize_response, tokenize_response
+
+
+def app_args(llm_config: LLMConfig) -> AppArgs:
+    """``engine_kwargs`` as our ``AppArgs``; the served name is the config's ``model_id``."""
+    kwargs = copy.deepcopy(dict(llm_config.engine_kwargs))
+    model = kwargs.setdefault("model", {})
+    name = model.setdefault("name", llm_config.model_id)
+    if name != llm_config.model_id:
+        raise ValueError(f"engine_kwargs.model.name={name!r} differs from model_id={llm_config.model_id!r}: "
+                         "Ray Serve LLM routes requests by model_id")
+    return AppArgs.model_validate(kwargs)
+
+
+class LocalStream:
+    """A ``EngineReplica.generate`` stream in this process, cancellable like a Serve stream."""
+
+    def __init__(self, gen: AsyncGenerator[TokenDelta, None]) -> None:
+        self._gen = gen
+
+    def __aiter__(self) -> AsyncIterator[TokenDelta]:
+        return self
+
+    async def __anext__(self) -> TokenDelta:
+        return await self._gen.__anext__()
+
+    def cancel(self) -> None:
+        # aclose() runs the generator's cleanup, which aborts the job and frees its blocks.
+        import asyncio
+
+        asyncio.ensure_future(self._gen.aclose())
+
+
+class LocalBackend:
+    """``OpenAIServer``'s backend: the engine replica living in this Serve replica."""
+
+    def __init__(self, replica: EngineReplica) -> None:
+        self.replica = replica
+
+    def generate(self, req: JobRequest) -> Stream:
+        # generate is an async generator function (typed by what callers need: an iterator)
+        return LocalStream(cast(AsyncGenerator[TokenDelta, None], self.replica.generate(req)))
+
+    async def metrics_text(self) -> str:
+        return ""   # metrics go to Ray's agents; Ray Serve LLM has no /metrics route of its own
+
+    async def engine_stats(self) -> dict[str, Any]:
+        return await self.replica.stats()
+
+    async def health(self) -> dict[str, Any]:
+        return await self.replica.health()
+
+    async def reset_prefix_cache(self) -> dict[str, Any]:
+        return await self.replica.reset_prefix_cache()
+
+
+def _client_fields(request: Any) -> bytes:
+    """Only the fields the client sent (vLLM's model filled defaults in; Ray's own request_id
+    is not the client's, and our models refuse a client's request_id, fastserve.server.request_fields)."""
+    raw: bytes = request.model_dump_json(exclude_unset=True, exclude={"request_id"}).encode()
+    return raw
+
+
+def error_response(exc: APIError) -> ErrorResponse:
+    """Ray Serve LLM's error shape: the HTTP status travels in ``error.code``."""
+    err = exc.body()["error"]
+    return ErrorResponse.model_validate(
+        {"error": {"message": err["message"], "type": err["type"], "param": err["param"], "code": exc.status}})
+
+
+class FastServeEngine(LLMEngine):
+    """One model copy: our scheduler, executor and OpenAI layer, in process.
+
+    The request methods are async generators, as ``LLMServer`` calls them (without awaiting) and
+    as Ray's own SGLang engine writes them; ``LLMEngine``'s annotations say coroutines, hence the
+    ``override`` ignores below.
+    """
+
+    def __init__(self, llm_config: LLMConfig) -> None:
+        self.llm_config = llm_config
+        self.args = app_args(llm_config)
+        self.replica: EngineReplica | None = None
+        self.server: OpenAIServer | None = None
+
+    async def start(self) -> None:
+        self.replica = await EngineReplica.create(self.args)
+        ctx = ServerContext.from_args(self.args)
+        self.server = OpenAIServer(ctx, LocalBackend(self.replica), IngressMetrics(ctx.model_name))
+
+    async def shutdown(self) -> None:
+        if self.replica is not None:
+            await self.replica.close()
+
+    async def check_health(self) -> None:
+        if self.replica is None:
+            raise RuntimeError("the engine has not started")
+        await self.replica.check_health()
+
+    async def completions(  # type: ignore[override]
+            self, request: Any, raw_request_info: Any = None) -> AsyncGenerator[Any, None]:
+        async for item in self._generate(request, chat=False):
+            yield item
+
+    async def chat(  # type: ignore[override]
+            self, request: Any, raw_request_info: Any = None) -> AsyncGenerator[Any, None]:
+        async for item in self._generate(request, chat=True):
+            yield item
+
+    async def _generate(self, request: Any, chat: bool) -> AsyncGenerator[Any, None]:
+        """Our validation and scheduling on the client's fields; SSE strings or one response."""
+        assert self.server is not None, "start() first"
+        # Only the fields the client sent: Ray's own request_id is not the client's (our models
+        # refuse a client's request_id, fastserve.server.request_fields).
+        raw = _client_fields(request)
+        server = self.server
+        try:
+            prep = server.prepare_chat(raw) if chat else server.prepare_completion(raw)
+            streams = await server.start_all(prep)
+            if not prep.req.stream:
+                body = await server.complete(prep, streams)
+        except APIError as exc:
+            yield error_response(exc)
+            return
+        if prep.req.stream:
+            async for chunk in self._sse(prep, streams):
+                yield chunk
+            return
+        yield (ChatCompletionResponse if chat else CompletionResponse).model_validate(body)
+
+    async def tokenize(
+            self, request: Any, raw_request_info: Any = None) -> AsyncGenerator[Any, None]:
+        """``/tokenize`` as our own server answers it (``fastserve.server.tokenize_api``). Ray's router parses
+        the body as vLLM's ``TokenizeCompletionRequest`` first: a chat (``messages``) body is
+        refused there with a 400 before it reaches us."""
+        assert self.server is not None, "start() first"
+        try:
+            yield TokenizeResponse.model_validate(tokenize_response(self.server.ctx, _client_fields(request)))
+        except APIError as exc:
+            yield error_response(exc)
+
+    async def detokenize(
+            self, request: Any, raw_request_info: Any = None) -> AsyncGenerator[Any, None]:
+        assert self.server is not None, "start() first"
+        try:
+            yield DetokenizeResponse.model_validate(detokenize_response(self.server.ctx, _client_fields(request)))
+        except APIError as exc:
+            yield error_response(exc)
+
+    async def _sse(self, prep: Prepared, streams: list[Stream]) -> AsyncGenerator[str, None]:
+        assert self.server is not None
+        async for chunk in self.server.sse(prep, streams):
+            yield chunk.decode()
+
+    # ---- the rest of the engine protocol: not offered by this engine ------------------------
+
+    def routing_stats(self) -> dict[str, Any]:
+        return {}
+
+    async def resolve_lora(self, lora_model: Any) -> None:
+        raise NotImplementedError("FastServe serves one model per replica: no LoRA adapters")
+
+    async def embeddings(  # type: ignore[override]
+            self, request: Any, raw_request_info: Any = None) -> AsyncGenerator[Any, None]:
+        raise NotImplementedError("FastServe serves generation only: no embeddings")
+        yield   # pragma: no cover  (makes this an async generator like the protocol's)
+
+    async def transcriptions(  # type: ignore[override]
+            self, request: Any, raw_request_info: Any = None) -> AsyncGenerator[Any, None]:
+        raise NotImplementedError("FastServe serves text generation only: no transcriptions")
+        yield   # pragma: no cover
+
+    async def reset_prefix_cache(self) -> None:
+        if self.replica is not None:
+            await self.replica.reset_prefix_cache()
+
+
+class FastServeLLMServer(LLMServer):
+    """``LLMConfig(server_cls=FastServeLLMServer)``: Ray Serve LLM's server over our engine."""
+
+    # LLMServer declares it None (then imports vLLM's engine); ours replaces that default.
+    _default_engine_cls = FastServeEngine  # type: ignore[assignment]
+
+    @classmethod
+    def get_deployment_options(cls, llm_config: LLMConfig) -> dict[str, Any]:  # type: ignore[override]
+        """Our Engine deployment's defaults and placement group, under ``deployment_config``."""
+        args = app_args(llm_config)
+        options = copy.deepcopy(dict(llm_config.deployment_config))
+        for key in ("placement_group_bundles", "placement_group_strategy"):
+            if key in options:
+                raise ValueError(f"deployment_config.{key} is derived from engine_kwargs.parallel; do not set it")
+        defaults = args.engine_deployment_defaults()
+        options.setdefault("ray_actor_options", defaults["ray_actor_options"])
+        return {**defaults, **options}

@@ -1,0 +1,118 @@
+"""The in-process executor: the whole model in this process, one plan at a time.
+
+Used by the scheduler's engine loop when no pipeline is configured, by the profiler, by the GPU
+checks (which run without Ray) and by tests. It owns the model, the KV store and the sampler; a
+plan names every block and swap, so the executor never decides anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from fastserve.kernels.cpu_features import cpu_has_bf16
+from fastserve.worker.kv_store import KVStore
+from fastserve.worker.messages import BatchPlan, StepOutput
+from fastserve.worker.model.config import ModelConfig
+from fastserve.worker.model.opt import AllReduce
+from fastserve.worker.model.registry import Stage, build_model
+from fastserve.worker.model.shard import StageShard
+from fastserve.worker.model.weights import load_stage_weights
+from fastserve.worker.sampler import Sampler
+from fastserve.worker.spec import ModelSpec
+from fastserve.worker.stage import StageRunner
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: The config's dtype that picks one per machine (``resolve_dtype``).
+AUTO_DTYPE = "auto"
+
+
+def resolve_dtype(name: str, device: str) -> str:
+    """``name`` itself, or for ``auto`` what this machine computes fastest at full model quality:
+    bfloat16 (weights, activations and KV; fp32 accumulation) on a CPU with native bf16
+    (``fastserve.kernels.cpu_features``: AVX-512 BF16 or AMX) and on a CUDA device that supports it,
+    float32 on any other CPU (bf16 there is emulated, slower than fp32), float16 on other GPUs."""
+    if name != AUTO_DTYPE:
+        torch_dtype(name)   # refuse an unknown name here, naming it
+        return name
+    if device == "cuda":
+        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float16"
+    return "bfloat16" if cpu_has_bf16() else "float32"
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or {AUTO_DTYPE!r}, got {name!r}") from None
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default floating dtype set to ``dtype`` for the block (new parameters take it)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_stage(config: ModelConfig, shard: StageShard, dtype: str, device: str,
+                load_format: str, model_path: str | None, seed: int,
+                all_reduce: AllReduce | None = None) -> Stage:
+    """Build one stage of ``config``'s architecture on ``device`` and load its weights (dummy or
+    checkpoint)."""
+    target = torch_dtype(resolve_dtype(dtype, device))
+    # Built where it runs and in its dtype: an 8B model is not first made in fp32 on the CPU
+    # (32 GB, then copied). The weights (dummy or checkpoint) are cast as they are copied in.
+    with torch.device(device), default_dtype(target):
+        stage = build_model(config, shard, all_reduce)
+    load_stage_weights(stage, load_format, model_path, seed)
+    stage = stage.to(device=device, dtype=target).eval()
+    stage.pack_linear_weights()   # CPU float32, or bfloat16 where native; a no-op elsewhere
+    return stage
+
+
+def build_runner(spec: ModelSpec, config: ModelConfig, shard: StageShard,
+                 all_reduce: AllReduce | None = None) -> StageRunner:
+    """One worker's ``StageRunner`` — its shard of the model (weights loaded), its slice of the KV
+    store and a sampler — for the in-process executor and the Ray stage workers alike."""
+    if spec.torch_threads:
+        torch.set_num_threads(spec.torch_threads)   # per process: this worker owns the model's
+    model = build_stage(config, shard, spec.dtype, spec.device, spec.load_format, spec.model_path,
+                        spec.seed, all_reduce)
+    kv = KVStore(shard.num_layers, model.num_local_kv_heads, config.head_dim, spec.block_size,
+                 spec.num_device_blocks, spec.num_host_blocks, torch_dtype(resolve_dtype(spec.dtype, spec.device)),
+                 spec.device)
+    return StageRunner(model, kv, Sampler(spec.seed))
+
+
+class InProcessExecutor:
+    """Executes ``BatchPlan``s on one process's model; ``execute`` is synchronous."""
+
+    max_inflight = 1
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+        self.config = spec.load_config()
+        self.runner = build_runner(spec, self.config, StageShard.whole(self.config))
+        self.steps = 0
+
+    @property
+    def kv(self) -> KVStore:
+        return self.runner.kv
+
+    @property
+    def model(self) -> Stage:
+        return self.runner.model
+
+    def execute(self, plan: BatchPlan) -> StepOutput:
+        result = self.runner.run(plan, None, sample=True)
+        self.steps += 1
+        return StepOutput(plan.step_id, result.tokens, result.timings, result.logprobs)
+
+    def close(self) -> None:
+        self.kv.close()

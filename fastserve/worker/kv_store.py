@@ -1,0 +1,270 @@
+"""The KV store of one worker: a device pool and a host pool of paged blocks, and swaps between them.
+
+Layout, per pool: ``[num_blocks, num_layers, 2, block_size, num_heads, head_dim]`` — block-major,
+so one block of every layer is one contiguous region and a swap of a block is a single copy (on a
+GPU, one DMA per run of consecutive blocks). Layer ``l`` reads the strided view ``pool[:, l]``.
+``num_heads`` is the worker's *KV* heads (fewer than its query heads under grouped-query attention).
+
+Swaps are asynchronous. On a GPU they run on a side CUDA stream into page-locked host memory
+(registered in place, exactly the pool's size: ``register_host_memory``) and are
+tracked by events; on CPU a single copy thread runs them. Either way they complete in issue order
+(one stream, one thread), so a swap-in issued after a swap-out that frees the same host block
+reads the right data. A step waits only on the in-flight swaps that touch the blocks it uses
+(``wait_for``); everything else overlaps with its compute. What that wait costs is measured where
+it happens: on CPU the host blocks (timed on the host); on a GPU the compute stream stalls, timed
+by a pair of timing events around the stream's waits and read once the device has passed them
+(``DeviceStalls``), never by a sync of its own.
+
+This object owns device memory only. Which block belongs to which job is the control plane's
+business (``fastserve/kv``): the store copies what it is told.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from fastserve import kernels
+from fastserve.kernels import huge_pages
+from fastserve.worker.messages import SwapCommand
+
+#: cudaHostRegisterDefault: page-locked, usable by the current device's copies.
+CUDA_HOST_REGISTER_DEFAULT = 0
+
+
+def register_host_memory(pool: torch.Tensor) -> bool:
+    """Page-lock ``pool`` (a contiguous CPU tensor) in place, exactly its own size; whether
+    anything was registered (an empty pool is not).
+
+    Not ``pin_memory=True``: torch's pinned allocator rounds every allocation up to a power of two
+    (``pinned_allocator_bytes``), which for a large swap space pins up to twice the memory asked
+    for (llama3-70b.yaml's 37.5 GiB per rank would pin 64). ``cudaHostRegister`` pins the pageable
+    allocation as it is; ``unregister_host_memory`` releases it before the tensor is freed."""
+    nbytes = pool.untyped_storage().nbytes()
+    if not nbytes:
+        return False
+    if not pool.is_contiguous() or pool.device.type != "cpu":
+        raise ValueError(f"only a contiguous CPU tensor can be registered, got {pool.device} "
+                         f"contiguous={pool.is_contiguous()}")
+    err = int(torch.cuda.cudart().cudaHostRegister(pool.data_ptr(), nbytes, CUDA_HOST_REGISTER_DEFAULT))
+    if err:
+        raise RuntimeError(f"cudaHostRegister of the {nbytes}-byte host KV pool failed (CUDA error {err})")
+    return True
+
+
+def unregister_host_memory(pool: torch.Tensor) -> None:
+    err = int(torch.cuda.cudart().cudaHostUnregister(pool.data_ptr()))
+    if err:
+        raise RuntimeError(f"cudaHostUnregister of the host KV pool failed (CUDA error {err})")
+
+
+def pinned_allocator_bytes(nbytes: int) -> int:
+    """What torch's pinned allocator (``pin_memory=True``) reserves for ``nbytes``: the next power
+    of two. What ``register_host_memory`` avoids."""
+    return 1 << max(nbytes - 1, 0).bit_length() if nbytes > 0 else 0
+
+
+@dataclass
+class SwapHandle:
+    """An issued swap: which device blocks it touches, and how to wait for it."""
+
+    device_blocks: frozenset[int]
+    _future: Future[None] | None = None
+    _event: torch.cuda.Event | None = None
+
+    def done(self) -> bool:
+        if self._future is not None:
+            return self._future.done()
+        return self._event is None or bool(self._event.query())
+
+    def wait(self) -> None:
+        if self._future is not None:
+            self._future.result()  # re-raises a failed copy here, on the step's thread
+        elif self._event is not None:
+            self._event.synchronize()
+
+
+class TimingEvent(Protocol):
+    """What ``DeviceStalls`` needs of a ``torch.cuda.Event(enable_timing=True)``."""
+
+    def query(self) -> bool: ...
+
+    def elapsed_time(self, end_event: Any) -> float: ...
+
+
+class DeviceStalls:
+    """Time the compute stream spent stalled on swaps: one (before, after) pair of timing events
+    per wait, recorded on the compute stream around its ``wait_event`` calls, so the span between
+    them is the stall alone. A pair is read once its ``after`` has completed (``query()``: no
+    sync); one the device has not reached yet is kept for a later read."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[TimingEvent, TimingEvent]] = []
+
+    def add(self, before: TimingEvent, after: TimingEvent) -> None:
+        self._pending.append((before, after))
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def collect_s(self) -> float:
+        """Seconds stalled over the pairs the device has passed; those are forgotten."""
+        waited_ms, kept = 0.0, []
+        for before, after in self._pending:
+            if after.query():   # ``after`` done ⇒ ``before`` done (same stream, recorded first)
+                waited_ms += before.elapsed_time(after)
+            else:
+                kept.append((before, after))
+        self._pending = kept
+        return waited_ms / 1000.0
+
+
+class KVStore:
+    def __init__(
+        self,
+        num_layers: int,
+        num_heads: int,
+        head_dim: int,
+        block_size: int,
+        num_device_blocks: int,
+        num_host_blocks: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        for name, value in (("num_device_blocks", num_device_blocks), ("block_size", block_size)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
+        self.block_size = block_size
+        self.device = torch.device(device)
+        shape = (num_layers, 2, block_size, num_heads, head_dim)
+        # On a CPU the device pool is what every decode step's attention reads: on huge pages
+        # (fastserve.kernels.huge_pages). The host pool is only copied from and to, a block at a time.
+        self.device_pool = (huge_pages.zeros((num_device_blocks, *shape), dtype) if self.device.type == "cpu"
+                            else torch.zeros((num_device_blocks, *shape), dtype=dtype, device=self.device))
+        self.host_pool = torch.zeros((num_host_blocks, *shape), dtype=dtype)
+        self._registered = self.device.type == "cuda" and register_host_memory(self.host_pool)
+        self._inflight: list[SwapHandle] = []
+        self._lock = threading.Lock()
+        if self.device.type == "cuda":
+            self._stream: torch.cuda.Stream | None = torch.cuda.Stream(device=self.device)
+            self._copier: ThreadPoolExecutor | None = None
+        else:
+            self._stream = None
+            self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-swap")
+        self.swapped_out_blocks = 0
+        self.swapped_in_blocks = 0
+        self.device_stalls = DeviceStalls()
+
+    @property
+    def num_device_blocks(self) -> int:
+        return int(self.device_pool.shape[0])
+
+    @property
+    def num_host_blocks(self) -> int:
+        return int(self.host_pool.shape[0])
+
+    @property
+    def bytes_per_block(self) -> int:
+        return int(self.device_pool[0].numel() * self.device_pool.element_size())
+
+    def layer(self, index: int) -> torch.Tensor:
+        """Layer ``index``'s cache, ``[num_blocks, 2, block_size, heads, head_dim]`` (a view)."""
+        return self.device_pool[:, index]
+
+    def swap(self, cmd: SwapCommand) -> SwapHandle:
+        """Start one job's swap as the plan carries it: ``out`` copies its device blocks
+        ``src_blocks`` to host blocks ``dst_blocks``, ``in`` copies host blocks back to device ones."""
+        src, dst = cmd.src_blocks, cmd.dst_blocks
+        if cmd.direction == "out":
+            self._check(src, dst, self.num_device_blocks, self.num_host_blocks, "device", "host")
+            self.swapped_out_blocks += len(src)
+            return self._issue(self.device_pool, self.host_pool, src, dst, frozenset(src))
+        self._check(src, dst, self.num_host_blocks, self.num_device_blocks, "host", "device")
+        self.swapped_in_blocks += len(src)
+        return self._issue(self.host_pool, self.device_pool, src, dst, frozenset(dst))
+
+    def wait_for(self, device_blocks: Iterable[int]) -> float:
+        """Block until every in-flight swap touching ``device_blocks`` is done; seconds the host
+        waited. On a GPU the compute stream waits instead (0 here): ``device_wait_s`` reads how
+        long it stalled, once the device has got past the wait."""
+        wanted = frozenset(device_blocks)
+        with self._lock:
+            touching = [h for h in self._inflight if h.device_blocks & wanted]
+        if self._stream is not None:
+            events = [h._event for h in touching if h._event is not None and not h._event.query()]
+            if events:
+                compute = torch.cuda.current_stream(self.device)
+                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                before.record(compute)
+                for event in events:
+                    compute.wait_event(event)
+                after.record(compute)
+                self.device_stalls.add(before, after)
+            return 0.0
+        return self._wait(touching)
+
+    def device_wait_s(self) -> float:
+        """Seconds the compute stream stalled on swaps (``wait_for`` on a GPU), over the waits it
+        has got past since the last call; always 0 on CPU, where ``wait_for`` times the host."""
+        return self.device_stalls.collect_s()
+
+    def wait_all(self) -> float:
+        with self._lock:
+            pending = list(self._inflight)
+        return self._wait(pending)
+
+    def close(self) -> None:
+        self.wait_all()
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+        if self._registered:
+            unregister_host_memory(self.host_pool)
+            self._registered = False
+
+    def _wait(self, handles: list[SwapHandle]) -> float:
+        start = time.perf_counter()
+        for h in handles:
+            h.wait()
+        with self._lock:
+            self._inflight = [h for h in self._inflight if not h.done()]
+        return time.perf_counter() - start
+
+    def _issue(self, src: torch.Tensor, dst: torch.Tensor, src_ids: Sequence[int], dst_ids: Sequence[int],
+               device_blocks: frozenset[int]) -> SwapHandle:
+        handle = SwapHandle(device_blocks)
+        if not src_ids:
+            return handle
+        if self._stream is not None:
+            # The side stream must not start before the compute that wrote these blocks.
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                kernels.copy_blocks(src, dst, src_ids, dst_ids, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            handle._event = event
+        else:
+            assert self._copier is not None
+            handle._future = self._copier.submit(kernels.copy_blocks, src, dst, src_ids, dst_ids)
+        with self._lock:
+            self._inflight.append(handle)
+        return handle
+
+    @staticmethod
+    def _check(src: Sequence[int], dst: Sequence[int], n_src: int, n_dst: int, src_name: str,
+               dst_name: str) -> None:
+        for s, d in zip(src, dst, strict=True):
+            if not 0 <= s < n_src:
+                raise ValueError(f"{src_name} block {s} out of range [0, {n_src})")
+            if not 0 <= d < n_dst:
+                raise ValueError(f"{dst_name} block {d} out of range [0, {n_dst})")
+        if len(set(dst)) != len(dst):
+            raise ValueError(f"a swap writes one {dst_name} block twice: {list(zip(src, dst, strict=True))}")

@@ -1,0 +1,53 @@
+"""Attention over the paged KV cache for one mixed batch, shared by every model's layers.
+
+``paged_self_attention`` is the one place a model's attention meets the cache: it writes the
+batch's new K/V to their slots, then runs prefill attention over the prefill part (varlen causal;
+a chunk of a chunked prefill also attends to the prefix its earlier chunks cached) and paged
+decode attention over the decode part. A model computes q/k/v (and applies its own position
+scheme, e.g. rotary embeddings, before calling) and projects the result; the batch layout and the
+cache are this function's business. Grouped-query attention is the kernels' business: ``key`` and
+``value`` may carry fewer heads than ``query`` (a divisor of them); query head ``h`` reads KV head
+``h // (num_heads / num_kv_heads)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastserve import kernels
+from fastserve.worker.model.batch import ForwardBatch
+
+
+def paged_self_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         layer_cache: torch.Tensor, batch: ForwardBatch,
+                         scale: float) -> torch.Tensor:
+    """Attention of every token of ``batch``: ``query [T, H, D]``, ``key``/``value [T, KV, D]`` →
+    ``[T, H, D]``.
+
+    ``layer_cache`` is one layer's view ``[num_blocks, 2, block_size, KV, D]`` of the
+    stage's block-major cache; the new K/V are written into it first.
+    """
+    key_cache, value_cache = layer_cache[:, 0], layer_cache[:, 1]
+    kernels.write_kv(key_cache, value_cache, key, value, batch.slot_mapping)
+    p = batch.num_prefill_tokens
+    parts = []
+    if p:
+        parts.append(_prefill(query[:p], key[:p], value[:p], key_cache, value_cache, batch, scale))
+    if batch.num_decode:
+        parts.append(kernels.paged_attention(query[p:], key_cache, value_cache,
+                                             batch.decode_block_tables, batch.decode_context_lens,
+                                             scale))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             key_cache: torch.Tensor, value_cache: torch.Tensor, batch: ForwardBatch,
+             scale: float) -> torch.Tensor:
+    tables = batch.prefill_block_tables
+    # Where the kernel reads keys and values from the cache (just written above), every prefill
+    # goes through it; otherwise only chunks that continue a cached prefix need the cache.
+    if tables is None or not (any(batch.prefill_start_pos) or kernels.prefill_reads_cache(query, key_cache)):
+        return kernels.prefill_attention(query, key, value, batch.prefill_cu_seqlens, scale)
+    return kernels.context_prefill_attention(query, key, value, key_cache, value_cache,
+                                             batch.prefill_cu_seqlens, batch.prefill_start_pos,
+                                             tables, scale)

@@ -1,0 +1,25 @@
+"""Which stage class serves a model config: the one place that maps architectures to model code.
+
+``build_model`` is what the executor and the stage workers call; adding an architecture is a
+config class (``fastserve.worker.model.config.model_config_from_dict``) plus an entry here.
+"""
+
+from __future__ import annotations
+
+from fastserve.worker.model.config import ModelConfig, OPTConfig
+from fastserve.worker.model.llama import LlamaStage
+from fastserve.worker.model.llama_config import LlamaConfig
+from fastserve.worker.model.opt import AllReduce, OPTStage
+from fastserve.worker.model.shard import StageShard
+
+#: A served stage module of any architecture (what ``StageRunner`` runs).
+Stage = OPTStage | LlamaStage
+
+
+def build_model(config: ModelConfig, shard: StageShard, all_reduce: AllReduce | None = None) -> Stage:
+    """An unloaded stage module of ``config``'s architecture for ``shard``."""
+    if isinstance(config, OPTConfig):
+        return OPTStage(config, shard) if all_reduce is None else OPTStage(config, shard, all_reduce)
+    if isinstance(config, LlamaConfig):
+        return LlamaStage(config, shard) if all_reduce is None else LlamaStage(config, shard, all_reduce)
+    raise TypeError(f"no model code for architecture {config.architecture!r} ({type(config).__name__})")

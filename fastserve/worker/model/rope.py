@@ -1,0 +1,68 @@
+"""Rotary position embeddings (RoPE) for the LLaMA family, with ``linear`` and ``llama3`` scaling.
+
+Owns the frequencies (computed once, in float32, from ``rope_theta`` and the scaling) and their
+application to queries and keys at the batch's 0-based positions. The rotation is the
+"half-split" form Hugging Face checkpoints are trained with: dimension ``i`` pairs with
+``i + head_dim/2`` (not adjacent pairs). cos/sin are computed per batch from the positions in
+float32 and cast to the activations' dtype, as transformers does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fastserve import kernels
+from fastserve.worker.model.llama_config import RopeScaling
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """``[head_dim / 2]`` float32 rotation frequencies (radians per position)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        # Positions divided by the factor, i.e. every frequency divided by it.
+        return inv_freq / scaling.factor
+    return _llama3_frequencies(inv_freq, scaling)
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's scaling: long wavelengths (low frequencies) are divided by ``factor``, short ones
+    kept, and the band between the two cut-offs interpolated smoothly."""
+    old_context = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_context / scaling.low_freq_factor
+    high_freq_wavelen = old_context / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_context / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(in_band, blended, scaled)
+
+
+class Rotary:
+    """The rotation of one model; ``cos_sin`` once per batch, ``apply`` to q and k of each layer."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None) -> None:
+        # A plain attribute, not a buffer: ``module.to(float16)`` must not round the frequencies.
+        self.inv_freq = inverse_frequencies(head_dim, theta, scaling)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and the signed ``sin`` (first half negated), each ``[T, 1, head_dim]`` (broadcast
+        over heads), for ``positions [T]``: what ``apply`` takes."""
+        inv_freq = self.inv_freq.to(positions.device)
+        angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+        sin = angles.sin()
+        return torch.cat((angles, angles), dim=-1)[:, None, :].cos().to(dtype), \
+            torch.cat((-sin, sin), dim=-1)[:, None, :].to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x [T, heads, head_dim]`` by the per-token angles (``kernels.rotate``:
+        transformers' ``x * cos + rotate_half(x) * sin``, one C pass for bf16 on CPUs with
+        AVX-512 BF16)."""
+        return kernels.rotate(x, cos, signed_sin)

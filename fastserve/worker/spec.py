@@ -1,0 +1,139 @@
+"""What one model copy runs and how it is cut: ``EngineSpec`` = ``ModelSpec`` + ``ParallelSpec`` +
+``PipelineTimeouts``.
+
+Built once from the application's config (``fastserve.config.AppArgs.engine_spec``) and passed whole:
+to the in-process executor (its ``ModelSpec``), to the pipeline executor, and — with its stage
+and rank — to every stage worker (``fastserve.worker.worker.WorkerSpec``). It also owns the two things
+every user of a layout needs the same answer to: whether the model can be cut that way
+(``ParallelSpec.check``) and what a stage's placement bundle holds (``ParallelSpec.stage_bundles``).
+
+Stdlib only (plain, picklable dataclasses, no torch or ray): ``fastserve.config`` builds it without
+pulling the data plane in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Literal
+
+from annotated_types import Ge, Gt
+
+from fastserve.worker.messages import DEFAULT_BLOCK_SIZE
+from fastserve.worker.model.config import ModelConfig, as_model_config
+
+#: The variable OpenMP (libgomp, as torch's CPU wheels ship it) reads its wait policy from, once,
+#: as torch loads: a process that runs the model must have it in its environment from the start.
+OMP_WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model, its weights, and its KV pools. ``model`` is a config path/folder (its
+    ``config.json`` says the architecture) or a loaded ``ModelConfig``."""
+
+    model: str | Path | ModelConfig
+    num_device_blocks: int
+    num_host_blocks: int
+    block_size: int = DEFAULT_BLOCK_SIZE
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    load_format: str = "dummy"
+    model_path: str | None = None
+    #: torch intra-op threads of each process that runs the model; None keeps torch's default.
+    torch_threads: int | None = None
+
+    def load_config(self) -> ModelConfig:
+        return as_model_config(self.model)
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    """How one model copy is cut: TP ranks per stage × PP stages, and how plans travel. Its
+    fields are also the config's ``parallel:`` section's (``fastserve.config_layout.ParallelArgs``
+    extends it with what the replica itself needs); pydantic validates the bounds."""
+
+    tensor_parallel_size: Annotated[int, Ge(1)] = 1
+    pipeline_parallel_size: Annotated[int, Ge(1)] = 1
+    #: How plans travel between stage workers: ``compiled`` (a Ray compiled graph) or ``actor``
+    #: (plain actor calls).
+    transport: Literal["compiled", "actor"] = "compiled"
+    #: Plans kept in flight; None = one per stage (paper §4.3).
+    max_inflight: Annotated[int, Ge(1)] | None = None
+    #: Logical CPUs each worker (one TP rank) reserves; a stage's bundle holds TP of them. A
+    #: bundle must reserve something on a CPU-only node; a sliver keeps a 2-core box schedulable
+    #: (torch's threads are ``torch_threads``, not this).
+    worker_cpus: Annotated[float, Gt(0)] = 0.01
+    #: Run stage-worker actors (the Ray pipeline) even for TP·PP = 1.
+    use_ray_pipeline: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def uses_pipeline(self) -> bool:
+        return self.use_ray_pipeline or self.world_size > 1
+
+    def check(self, config: ModelConfig) -> None:
+        """Raise ``ValueError`` if the model cannot be cut this way (the one place that says)."""
+        t, p = self.tensor_parallel_size, self.pipeline_parallel_size
+        if t < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {t}")
+        if p < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {p}")
+        config.check_tensor_parallel(t)
+        if p > config.num_hidden_layers:
+            raise ValueError(f"pipeline_parallel_size={p} exceeds the model's {config.num_hidden_layers} layers")
+
+    def stage_bundles(self, device: str) -> list[dict[str, float]]:
+        """One placement-group bundle per stage, holding that stage's TP ranks (a bundle lives on
+        one node): ``worker_cpus`` CPUs and, on cuda, one GPU per rank."""
+        t = self.tensor_parallel_size
+        bundle: dict[str, float] = {}
+        if self.worker_cpus > 0:
+            bundle["CPU"] = self.worker_cpus * t
+        if device == "cuda":
+            bundle["GPU"] = float(t)
+        return [dict(bundle) for _ in range(self.pipeline_parallel_size)]
+
+
+#: Compiled-graph channel size set in the workers: above the largest activation message, or
+#: Ray resizes the channel (slower) and ``teardown`` hangs (measured, RAY-NOTES).
+DEFAULT_CHANNEL_BUFFER_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class PipelineTimeouts:
+    """The Ray pipeline's waits and its compiled-graph channel size: also the config's
+    ``pipeline:`` section, which pydantic validates against these very fields and bounds
+    (``Annotated``; an unknown key is refused), so each is declared once, here."""
+
+    #: Compiled-graph channel size: above the largest activation message (else Ray resizes it).
+    channel_buffer_bytes: Annotated[int, Ge(1024)] = DEFAULT_CHANNEL_BUFFER_BYTES
+    #: How long the stage workers' placement group may take to be placed.
+    placement_timeout_s: Annotated[float, Gt(0)] = 60.0
+    #: How long the stage workers may take to start (weights loaded).
+    startup_timeout_s: Annotated[float, Gt(0)] = 300.0
+    #: TP rendezvous timeout, also gloo/NCCL's collective timeout (a rank whose peer died).
+    tp_timeout_s: Annotated[float, Gt(0)] = 120.0
+    #: While a plan is overdue by this much, the workers are pinged to tell slow from dead.
+    liveness_interval_s: Annotated[float, Gt(0)] = 1.0
+    ping_timeout_s: Annotated[float, Gt(0)] = 5.0
+    #: A live worker that answers no ping for this long (wedged) fails the pipeline too. Dead
+    #: workers fail it at once; a slow answer on a starved machine must not.
+    unresponsive_s: Annotated[float, Gt(0)] = 60.0
+    #: After a transport error, how long to keep probing for the worker death behind it.
+    diagnose_s: Annotated[float, Ge(0)] = 5.0
+    #: How long tearing the graph and the workers down may take.
+    teardown_timeout_s: Annotated[float, Gt(0)] = 15.0
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One model copy: what runs (``model``), how it is cut (``parallel``), the pipeline's waits."""
+
+    model: ModelSpec
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    timeouts: PipelineTimeouts = field(default_factory=PipelineTimeouts)

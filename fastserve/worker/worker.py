@@ -1,0 +1,175 @@
+"""``StageWorker``: the Ray actor holding one pipeline stage's layers for one tensor-parallel rank.
+
+It owns that slice of the model (only its own weights are loaded), its slice of the KV store
+(local layers × local heads, under the same logical block ids as every other worker) and a
+``StageRunner``, so it executes a plan exactly as the in-process executor does.
+
+``step`` is the compiled-graph method. Its input is ``(plan, hidden)`` — the plan's swap commands
+travel with the activations (paper §4.3, Fig. 10), so there is no separate control call per stage:
+the worker starts the plan's swaps on its own KV, runs its layers (overlapped with the swaps,
+waiting only on swaps touching its blocks), waits for its swaps, and passes ``(plan, hidden)`` on.
+The last stage's TP rank 0 samples and returns the ``StepOutput``; its other ranks return None.
+
+Plain ``.remote()`` calls (``ping``, ``stats``, ``timeline``) run in their own concurrency group,
+concurrently with the graph's thread: they read counters only, never the KV cache, and run no
+collectives. torch is imported inside the actor, so the driver can import this module cheaply.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import ray
+
+from fastserve.worker.messages import BatchPlan, StepOutput
+from fastserve.worker.model.config import ModelConfig
+from fastserve.worker.parallel import TensorParallelGroup, cuda_device_index
+from fastserve.worker.ports import free_port
+from fastserve.worker.spec import ModelSpec
+
+if TYPE_CHECKING:
+    import torch
+
+    from fastserve.worker.stage import StageRunner
+
+#: Concurrency group of the plain calls that must answer while the graph runs a step.
+CONTROL_GROUP = "control"
+#: How many step records a worker keeps for ``timeline`` (a ring: old steps fall off).
+TIMELINE_CAPACITY = 4096
+
+
+class StageInput(NamedTuple):
+    """What flows between stages: the plan (with its swap commands) and the hidden states.
+
+    ``hidden`` is None into the first stage, and whenever the plan has no entries (swaps only).
+    ``timings`` accumulates the stages' phase times so far (summed over stages): the scheduler
+    charges a plan's ``total`` — its execution time summed over the stages it crossed (§4.3).
+    """
+
+    plan: BatchPlan
+    hidden: torch.Tensor | None
+    timings: dict[str, float] | None = None
+
+
+class StepRecord(NamedTuple):
+    """When one worker ran one plan, in ``time.time()`` seconds (comparable within one node)."""
+
+    step_id: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One worker: the model copy's ``ModelSpec`` as it is, the loaded config, and where in the
+    grid this worker sits. Picklable, no torch."""
+
+    model: ModelSpec
+    config: ModelConfig
+    stage_index: int
+    num_stages: int
+    layer_start: int
+    layer_end: int
+    tp_rank: int
+    tp_size: int
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    @property
+    def samples(self) -> bool:
+        """Only one rank of the last stage computes logits and samples."""
+        return self.is_last and self.tp_rank == 0
+
+    @property
+    def name(self) -> str:
+        return f"stage {self.stage_index} tp rank {self.tp_rank}"
+
+
+def _add_timings(upstream: dict[str, float], own: dict[str, float]) -> dict[str, float]:
+    summed = dict(upstream)
+    for phase, seconds in own.items():
+        summed[phase] = summed.get(phase, 0.0) + seconds
+    return summed
+
+
+def _device_index(device: str) -> int:
+    """The CUDA index of the GPU Ray assigned this worker (0 on CPU)."""
+    if device != "cuda":
+        return 0
+    return cuda_device_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def _build_runner(spec: WorkerSpec, tp: TensorParallelGroup) -> StageRunner:
+    from fastserve.worker.executor import build_runner
+    from fastserve.worker.model.shard import StageShard
+
+    shard = StageShard(spec.layer_start, spec.layer_end, spec.config.num_hidden_layers,
+                       spec.tp_rank, spec.tp_size)
+    return build_runner(spec.model, spec.config, shard, all_reduce=tp.all_reduce())
+
+
+@ray.remote(concurrency_groups={CONTROL_GROUP: 1})  # type: ignore[call-overload]
+class StageWorker:
+    """One stage × one TP rank. Create through ``fastserve.worker.pipeline``, which places and wires it."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.tp = TensorParallelGroup(spec.model.device, _device_index(spec.model.device))
+        self.runner = _build_runner(spec, self.tp)
+        self._steps = 0
+        self._timeline: deque[StepRecord] = deque(maxlen=TIMELINE_CAPACITY)
+
+    def tp_address(self) -> tuple[str, int]:
+        """Where this rank (rank 0 of its stage) hosts the TP group's rendezvous."""
+        return ray.util.get_node_ip_address(), free_port()
+
+    def init_tp_group(self, master_addr: str, port: int, world_size: int, rank: int,
+                      timeout_s: float) -> None:
+        """Join this stage's TP group; every rank of the stage must be calling it at once."""
+        if (world_size, rank) != (self.spec.tp_size, self.spec.tp_rank):
+            raise ValueError(f"{self.spec.name} was built as rank {self.spec.tp_rank} of "
+                             f"{self.spec.tp_size}, asked to join as rank {rank} of {world_size}")
+        self.tp.init(master_addr, port, world_size, rank, timeout_s)
+
+    def step(self, msg: StageInput) -> StageInput | StepOutput | None:
+        """Run one plan on this worker (the compiled graph's method; see the module docstring)."""
+        start = time.time()
+        msg = StageInput(*msg)  # a plain (plan, hidden) tuple is accepted too
+        plan, hidden, upstream = msg
+        if not self.tp.initialized:
+            raise RuntimeError(f"{self.spec.name}: step before init_tp_group (tp_size {self.spec.tp_size})")
+        if plan.entries and self.spec.stage_index > 0 and hidden is None:
+            raise ValueError(f"{self.spec.name}: plan {plan.step_id} has {len(plan.entries)} entries "
+                             "but no hidden states came from the previous stage")
+        if hidden is not None and hidden.device != self.runner.device:
+            hidden = hidden.to(self.runner.device)
+        result = self.runner.run(plan, hidden, sample=self.spec.samples)
+        end = time.time()
+        self._steps += 1
+        self._timeline.append(StepRecord(plan.step_id, start, end))
+        summed = _add_timings(upstream or {}, result.timings)
+        if not self.spec.is_last:
+            return StageInput(plan, result.hidden, summed)
+        return StepOutput(plan.step_id, result.tokens, summed, result.logprobs) if self.spec.samples else None
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def ping(self) -> str:
+        return self.spec.name
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def stats(self) -> dict[str, Any]:
+        """Counters only: safe while the graph runs (no KV access, no collectives). The swapped
+        blocks are the KV store's own counts."""
+        kv = self.runner.kv
+        return {"stage": self.spec.stage_index, "tp_rank": self.spec.tp_rank, "steps": self._steps,
+                "swapped_out_blocks": kv.swapped_out_blocks, "swapped_in_blocks": kv.swapped_in_blocks}
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def timeline(self) -> list[StepRecord]:
+        return list(self._timeline)

@@ -1,2 +1,0 @@
-"""The paper's experiments (Figures 1, 8, 11, 14, 15), one module each; run with
-``python -m loadtest.experiments NAME [--sim] [--quick]``. ``common`` holds the shared machinery."""
