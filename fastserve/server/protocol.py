@@ -271,13 +271,15 @@ class CompletionRequest(_GenerationRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    #: A message field we do not use (``name``, ``tool_calls``, ``tool_call_id`` ...) is refused
+    #: with a 400 naming it, never dropped.
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[TextPart] | None = None
 
@@ -297,7 +299,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    #: OpenAI's schema allows null (as false).
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     #: vLLM's chat options (``fastserve.chat_template.ChatOptions``).
     add_generation_prompt: bool = True
@@ -338,7 +341,9 @@ def parse_request(model: type[BaseModel], raw: bytes) -> Any:
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
-        err = exc.errors()[0]
+        errors = exc.errors()
+        # A field we do not support is named as such, whichever union branch pydantic tried first.
+        err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
         if err["type"] == "json_invalid":
             raise bad_request(f"malformed JSON body: {err['msg']}", None, "invalid_json") from None
         loc = _trim_union_branch(err["loc"])
@@ -350,6 +355,8 @@ def parse_request(model: type[BaseModel], raw: bytes) -> Any:
             raise bad_request(f"request body must be a JSON object: {msg}") from None
         if err["type"] == "missing":
             raise bad_request(f"missing required field '{loc}'", loc) from None
+        if err["type"] == "extra_forbidden":
+            raise bad_request(f"unknown field '{loc}': this server does not support it", loc) from None
         raise bad_request(f"invalid value for '{loc}': {msg}", loc) from None
 
 

@@ -81,6 +81,25 @@ def test_unknown_fields_are_refused_and_harmless_ones_listed() -> None:
                    "type": "invalid_request_error", "param": "thinking_budget", "code": None}
 
 
+@pytest.mark.parametrize("message,param", [
+    ({"role": "user", "content": "hi", "name": "ann"}, "messages[0].name"),
+    ({"role": "assistant", "content": None, "tool_calls": []}, "messages[0].tool_calls"),
+    ({"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]},
+     "messages[0].content[0].cache_control"),
+])
+def test_a_message_field_we_do_not_use_is_refused_not_dropped(message: dict[str, Any], param: str) -> None:
+    backend = script()
+    err = post(backend, CHAT, body(True, messages=[message])).json()["error"]
+    assert (err["param"], err["message"]) == (param, f"unknown field '{param}': this server does not support it")
+    assert backend.requests == []
+
+
+def test_chat_logprobs_null_is_false() -> None:
+    backend = script()
+    assert post(backend, CHAT, body(True, logprobs=None)).status_code == 200
+    assert backend.requests[0].sampling.logprobs is None
+
+
 @pytest.mark.parametrize("fields,param,message", [
     ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens",
      "spaces_between_special_tokens=false is not supported (special tokens are decoded as the fast tokenizer does)"),
