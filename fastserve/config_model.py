@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from fastserve.generation_config import CONFIG_FILE, eos_token_ids
+from fastserve.generation_config import CONFIG_FILE, SamplingDefaults, eos_token_ids, sampling_defaults
 from fastserve.kernels.cpu_features import cpu_has_bf16
 from fastserve.tokenizer import Tokenizer, load_tokenizer
 from fastserve.worker.model.config import ModelConfig, load_model_config
@@ -28,6 +28,9 @@ Device = Literal["cpu", "cuda"]
 #: /proc/cpuinfo), float32 on other CPUs (``fastserve.worker.executor.resolve_dtype``).
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 LoadFormat = Literal["dummy", "auto"]
+#: Where a request's omitted sampling values come from (vLLM's ``--generation-config``): ``auto``,
+#: the model folder's ``generation_config.json``; ``vllm``, the OpenAI defaults only.
+GenerationConfigSource = Literal["auto", "vllm"]
 
 
 def resolve_path(path: str | Path) -> Path:
@@ -58,6 +61,7 @@ class ModelArgs(Strict):
     seed: int = Field(default=0, ge=0)
     #: Cap on prompt + generated tokens; None = the model's ``max_position_embeddings``.
     max_model_len: int | None = Field(default=None, ge=1)
+    generation_config: GenerationConfigSource = "auto"
 
     @field_validator("config_path", "tokenizer_path")
     @classmethod
@@ -87,15 +91,24 @@ class ModelArgs(Strict):
         """The model's tokenizer (loaded once per process)."""
         return load_tokenizer(resolve_path(self.tokenizer_path))
 
-    def eos_token_ids(self) -> frozenset[int]:
-        """Every id that ends a job: generation_config.json (in the config or model folder),
-        else config.json's eos_token_id, else the tokenizer's eos_token."""
+    def model_folders(self) -> list[Path]:
+        """Where ``generation_config.json`` may be: the config's folder, then the checkpoint's."""
         config = resolve_path(self.config_path)
         folders = [config] if config.is_dir() else ([config.parent] if config.name == CONFIG_FILE else [])
         if self.model_path and resolve_path(self.model_path).is_dir():
             folders.append(resolve_path(self.model_path))
+        return folders
+
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id that ends a job: generation_config.json (in the config or model folder),
+        else config.json's eos_token_id, else the tokenizer's eos_token."""
+        config = resolve_path(self.config_path)
         config_file = config / CONFIG_FILE if config.is_dir() else config
-        return eos_token_ids(folders, config_file, self.tokenizer().eos_token_id)
+        return eos_token_ids(self.model_folders(), config_file, self.tokenizer().eos_token_id)
+
+    def sampling_defaults(self) -> SamplingDefaults:
+        """The sampling values a request that omits them gets (``generation_config``)."""
+        return sampling_defaults(self.model_folders()) if self.generation_config == "auto" else SamplingDefaults()
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Bytes one KV block of ``block_size`` tokens takes over all layers, in the dtype this

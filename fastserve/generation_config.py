@@ -1,18 +1,24 @@
-"""Which token ids end a job: a model folder's EOS set, read as transformers' ``generate`` reads it.
+"""What a model folder's ``generation_config.json`` says about generating: which ids end a job,
+and the sampling values a request that omits them gets.
 
-This module owns `eos_token_ids`: ``generation_config.json``'s ``eos_token_id`` (an int or a list:
-Llama-3.1 stops on three ids), else ``config.json``'s, else the tokenizer's ``eos_token``. Every id
-of the set stops a job with finish reason ``stop`` (unless the request sets ``ignore_eos``).
+``eos_token_ids``: ``generation_config.json``'s ``eos_token_id`` (an int or a list: Llama-3.1 stops
+on three ids), else ``config.json``'s, else the tokenizer's ``eos_token``. Every id of the set stops
+a job with finish reason ``stop`` (unless the request sets ``ignore_eos``).
+``sampling_defaults``: its ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``
+and ``max_new_tokens``, the values vLLM applies by default (``--generation-config auto``) where a
+request does not set them.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CONFIG_FILE", "GENERATION_CONFIG_FILE", "eos_token_ids", "parse_token_ids"]
+__all__ = ["CONFIG_FILE", "GENERATION_CONFIG_FILE", "SamplingDefaults", "eos_token_ids", "parse_token_ids",
+           "sampling_defaults"]
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 CONFIG_FILE = "config.json"
@@ -51,3 +57,42 @@ def eos_token_ids(folders: Iterable[Path], config_file: Path | None,
         return frozenset({tokenizer_eos})
     raise ValueError(f"no {_KEY} in {GENERATION_CONFIG_FILE} of {[str(f) for f in folders]}, "
                      f"in {config_file}, nor an eos_token in the tokenizer")
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """A model's own sampling values; None where it sets none (the OpenAI default applies)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = None
+
+
+#: generation_config.json's keys, by the field of ``SamplingDefaults`` each sets.
+_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                  "repetition_penalty": "repetition_penalty", "max_tokens": "max_new_tokens"}
+
+
+def sampling_defaults(folders: Iterable[Path]) -> SamplingDefaults:
+    """The first ``generation_config.json`` in ``folders``: its sampling values (every key it
+    writes, as vLLM reads them); none when no folder has the file. A value of the wrong type is a
+    ValueError naming the file and the key."""
+    for folder in folders:
+        path = folder / GENERATION_CONFIG_FILE
+        if not path.is_file():
+            continue
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        values: dict[str, Any] = {}
+        for field, key in _SAMPLING_KEYS.items():
+            value = raw.get(key) if isinstance(raw, dict) else None
+            if value is None:
+                continue
+            integral = field in ("top_k", "max_tokens")
+            if isinstance(value, bool) or not isinstance(value, int if integral else int | float):
+                raise ValueError(f"{path}: {key} must be {'an integer' if integral else 'a number'}, got {value!r}")
+            values[field] = value if integral else float(value)
+        return SamplingDefaults(**values)
+    return SamplingDefaults()

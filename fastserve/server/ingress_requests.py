@@ -9,6 +9,8 @@ generation side, ``fastserve.server.ingress.OpenAIServer``, extends it. Imports 
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import secrets
 import uuid
 from dataclasses import dataclass, field, replace
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from fastserve.chat_template import ChatTemplateError
 from fastserve.config import AppArgs
 from fastserve.errors import ErrorCode, RequestError, validate_request
+from fastserve.generation_config import SamplingDefaults
 from fastserve.scheduler.job import JobRequest
 from fastserve.server.choices import choice_job_id, choice_sampling
 from fastserve.server.protocol import (
@@ -30,6 +33,8 @@ from fastserve.server.protocol_output import now_s
 from fastserve.server.request_limits import RequestLimits
 from fastserve.tokenizer import Tokenizer
 from fastserve.worker.messages import SamplingParams
+
+log = logging.getLogger(__name__)
 
 #: How a refusal's message reads to the client, by its code (default: the message as is).
 REFUSAL_MESSAGES = {ErrorCode.ADMISSION_QUEUE_FULL: "server busy: {}; retry later",
@@ -48,6 +53,8 @@ class ServerContext:
     retry_after_s: int = 1
     limits: RequestLimits = field(default_factory=lambda: RequestLimits())
     allow_reset_prefix_cache: bool = False
+    #: The model's own sampling values for fields a request omits (``generation_config.json``).
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     created: int = field(default_factory=now_s)
 
     @classmethod
@@ -59,7 +66,16 @@ class ServerContext:
                                srv.health_timeout_s, srv.max_choices)
         return cls(args.model.name, tokenizer, args.model.hf_config().vocab_size,
                    args.model.context_len(), srv.resolved_api_key(), srv.retry_after_s, limits,
-                   allow_reset_prefix_cache=srv.allow_reset_prefix_cache)
+                   allow_reset_prefix_cache=srv.allow_reset_prefix_cache,
+                   sampling_defaults=_logged(args.model.sampling_defaults()))
+
+
+def _logged(defaults: SamplingDefaults) -> SamplingDefaults:
+    """Say at start which of the model's sampling values replace OpenAI's defaults (as vLLM does)."""
+    given = {k: v for k, v in dataclasses.asdict(defaults).items() if v is not None}
+    if given:
+        log.info("requests that omit them sample with the model's generation_config.json values: %s", given)
+    return defaults
 
 
 def bad_words_ids(tokenizer: Tokenizer, words: list[str]) -> tuple[tuple[int, ...], ...]:
@@ -120,7 +136,7 @@ class RequestPreparer:
         ids = (self.ctx.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
                if isinstance(req.prompt, str) else list(req.prompt))
         ids = req.truncated(ids, self.ctx.context_len)
-        sampling = req.to_sampling(DEFAULT_COMPLETION_MAX_TOKENS)
+        sampling = req.to_sampling(DEFAULT_COMPLETION_MAX_TOKENS, self.ctx.sampling_defaults)
         return self._prepared(req, f"cmpl-{uuid.uuid4().hex}", ids, sampling, False)
 
     def prepare_chat(self, raw: bytes) -> Prepared:
@@ -137,7 +153,7 @@ class RequestPreparer:
             raise bad_request(
                 f"messages of {len(ids)} tokens leave no room to generate within the model's "
                 f"context of {self.ctx.context_len} tokens", "messages", "context_length_exceeded")
-        sampling = req.to_sampling(room)
+        sampling = req.to_sampling(room, self.ctx.sampling_defaults)
         return self._prepared(req, f"chatcmpl-{uuid.uuid4().hex}", ids, sampling, True)
 
     def _check_request(self, req: CompletionRequest | ChatCompletionRequest) -> None:

@@ -30,6 +30,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from fastserve.chat_template import ChatOptions
+from fastserve.generation_config import SamplingDefaults
 from fastserve.server.request_fields import refused_field
 from fastserve.worker.messages import SamplingParams
 
@@ -37,6 +38,8 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's legacy completions default
 #: Temperatures below this are greedy (as vLLM): dividing logits by ~0 would overflow softmax.
 GREEDY_BELOW_TEMPERATURE = 1e-5
 INVALID_REQUEST = "invalid_request_error"
+#: A model folder without sampling defaults: OpenAI's apply.
+NO_MODEL_DEFAULTS = SamplingDefaults()
 #: OpenAI's limit on ``top_logprobs`` (chat) and what vLLM allows by default (``max_logprobs``).
 MAX_LOGPROBS = 20
 #: OpenAI's range for ``presence_penalty`` and ``frequency_penalty``.
@@ -188,17 +191,21 @@ class _GenerationRequest(BaseModel):
             if not s:
                 raise bad_request("stop strings must be non-empty", "stop")
 
-    def to_sampling(self, default_max_tokens: int) -> SamplingParams:
-        """``SamplingParams`` with every value range-checked; errors name the field."""
+    def to_sampling(self, default_max_tokens: int, model: SamplingDefaults = NO_MODEL_DEFAULTS) -> SamplingParams:
+        """``SamplingParams`` with every value range-checked; errors name the field. A value the
+        request omits is the model's (``generation_config.json``), else OpenAI's default."""
         self.check_unsupported()
+        if model.max_tokens is not None:
+            default_max_tokens = min(default_max_tokens, model.max_tokens)
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
-        temperature = 1.0 if self.temperature is None else self.temperature
-        top_p = 1.0 if self.top_p is None else self.top_p
-        top_k = 0 if self.top_k is None or self.top_k == -1 else self.top_k
-        min_p = 0.0 if self.min_p is None else self.min_p
+        temperature = _first(self.temperature, model.temperature, 1.0)
+        top_p = _first(self.top_p, model.top_p, 1.0)
+        top_k = int(_first(self.top_k, model.top_k, 0))
+        top_k = 0 if top_k == -1 else top_k
+        min_p = _first(self.min_p, model.min_p, 0.0)
         presence = 0.0 if self.presence_penalty is None else self.presence_penalty
         frequency = 0.0 if self.frequency_penalty is None else self.frequency_penalty
-        repetition = 1.0 if self.repetition_penalty is None else self.repetition_penalty
+        repetition = _first(self.repetition_penalty, model.repetition_penalty, 1.0)
         if max_tokens < 1:
             raise bad_request(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
         if not temperature >= 0.0:
@@ -329,11 +336,16 @@ class ChatCompletionRequest(_GenerationRequest):
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise bad_request("set max_tokens or max_completion_tokens, not both", "max_completion_tokens")
 
-    def to_sampling(self, default_max_tokens: int) -> SamplingParams:
+    def to_sampling(self, default_max_tokens: int, model: SamplingDefaults = NO_MODEL_DEFAULTS) -> SamplingParams:
         if self.max_completion_tokens is not None:
             return self.model_copy(update={"max_tokens": self.max_completion_tokens,
-                                           "max_completion_tokens": None}).to_sampling(default_max_tokens)
-        return super().to_sampling(default_max_tokens)
+                                           "max_completion_tokens": None}).to_sampling(default_max_tokens, model)
+        return super().to_sampling(default_max_tokens, model)
+
+
+def _first(request: float | None, model: float | None, openai: float) -> float:
+    """The request's value, else the model's default, else OpenAI's."""
+    return request if request is not None else model if model is not None else openai
 
 
 def parse_request(model: type[BaseModel], raw: bytes) -> Any:
