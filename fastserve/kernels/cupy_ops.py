@@ -395,3 +395,53 @@ def paged_attention_v1(
     kernel = _kernel_name("paged_attention", query.dtype)
     _launch(PAGED_ATTENTION_SOURCE, kernel, query.device, (num_heads, num_seqs), (PAGED_ATTENTION_THREADS,), args)
     return out
+
+
+GATHER_KV_SOURCE = "gather_kv.cu"
+# TOKENS_PER_BLOCK in gather_kv.cu.
+GATHER_KV_TOKENS_PER_BLOCK = 16
+GATHER_KV_THREADS = 128
+# Word widths gather_kv.cu is instantiated for, widest first.
+GATHER_KV_WORDS = ((16, "w16"), (4, "w4"), (2, "w2"))
+
+
+def gather_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_k: torch.Tensor,
+    total: int,
+    max_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's first ``cu_k[b+1] - cu_k[b]`` positions, read from the paged caches through
+    ``block_tables`` (int32 [B, >= blocks], row-strided), packed into ``[total, KV, D]`` keys and
+    values at rows ``cu_k[b] ..`` (one launch for all sequences; ``max_k``, the longest, sizes the
+    grid). Bit-exact."""
+    _require_cache_layout(key_cache, "key_cache")
+    _require_cache_layout(value_cache, "value_cache")
+    device = key_cache.device
+    _, block_size, num_heads, head_dim = key_cache.shape
+    packed_k = torch.empty((total, num_heads, head_dim), dtype=key_cache.dtype, device=device)
+    packed_v = torch.empty_like(packed_k)
+    num_seqs = cu_k.numel() - 1
+    if total == 0 or num_seqs <= 0:
+        return packed_k, packed_v
+    for cache in (key_cache, value_cache):
+        if cache.stride(2) != head_dim:
+            raise ValueError(f"gather_kv: a position's heads must be contiguous, strides {cache.stride()}")
+    size = key_cache.element_size()
+    row_bytes = num_heads * head_dim * size
+    strides = [s * size for c in (key_cache, value_cache) for s in (c.stride(0), c.stride(1))]
+    pointers = (key_cache.data_ptr(), value_cache.data_ptr(), packed_k.data_ptr(), packed_v.data_ptr())
+    word, suffix = next((w, n) for w, n in GATHER_KV_WORDS
+                        if all(x % w == 0 for x in (row_bytes, *strides, *pointers)))
+    tables = block_tables.to(device=device, dtype=torch.int32)
+    if tables.stride(1) != 1 and tables.shape[1] > 1:
+        tables = tables.contiguous()
+    cu = cu_k.to(device=device, dtype=torch.int32).contiguous()
+    args = (_ptr(packed_k), _ptr(packed_v), _ptr(key_cache), _ptr(value_cache), _ptr(tables), _ptr(cu),
+            np.int32(block_size), np.int32(row_bytes // word), np.int64(tables.stride(0)),
+            *(np.int64(s // word) for s in strides))
+    grid = (-(-max_k // GATHER_KV_TOKENS_PER_BLOCK), num_seqs)
+    _launch(GATHER_KV_SOURCE, f"gather_kv_{suffix}", device, grid, (GATHER_KV_THREADS,), args)
+    return packed_k, packed_v

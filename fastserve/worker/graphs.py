@@ -108,6 +108,7 @@ class DecodeGraphs:
         self._flat = torch.zeros(self.packing.nbytes, dtype=torch.uint8, device=self.device)
         self._inputs = self.packing.views(self._flat)
         self._staging = StepBuffers(self.device)
+        self._staging.reserve(self.packing.nbytes)
         self._first = bool(model.shard.is_first)
         dtype = cache.dtype
         self._hidden_in = None if self._first else torch.zeros(top, hidden_size, dtype=dtype, device=self.device)

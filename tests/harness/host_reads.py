@@ -51,12 +51,15 @@ def _to_target(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device | 
 
 class HostReads(TorchFunctionMode):
     """Counts the calls that make the host wait on a transfer: ``reads`` (device → host) and
-    ``writes`` (host → device); ``count`` is both, ``names`` says which calls."""
+    ``writes`` (host → device); ``count`` is both, ``names`` says which calls. With
+    ``device_only`` a value read of a CPU tensor (staging memory the step fills itself) is not a
+    read; without it every one counts, which lets a CPU test stand in for a GPU."""
 
     READS = frozenset({"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "numpy", "cpu"})
 
-    def __init__(self) -> None:
+    def __init__(self, device_only: bool = False) -> None:
         super().__init__()
+        self.device_only = device_only
         self.reads = 0
         self.writes = 0
         self.names: list[str] = []
@@ -69,7 +72,8 @@ class HostReads(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if name in self.READS:
-            self._read(name)
+            if not (self.device_only and args and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu"):
+                self._read(name)
         elif name in FACTORIES and _on_device(_device_of(kwargs.get("device"))):
             self._write(f"{name}(device=...)")
         elif name in ("to", "cuda") and args and isinstance(args[0], torch.Tensor):
@@ -98,12 +102,10 @@ class HostReads(TorchFunctionMode):
             self._read(f"{name}(device->host)")
 
     def _copied(self, dst: torch.Tensor, src: torch.Tensor, blocking: bool) -> None:
-        if src.device.type == "cpu" and _on_device(dst.device):
-            if blocking or not src.is_pinned():
-                self._write("copy_(host->device)")
-        elif _on_device(src.device) and dst.device.type == "cpu":
-            if blocking or not dst.is_pinned():
-                self._read("copy_(device->host)")
+        if src.device.type == "cpu" and _on_device(dst.device) and (blocking or not src.is_pinned()):
+            self._write("copy_(host->device)")
+        elif _on_device(src.device) and dst.device.type == "cpu" and (blocking or not dst.is_pinned()):
+            self._read("copy_(device->host)")
 
 
 def host_reads(fn: Callable[[], Any]) -> int:

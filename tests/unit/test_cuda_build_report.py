@@ -28,9 +28,14 @@ MAX_REGISTERS_PER_THREAD = 255
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 
 
-#: The entry points of each source (one per dtype the dispatcher launches, for each base name).
-KERNELS = {"paged_attention.cu": ("paged_attention",), "write_kv.cu": ("write_kv",),
-           "paged_attention_v2.cu": ("paged_attention_v2", "paged_attention_reduce")}
+SUFFIXES = tuple(kernels.CUDA_KERNEL_SUFFIX.values())
+#: The entry points of each source: one per dtype the dispatcher launches for each base name, or
+#: (gather_kv.cu, a bit-exact copy) one per word width.
+KERNELS = {"paged_attention.cu": {f"paged_attention_{s}" for s in SUFFIXES},
+           "write_kv.cu": {f"write_kv_{s}" for s in SUFFIXES},
+           "paged_attention_v2.cu": {f"{b}_{s}" for b in ("paged_attention_v2", "paged_attention_reduce")
+                                     for s in SUFFIXES},
+           "gather_kv.cu": {"gather_kv_w16", "gather_kv_w4", "gather_kv_w2"}}
 #: paged_attention_v2.cu is compiled per (head dim, query-head tile): beside its defaults, the
 #: widest tiles (registers) and a single-head tile (OPT).
 V2_VARIANTS = [("-DPA_HEAD_DIM=128", "-DPA_GROUP=8"), ("-DPA_HEAD_DIM=256", "-DPA_GROUP=8"),
@@ -76,8 +81,7 @@ def test_paged_attention_v2_variants_build_without_spills(options: tuple[str, ..
 
 
 def check_report(report: dict[str, tuple[int, int, int, int]], source: str, arch: str) -> None:
-    # one entry per dtype the dispatcher launches
-    assert set(report) == {f"{base}_{s}" for base in KERNELS[source] for s in kernels.CUDA_KERNEL_SUFFIX.values()}
+    assert set(report) == KERNELS[source]
     for name, (registers, frame, stores, loads) in report.items():
         print(f"{arch} {name}: {registers} registers, {frame} B stack, {stores}/{loads} B spill stores/loads")
         assert (stores, loads) == (0, 0), f"{name} spills on {arch}"

@@ -230,6 +230,12 @@ class StepBuffers:
         # Elsewhere (tests on the CPU) the same packing runs with plain memory and no events.
         self._on_cuda = self.device.type == "cuda"
 
+    def reserve(self, nbytes: int) -> None:
+        """Every host slot at least ``nbytes`` now (page-locking memory is slow: not mid-step)."""
+        for slot in range(STAGING_SLOTS):
+            if self._host[slot].numel() < nbytes:
+                self._host[slot] = torch.empty(_grown(nbytes), dtype=torch.uint8, pin_memory=self._on_cuda)
+
     def stage(self, nbytes: int) -> tuple[torch.Tensor, int]:
         """A host slot of at least ``nbytes`` free to fill, and its index."""
         slot = self._turn
