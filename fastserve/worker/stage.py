@@ -3,7 +3,11 @@
 Shared by the in-process executor and the Ray stage workers, so both execute a plan the same way:
 swaps are issued first and overlap the forward; the forward waits only on swaps that touch its
 own blocks (the reactive case); the step returns after every swap it issued has completed, which
-is what lets the control plane treat a plan's output as "its swaps are settled".
+is what lets the control plane treat a plan's output as "its swaps are settled" — on CPU. On a GPU
+the swaps are tracked across steps instead (``KVStore.settles_lazily``): each one by its copy's
+event, on one stream per direction; a step returns without waiting for them, and a later step
+that reads or writes their blocks has its compute stream wait for the copy (``KVStore.wait_for``),
+so a swap-in longer than the forward no longer stretches the step that issued it.
 
 On a GPU a step does not wait for the device until its very end: the batch's index tensors go
 over in one non-blocking copy from page-locked staging (``StepBuffers``); a decode step replays a
@@ -39,6 +43,9 @@ class StageOutput:
     hidden: torch.Tensor | None
     timings: dict[str, float]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    #: Jobs whose swap-in was still copying when the step returned (GPU only; empty on CPU, where
+    #: a step settles its swaps): runnable once their copy completes (``KVStore.swaps_in_flight``).
+    swaps_in_flight: frozenset[str] = frozenset()
 
 
 def plain_greedy(entry: BatchEntry) -> bool:
@@ -109,7 +116,8 @@ class StageRunner:
             tokens = pending.resolve()
             timings["sample"] = timings.get("sample", 0.0) + time.perf_counter() - wait
         timings["total"] = time.perf_counter() - start
-        return StageOutput(tokens, out, timings, logprobs)
+        in_flight = self.kv.swaps_in_flight() if self.kv.settles_lazily else frozenset()
+        return StageOutput(tokens, out, timings, logprobs, in_flight)
 
     def begin_swaps(self, plan: BatchPlan) -> list[SwapHandle]:
         return [self.kv.swap(cmd) for cmd in (*plan.swap_out, *plan.swap_in)]
@@ -214,9 +222,10 @@ class StageRunner:
         return PendingTokens(job_ids, host, event)
     def finish_swaps(self, handles: list[SwapHandle], timings: dict[str, float]) -> None:
         start = time.perf_counter()
-        for h in handles:
-            h.wait()
-        self.kv.wait_all()
+        if not self.kv.settles_lazily:
+            for h in handles:
+                h.wait()
+            self.kv.wait_all()
         timings["swap_tail"] = timings.get("swap_tail", 0.0) + time.perf_counter() - start
         # On a GPU the forward's swap wait was a stall of the compute stream: read now, after the
         # step (its sampling already synced the host with that stream on the last stage; a stall

@@ -253,6 +253,32 @@ def test_a_two_stage_split_on_one_gpu_equals_the_whole_model() -> None:
             r.kv.close()
 
 
+def test_a_swap_in_longer_than_the_forward_does_not_stretch_its_step() -> None:
+    """A step that issues a swap-in for a job outside its batch returns while the copy is held up
+    (one stream per direction, tracked by its event), and reports the job as still in flight: had
+    the step waited for its swaps, the copy would have completed before it returned."""
+    from fastserve.worker.messages import SwapCommand
+
+    runner = random_runner(TINY_LLAMA, torch.bfloat16)
+    try:
+        plan = prompts_plan(2, 20)
+        tokens = runner.run(plan, None, sample=True).tokens
+        plan = decode_plan(plan, tokens, 1)
+        runner.run(plan, None, sample=True)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(runner.kv._streams["in"]):
+            torch.cuda._sleep(400_000_000)   # hold the swap-in stream (~0.2-0.4 s)
+        far = (DEVICE_BLOCKS - 2, DEVICE_BLOCKS - 1)   # blocks no entry of the batch uses
+        swap_in = (SwapCommand("in", "x", (0, 1), far),)
+        out = runner.run(BatchPlan(2, decode_plan(plan, tokens, 2).entries, (), swap_in), None, sample=True)
+        assert out.swaps_in_flight == {"x"}
+        assert set(out.tokens) == {"0", "1"}
+        torch.cuda.synchronize()
+        assert runner.kv.swaps_in_flight() == frozenset()
+    finally:
+        runner.kv.close()
+
+
 # ---------------------------------------------------------------- OPT against transformers
 
 
