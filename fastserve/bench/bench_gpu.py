@@ -202,6 +202,11 @@ def _attention_kernels(s: Shapes) -> dict[str, Callable[..., torch.Tensor]]:
     return {"v1": cupy_ops.paged_attention_v1, "v2": cupy_ops.paged_attention_v2}
 
 
+def _attention_call(fn: Callable[..., torch.Tensor], query: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor,
+                    lens: torch.Tensor, scale: float) -> Callable[[], torch.Tensor]:
+    return lambda: fn(query, cache[:, 0], cache[:, 1], tables, lens, scale)
+
+
 def attention(s: Shapes, copy_gbps: float) -> list[dict[str, Any]]:
     cfg = s.model
     heads, kv_heads, dim = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
@@ -219,8 +224,7 @@ def attention(s: Shapes, copy_gbps: float) -> list[dict[str, Any]]:
             kv_bytes = batch * context * kv_heads * dim * 2 * cache.element_size()
             row: dict[str, Any] = {"batch": batch, "context": context}
             for name, fn in impls.items():
-                seconds = timed(lambda f=fn, c=cache, q=query, t=tables, n=lens: f(
-                    q, c[:, 0], c[:, 1], t, n, dim ** -0.5), s)
+                seconds = timed(_attention_call(fn, query, cache, tables, lens, dim ** -0.5), s)
                 gbps = kv_bytes / seconds / GB
                 row |= {f"{name}_us": round(seconds * 1e6, 1), f"{name}_of_copy": round(gbps / copy_gbps, 3)}
             row["v2_speedup"] = round(row["v1_us"] / row["v2_us"], 2)
@@ -479,12 +483,11 @@ def host_register(s: Shapes) -> dict[str, Any]:
 
 
 def run_part(part: str, s: Shapes, results: dict[str, Any]) -> Any:
-    copy = (results.get("ceilings") or {}).get("copy_GBps")
     if part == "ceilings":
         return ceilings(s)
-    if part in ("attention", "engine", "swaps") and copy is None:
+    if part in ("attention", "engine", "swaps") and "copy_GBps" not in (results.get("ceilings") or {}):
         results["ceilings"] = ceilings(s)
-        copy = results["ceilings"]["copy_GBps"]
+    copy = float(results["ceilings"]["copy_GBps"]) if "ceilings" in results else 0.0
     if part == "attention":
         return attention(s, copy)
     if part == "swaps":
@@ -601,10 +604,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--report", type=Path, help="print the table and JSON of the parts in this folder")
     args = parser.parse_args(argv)
     if args.report is not None:
-        results = load_results(args.report)
-        report(results)
-        print(json.dumps(results))
-        return results
+        found = load_results(args.report)
+        report(found)
+        print(json.dumps(found))
+        return found
     s = SMOKE if args.smoke else GPU
     if s.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device: run with --smoke for the CPU rehearsal")

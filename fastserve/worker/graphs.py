@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -113,7 +114,7 @@ class DecodeGraphs:
         dtype = cache.dtype
         self._hidden_in = None if self._first else torch.zeros(top, hidden_size, dtype=dtype, device=self.device)
         self._graphs: dict[int, _Captured] = {}
-        self._pool: tuple[int, int] | None = None
+        self._pool: Any = None   # the graphs' shared memory pool (torch's handle)
 
     def fits(self, host: HostBatch, hidden: torch.Tensor | None) -> bool:
         """Whether this step can replay a graph: decodes only, within the largest bucket and the

@@ -150,7 +150,7 @@ class StageRunner:
         # A later stage's input leaves the step: the next replay must not overwrite it.
         out = result.hidden if self.graphs.samples else result.hidden.clone()
         timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - start
-        if not sample or result.logits is None or result.greedy is None:
+        if not sample or result.logits is None or result.greedy_full is None:
             return out, None, {}, {}
         start = time.perf_counter()
         entries = plan.entries

@@ -187,8 +187,11 @@ def generate(runners: list[StageRunner], n: int, prompt_len: int, steps: int) ->
 
 
 def test_gpu_linears_are_fused_into_one_gemm_each() -> None:
+    from fastserve.worker.model.llama import DecoderLayer
+
     runner = random_runner(TINY_LLAMA, torch.bfloat16)
     layer = runner.model.layers[0]
+    assert isinstance(layer, DecoderLayer)
     qkv, gate_up = layer.self_attn.qkv, layer.mlp.gate_up
     for merged in (qkv, gate_up):
         assert merged._fused is not None

@@ -13,6 +13,10 @@
 
 constexpr int TOKENS_PER_BLOCK = 16;
 
+struct alignas(16) Vec16 {   // own type rather than CUDA's uint4: nothing depends on NVRTC's builtins
+    unsigned int x, y, z, w;
+};
+
 template <typename W>
 __device__ void gather_kv_impl(
     W* __restrict__ packed_k,            // [total, row_words]
@@ -62,6 +66,6 @@ __device__ void gather_kv_impl(
                           v_block_stride, v_token_stride);                                         \
     }
 
-DEFINE_GATHER_KV(w16, uint4)
+DEFINE_GATHER_KV(w16, Vec16)
 DEFINE_GATHER_KV(w4, unsigned int)
 DEFINE_GATHER_KV(w2, unsigned short)

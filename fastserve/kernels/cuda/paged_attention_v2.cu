@@ -53,6 +53,16 @@ constexpr unsigned int BF16_SHIFT = 16;
 constexpr unsigned int BF16_ROUND_BIAS = 0x7fffu;
 constexpr unsigned int HIGH_HALF_MASK = 0xffff0000u;
 
+// Own 16-byte and pair types rather than CUDA's uint4/int2: nothing here depends on what NVRTC
+// pre-declares.
+struct alignas(16) Vec16 {
+    unsigned int x, y, z, w;
+};
+struct Row {   // where a position lives: block id, offset in the block
+    int block;
+    int offset;
+};
+
 struct f16_t {
     unsigned short bits;
 };
@@ -105,7 +115,7 @@ struct Vec {
     static constexpr int N = VEC_BYTES / sizeof(T);
 };
 
-__device__ __forceinline__ void unpack(const uint4& raw, float (&out)[4]) {
+__device__ __forceinline__ void unpack(const Vec16& raw, float (&out)[4]) {
     out[0] = __uint_as_float(raw.x);
     out[1] = __uint_as_float(raw.y);
     out[2] = __uint_as_float(raw.z);
@@ -125,13 +135,13 @@ __device__ __forceinline__ void unpack_f16_pair(unsigned int w, float& lo, float
 }
 
 template <typename T>
-__device__ __forceinline__ void unpack_vec(const uint4& raw, float (&out)[Vec<T>::N]);
+__device__ __forceinline__ void unpack_vec(const Vec16& raw, float (&out)[Vec<T>::N]);
 
 template <>
-__device__ __forceinline__ void unpack_vec<float>(const uint4& raw, float (&out)[4]) { unpack(raw, out); }
+__device__ __forceinline__ void unpack_vec<float>(const Vec16& raw, float (&out)[4]) { unpack(raw, out); }
 
 template <>
-__device__ __forceinline__ void unpack_vec<bf16_t>(const uint4& raw, float (&out)[8]) {
+__device__ __forceinline__ void unpack_vec<bf16_t>(const Vec16& raw, float (&out)[8]) {
     unpack_bf16_pair(raw.x, out[0], out[1]);
     unpack_bf16_pair(raw.y, out[2], out[3]);
     unpack_bf16_pair(raw.z, out[4], out[5]);
@@ -139,15 +149,19 @@ __device__ __forceinline__ void unpack_vec<bf16_t>(const uint4& raw, float (&out
 }
 
 template <>
-__device__ __forceinline__ void unpack_vec<f16_t>(const uint4& raw, float (&out)[8]) {
+__device__ __forceinline__ void unpack_vec<f16_t>(const Vec16& raw, float (&out)[8]) {
     unpack_f16_pair(raw.x, out[0], out[1]);
     unpack_f16_pair(raw.y, out[2], out[3]);
     unpack_f16_pair(raw.z, out[4], out[5]);
     unpack_f16_pair(raw.w, out[6], out[7]);
 }
 
-__device__ __forceinline__ uint4 load16(const void* p) {
-    return __ldg(reinterpret_cast<const uint4*>(p));
+// The caches are read-only for the kernel's lifetime: the non-coherent (read-only) path.
+__device__ __forceinline__ Vec16 load16(const void* p) {
+    Vec16 v;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
 }
 
 __device__ __forceinline__ float warp_max(float x) {
@@ -226,7 +240,7 @@ __device__ void paged_attention_v2_impl(
     const float neg_inf = __uint_as_float(NEG_INF_BITS);
 
     __shared__ float scores[GROUP][PARTITION];
-    __shared__ int2 rows[PARTITION];
+    __shared__ Row rows[PARTITION];
     __shared__ float run_max[GROUP];
     __shared__ float run_sum[GROUP];
     __shared__ float correction[GROUP];
@@ -264,23 +278,23 @@ __device__ void paged_attention_v2_impl(
         const int n = min(PARTITION, context_len - start);
         for (int i = threadIdx.x; i < n; i += NUM_THREADS) {
             const int pos = start + i;
-            rows[i] = make_int2(table[pos / block_size], pos % block_size);
+            rows[i] = Row{table[pos / block_size], pos % block_size};
         }
         __syncthreads();
 
         // Scores: q . k for every row of the partition and every head of the tile.
         for (int base = 0; base < n; base += STEP * UNROLL) {
-            uint4 k_raw[UNROLL][CPL];
+            Vec16 k_raw[UNROLL][CPL];
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 const int t = base + u * STEP + warp * NT + slot;
-                const int2 r = rows[t < n ? t : 0];
-                const T* k_ptr = key_cache + r.x * k_block_stride + r.y * k_token_stride + k_head_off;
+                const Row r = rows[t < n ? t : 0];
+                const T* k_ptr = key_cache + r.block * k_block_stride + r.offset * k_token_stride + k_head_off;
 #pragma unroll
                 for (int c = 0; c < CPL; ++c) {
                     const int chunk = tl + c * TG;
                     k_raw[u][c] = (t < n && chunk < G::CHUNKS) ? load16(k_ptr + chunk * VEC)
-                                                                : make_uint4(0u, 0u, 0u, 0u);
+                                                                : Vec16{0u, 0u, 0u, 0u};
                 }
             }
 #pragma unroll
@@ -351,17 +365,17 @@ __device__ void paged_attention_v2_impl(
 
         // Values: acc += p * v over the partition's rows.
         for (int base = 0; base < n; base += STEP * UNROLL) {
-            uint4 v_raw[UNROLL][CPL];
+            Vec16 v_raw[UNROLL][CPL];
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 const int t = base + u * STEP + warp * NT + slot;
-                const int2 r = rows[t < n ? t : 0];
-                const T* v_ptr = value_cache + r.x * v_block_stride + r.y * v_token_stride + v_head_off;
+                const Row r = rows[t < n ? t : 0];
+                const T* v_ptr = value_cache + r.block * v_block_stride + r.offset * v_token_stride + v_head_off;
 #pragma unroll
                 for (int c = 0; c < CPL; ++c) {
                     const int chunk = tl + c * TG;
                     v_raw[u][c] = (t < n && chunk < G::CHUNKS) ? load16(v_ptr + chunk * VEC)
-                                                                : make_uint4(0u, 0u, 0u, 0u);
+                                                                : Vec16{0u, 0u, 0u, 0u};
                 }
             }
 #pragma unroll

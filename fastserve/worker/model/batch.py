@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -187,7 +188,7 @@ def _aligned(nbytes: int) -> int:
 class Packing:
     """Byte offsets of named arrays in one flat buffer, in order; each start aligned."""
 
-    def __init__(self, fields: Sequence[tuple[str, np.dtype, tuple[int, ...]]]) -> None:
+    def __init__(self, fields: Sequence[tuple[str, Any, tuple[int, ...]]]) -> None:
         self.fields: dict[str, tuple[int, np.dtype, tuple[int, ...]]] = {}
         offset = 0
         for name, dtype, shape in fields:
