@@ -169,7 +169,8 @@ class AppArgs(Strict):
         m, kv = self.model, self.kv_cache
         model = ModelSpec(resolve_path(m.config_path), kv.num_device_blocks, kv.num_host_blocks,
                           kv.block_size, m.dtype, m.device, m.seed, m.load_format, m.model_path,
-                          self.parallel.torch_threads)
+                          self.parallel.torch_threads, m.cuda_graphs, m.cuda_graph_max_batch,
+                          m.cuda_graph_max_context)
         return EngineSpec(model, self.parallel.spec(), self.pipeline)
 
     # ---- derived deployment settings ------------------------------------------------------

@@ -62,6 +62,12 @@ class ModelArgs(Strict):
     #: Cap on prompt + generated tokens; None = the model's ``max_position_embeddings``.
     max_model_len: int | None = Field(default=None, ge=1)
     generation_config: GenerationConfigSource = "auto"
+    #: On ``device: cuda``, decode steps replay CUDA graphs (one per batch-size bucket, vLLM's
+    #: capture sizes up to ``cuda_graph_max_batch``; contexts up to ``cuda_graph_max_context``,
+    #: vLLM's ``max_seq_len_to_capture``); larger steps and every CPU step run eagerly.
+    cuda_graphs: bool = True
+    cuda_graph_max_batch: int = Field(default=256, ge=1)
+    cuda_graph_max_context: int = Field(default=8192, ge=1)
 
     @field_validator("config_path", "tokenizer_path")
     @classmethod

@@ -24,6 +24,10 @@ Which implementation runs:
   ``paged_attention_backend(query, key_cache)`` says which.
 * ``prefill_attention`` always uses torch's ``scaled_dot_product_attention`` (flash/efficient
   kernels on CUDA), one call per sequence.
+* ``varlen_prefill_attention`` (what the model calls on a GPU where ``varlen_prefill_supported``:
+  fp16/bf16 CUDA tensors, the CuPy kernels usable, torch's varlen flash kernel present) is one
+  FlashAttention-2 varlen call per layer over every prompt and chunk, a chunk's cached prefix
+  gathered from the paged cache in one CuPy launch (``fastserve.kernels.varlen``).
 * ``context_prefill_attention`` (chunked prefill: chunks that continue a cached prefix; start 0
   is a whole prompt) on a bf16 CPU query and cache runs the C kernel in
   ``fastserve/kernels/cpu/prefill_attention_bf16.c`` (``fastserve.kernels.cpu_prefill``; flash-style, reading every
@@ -79,6 +83,8 @@ __all__ = [
     "paged_attention_backend",
     "prefill_attention",
     "prefill_reads_cache",
+    "varlen_prefill_attention",
+    "varlen_prefill_supported",
     "rms_norm",
     "rotate",
     "silu_mul",
@@ -293,6 +299,41 @@ def prefill_reads_cache(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     from fastserve.kernels import cpu_prefill
 
     return cpu_prefill.supports(query, key_cache)
+
+
+def varlen_prefill_supported(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether ``varlen_prefill_attention`` runs here (see the module docstring)."""
+    if backend_for(key_cache) != CUDA_BACKEND:
+        return False
+    from fastserve.kernels import varlen
+
+    return varlen.supports(query, key_cache)
+
+
+def varlen_prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    start_positions: Sequence[int],
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``context_prefill_attention`` as one varlen flash call (GPU only: ``varlen_prefill_supported``).
+
+    ``cu_q``/``cu_k``: int32 device ``[B + 1]`` cumulative new tokens and contexts (prefix + new);
+    ``max_q``/``max_k``: the longest of each, host ints (no read of the device); the new tokens'
+    K/V must already be in the caches (a sequence with a prefix is read from there whole).
+    """
+    from fastserve.kernels import varlen
+
+    return varlen.prefill_attention(query, key, value, key_cache, value_cache, cu_q, cu_k, max_q, max_k,
+                                    start_positions, block_tables, scale)
 
 
 def paged_attention(

@@ -1,9 +1,20 @@
 """CuPy launchers for the CUDA sources in ``fastserve/kernels/cuda/``.
 
-Owns loading the ``.cu`` files with ``cupy.RawModule`` (compiled once per device, then cached),
-checking/normalising the torch tensors handed to them, and launching the kernels on the current
-torch CUDA stream with raw ``data_ptr()``s and element strides. Signatures match
-``fastserve.kernels.reference``; ``fastserve/kernels/__init__.py`` decides when these are used.
+Owns loading the ``.cu`` files with ``cupy.RawModule`` (compiled once per device and set of
+compile-time constants, then cached), checking/normalising the torch tensors handed to them, and
+launching the kernels on the current torch CUDA stream with raw ``data_ptr()``s and element
+strides. Signatures match ``fastserve.kernels.reference``; ``fastserve/kernels/__init__.py``
+decides when these are used.
+
+Launches go to torch's current stream through a CuPy stream object made once per torch stream
+(``Stream.from_external``): under ``torch.cuda.graph`` that is the capturing stream, so the kernels
+land in the graph. Nothing here synchronises with the device or copies between host and device.
+
+Decode attention has two kernels: ``paged_attention_v2.cu`` (the default: split over the context,
+one block per KV head's query group, 16-byte loads; see its header) and ``paged_attention.cu`` (one
+block per (head, sequence), kept as the reference the GPU tests and the benchmark hold v2 to, and
+used for the shapes v2 does not take: a head dim that is not a whole number of 16-byte vectors or
+above ``PAGED_ATTENTION_MAX_HEAD_DIM``, or cache rows not 16-byte aligned).
 
 This module imports cupy at import time, so it is only imported by the dispatcher once cupy has
 been found to work with a device; nothing else should import it directly.
@@ -23,12 +34,23 @@ from fastserve.kernels import CUDA_KERNEL_SUFFIX, PAGED_ATTENTION_MAX_HEAD_DIM
 
 CUDA_SOURCE_DIR = Path(__file__).resolve().parent / "cuda"
 PAGED_ATTENTION_SOURCE = "paged_attention.cu"
+PAGED_ATTENTION_V2_SOURCE = "paged_attention_v2.cu"
 WRITE_KV_SOURCE = "write_kv.cu"
-# Must equal NUM_THREADS in paged_attention.cu (the kernel's reductions assume it).
+# Must equal NUM_THREADS in paged_attention.cu and paged_attention_v2.cu (the reductions assume it).
 PAGED_ATTENTION_THREADS = 128
+# PARTITION and MAX_SPLITS in paged_attention_v2.cu.
+PAGED_ATTENTION_PARTITION = 256
+PAGED_ATTENTION_MAX_SPLITS = 1024
+# The widest query-head tile v2 is compiled for (its accumulators stay in registers up to this).
+PAGED_ATTENTION_MAX_GROUP_TILE = 8
+# v2's grid aims at this many thread blocks per multiprocessor (enough waves that the last one's
+# imbalance is small, few enough that each split still reads whole partitions).
+PAGED_ATTENTION_BLOCKS_PER_SM = 4
+VEC_BYTES = 16
 # One block per token; threads stride over num_heads * head_dim, so more rarely helps.
 WRITE_KV_MAX_THREADS = 256
 WARP_SIZE = 32
+LOG2_E = 1.4426950408889634   # v2 keeps scores in log2 units: exp2 is one instruction
 
 
 @functools.cache
@@ -37,17 +59,43 @@ def _source(filename: str) -> str:
 
 
 @functools.cache
-def _module(filename: str, device_index: int) -> Any:
-    """One RawModule per source and device: a RawModule holds a single loaded module."""
+def _module(filename: str, device_index: int, options: tuple[str, ...] = ()) -> Any:
+    """One RawModule per source, device and compile options: a RawModule holds one loaded module."""
     with cupy.cuda.Device(device_index):
-        return cupy.RawModule(code=_source(filename))
+        return cupy.RawModule(code=_source(filename), options=options)
 
 
 @functools.cache
-def _function(filename: str, kernel: str, device_index: int) -> Any:
+def _function(filename: str, kernel: str, device_index: int, options: tuple[str, ...] = ()) -> Any:
     """Compiled kernel (NVRTC, then CuPy's on-disk cache) for one device."""
     with cupy.cuda.Device(device_index):
-        return _module(filename, device_index).get_function(kernel)
+        return _module(filename, device_index, options).get_function(kernel)
+
+
+_streams: dict[tuple[int, int], Any] = {}
+
+
+def _cupy_stream(torch_stream: torch.cuda.Stream, device_index: int) -> Any:
+    """The CuPy view of a torch stream, made once per stream: ``Stream.from_external`` (CuPy 13+,
+    through the stream's ``__cuda_stream__``), else ``ExternalStream`` on older CuPy."""
+    key = (device_index, int(torch_stream.cuda_stream))
+    stream = _streams.get(key)
+    if stream is None:
+        with cupy.cuda.Device(device_index):
+            from_external = getattr(cupy.cuda.Stream, "from_external", None)
+            try:
+                stream = from_external(torch_stream) if from_external is not None else None
+            except (TypeError, ValueError, AttributeError):
+                stream = None
+            if stream is None:
+                stream = cupy.cuda.ExternalStream(key[1], device_index)
+        _streams[key] = stream
+    return stream
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
 def _kernel_name(base: str, dtype: torch.dtype) -> str:
@@ -62,6 +110,10 @@ def _ptr(tensor: torch.Tensor) -> np.uint64:
     return np.uint64(tensor.data_ptr())
 
 
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _launch(
     filename: str,
     kernel: str,
@@ -69,13 +121,15 @@ def _launch(
     grid: tuple[int, ...],
     block: tuple[int, ...],
     args: tuple[Any, ...],
+    options: tuple[str, ...] = (),
 ) -> None:
-    """Launch on torch's current stream so the kernel orders with surrounding torch work."""
-    device_index = device.index if device.index is not None else torch.cuda.current_device()
-    function = _function(filename, kernel, device_index)
-    torch_stream = torch.cuda.current_stream(device_index)
-    with cupy.cuda.Device(device_index), cupy.cuda.ExternalStream(torch_stream.cuda_stream):
-        function(grid, block, args)
+    """Launch on torch's current stream so the kernel orders with surrounding torch work (and is
+    captured with it inside ``torch.cuda.graph``)."""
+    device_index = _device_index(device)
+    function = _function(filename, kernel, device_index, options)
+    stream = _cupy_stream(torch.cuda.current_stream(device_index), device_index)
+    with cupy.cuda.Device(device_index):
+        function(grid, block, args, stream=stream)
 
 
 def _cache_strides(cache: torch.Tensor) -> tuple[np.int64, np.int64, np.int64]:
@@ -143,21 +197,16 @@ def write_kv(
     _launch(WRITE_KV_SOURCE, kernel, device, (num_tokens,), (threads,), args)
 
 
-def paged_attention(
+def _paged_attention_args(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
-    scale: float,
-    *,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """CUDA ``paged_attention``: see ``kernels.paged_attention``.
-
-    ``out`` (contiguous, query's shape and dtype) is written instead of a fresh tensor; the GPU
-    tests poison it to prove every element is written.
-    """
+    out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checked (query, tables, lens, out): tables keep their row stride (a static buffer's rows
+    are wider than the batch needs); only a non-unit column stride or another dtype is copied."""
     _require_cache_layout(key_cache, "key_cache")
     _require_cache_layout(value_cache, "value_cache")
     if query.dim() != 3:
@@ -171,7 +220,7 @@ def paged_attention(
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     if num_heads % num_kv_heads or key_cache.shape[3] != head_dim:
-        # The kernel maps query head h to KV head h // (num_heads // num_kv_heads) unchecked.
+        # The kernels map query head h to KV head h // (num_heads // num_kv_heads) unchecked.
         raise ValueError(f"paged_attention: {num_heads} query heads of dim {head_dim} do not fit a cache of "
                          f"{num_kv_heads} KV heads of dim {key_cache.shape[3]}")
     if head_dim > PAGED_ATTENTION_MAX_HEAD_DIM:
@@ -187,11 +236,144 @@ def paged_attention(
         or not out.is_contiguous()
     ):
         raise ValueError("paged_attention: out must be contiguous with the query's shape/dtype")
+    tables = block_tables.to(device=device, dtype=torch.int32)
+    if tables.dim() != 2 or (tables.stride(1) != 1 and tables.shape[1] > 1):
+        tables = tables.contiguous()
+    lens = context_lens.to(device=device, dtype=torch.int32).contiguous()
+    return _innermost_contiguous(query), tables, lens, out
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """CUDA ``paged_attention``: see ``kernels.paged_attention``. The split kernel (v2) where it
+    takes the shapes (``v2_supports``), else the one-block-per-head kernel (v1).
+
+    ``out`` (contiguous, query's shape and dtype) is written instead of a fresh tensor; the GPU
+    tests poison it to prove every element is written.
+    """
+    if v2_supports(query, key_cache, value_cache):
+        return paged_attention_v2(query, key_cache, value_cache, block_tables, context_lens, scale, out=out)
+    return paged_attention_v1(query, key_cache, value_cache, block_tables, context_lens, scale, out=out)
+
+
+def v2_supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether the split kernel takes these tensors: head rows a whole number of 16-byte vectors,
+    and every cache row starting on a 16-byte boundary (base pointers and strides)."""
+    head_dim = query.shape[-1]
+    size = key_cache.element_size()
+    if head_dim > PAGED_ATTENTION_MAX_HEAD_DIM or (head_dim * size) % VEC_BYTES:
+        return False
+    for cache in (key_cache, value_cache):
+        if cache.data_ptr() % VEC_BYTES or any((cache.stride(i) * size) % VEC_BYTES for i in range(3)):
+            return False
+    return True
+
+
+def group_tile(group: int) -> int:
+    """Query heads one v2 block serves: the whole group of a KV head up to
+    ``PAGED_ATTENTION_MAX_GROUP_TILE``, else the largest divisor of the group within it."""
+    return max(t for t in range(1, min(group, PAGED_ATTENTION_MAX_GROUP_TILE) + 1) if group % t == 0)
+
+
+def num_splits(grid_blocks: int, device_index: int) -> int:
+    """Splits of each sequence's context for v2: enough blocks to fill the GPU
+    (``PAGED_ATTENTION_BLOCKS_PER_SM`` per multiprocessor). It depends on the grid alone, not on
+    the contexts or the table's width, so a CUDA graph captured for a batch size and the eager
+    step of the same size split (and so round) alike; a split past a context's last partition
+    exits at once."""
+    wanted = -(-PAGED_ATTENTION_BLOCKS_PER_SM * _multiprocessors(device_index) // max(grid_blocks, 1))
+    return max(1, min(wanted, PAGED_ATTENTION_MAX_SPLITS))
+
+
+def paged_attention_v2(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """The split kernel (``paged_attention_v2.cu``); ``splits`` overrides ``num_splits`` (tests)."""
+    if not v2_supports(query, key_cache, value_cache):
+        raise ValueError(f"paged_attention_v2 does not take head_dim {query.shape[-1]} of "
+                         f"{query.dtype} or a cache not aligned to {VEC_BYTES} bytes")
+    query, tables, lens, out = _paged_attention_args(query, key_cache, value_cache, block_tables,
+                                                     context_lens, out)
+    num_seqs, num_heads, head_dim = query.shape
     if num_seqs == 0:
         return out
-    query = _innermost_contiguous(query)
-    tables = block_tables.to(device=device, dtype=torch.int32).contiguous()
-    lens = context_lens.to(device=device, dtype=torch.int32).contiguous()
+    device = query.device
+    num_kv_heads = key_cache.shape[2]
+    tile = group_tile(num_heads // num_kv_heads)
+    grid_x = num_heads // tile
+    block_size = key_cache.shape[1]
+    if splits is None:
+        splits = num_splits(grid_x * num_seqs, _device_index(device))
+    if not 1 <= splits <= PAGED_ATTENTION_MAX_SPLITS:
+        raise ValueError(f"paged_attention_v2: splits must be in [1, {PAGED_ATTENTION_MAX_SPLITS}], got {splits}")
+    if splits > 1:
+        part_acc = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32, device=device)
+        part_stats = torch.empty((2, num_seqs, num_heads, splits), dtype=torch.float32, device=device)
+        stats = (_ptr(part_acc), _ptr(part_stats[0]), _ptr(part_stats[1]))
+    else:
+        stats = (np.uint64(0), np.uint64(0), np.uint64(0))
+    options = (f"-DPA_HEAD_DIM={head_dim}", f"-DPA_GROUP={tile}")
+    args = (
+        _ptr(out),
+        *stats,
+        _ptr(query),
+        _ptr(key_cache),
+        _ptr(value_cache),
+        _ptr(tables),
+        _ptr(lens),
+        np.float32(scale * LOG2_E),
+        np.int32(num_heads),
+        np.int32(num_kv_heads),
+        np.int32(block_size),
+        np.int64(tables.stride(0)),
+        np.int64(query.stride(0)),
+        np.int64(query.stride(1)),
+        *_cache_strides(key_cache),
+        *_cache_strides(value_cache),
+    )
+    _launch(PAGED_ATTENTION_V2_SOURCE, _kernel_name("paged_attention_v2", query.dtype), device,
+            (grid_x, num_seqs, splits), (PAGED_ATTENTION_THREADS,), args, options)
+    if splits > 1:
+        reduce_args = (_ptr(out), stats[0], stats[1], stats[2], np.int32(num_heads), np.int32(splits))
+        _launch(PAGED_ATTENTION_V2_SOURCE, _kernel_name("paged_attention_reduce", query.dtype), device,
+                (num_heads, num_seqs), (PAGED_ATTENTION_THREADS,), reduce_args, options)
+    return out
+
+
+def paged_attention_v1(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The one-block-per-(head, sequence) kernel (``paged_attention.cu``): the reference v2 is
+    held to on a GPU, and the kernel for the shapes v2 does not take."""
+    query, tables, lens, out = _paged_attention_args(query, key_cache, value_cache, block_tables,
+                                                     context_lens, out)
+    num_seqs, num_heads, head_dim = query.shape
+    if num_seqs == 0:
+        return out
+    num_kv_heads = key_cache.shape[2]
     args = (
         _ptr(out),
         _ptr(query),
@@ -211,6 +393,55 @@ def paged_attention(
         *_cache_strides(value_cache),
     )
     kernel = _kernel_name("paged_attention", query.dtype)
-    grid = (num_heads, num_seqs)
-    _launch(PAGED_ATTENTION_SOURCE, kernel, device, grid, (PAGED_ATTENTION_THREADS,), args)
+    _launch(PAGED_ATTENTION_SOURCE, kernel, query.device, (num_heads, num_seqs), (PAGED_ATTENTION_THREADS,), args)
     return out
+
+
+GATHER_KV_SOURCE = "gather_kv.cu"
+# TOKENS_PER_BLOCK in gather_kv.cu.
+GATHER_KV_TOKENS_PER_BLOCK = 16
+GATHER_KV_THREADS = 128
+# Word widths gather_kv.cu is instantiated for, widest first.
+GATHER_KV_WORDS = ((16, "w16"), (4, "w4"), (2, "w2"))
+
+
+def gather_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_k: torch.Tensor,
+    total: int,
+    max_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's first ``cu_k[b+1] - cu_k[b]`` positions, read from the paged caches through
+    ``block_tables`` (int32 [B, >= blocks], row-strided), packed into ``[total, KV, D]`` keys and
+    values at rows ``cu_k[b] ..`` (one launch for all sequences; ``max_k``, the longest, sizes the
+    grid). Bit-exact."""
+    _require_cache_layout(key_cache, "key_cache")
+    _require_cache_layout(value_cache, "value_cache")
+    device = key_cache.device
+    _, block_size, num_heads, head_dim = key_cache.shape
+    packed_k = torch.empty((total, num_heads, head_dim), dtype=key_cache.dtype, device=device)
+    packed_v = torch.empty_like(packed_k)
+    num_seqs = cu_k.numel() - 1
+    if total == 0 or num_seqs <= 0:
+        return packed_k, packed_v
+    for cache in (key_cache, value_cache):
+        if cache.stride(2) != head_dim:
+            raise ValueError(f"gather_kv: a position's heads must be contiguous, strides {cache.stride()}")
+    size = key_cache.element_size()
+    row_bytes = num_heads * head_dim * size
+    strides = [s * size for c in (key_cache, value_cache) for s in (c.stride(0), c.stride(1))]
+    pointers = (key_cache.data_ptr(), value_cache.data_ptr(), packed_k.data_ptr(), packed_v.data_ptr())
+    word, suffix = next((w, n) for w, n in GATHER_KV_WORDS
+                        if all(x % w == 0 for x in (row_bytes, *strides, *pointers)))
+    tables = block_tables.to(device=device, dtype=torch.int32)
+    if tables.stride(1) != 1 and tables.shape[1] > 1:
+        tables = tables.contiguous()
+    cu = cu_k.to(device=device, dtype=torch.int32).contiguous()
+    args = (_ptr(packed_k), _ptr(packed_v), _ptr(key_cache), _ptr(value_cache), _ptr(tables), _ptr(cu),
+            np.int32(block_size), np.int32(row_bytes // word), np.int64(tables.stride(0)),
+            *(np.int64(s // word) for s in strides))
+    grid = (-(-max_k // GATHER_KV_TOKENS_PER_BLOCK), num_seqs)
+    _launch(GATHER_KV_SOURCE, f"gather_kv_{suffix}", device, grid, (GATHER_KV_THREADS,), args)
+    return packed_k, packed_v

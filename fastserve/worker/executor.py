@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import torch
 
 from fastserve.kernels.cpu_features import cpu_has_bf16
+from fastserve.worker.graphs import GraphSettings
 from fastserve.worker.kv_store import KVStore
 from fastserve.worker.messages import BatchPlan, StepOutput
 from fastserve.worker.model.config import ModelConfig
@@ -87,7 +88,8 @@ def build_runner(spec: ModelSpec, config: ModelConfig, shard: StageShard,
     kv = KVStore(shard.num_layers, model.num_local_kv_heads, config.head_dim, spec.block_size,
                  spec.num_device_blocks, spec.num_host_blocks, torch_dtype(resolve_dtype(spec.dtype, spec.device)),
                  spec.device)
-    return StageRunner(model, kv, Sampler(spec.seed))
+    graphs = GraphSettings(spec.cuda_graphs, spec.cuda_graph_max_batch, spec.cuda_graph_max_context)
+    return StageRunner(model, kv, Sampler(spec.seed), graphs)
 
 
 class InProcessExecutor:

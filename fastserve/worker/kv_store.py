@@ -5,12 +5,15 @@ so one block of every layer is one contiguous region and a swap of a block is a 
 GPU, one DMA per run of consecutive blocks). Layer ``l`` reads the strided view ``pool[:, l]``.
 ``num_heads`` is the worker's *KV* heads (fewer than its query heads under grouped-query attention).
 
-Swaps are asynchronous. On a GPU they run on a side CUDA stream into page-locked host memory
-(registered in place, exactly the pool's size: ``register_host_memory``) and are
-tracked by events; on CPU a single copy thread runs them. Either way they complete in issue order
-(one stream, one thread), so a swap-in issued after a swap-out that frees the same host block
-reads the right data. A step waits only on the in-flight swaps that touch the blocks it uses
-(``wait_for``); everything else overlaps with its compute. What that wait costs is measured where
+Swaps are asynchronous. On a GPU they run on two side CUDA streams, one per direction (a swap-in
+does not queue behind a long swap-out), into page-locked host memory (registered in place, exactly
+the pool's size: ``register_host_memory``) and are tracked by events; a swap that touches a device
+or host block an in-flight swap of the other direction touches waits for that one's event first,
+so a swap-in issued after a swap-out that frees the same host block reads the right data. On CPU a
+single copy thread runs them in issue order. A step waits only on the in-flight swaps that touch
+the blocks it uses (``wait_for``); everything else overlaps with its compute, and on a GPU also
+with later steps: a swap is tracked until its event completes (``swaps_in_flight``), not until the
+end of the step that issued it. What that wait costs is measured where
 it happens: on CPU the host blocks (timed on the host); on a GPU the compute stream stalls, timed
 by a pair of timing events around the stream's waits and read once the device has passed them
 (``DeviceStalls``), never by a sync of its own.
@@ -72,9 +75,12 @@ def pinned_allocator_bytes(nbytes: int) -> int:
 
 @dataclass
 class SwapHandle:
-    """An issued swap: which device blocks it touches, and how to wait for it."""
+    """An issued swap: which device and host blocks it touches, and how to wait for it."""
 
     device_blocks: frozenset[int]
+    host_blocks: frozenset[int] = frozenset()
+    direction: str = "out"
+    job_id: str = ""
     _future: Future[None] | None = None
     _event: torch.cuda.Event | None = None
 
@@ -154,11 +160,11 @@ class KVStore:
         self._registered = self.device.type == "cuda" and register_host_memory(self.host_pool)
         self._inflight: list[SwapHandle] = []
         self._lock = threading.Lock()
+        self._streams: dict[str, torch.cuda.Stream] = {}
+        self._copier: ThreadPoolExecutor | None = None
         if self.device.type == "cuda":
-            self._stream: torch.cuda.Stream | None = torch.cuda.Stream(device=self.device)
-            self._copier: ThreadPoolExecutor | None = None
+            self._streams = {d: torch.cuda.Stream(device=self.device) for d in ("out", "in")}
         else:
-            self._stream = None
             self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-swap")
         self.swapped_out_blocks = 0
         self.swapped_in_blocks = 0
@@ -187,10 +193,25 @@ class KVStore:
         if cmd.direction == "out":
             self._check(src, dst, self.num_device_blocks, self.num_host_blocks, "device", "host")
             self.swapped_out_blocks += len(src)
-            return self._issue(self.device_pool, self.host_pool, src, dst, frozenset(src))
+            handle = SwapHandle(frozenset(src), frozenset(dst), "out", cmd.job_id)
+            return self._issue(self.device_pool, self.host_pool, src, dst, handle)
         self._check(src, dst, self.num_host_blocks, self.num_device_blocks, "host", "device")
         self.swapped_in_blocks += len(src)
-        return self._issue(self.host_pool, self.device_pool, src, dst, frozenset(dst))
+        return self._issue(self.host_pool, self.device_pool, src, dst,
+                           SwapHandle(frozenset(dst), frozenset(src), "in", cmd.job_id))
+
+    @property
+    def settles_lazily(self) -> bool:
+        """Whether a step may return with its swaps still copying (GPU: events order every later
+        use), rather than settling them first (CPU: the copy thread's futures)."""
+        return bool(self._streams)
+
+    def swaps_in_flight(self, direction: str = "in") -> frozenset[str]:
+        """Jobs with a swap of ``direction`` still copying (an event query: never blocks). A job
+        swapped in is runnable the moment it leaves this set; a step that runs it earlier is still
+        correct (its forward waits for the copy on the device)."""
+        with self._lock:
+            return frozenset(h.job_id for h in self._inflight if h.direction == direction and not h.done())
 
     def wait_for(self, device_blocks: Iterable[int]) -> float:
         """Block until every in-flight swap touching ``device_blocks`` is done; seconds the host
@@ -199,7 +220,7 @@ class KVStore:
         wanted = frozenset(device_blocks)
         with self._lock:
             touching = [h for h in self._inflight if h.device_blocks & wanted]
-        if self._stream is not None:
+        if self._streams:
             events = [h._event for h in touching if h._event is not None and not h._event.query()]
             if events:
                 compute = torch.cuda.current_stream(self.device)
@@ -239,17 +260,25 @@ class KVStore:
         return time.perf_counter() - start
 
     def _issue(self, src: torch.Tensor, dst: torch.Tensor, src_ids: Sequence[int], dst_ids: Sequence[int],
-               device_blocks: frozenset[int]) -> SwapHandle:
-        handle = SwapHandle(device_blocks)
+               handle: SwapHandle) -> SwapHandle:
         if not src_ids:
             return handle
-        if self._stream is not None:
-            # The side stream must not start before the compute that wrote these blocks.
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
+        if self._streams:
+            stream = self._streams[handle.direction]
+            # The side stream must not start before the compute that wrote these blocks, nor
+            # before a copy of the other direction that reads or writes any of them.
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with self._lock:
+                self._inflight = [h for h in self._inflight if not h.done()]
+                crossing = [h._event for h in self._inflight if h.direction != handle.direction
+                            and h._event is not None
+                            and (h.device_blocks & handle.device_blocks or h.host_blocks & handle.host_blocks)]
+            for event in crossing:
+                stream.wait_event(event)
+            with torch.cuda.stream(stream):
                 kernels.copy_blocks(src, dst, src_ids, dst_ids, non_blocking=True)
                 event = torch.cuda.Event()
-                event.record(self._stream)
+                event.record(stream)
             handle._event = event
         else:
             assert self._copier is not None

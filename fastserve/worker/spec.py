@@ -43,6 +43,13 @@ class ModelSpec:
     model_path: str | None = None
     #: torch intra-op threads of each process that runs the model; None keeps torch's default.
     torch_threads: int | None = None
+    #: On a CUDA device, replay decode steps as CUDA graphs (``fastserve.worker.graphs``); no
+    #: effect on a CPU, which has none. The largest batch captured (vLLM's capture sizes up to it)
+    #: and the longest context a graph serves (vLLM's ``max_seq_len_to_capture``); a step beyond
+    #: either runs eagerly.
+    cuda_graphs: bool = True
+    cuda_graph_max_batch: int = 256
+    cuda_graph_max_context: int = 8192
 
     def load_config(self) -> ModelConfig:
         return as_model_config(self.model)

@@ -1,53 +1,125 @@
 #!/usr/bin/env bash
-# The one-call device check (issue #25): environment, the GPU tests, then the measurements against
-# the hardware's limits. No Ray needed; runs under the device image's python3 from the repo root:
+# The one-call device check: environment and imports, the GPU tests, then the measurements against
+# the hardware's limits (fastserve.bench.bench_gpu, one process per group of parts). No Ray needed;
+# runs under the device image's python3 from the repo root:
 #
-#     bash tests/gpu/run_on_device.sh            # logs and the JSON under $OUT (or ./gpu-check-out)
+#     bash tests/gpu/fetch_wheels.sh          # here, once: wheels the image lacks -> .whl/ (ignored)
+#     bash tests/gpu/run_on_device.sh         # there, with .whl carried; $OUT (or ./gpu-check-out)
+#     bash tests/gpu/run_on_device.sh --smoke # the rehearsal: same steps, CPU, tiny shapes
 #
-# Budget: ~2 minutes on one H200 as measured (pytest ~1 min, the benchmark ~40 s; each under its own
-# timeout, and each test under 90 s, so one hang cannot eat the lease). The last line printed is
-# bench_gpu's JSON object.
+# Every step runs under its own timeout, capped by what is left of DEADLINE_S, and a step that fails
+# or hangs does not stop the later ones. Expected on one H100: ~4 minutes (pytest ~1.5, kernels
+# ~0.5, the 8B engine ~0.5, each production rank ~0.5, the host pool ~0.3).
 #
-# The device image has torch, CuPy and transformers but neither Ray nor pydantic; `fastserve.worker.spec`
-# imports `annotated_types`. Download wheels for Python 3.12 into an ignored `.whl/` (annotated-types
-# at our lock's version; transformers at our pin, so the parity tests compare against the version
-# CI uses), carry `.whl`, and install them first:
-#
-#     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
-#         && export PYTHONPATH=/tmp/site && bash tests/gpu/run_on_device.sh
-#
-# The tracked tree must stay under the tool's 64 MiB: move `results/` aside for the call.
+# Under $OUT (4 files): check.log (everything printed), pytest.xml, bench.json (every part's
+# result, the steps' exit statuses and the goals), env.txt. Printed last: the summary table, then
+# one JSON object (bench.json's content).
 set -u
-# Time limits (s): the whole pytest run, one test, the benchmark.
-PYTEST_LIMIT_S=240 TEST_LIMIT_S=90 BENCH_LIMIT_S=200
+SMOKE=0
+if [ "${1:-}" = "--smoke" ]; then SMOKE=1; fi
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-./gpu-check-out}"
 mkdir -p "$OUT"
+WORK="$(mktemp -d)"
 PY="${PYTHON:-python3}"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+START=$(date +%s)
+if [ "$SMOKE" = 1 ]; then DEADLINE_S=${DEADLINE_S:-400}; else DEADLINE_S=${DEADLINE_S:-540}; fi
+BENCH_FLAGS=()
+if [ "$SMOKE" = 1 ]; then BENCH_FLAGS=(--smoke); fi
+mkdir -p "$WORK/status"
 
-{
-  echo "== environment"; date -u; uname -a
+# run_step NAME LIMIT_S COMMAND...: the command under min(LIMIT_S, what is left) seconds; its exit
+# status (124/137: timed out; "skipped": no time left) goes to $WORK/status/NAME, then bench.json.
+run_step() {
+  local name=$1 limit=$2
+  shift 2
+  local left=$(( DEADLINE_S - ($(date +%s) - START) ))
+  if [ "$left" -lt 15 ]; then
+    echo "== $name: skipped (${left}s left of ${DEADLINE_S}s)"
+    echo skipped > "$WORK/status/$name"
+    return
+  fi
+  if [ "$limit" -gt "$left" ]; then limit=$left; fi
+  echo "== $name (limit ${limit}s, $(( $(date +%s) - START ))s in)"
+  timeout -k 10 "$limit" "$@"
+  local rc=$?
+  echo "$rc" > "$WORK/status/$name"
+  echo "== $name: exit $rc after $(( $(date +%s) - START ))s"
+}
+
+check_env() {
+  date -u; uname -a
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv || true
   command -v nvcc >/dev/null && nvcc --version | tail -2
-  "$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
-  "$PY" -c "import cupy; print('cupy', cupy.__version__)" || echo "cupy: not importable"
-  # Ray's NCCL channels (a GPU pipeline's compiled graph) need CuPy's NCCL binding to load libnccl
-  # (after torch, as in a stage worker: torch's wheel brings libnccl.so.2).
-  "$PY" -c "import torch, cupy.cuda.nccl as n; print('cupy.cuda.nccl available', n.available)" \
-    || echo "cupy.cuda.nccl: not importable"
-  "$PY" -c "import transformers; print('transformers', transformers.__version__)"
-} 2>&1 | tee "$OUT/env.txt"
+  "$PY" - <<'PYEOF'
+import importlib, sys
+print("python", sys.version.split()[0])
+missing = []
+for name in ["torch", "numpy", "cupy", "transformers", "pytest", "xdist", "pytest_timeout", "annotated_types",
+             "fastserve.kernels.cupy_ops", "fastserve.worker.executor", "fastserve.bench.bench_gpu",
+             "tests.harness.engine_driver"]:
+    try:
+        mod = importlib.import_module(name)
+        print(f"import {name}: ok {getattr(mod, '__version__', '')}")
+    except Exception as exc:   # report every missing piece at once
+        missing.append(name)
+        print(f"import {name}: MISSING ({type(exc).__name__}: {exc})")
+import torch
+print("cuda available", torch.cuda.is_available(), torch.version.cuda,
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+print("missing:", missing or "nothing")
+PYEOF
+}
 
-echo "== pytest tests/gpu"
-timeout "$PYTEST_LIMIT_S" "$PY" -m pytest -q -p no:cacheprovider --timeout="$TEST_LIMIT_S" tests/gpu -rs --junitxml="$OUT/pytest.xml" 2>&1 | tee "$OUT/pytest.txt" | tail -25
-PYTEST_RC=${PIPESTATUS[0]}
-echo "pytest exit status: $PYTEST_RC"
+bench() {
+  local name=$1 limit=$2
+  shift 2
+  local args=()
+  for part in "$@"; do args+=(--part "$part"); done
+  run_step "$name" "$limit" "$PY" -m fastserve.bench.bench_gpu "${BENCH_FLAGS[@]}" "${args[@]}" --results "$WORK"
+}
 
-echo "== fastserve.bench.bench_gpu"
-timeout "$BENCH_LIMIT_S" "$PY" -m fastserve.bench.bench_gpu 2>&1 | tee "$OUT/bench_gpu.txt"
-BENCH_RC=${PIPESTATUS[0]}
-tail -1 "$OUT/bench_gpu.txt" > "$OUT/bench_gpu.json"
-echo "pytest=$PYTEST_RC bench=$BENCH_RC"
-tail -1 "$OUT/bench_gpu.txt"
-exit $(( PYTEST_RC != 0 || BENCH_RC != 0 ))
+main() {
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    echo "== installing carried wheels: $(ls .whl | tr '\n' ' ')"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl \
+      && export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+
+  run_step env 60 bash -c "PY='$PY'; $(declare -f check_env); check_env" > "$OUT/env.txt" 2>&1
+  cat "$OUT/env.txt"
+
+  # Tests: one worker per test file where pytest-xdist is there (the GPU is shared; the float64
+  # references and NVRTC compiles run on the CPUs).
+  local xdist=()
+  if "$PY" -c "import xdist" 2>/dev/null; then xdist=(-n 3 --dist loadfile); fi
+  run_step pytest 170 "$PY" -m pytest -q -p no:cacheprovider --timeout=90 "${xdist[@]}" tests/gpu -rs \
+    --junitxml="$OUT/pytest.xml" | tee "$WORK/pytest.txt"
+
+  bench bench_kernels 100 ceilings attention swaps prefill
+  bench bench_engine 100 engine
+  bench bench_llama70b 100 llama70b_tp8
+  bench bench_opt175b 100 opt175b_tp8_stage0
+  bench bench_host 60 host_register
+
+  "$PY" - "$WORK" "$(( $(date +%s) - START ))" <<'PYEOF'
+import json, pathlib, sys
+work, seconds = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+status = {p.name: p.read_text().strip() for p in sorted((work / "status").iterdir())}
+import re
+summary = re.compile(r"\d+ (passed|failed|skipped|errors?)\b.* in [\d.]+s")
+lines = [l for l in (work / "pytest.txt").read_text().splitlines() if summary.search(l)]
+status["pytest_summary"] = lines[-1].strip("= ") if lines else "no summary (see check.log)"
+status["seconds"] = seconds
+(work / "status.json").write_text(json.dumps(status))
+PYEOF
+  "$PY" -m fastserve.bench.bench_gpu --report "$WORK" > "$WORK/report.txt" 2>&1
+  tail -1 "$WORK/report.txt" > "$OUT/bench.json"
+  cat "$WORK/report.txt"
+  grep -qv '^0$' "$WORK"/status/* && return 1
+  return 0
+}
+
+main 2>&1 | tee "$OUT/check.log"
+exit "${PIPESTATUS[0]}"

@@ -113,7 +113,8 @@ def test_swaps_see_compute_issued_before_them_and_run_in_issue_order() -> None:
     """A swap-out issued right after a slow write on the compute stream copies the written data
     (the side stream waits for the compute stream); the blocks' next owner, waiting as a step does
     (``wait_for``), overwrites them only after the copy read them; a swap-in from that host block
-    issued before the swap-out finished reads it (one side stream: issue order); the step that uses
+    issued before the swap-out finished reads it (the in-stream waits for the out-stream's copy of the
+    same host blocks); the step that uses
     the swapped-in blocks waits on the copy's event (``wait_for``) without blocking the host."""
     kv = KVStore(num_layers=2, num_heads=2, head_dim=64, block_size=16, num_device_blocks=8,
                  num_host_blocks=4, dtype=torch.float16, device="cuda")
@@ -147,15 +148,17 @@ def test_swap_wait_is_the_compute_streams_stall_read_after_the_device_passed_it(
         kv.swap(SwapCommand("in", "done", (0,), (2,)))
         torch.cuda.synchronize()
         assert kv.wait_for([2]) == 0.0 and kv.device_stalls.pending == 0   # nothing to wait for
-        with torch.cuda.stream(kv._stream):   # hold the side stream: the next copy starts late
+        with torch.cuda.stream(kv._streams["in"]):   # hold the swap-in stream: the next copy starts late
             torch.cuda._sleep(100_000_000)
         kv.swap(SwapCommand("in", "a", (1,), (5,)))
+        assert kv.swaps_in_flight() == {"a"}            # tracked by its event, not by a step's end
         assert kv.wait_for([5]) == 0.0                  # the host went on at once
         assert kv.device_stalls.pending == 1
         torch.cuda.synchronize()                        # (the test's sync, not the store's)
         stalled = kv.device_wait_s()
         assert 0.005 < stalled < 5.0, stalled
         assert kv.device_stalls.pending == 0 and kv.device_wait_s() == 0.0
+        assert kv.swaps_in_flight() == frozenset()
     finally:
         kv.close()
 

@@ -315,3 +315,69 @@ def test_paged_attention_gqa_matches_dense_reference(
     dense = cache.repeat_interleave(group, dim=-2)   # an MHA cache with each KV head repeated
     expected = reference_paged_f64(query, dense, tables, lens, scale)
     assert rel_error(out, expected) < REL_ERROR_BOUND[dtype]
+
+
+# ---------------------------------------------------------------- decode attention v2 (split)
+
+
+V2_CONTEXTS = [1, 2, 17, 256, 257, 1037]   # around the 256-token partitions' edges
+V2_SPLITS = (None, 1, 3)                     # chosen by the launcher, none, forced
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize(("block_size", "num_heads", "num_kv_heads", "head_dim"),
+                         [(16, 32, 8, 128), (16, 8, 1, 128), (7, 4, 4, 80), (32, 16, 2, 256),
+                          (1, 12, 4, 64), (16, 24, 2, 128)])
+def test_paged_attention_v2_matches_reference_and_v1(
+    cupy_ops: ModuleType, gen: torch.Generator, dtype: torch.dtype, block_size: int, num_heads: int,
+    num_kv_heads: int, head_dim: int,
+) -> None:
+    """The split kernel against the float64 reference (GQA-aware) and the one-block kernel, over
+    contexts around the partition edges, GQA groups of 1-12 (tiles of 1-8 heads), and chosen,
+    single and forced splits."""
+    _, cache, tables, lens = paged_case(V2_CONTEXTS, block_size, num_kv_heads, head_dim, dtype, gen)
+    query = torch.randn(lens.numel(), num_heads, head_dim, generator=gen, device="cuda").to(dtype)
+    scale = head_dim**-0.5
+    key_cache, value_cache = cache[:, LAYER, KEY], cache[:, LAYER, VALUE]
+    assert cupy_ops.v2_supports(query, key_cache, value_cache)
+    expected = reference_paged_f64(query, cache, tables, lens, scale)
+    old = torch.full_like(query, float("nan"))
+    cupy_ops.paged_attention_v1(query, key_cache, value_cache, tables, lens, scale, out=old)
+    for splits in V2_SPLITS:
+        out = torch.full_like(query, float("nan"))
+        cupy_ops.paged_attention_v2(query, key_cache, value_cache, tables, lens, scale, out=out, splits=splits)
+        torch.cuda.synchronize()
+        assert rel_error(out, expected) < REL_ERROR_BOUND[dtype], f"splits={splits}"
+        # Both round once to the dtype from fp32 sums in different orders: within two roundings.
+        assert rel_error(out, old) < 2 * REL_ERROR_BOUND[dtype], f"splits={splits}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
+def test_paged_attention_v2_reads_only_the_context_of_a_strided_table(
+    cupy_ops: ModuleType, gen: torch.Generator, dtype: torch.dtype
+) -> None:
+    """Rows of a wider static table (the graphs' buffers): past-context slots hold NaN, table
+    columns past the context hold garbage block ids, and the kernel reads neither."""
+    block_size, num_heads, num_kv_heads, head_dim = 16, 16, 4, 128
+    _, cache, tables, lens = paged_case([3, 40, 600], block_size, num_kv_heads, head_dim, dtype, gen)
+    key_cache, value_cache = cache[:, LAYER, KEY], cache[:, LAYER, VALUE]
+    query = torch.randn(3, num_heads, head_dim, generator=gen, device="cuda").to(dtype)
+    expected = reference_paged_f64(query, cache, tables, lens, 0.1)
+    for seq, n in enumerate(lens.tolist()):
+        last = int(tables[seq, (n - 1) // block_size])
+        key_cache[last, (n - 1) % block_size + 1:] = float("nan")
+        value_cache[last, (n - 1) % block_size + 1:] = float("nan")
+    wide = torch.full((8, 512), 2**30, dtype=torch.int32, device="cuda")   # out of range past the context
+    wide[:3, : tables.shape[1]] = tables
+    for seq, n in enumerate(lens.tolist()):
+        wide[seq, blocks_for(n, block_size):] = 2**30
+    out = cupy_ops.paged_attention_v2(query, key_cache, value_cache, wide[:3], lens, 0.1)
+    assert rel_error(out, expected) < REL_ERROR_BOUND[dtype]
+
+
+def test_paged_attention_dispatch_takes_v2_where_it_fits(cupy_ops: ModuleType) -> None:
+    cache = torch.zeros(4, 16, 2, 128, dtype=torch.bfloat16, device="cuda")
+    assert cupy_ops.v2_supports(torch.zeros(1, 8, 128, dtype=torch.bfloat16, device="cuda"), cache, cache)
+    odd = torch.zeros(4, 16, 2, 20, dtype=torch.float16, device="cuda")   # 40-byte rows
+    assert not cupy_ops.v2_supports(torch.zeros(1, 8, 20, dtype=torch.float16, device="cuda"), odd, odd)
+    assert [cupy_ops.group_tile(g) for g in (1, 3, 4, 8, 12, 16, 7)] == [1, 3, 4, 8, 6, 8, 7]

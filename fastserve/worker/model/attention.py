@@ -44,6 +44,12 @@ def _prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              key_cache: torch.Tensor, value_cache: torch.Tensor, batch: ForwardBatch,
              scale: float) -> torch.Tensor:
     tables = batch.prefill_block_tables
+    if (tables is not None and batch.prefill_cu_q is not None and batch.prefill_cu_k is not None
+            and kernels.varlen_prefill_supported(query, key_cache)):
+        # One flash call over every prompt and chunk (a GPU with fp16/bf16).
+        return kernels.varlen_prefill_attention(query, key, value, key_cache, value_cache, batch.prefill_cu_q,
+                                                batch.prefill_cu_k, batch.prefill_max_q, batch.prefill_max_k,
+                                                batch.prefill_start_pos, tables, scale)
     # Where the kernel reads keys and values from the cache (just written above), every prefill
     # goes through it; otherwise only chunks that continue a cached prefix need the cache.
     if tables is None or not (any(batch.prefill_start_pos) or kernels.prefill_reads_cache(query, key_cache)):

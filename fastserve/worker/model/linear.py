@@ -176,6 +176,10 @@ class MergedLinear:
     the layer and packed after the weights are loaded. Before ``pack()``, or where packing does
     not apply (another device or dtype, no oneDNN, or a row count this CPU runs on ``F.linear``),
     each member multiplies on its own, exactly as without the merge.
+
+    On a GPU ``pack()`` concatenates the members' weights (and biases) into one tensor and makes
+    each member's parameter a view of its rows, so the merged GEMM costs no extra memory and a
+    checkpoint loaded afterwards still lands in it; every call is then one ``F.linear``.
     """
 
     def __init__(self, *members: ServingLinear) -> None:
@@ -183,17 +187,34 @@ class MergedLinear:
         self.widths = [m.out_features for m in members]
         self._packed: PackedWeight | None = None
         self._bias: torch.Tensor | None = None
+        self._fused: torch.Tensor | None = None
 
     def pack(self) -> bool:
-        """Pack the members' concatenated weight; False (members used one by one) where packing
-        does not apply or the members disagree on having a bias."""
+        """Pack the members' concatenated weight (on a GPU: fuse them in place, ``fuse``); False
+        (members used one by one) where packing does not apply or the members disagree on having
+        a bias."""
         with_bias = [m.bias is not None for m in self.members]
         if any(with_bias) and not all(with_bias):
             return False
+        if self.members[0].weight.is_cuda:
+            return self.fuse(all(with_bias))
         self._packed = pack_weight(torch.cat([m.weight.detach() for m in self.members]))
         if self._packed is not None and all(with_bias):
             self._bias = torch.cat([m.bias.detach() for m in self.members if m.bias is not None])
         return self._packed is not None
+
+    def fuse(self, with_bias: bool) -> bool:
+        """One weight (and bias) tensor for all members, each member's parameter a view of it."""
+        weight = torch.cat([m.weight.detach() for m in self.members])
+        bias = torch.cat([m.bias.detach() for m in self.members if m.bias is not None]) if with_bias else None
+        for m, rows in zip(self.members, weight.split(self.widths), strict=True):
+            m.weight.data = rows
+        if bias is not None:
+            for m, part in zip(self.members, bias.split(self.widths), strict=True):
+                assert m.bias is not None
+                m.bias.data = part
+        self._fused, self._bias = weight, bias
+        return True
 
     def kernel_weight(self) -> torch.Tensor | None:
         """The merged weight as ``fastserve.kernels.cpu_linear`` packed it, where it is so and has no bias."""
@@ -201,6 +222,8 @@ class MergedLinear:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each member's ``F.linear(x, weight, bias)``, in order (views of one output when merged)."""
+        if self._fused is not None:
+            return list(F.linear(x, self._fused, self._bias).split(self.widths, dim=-1))
         if self._packed is None or x.dim() != 2:
             return [m(x) for m in self.members]
         low, high = packed_row_bounds(self.members[0].weight.dtype)

@@ -50,11 +50,20 @@ class Rotary:
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None) -> None:
         # A plain attribute, not a buffer: ``module.to(float16)`` must not round the frequencies.
         self.inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        # One copy per device, made once: a copy per forward is a host-to-device transfer that
+        # waits for the device (and cannot be captured in a CUDA graph).
+        self._on_device: dict[torch.device, torch.Tensor] = {self.inv_freq.device: self.inv_freq}
+
+    def frequencies_on(self, device: torch.device) -> torch.Tensor:
+        freq = self._on_device.get(device)
+        if freq is None:
+            freq = self._on_device[device] = self.inv_freq.to(device)
+        return freq
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos`` and the signed ``sin`` (first half negated), each ``[T, 1, head_dim]`` (broadcast
         over heads), for ``positions [T]``: what ``apply`` takes."""
-        inv_freq = self.inv_freq.to(positions.device)
+        inv_freq = self.frequencies_on(positions.device)
         angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
         sin = angles.sin()
         return torch.cat((angles, angles), dim=-1)[:, None, :].cos().to(dtype), \
