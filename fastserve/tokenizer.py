@@ -182,10 +182,9 @@ def _backend(directory: Path, settings: _Settings) -> tuple[_RustTokenizer, bool
 class Tokenizer:
     """A model folder's tokenizer, offline. Thread-safe for encode/decode (the Rust core is).
 
-    Sixteen public names, on purpose: the surface of transformers' tokenizer that the server
-    uses (two constructors, eight read-only ids and facts of the folder as properties, and
-    encode/decode with their chat, batch and per-token forms); it holds nothing but the loaded
-    folder, so splitting it would only spread one object's reads over two.
+    The surface of transformers' tokenizer that the server uses: two constructors, the folder's
+    ids and facts as read-only properties, and encode/decode with their chat, batch and
+    per-token forms. It holds nothing but the loaded folder.
     """
 
     def __init__(self, directory: Path) -> None:

@@ -74,13 +74,14 @@ def cached_tokens(delta: TokenDelta) -> int:
     return 0 if delta.stats is None else delta.stats.cached_tokens
 
 
-class OpenAIServer(RequestPreparer):
+class OpenAIServer:
     """A prepared request's jobs started on the backend and their outputs answered: the
-    non-streaming body (``complete``) or the SSE stream (``sse``). Preparation (auth, parsing,
-    validation, refusals) is the base class's."""
+    non-streaming body (``complete``) or the SSE stream (``sse``). Its ``preparer`` makes a
+    request body into those jobs (auth, parsing, validation) or refuses it."""
 
     def __init__(self, ctx: ServerContext, backend: Backend, metrics: IngressMetrics | None = None) -> None:
-        super().__init__(ctx)
+        self.ctx = ctx
+        self.preparer = RequestPreparer(ctx)
         self.backend = backend
         self.metrics = metrics
 
@@ -109,7 +110,7 @@ class OpenAIServer(RequestPreparer):
             stream.cancel()
             raise
         if first.error is not None:
-            raise self.refusal(first.error, first.message, "messages" if prep.chat else "prompt")
+            raise self.preparer.refusal(first.error, first.message, "messages" if prep.chat else "prompt")
         return await self._first_output(stream)
 
     async def _first_output(self, stream: Stream) -> Stream:

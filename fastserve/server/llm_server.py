@@ -158,7 +158,7 @@ class FastServeEngine(LLMEngine):
         raw = _client_fields(request)
         server = self.server
         try:
-            prep = server.prepare_chat(raw) if chat else server.prepare_completion(raw)
+            prep = server.preparer.prepare_chat(raw) if chat else server.preparer.prepare_completion(raw)
             streams = await server.start_all(prep)
             if not prep.req.stream:
                 body = await server.complete(prep, streams)

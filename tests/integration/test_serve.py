@@ -132,7 +132,7 @@ def test_full_admission_queue_answers_429_and_aborts_free_blocks() -> None:
             held = []
             for i in range(2):   # one runs, one waits for admission (held at the scheduler's stream:
                 # the ingress itself would wait for the queued one's first output)
-                prep = server.prepare_completion(body)
+                prep = server.preparer.prepare_completion(body)
                 stream = backend.generate(prep.job)
                 accepted = await stream.__anext__()
                 assert accepted.error is None and not accepted.token_ids and not accepted.finished
@@ -199,7 +199,7 @@ def test_delivery_channel_carries_exact_tokens_one_message_per_step_and_breaking
 
         async def complete(server: OpenAIServer, prompt: str, tokens: int = 12) -> dict[str, Any]:
             body = {"model": MODEL, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
-            prep = server.prepare_completion(json.dumps(body).encode())
+            prep = server.preparer.prepare_completion(json.dumps(body).encode())
             return await server.complete(prep, await server.start(prep))
 
         def steps() -> float:
@@ -222,7 +222,7 @@ def test_delivery_channel_carries_exact_tokens_one_message_per_step_and_breaking
 
             # The channel breaks mid-job: the job fails, the scheduler aborts it and frees its blocks.
             body = {"model": MODEL, "prompt": "Go on", "max_tokens": 400, "ignore_eos": True}
-            prep = on_channel.prepare_completion(json.dumps(body).encode())
+            prep = on_channel.preparer.prepare_completion(json.dumps(body).encode())
             stream = await on_channel.start(prep)
             await client.close()
             with pytest.raises(APIError) as failed:
