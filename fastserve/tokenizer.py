@@ -17,7 +17,7 @@ This module owns:
   ``chat_template``, as in transformers) — rendering lives in ``fastserve.chat_template``;
 * `TokenizerLoadError`: a folder whose tokenizer cannot be loaded, naming the path and the reason.
 
-Streaming detokenization is ``fastserve.detokenizer.IncrementalDecoder`` (re-exported here).
+Streaming detokenization over it is ``fastserve.detokenizer.IncrementalDecoder``.
 
 Why not ``transformers.AutoTokenizer``: the ingress runs on CPU-only replicas and never imports
 torch, and ``from transformers import AutoTokenizer`` does (measured on this box: 2.5 s and
@@ -40,11 +40,9 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _RustTokenizer
 
 from fastserve.chat_template import DEFAULT_CHAT_OPTIONS, OPT_FALLBACK, ChatOptions, ChatTemplate
-from fastserve.detokenizer import IncrementalDecoder
 
 __all__ = [
     "DEFAULT_TOKENIZER_DIR",
-    "IncrementalDecoder",
     "Tokenizer",
     "TokenizerLoadError",
     "load_tokenizer",

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any, Protocol
 
+from fastserve.detokenizer import IncrementalDecoder
 from fastserve.engine.delivery import DeltaStream
 from fastserve.engine.metrics import IngressMetrics
 from fastserve.scheduler.job import JobRequest, TokenDelta
@@ -38,7 +39,6 @@ from fastserve.server.protocol_output import (
     usage,
 )
 from fastserve.server.request_limits import timed_out
-from fastserve.tokenizer import IncrementalDecoder
 
 log = logging.getLogger(__name__)
 
