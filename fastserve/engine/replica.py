@@ -12,7 +12,7 @@ travel there, one message per step, instead of on their own streams.
 It also owns executor construction (``build_executor``): in process (``ThreadedExecutor`` over
 ``InProcessExecutor``) for TP·PP = 1, else the Ray pipeline of stage-worker actors placed in this
 replica's own placement group (bundle 0 is the replica, bundle 1 + s is stage s), and the
-replica's metrics (``fastserve.engine.metrics.SchedulerMetrics``): every ``metrics_sample_interval_s``, the
+replica's metrics (``fastserve.engine.metrics.EngineMetrics``): every ``metrics_sample_interval_s``, the
 engine's per-step token counts and per-request timing since the last tick, finished jobs'
 accounting and the scheduler's state, recorded into Ray's metrics pipeline.
 """
@@ -34,7 +34,7 @@ from fastserve.config_model import resolve_path
 from fastserve.engine.async_engine import AsyncEngine, Executor, ThreadedExecutor
 from fastserve.engine.core import SyncExecutor
 from fastserve.engine.delivery import Channel, Message
-from fastserve.engine.metrics import SchedulerMetrics
+from fastserve.engine.metrics import EngineMetrics
 from fastserve.errors import AdmissionQueueFull, RequestError
 from fastserve.logs import join_serve_logs
 from fastserve.scheduler.job import JobRequest, TokenDelta
@@ -107,7 +107,7 @@ class EngineReplica:
             join_serve_logs()
         self.args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
         _check_environment(self.args.engine_env_vars())
-        self.metrics = SchedulerMetrics(self.args.model.name, max_model_len=self.args.model.context_len())
+        self.metrics = EngineMetrics(self.args.model.name, max_model_len=self.args.model.context_len())
         self.spec = self.args.engine_spec()
         executor = await build_executor(self.spec)
         # A lost pipeline (a stage worker died) is rebuilt in this replica's placement group.

@@ -97,7 +97,7 @@ def make_api(server: OpenAIServer) -> FastAPI:
     if server.ctx.allow_reset_prefix_cache:
         @api.post("/reset_prefix_cache")
         async def reset_prefix_cache(request: Request) -> JSONResponse:
-            """vLLM's endpoint: every scheduler replica forgets the cached KV blocks no job uses;
+            """vLLM's endpoint: every engine replica forgets the cached KV blocks no job uses;
             503 if one does not answer within ``server.reset_timeout_s``. Only when
             ``server.allow_reset_prefix_cache`` is on."""
             server.preparer.check_auth(request.headers.get("authorization"))

@@ -96,7 +96,7 @@ class LocalStream:
 
 
 def test_full_admission_queue_answers_429_and_aborts_free_blocks() -> None:
-    from fastserve.engine.metrics import SchedulerMetrics
+    from fastserve.engine.metrics import EngineMetrics
     from fastserve.engine.replica import EngineReplica
     from fastserve.server.http_api import make_api
     from fastserve.server.ingress import OpenAIServer
@@ -109,7 +109,7 @@ def test_full_admission_queue_answers_429_and_aborts_free_blocks() -> None:
 
     async def run() -> None:
         replica = await EngineReplica.create(raw)
-        replica.metrics = SchedulerMetrics(MODEL, FakeSink)   # read back below
+        replica.metrics = EngineMetrics(MODEL, FakeSink)   # read back below
         recorded = replica.metrics._sinks
 
         class Backend:
@@ -336,25 +336,6 @@ def test_two_model_copies_each_with_a_ray_pipeline(tmp_path: Path) -> None:
         assert got == [e for e in expected for _ in range(2)]
         m = wait_metrics(srv, lambda m: len(m.replicas("fastserve:num_requests_running")) == 2)
         assert len(m.replicas("fastserve:num_requests_running")) == 2   # both model copies record
-
-
-def test_a_config_naming_the_deprecated_scheduler_deployment_still_deploys(tmp_path: Path) -> None:
-    """A config written before the engine deployment's rename (``deployments: [{name: Scheduler}]``)
-    serves for one more release: the engine deployment takes the old name, the entry's options
-    apply to it, and the build logs the deprecation. Runs before the demo server starts."""
-    from ray.serve.context import _get_global_client
-
-    config = dummy_opt_yaml()
-    options = engine_options(config)
-    options.update(name="Scheduler", max_ongoing_requests=512)
-    with serve_app(tmp_path, config) as srv:   # up once a first completion has answered
-        assert len(greedy(srv, "Hello", 3)) == 3
-        with driver(srv):
-            deployments = _get_global_client().get_serve_details()["applications"]["fastserve"]["deployments"]
-        assert sorted(deployments) == ["Ingress", "Scheduler"]
-        assert deployments["Scheduler"]["deployment_config"]["max_ongoing_requests"] == 512
-        assert ("deployments: names 'Scheduler', the engine deployment's deprecated name: it is 'Engine' now"
-                in srv.log.read_text(errors="replace"))
 
 
 @pytest.fixture(scope="module")
@@ -628,12 +609,12 @@ def test_gauges_match_the_schedulers_own_state_at_a_quiet_point(server: Server) 
 
 
 def test_metrics_families_have_their_types_and_parse(server: Server) -> None:
-    from fastserve.engine.metrics import INGRESS_FAMILIES, SCHEDULER_FAMILIES
+    from fastserve.engine.metrics import ENGINE_FAMILIES, INGRESS_FAMILIES
 
     resp = httpx.get(server.url("/metrics"), timeout=30)
     assert resp.headers["content-type"].startswith("text/plain")
     m = Scrape.parse(resp.text)   # prometheus_client's parser accepts the whole answer
-    declared = {f"fastserve:{suffix}": f.kind for suffix, f in {**SCHEDULER_FAMILIES, **INGRESS_FAMILIES}.items()}
+    declared = {f"fastserve:{suffix}": f.kind for suffix, f in {**ENGINE_FAMILIES, **INGRESS_FAMILIES}.items()}
     assert set(m.types) <= set(declared)   # ours only: Ray's and Serve's own stay on the agents
     for name, kind in m.types.items():
         assert kind == declared[name], name

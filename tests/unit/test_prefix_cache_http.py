@@ -41,7 +41,7 @@ def test_reset_prefix_cache_is_offered_only_when_allowed() -> None:
 
 
 class UnansweredReset(ScriptedBackend):
-    """A scheduler replica did not answer the broadcast within ``server.reset_timeout_s``."""
+    """An engine replica did not answer the broadcast within ``server.reset_timeout_s``."""
 
     async def reset_prefix_cache(self) -> dict[str, object]:
         raise TimeoutError("Timed out waiting for broadcast results.")
