@@ -26,8 +26,8 @@ from dataclasses import replace
 from typing import Any
 
 from fastserve.bench.race import cpu_model
-from fastserve.engine.delivery import Channel, ChannelClient, MessageStream
-from fastserve.scheduler.job import TokenDelta
+from fastserve.engine.delivery import Accepted, Channel, ChannelClient, JobEvent, JobStream, Message, ServeStream
+from fastserve.scheduler.job import Finish, TokenDelta
 
 MODES = ("per_job", "channel")
 STAND_IN_REPLICA = "stand-in"
@@ -55,27 +55,27 @@ class StandInEngine:
             self.steps += 1
             for job_id, (queue, channel, left) in list(self._queues.items()):
                 left[0] -= 1
-                delta = TokenDelta(job_id, (7,), "length" if left[0] == 0 else None)
+                delta = TokenDelta(job_id, (7,), Finish("length") if left[0] == 0 else None)
                 if queue is not None:
                     queue.put_nowait(delta)
                 elif channel is not None:
-                    channel.put(delta)
+                    channel.put_nowait(delta)
                 if left[0] == 0:
                     del self._queues[job_id]
 
-    async def generate(self, job_id: str, tokens: int, ingress_id: str = "") -> AsyncIterator[TokenDelta]:
+    async def generate(self, job_id: str, tokens: int, ingress_id: str = "") -> AsyncIterator[JobEvent]:
         channel = self._channels.get(ingress_id) if ingress_id else None
         if channel is not None and channel.closed:
             channel = None
         if channel is not None:
-            channel.sink(job_id)
+            channel.open(job_id)
             self._queues[job_id] = (None, channel, [tokens])
-            yield TokenDelta(job_id, replica_id=STAND_IN_REPLICA, channel_id=channel.channel_id)
+            yield Accepted(job_id, STAND_IN_REPLICA, channel.channel_id)
             await channel.wait_done(job_id)
             return
         queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
         self._queues[job_id] = (queue, None, [tokens])
-        yield TokenDelta(job_id, replica_id=STAND_IN_REPLICA if ingress_id else "")
+        yield Accepted(job_id, STAND_IN_REPLICA if ingress_id else "")
         while True:
             batch = [await queue.get()]
             while not queue.empty():
@@ -86,7 +86,7 @@ class StandInEngine:
                 return
 
     async def subscribe(self, ingress_id: str, channel_id: str,
-                        pinned_replica: str) -> AsyncIterator[tuple[TokenDelta, ...]]:
+                        pinned_replica: str) -> AsyncIterator[Message]:
         channel = Channel(channel_id, idle_close_s=IDLE_CLOSE_S)
         self._channels[ingress_id] = channel
         yield ()
@@ -106,9 +106,10 @@ async def run_round(handle: Any, client: ChannelClient | None, concurrency: int,
     async def one() -> None:
         job_id = uuid.uuid4().hex
         if client is None:
-            stream: Any = generate.remote(job_id, tokens)
+            stream = JobStream(job_id, generate.remote(job_id, tokens))
         else:
             stream = client.submit(job_id, lambda: generate.remote(job_id, tokens, client.ingress_id))
+        await stream.start()
         async for delta in stream:
             if delta.token_ids:
                 now = time.time()
@@ -122,8 +123,9 @@ async def measure(handle: Any, concurrency: int, args: argparse.Namespace) -> di
     """Warm both paths, then ``args.rounds`` rounds of each mode, alternating which goes first."""
     subscribe = handle.options(stream=True).subscribe
 
-    def open_channel(ingress: str, replica_id: str, channel_id: str) -> MessageStream:
-        stream: MessageStream = subscribe.remote(ingress_id=ingress, channel_id=channel_id, pinned_replica=replica_id)
+    def open_channel(ingress: str, replica_id: str, channel_id: str) -> ServeStream[Message]:
+        stream: ServeStream[Message] = subscribe.remote(ingress_id=ingress, channel_id=channel_id,
+                                                        pinned_replica=replica_id)
         return stream
 
     client = ChannelClient(uuid.uuid4().hex, open_channel, OPEN_TIMEOUT_S)

@@ -29,7 +29,7 @@ from fastserve.scheduler.batcher import BatchPlanner
 from fastserve.scheduler.checks import check_scheduler, scheduler_stats
 from fastserve.scheduler.config import KVCacheConfig, SchedulerConfig
 from fastserve.scheduler.decision import Decision
-from fastserve.scheduler.job import Job, JobRequest, JobState, JobStats, TokenDelta
+from fastserve.scheduler.job import Finish, Job, JobRequest, JobState, JobStats, TokenDelta
 from fastserve.scheduler.memory import MemoryPlanner
 from fastserve.scheduler.policies import Policy
 from fastserve.scheduler.profile import Profile
@@ -227,8 +227,8 @@ class Scheduler:
                 self.applier.waste(job, served, now)
                 continue
             reason = self.applier.advance(job, token, served, now)
-            deltas.append(TokenDelta.token(job_id, token, reason, job.stats if reason else None,
-                                           output.logprobs.get(job_id)))
+            finish = Finish(reason, job.stats) if reason is not None else None
+            deltas.append(TokenDelta.token(job_id, token, finish, output.logprobs.get(job_id)))
         self.applier.settle(settled, now)
         return deltas
 
@@ -265,4 +265,4 @@ class Scheduler:
 
     def _fail_job(self, job: Job, now: float) -> TokenDelta:
         self.applier.fail_job(job, now)
-        return TokenDelta(job.job_id, finish_reason="error", stats=job.stats)
+        return TokenDelta.ended(job.job_id, "error", job.stats)

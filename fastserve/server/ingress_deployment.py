@@ -16,12 +16,12 @@ from fastapi import FastAPI
 from ray import serve
 
 from fastserve.config import AppArgs
-from fastserve.engine.delivery import ChannelClient, MessageStream
+from fastserve.engine.delivery import ChannelClient, JobStream, Message, ServeStream
 from fastserve.engine.metrics import IngressMetrics
 from fastserve.logs import join_serve_logs
 from fastserve.scheduler.job import JobRequest
 from fastserve.server.http_api import make_api
-from fastserve.server.ingress import OpenAIServer, Stream
+from fastserve.server.ingress import OpenAIServer
 from fastserve.server.ingress_requests import ServerContext
 from fastserve.server.metrics_export import AgentMetrics
 from fastserve.server.routing import PIN_KWARG
@@ -46,11 +46,10 @@ class ServeBackend:
         self._metrics = metrics
         self.channels = channels
 
-    def generate(self, req: JobRequest) -> Stream:
+    def generate(self, req: JobRequest) -> JobStream:
         channels = self.channels
         if channels is None:
-            stream: Stream = self._generate.remote(req)
-            return stream
+            return JobStream(req.job_id, self._generate.remote(req))
         return channels.submit(req.job_id, lambda: self._generate.remote(req, channels.ingress_id))
 
     async def metrics_text(self) -> str:
@@ -76,8 +75,8 @@ def channel_client(engine: Any, ingress_id: str, open_timeout_s: float) -> Chann
     """This ingress replica's delivery channels over the Engine deployment's handle."""
     subscribe = engine.options(stream=True).subscribe
 
-    def open_channel(ingress: str, replica_id: str, channel_id: str) -> MessageStream:
-        stream: MessageStream = subscribe.remote(ingress_id=ingress, channel_id=channel_id,
+    def open_channel(ingress: str, replica_id: str, channel_id: str) -> ServeStream[Message]:
+        stream: ServeStream[Message] = subscribe.remote(ingress_id=ingress, channel_id=channel_id,
                                                  **{PIN_KWARG: replica_id})
         return stream
 

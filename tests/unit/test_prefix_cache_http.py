@@ -7,13 +7,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 from fastserve.config_server import ServerArgs
-from fastserve.scheduler.job import TokenDelta
+from fastserve.scheduler.job import Finish, TokenDelta
 from tests.harness.http_backends import STATS, ScriptedBackend, post, sse_events
 
 
 def backend(cached: int) -> ScriptedBackend:
     stats = replace(STATS, cached_tokens=cached)
-    return ScriptedBackend(lambda req: [TokenDelta(req.job_id, (5,), "length", stats)])
+    return ScriptedBackend(lambda req: [TokenDelta(req.job_id, (5,), Finish("length", stats))])
 
 
 BODY = {"model": "opt-125m", "prompt": "hello there", "max_tokens": 1}

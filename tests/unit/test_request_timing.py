@@ -16,7 +16,7 @@ import pytest
 from fastserve.engine.async_engine import AsyncEngine
 from fastserve.engine.metrics import EngineMetrics
 from fastserve.engine.request_timing import RequestTimer, TimingBatch
-from fastserve.scheduler.job import TokenDelta
+from fastserve.scheduler.job import Finish, TokenDelta
 from fastserve.worker.messages import BatchPlan, StepOutput
 from tests.harness.metric_sinks import FakeSink, sinks
 from tests.harness.scheduling import TOKEN, make, req
@@ -135,7 +135,7 @@ def test_an_aborted_job_counts_its_tokens_but_records_no_latency() -> None:
     timer.scheduled(["x"], 1.5)
     timer.step([TokenDelta("x", (7,))], 2.0)
     timer.step([TokenDelta("x", (7,)), TokenDelta("unknown", (1,))], 2.25)
-    timer.step([TokenDelta("x", finish_reason="abort")], 3.0)
+    timer.step([TokenDelta.ended("x", "abort")], 3.0)
     batch = timer.drain()
     assert (batch.prompt_tokens, batch.generation_tokens, batch.ttfts, batch.itls) == (5, 2, [1.0], [0.25])
     assert batch.finished == [] and len(timer) == 0
@@ -148,7 +148,7 @@ def test_a_one_token_answer_has_no_time_per_output_token(reason: str) -> None:
     timer.added("x", 0.0, 3)
     timer.scheduled(["x"], 0.5)
     timer.scheduled(["x"], 0.75)   # a later plan (after a preemption) does not move it
-    timer.step([TokenDelta("x", (2,), reason)], 1.0)   # type: ignore[arg-type]
+    timer.step([TokenDelta("x", (2,), Finish(reason))], 1.0)   # type: ignore[arg-type]
     (f,) = timer.drain().finished
     assert (f.queue_s, f.prefill_s, f.decode_s, f.time_per_output_token_s) == (0.5, 0.5, 0.0, None)
     m = EngineMetrics(MODEL, FakeSink)

@@ -14,6 +14,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fastserve.engine.delivery import Accepted, JobStream
 from fastserve.engine.metrics import (
     ENGINE_FAMILIES,
     INGRESS_FAMILIES,
@@ -23,7 +24,7 @@ from fastserve.engine.metrics import (
     IngressMetrics,
     length_buckets,
 )
-from fastserve.scheduler.job import JobStats, TokenDelta
+from fastserve.scheduler.job import JobStats
 from fastserve.server.http_api import make_api
 from fastserve.server.ingress import OpenAIServer
 from fastserve.server.ingress_requests import ServerContext
@@ -148,8 +149,8 @@ def test_ingress_records_how_each_request_ended_for_its_client() -> None:
     assert ingress_outcomes(FakeBackend(TEXT_IDS), {"stop": ["world"]}) == {(("finished_reason", "stop"),): 1.0}
 
     class Broken(FakeBackend):
-        def generate(self, req: Any) -> FakeStream:
-            return FakeStream([TokenDelta("j")])   # ends without a finish
+        def generate(self, req: Any) -> JobStream:
+            return FakeStream([Accepted("j")]).read()   # ends without a finish
     assert ingress_outcomes(Broken(TEXT_IDS), {"stream": True}) == {(("finished_reason", "error"),): 1.0}
 
 
