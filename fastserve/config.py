@@ -29,7 +29,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from fastserve.config_drain import DrainArgs, graceful_shutdown_timeout_s
+from fastserve.config_drain import DrainArgs, profile_tpot_s
 from fastserve.config_layout import ParallelArgs
 from fastserve.config_model import ModelArgs, ProfileArgs, Strict, resolve_path
 from fastserve.config_server import ServerArgs
@@ -201,7 +201,16 @@ class AppArgs(Strict):
             actor_options["runtime_env"] = {"env_vars": env}
         return {**ENGINE_DEFAULTS, "ray_actor_options": actor_options,
                 "placement_group_bundles": self.placement_group_bundles(),
-                "graceful_shutdown_timeout_s": graceful_shutdown_timeout_s(self)}
+                "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s()}
+
+    def graceful_shutdown_timeout_s(self) -> float:
+        """How long a replica being replaced may drain (``fastserve.config_drain``): a stream of
+        the model's context length at the profile's decode step at a full batch, unless the
+        ``drain:`` section says otherwise."""
+        d = self.drain
+        context = d.max_tokens if d.max_tokens is not None else self.model.context_len()
+        tpot = d.tpot_s if d.tpot_s is not None else profile_tpot_s(self.profile.path, self.scheduler.max_batch_size)
+        return d.timeout_s(context, tpot, self.server.request_timeout_s)
 
     def engine_env_vars(self) -> dict[str, str]:
         """Environment an Engine replica needs before it loads torch (its stage workers inherit
@@ -211,7 +220,7 @@ class AppArgs(Strict):
 
     def ingress_deployment_defaults(self) -> dict[str, Any]:
         """Serve options of the ``Ingress`` deployment: it drains a stream as long as the Engine."""
-        return {**INGRESS_DEFAULTS, "graceful_shutdown_timeout_s": graceful_shutdown_timeout_s(self)}
+        return {**INGRESS_DEFAULTS, "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s()}
 
 
 #: Serve options the builder gives the ``Ingress`` deployment; the YAML's ``deployments:``

@@ -21,15 +21,11 @@ per deployment.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fastserve.config_model import resolve_path
 from fastserve.scheduler.profile import Profile
-
-if TYPE_CHECKING:
-    from fastserve.config import AppArgs
-
 
 #: Multiplier over max_tokens × tpot_s (other jobs' prefills, MLFQ waits, swaps).
 DEFAULT_SLACK = 1.5
@@ -48,21 +44,18 @@ class DrainArgs(BaseModel):
     #: Never drain for less (Serve's own default is 20 s for an ingress).
     min_s: float = Field(default=5.0, gt=0)
 
-
-def graceful_shutdown_timeout_s(args: AppArgs) -> float:
-    """Serve's ``graceful_shutdown_timeout_s`` for ``args`` (whole seconds)."""
-    d = args.drain
-    max_tokens = d.max_tokens if d.max_tokens is not None else args.model.context_len()
-    tpot = d.tpot_s if d.tpot_s is not None else _profile_tpot(args)
-    sized = float(math.ceil(d.slack * max_tokens * tpot))
-    return max(d.min_s, min(args.server.request_timeout_s, sized))
+    def timeout_s(self, max_tokens: int, tpot_s: float, request_timeout_s: float) -> float:
+        """Serve's ``graceful_shutdown_timeout_s`` (whole seconds) for a stream of ``max_tokens``
+        at ``tpot_s`` (this section's or their defaults, ``AppArgs.graceful_shutdown_timeout_s``),
+        never past ``request_timeout_s``."""
+        sized = float(math.ceil(self.slack * max_tokens * tpot_s))
+        return max(self.min_s, min(request_timeout_s, sized))
 
 
-def _profile_tpot(args: AppArgs) -> float:
-    from fastserve.config import resolve_path
-
-    path = resolve_path(args.profile.path)
+def profile_tpot_s(profile_path: str, max_batch_size: int) -> float:
+    """The profile's decode step at ``max_batch_size``: ``drain.tpot_s``'s default."""
+    path = resolve_path(profile_path)
     if not path.is_file():
-        raise ValueError(f"drain.tpot_s is unset and the profile {args.profile.path} it defaults from "
+        raise ValueError(f"drain.tpot_s is unset and the profile {profile_path} it defaults from "
                          "is not on disk: set drain.tpot_s (seconds per output token)")
-    return Profile.load(path).t_dec(args.scheduler.max_batch_size)
+    return Profile.load(path).t_dec(max_batch_size)

@@ -16,12 +16,10 @@ renders them. Nothing here imports torch.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
 from tokenizers.decoders import DecodeStream
 
-if TYPE_CHECKING:
-    from fastserve.tokenizer import Tokenizer
+from fastserve.tokenizer import Tokenizer
 
 __all__ = ["IncrementalDecoder"]
 

@@ -17,7 +17,7 @@ This module owns:
   ``chat_template``, as in transformers) — rendering lives in ``fastserve.chat_template``;
 * `TokenizerLoadError`: a folder whose tokenizer cannot be loaded, naming the path and the reason.
 
-Streaming detokenization is ``fastserve.detokenizer.IncrementalDecoder`` (re-exported here).
+Streaming detokenization over it is ``fastserve.detokenizer.IncrementalDecoder``.
 
 Why not ``transformers.AutoTokenizer``: the ingress runs on CPU-only replicas and never imports
 torch, and ``from transformers import AutoTokenizer`` does (measured on this box: 2.5 s and
@@ -40,11 +40,9 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _RustTokenizer
 
 from fastserve.chat_template import DEFAULT_CHAT_OPTIONS, OPT_FALLBACK, ChatOptions, ChatTemplate
-from fastserve.detokenizer import IncrementalDecoder
 
 __all__ = [
     "DEFAULT_TOKENIZER_DIR",
-    "IncrementalDecoder",
     "Tokenizer",
     "TokenizerLoadError",
     "load_tokenizer",
@@ -182,10 +180,9 @@ def _backend(directory: Path, settings: _Settings) -> tuple[_RustTokenizer, bool
 class Tokenizer:
     """A model folder's tokenizer, offline. Thread-safe for encode/decode (the Rust core is).
 
-    Sixteen public names, on purpose: the surface of transformers' tokenizer that the server
-    uses (two constructors, eight read-only ids and facts of the folder as properties, and
-    encode/decode with their chat, batch and per-token forms); it holds nothing but the loaded
-    folder, so splitting it would only spread one object's reads over two.
+    The surface of transformers' tokenizer that the server uses: two constructors, the folder's
+    ids and facts as read-only properties, and encode/decode with their chat, batch and
+    per-token forms. It holds nothing but the loaded folder.
     """
 
     def __init__(self, directory: Path) -> None:

@@ -12,7 +12,7 @@ Three phases against one of our servers, with real ShareGPT prompts (outputs sca
 
 Per 10 s window of arrival times: requests offered, accepted (200), refused with 429 (and
 whether each carried ``Retry-After``), other errors, and the P50/P95 per-token latency of the
-admitted ones; the scheduler replica's RSS at start and end (``/debug/engine``). Prints a
+admitted ones; the engine replica's RSS at start and end (``/debug/engine``). Prints a
 table and, last, one JSON object.
 """
 

@@ -249,7 +249,7 @@ class AsyncEngine:
         self.timing.forget(job_id)
         self.core.abort(job_id)
         if sink is not None:
-            sink.put_nowait(TokenDelta(job_id, finish_reason="abort"))
+            sink.put_nowait(TokenDelta.ended(job_id, "abort"))
         self._wake.set()
 
     # ---- the loop ------------------------------------------------------------------------
@@ -262,7 +262,7 @@ class AsyncEngine:
             # A scheduler bug must not leave callers waiting forever.
             log.exception("engine loop crashed; failing every open request")
             for job_id, sink in list(self._sinks.items()):
-                sink.put_nowait(TokenDelta(job_id, finish_reason="error"))
+                sink.put_nowait(TokenDelta.ended(job_id, "error"))
             self._sinks.clear()
             self.timing = RequestTimer()
             raise

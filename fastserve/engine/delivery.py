@@ -1,27 +1,34 @@
-"""Delivery channels: one message per engine step per ingress replica, instead of one per job.
+"""How a job's events reach the ingress: its own Serve stream, and the delivery channels.
 
-A job's tokens used to travel on its own Serve stream: at batch 16 a step sent 16 stream items,
-each a Ray object and an RPC through two busy processes. An ingress replica now opens one
-long-lived stream to each engine replica it has jobs on (``EngineReplica.subscribe``,
-routed to that replica by ``fastserve.server.routing``); the engine replica puts every job of that ingress
-replica into its ``Channel``, which sends the deltas of each step as one message.
+A job's stream (``EngineReplica.generate``) opens with ``Accepted``, or its only event,
+``Refused`` (with the ``ErrorCode`` that picks the HTTP answer); then come its ``TokenDelta``s,
+the last with its ``Finish``. Once an ingress replica has a channel open to the engine replica
+(``EngineReplica.subscribe``, routed to it by ``fastserve.server.routing``), its jobs' deltas
+travel there instead, every job's in one message per engine step; their own streams stay open,
+silent, so cancelling one still aborts its job (client gone, stop string), and Serve still routes,
+counts and drains by them. One stream per job for everything would cost one stream item per job
+per step: 3.8-5.4x the engine replica's CPU per step at 16-64 jobs, and a delay that grows with
+the batch (``fastserve.bench.delivery_bench``, docs/benchmarks.md).
 
 Owns both ends, and neither imports ray:
 
-- ``Channel`` (engine replica): a ``DeltaSink`` per job, one message per wake-up holding the
-  deltas put since the last one (one per job, merged), and which jobs are still open on it.
-- ``ChannelClient`` (ingress replica): its open channels (one per engine replica), the
-  routes from job id to the queue its request reads, and ``JobStream``, the ``Stream`` an HTTP
-  request reads: the job's accepted event from its own Serve stream, then its tokens from the
-  channel, or from its own stream when the job was accepted without one.
+- the stream's events (``Accepted``, ``Refused``; the scheduler's ``TokenDelta``), ``ServeStream``
+  (what a Serve streaming call looks like; ``LocalStream`` is one over an engine replica in this
+  process) and ``DeliveryDelay`` (emitting to reading, measured at the ingress);
+- ``Channel`` (engine replica): where the engine puts the deltas of the jobs on it (a
+  ``DeltaSink``), sent as one message per wake-up (one per job, merged), and which jobs are still
+  open on it;
+- ``ChannelClient`` (ingress replica): its open channels (one per engine replica) and the routes
+  from job id to the queue its request reads;
+- ``JobStream`` (ingress replica): the one stream an HTTP request reads — ``start`` reads the
+  accepted or refused event, then the job's deltas come from its channel or its own stream.
 
-A job is put on a channel when it is accepted, or never: its events then all travel on one
-ordered stream. Its own Serve stream stays open until it ends, so cancelling that stream still
-aborts the job (client gone, stop string). A channel that breaks fails the jobs on it (``error``)
-at both ends: the scheduler aborts them, the ingress ends their requests. A channel with no job
-on it for ``server.channel_idle_close_s`` is ended by the engine replica (its ``subscribe``
-call returns), so an idle channel never holds a replica that Serve is draining; the ingress opens
-a new one with the next job accepted there.
+A job is put on a channel when it is accepted, or never: its deltas then all travel on one
+ordered stream. A channel that breaks fails the jobs on it (``error``) at both ends: the
+scheduler aborts them, the ingress ends their requests. A channel with no job on it for
+``server.channel_idle_close_s`` is ended by the engine replica (its ``subscribe`` call returns),
+so an idle channel never holds a replica that Serve is draining; the ingress opens a new one with
+the next job accepted there.
 """
 
 from __future__ import annotations
@@ -32,50 +39,91 @@ import contextvars
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import replace
-from typing import Protocol
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import Generic, Protocol, TypeVar
 
+from fastserve.errors import ErrorCode
 from fastserve.scheduler.job import TokenDelta
 
 log = logging.getLogger(__name__)
 
+
+@dataclass(frozen=True)
+class Accepted:
+    """A job's first event: the engine replica ``replica_id`` took it. Its deltas follow on the
+    caller's delivery channel ``channel_id`` or, with none (empty), on this stream."""
+
+    job_id: str
+    replica_id: str = ""
+    channel_id: str = ""
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A job's only event when the engine would not take it: why, and the ``ErrorCode`` that
+    picks the HTTP answer (admission queue full → 429, invalid → 400, ...)."""
+
+    job_id: str
+    code: ErrorCode
+    message: str
+
+
+#: What a job's own stream carries: ``Accepted`` or ``Refused`` first, then ``TokenDelta``s.
+JobEvent = Accepted | Refused | TokenDelta
 #: One channel message: the deltas of one or more steps, one per job.
 Message = tuple[TokenDelta, ...]
 
-
-class MessageStream(Protocol):
-    """A Serve stream of channel messages (the handle's ``subscribe`` call), cancellable."""
-
-    def __aiter__(self) -> AsyncIterator[Message]: ...
-
-    def __anext__(self) -> Awaitable[Message]: ...
-
-    def cancel(self) -> None: ...
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
 
-class DeltaStream(Protocol):
-    """A stream of one job's ``TokenDelta``s that can be cancelled: its own Serve stream (the
-    handle's ``generate`` call), or the ``JobStream`` over it that the ingress reads."""
+class ServeStream(Protocol[T_co]):
+    """A Serve streaming call's response (a handle's ``generate`` or ``subscribe``): an async
+    iterator that can be cancelled (which cancels the call on the replica)."""
 
-    def __aiter__(self) -> AsyncIterator[TokenDelta]: ...
+    def __aiter__(self) -> AsyncIterator[T_co]: ...
 
-    def __anext__(self) -> Awaitable[TokenDelta]: ...
+    def __anext__(self) -> Awaitable[T_co]: ...
 
     def cancel(self) -> None: ...
+
+
+class LocalStream(Generic[T]):
+    """An engine replica's stream (``generate``, ``subscribe``) in this process, cancellable like
+    a Serve stream."""
+
+    def __init__(self, gen: AsyncGenerator[T, None]) -> None:
+        self._gen = gen
+
+    def __aiter__(self) -> LocalStream[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        return await self._gen.__anext__()
+
+    def cancel(self) -> None:
+        # aclose() runs the generator's cleanup, which aborts the job and frees its blocks.
+        asyncio.ensure_future(self._gen.aclose())
+
+
+@dataclass
+class DeliveryDelay:
+    """Mean seconds from an engine replica emitting a delta to the ingress reading it."""
+
+    total: float = 0.0
+    count: int = 0
+
+    def observe(self, emitted_at: float) -> None:
+        if emitted_at > 0:
+            self.total += max(time.time() - emitted_at, 0.0)
+            self.count += 1
+
+    def mean(self) -> float | None:
+        return self.total / self.count if self.count else None
 
 
 # ---- the engine replica's end ---------------------------------------------------------------
-
-class _JobSink:
-    """The engine's ``DeltaSink`` for one job on a channel."""
-
-    def __init__(self, channel: Channel) -> None:
-        self._channel = channel
-
-    def put_nowait(self, delta: TokenDelta) -> None:
-        self._channel.put(delta)
-
 
 class Channel:
     """One ingress replica's channel in an engine replica (one ``subscribe`` call)."""
@@ -91,15 +139,15 @@ class Channel:
         self._open: dict[str, asyncio.Event] = {}   # job id → set when its last delta is put
         self.closed = False
 
-    def sink(self, job_id: str) -> _JobSink:
-        """Where the engine puts ``job_id``'s deltas; ``wait_done(job_id)`` waits for the last."""
+    def open(self, job_id: str) -> None:
+        """``job_id``'s deltas will be put here (``put_nowait``, the engine's ``DeltaSink``);
+        ``wait_done(job_id)`` waits for the last."""
         if self.closed:
             raise RuntimeError(f"channel {self.channel_id} is closed")
         self._open[job_id] = asyncio.Event()
-        return _JobSink(self)
 
     def forget(self, job_id: str) -> None:
-        """A job that was given a sink but never submitted (the engine refused it)."""
+        """A job that was opened here but never submitted (the engine refused it)."""
         self._open.pop(job_id, None)
 
     @property
@@ -107,7 +155,7 @@ class Channel:
         """The jobs on this channel that have not ended."""
         return list(self._open)
 
-    def put(self, delta: TokenDelta) -> None:
+    def put_nowait(self, delta: TokenDelta) -> None:
         self._pending.append(delta)
         self._wake.set()
         if delta.finished and (done := self._open.pop(delta.job_id, None)) is not None:
@@ -146,7 +194,7 @@ class Channel:
         try:
             await asyncio.wait_for(self._wake.wait(), self.idle_close_s)
         except TimeoutError:
-            return bool(self._open or self._pending)   # a job given a sink meanwhile keeps it
+            return bool(self._open or self._pending)   # a job opened meanwhile keeps it
         return True
 
     def close(self) -> None:
@@ -169,7 +217,7 @@ def merged_by_job(deltas: list[TokenDelta], emitted_at: float) -> Message:
 # ---- the ingress replica's end -----------------------------------------------------------------
 
 #: Opens a channel: (ingress replica id, engine replica id, channel id) → its message stream.
-OpenChannel = Callable[[str, str, str], MessageStream]
+OpenChannel = Callable[[str, str, str], ServeStream[Message]]
 
 
 class ChannelClient:
@@ -195,8 +243,8 @@ class ChannelClient:
     def live_channels(self) -> dict[str, str]:
         return dict(self._live)
 
-    def submit(self, job_id: str, submit: Callable[[], DeltaStream]) -> JobStream:
-        """Submit ``job_id`` (``submit()`` sends it, returning its own stream); the ``Stream`` its
+    def submit(self, job_id: str, submit: Callable[[], ServeStream[JobEvent]]) -> JobStream:
+        """Submit ``job_id`` (``submit()`` sends it, returning its own stream); the stream its
         HTTP request reads. Its route exists first: a channel may carry its tokens before the
         job's own stream brings its accepted event."""
         queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
@@ -267,7 +315,7 @@ class ChannelClient:
             for job_id in self._on_channel.pop(channel_id, set()):
                 queue = self._routes.get(job_id)
                 if queue is not None:
-                    queue.put_nowait(TokenDelta(job_id, finish_reason="error"))
+                    queue.put_nowait(TokenDelta.ended(job_id, "error"))
 
     async def close(self) -> None:
         readers = list(self._readers.values())
@@ -279,52 +327,104 @@ class ChannelClient:
 
 
 class JobStream:
-    """One job's events as its request reads them (``fastserve.server.ingress.Stream``)."""
+    """One job's stream as its HTTP request reads it: ``start`` reads whether the engine took
+    the job; then its ``TokenDelta``s, from its ingress replica's channel or its own stream;
+    ``peek`` waits for the next without taking it; ``cancel`` aborts the job."""
 
-    def __init__(self, job_id: str, job_stream: DeltaStream, client: ChannelClient,
-                 queue: asyncio.Queue[TokenDelta]) -> None:
+    def __init__(self, job_id: str, own: ServeStream[JobEvent], client: ChannelClient | None = None,
+                 queue: asyncio.Queue[TokenDelta] | None = None) -> None:
         self.job_id = job_id
-        self._job_stream = job_stream
+        self._own = own
         self._client = client
         self._queue = queue
+        self._started = False
         self._on_channel = False
+        self._held: TokenDelta | None = None
         self._done = False
+
+    async def start(self) -> Refused | None:
+        """Read the job's first event: None once the engine accepted it (its deltas' route is
+        then set), else its ``Refused`` (the stream is over)."""
+        self._started = True
+        try:
+            event = await self._own.__anext__()
+        except BaseException:
+            self._end()
+            raise
+        if isinstance(event, Refused):
+            self._end()
+            return event
+        if not isinstance(event, Accepted):
+            self._end()
+            raise RuntimeError(f"job {self.job_id}: its stream opened with {event!r}, not Accepted or Refused")
+        self._accepted(event)
+        return None
+
+    @property
+    def on_channel(self) -> bool:
+        """Its deltas come on its ingress replica's delivery channel (known once started)."""
+        return self._on_channel
 
     def __aiter__(self) -> JobStream:
         return self
 
     async def __anext__(self) -> TokenDelta:
+        if not self._started and await self.start() is not None:
+            raise StopAsyncIteration   # refused: nothing to read
+        if self._held is not None:
+            delta, self._held = self._held, None
+            return delta
+        return await self._next()
+
+    async def peek(self) -> TokenDelta | None:
+        """The next delta, kept for the next read (None: the stream ended without one)."""
+        if self._held is None:
+            try:
+                self._held = await self.__anext__()
+            except StopAsyncIteration:
+                return None
+        return self._held
+
+    async def _next(self) -> TokenDelta:
         if self._done:
             raise StopAsyncIteration
         if self._on_channel:
+            assert self._queue is not None
             delta = await self._queue.get()
         else:
             try:
-                delta = await self._job_stream.__anext__()
+                event = await self._own.__anext__()
             except BaseException:
                 self._end()
                 raise
-            if not delta.token_ids and not delta.finished:
-                self._accepted(delta)
+            if not isinstance(event, TokenDelta):
+                self._end()
+                raise RuntimeError(f"job {self.job_id}: {event!r} after its stream opened")
+            delta = event
         if delta.finished:
             self._end()
         return delta
 
-    def _accepted(self, delta: TokenDelta) -> None:
-        if not delta.channel_id:
-            self._client.drop(self.job_id)      # its tokens follow on its own stream
-            self._client.want(delta.replica_id)   # for the jobs after it
+    def _accepted(self, event: Accepted) -> None:
+        client = self._client
+        if client is None:
+            return
+        if not event.channel_id:
+            client.drop(self.job_id)      # its deltas follow on its own stream
+            client.want(event.replica_id)   # for the jobs after it
             return
         self._on_channel = True
-        if not self._client.adopt(self.job_id, delta.replica_id, delta.channel_id):
+        if not client.adopt(self.job_id, event.replica_id, event.channel_id):
             # Accepted on a channel that broke before we read this: the scheduler aborts it.
-            self._queue.put_nowait(TokenDelta(self.job_id, finish_reason="error"))
+            assert self._queue is not None
+            self._queue.put_nowait(TokenDelta.ended(self.job_id, "error"))
 
     def _end(self) -> None:
         self._done = True
-        self._client.drop(self.job_id)
+        if self._client is not None:
+            self._client.drop(self.job_id)
 
     def cancel(self) -> None:
-        """Abort the job (its own stream's cancellation reaches the scheduler)."""
-        self._job_stream.cancel()
+        """Abort the job (its own stream's cancellation reaches the engine replica)."""
+        self._own.cancel()
         self._end()

@@ -1,7 +1,7 @@
 """Prometheus metrics, recorded through Ray's metrics pipeline where the events happen.
 
 Owns the metric families (name, type, labels, buckets, help) and the two recorders that write
-them: ``SchedulerMetrics`` in each ``Engine`` replica, ``IngressMetrics`` in each ``Ingress``
+them: ``EngineMetrics`` in each ``Engine`` replica, ``IngressMetrics`` in each ``Ingress``
 replica. Both record with ``ray.serve.metrics`` (``ray.util.metrics`` plus the ``deployment``,
 ``replica`` and ``application`` tags Serve adds inside a replica), so every Ray node's metrics
 agent exports them and KubeRay's PodMonitor scrapes them. Nothing here sums across replicas.
@@ -45,7 +45,7 @@ REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
     240.0, 480.0, 960.0, 1920.0, 7680.0,
 )
 #: Buckets of the token-length histograms when the context length is not known (vLLM builds
-#: them with ``length_buckets(max_model_len)``; ``SchedulerMetrics`` does too).
+#: them with ``length_buckets(max_model_len)``; ``EngineMetrics`` does too).
 DEFAULT_MAX_MODEL_LEN = 2048
 #: ENST prediction error (ours; no vLLM counterpart): from one decode step to a long wait.
 ENST_ERROR_BUCKETS: tuple[float, ...] = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -82,7 +82,7 @@ def _families(*items: Family) -> dict[str, Family]:
 
 #: Recorded in each Engine replica. vLLM's families first, then the scheduler's own.
 #: Buckets of the two token-length families are rebuilt for the model's context length.
-SCHEDULER_FAMILIES = _families(
+ENGINE_FAMILIES = _families(
     Family("num_requests_running", "gauge", "Number of requests in model execution batches."),
     Family("num_requests_waiting", "gauge", "Number of requests waiting to be processed."),
     Family("num_requests_swapped", "gauge", "Number of requests whose KV cache is swapped out to host memory."),
@@ -147,7 +147,7 @@ INGRESS_FAMILIES = _families(
 
 LENGTH_FAMILIES = ("request_prompt_tokens", "request_generation_tokens")
 
-ALL_FAMILIES: dict[str, Family] = {**SCHEDULER_FAMILIES, **INGRESS_FAMILIES}
+ALL_FAMILIES: dict[str, Family] = {**ENGINE_FAMILIES, **INGRESS_FAMILIES}
 
 
 class Sink(Protocol):
@@ -222,21 +222,21 @@ class IngressMetrics(Recorder):
         self.inc("request_success", finished_reason=finished_reason)
 
 
-def scheduler_families(max_model_len: int) -> dict[str, Family]:
-    """``SCHEDULER_FAMILIES`` with the token-length buckets of a ``max_model_len`` context."""
+def engine_families(max_model_len: int) -> dict[str, Family]:
+    """``ENGINE_FAMILIES`` with the token-length buckets of a ``max_model_len`` context."""
     buckets = length_buckets(max_model_len)
     return {suffix: replace(f, buckets=buckets) if suffix in LENGTH_FAMILIES else f
-            for suffix, f in SCHEDULER_FAMILIES.items()}
+            for suffix, f in ENGINE_FAMILIES.items()}
 
 
-class SchedulerMetrics(Recorder):
+class EngineMetrics(Recorder):
     """What one Engine replica records every sampling tick: the engine's per-step and
     per-request timing since the last tick (``record_timing``), the scheduler's accounting of
     finished jobs (``job_finished``), and its state (``sample``)."""
 
     def __init__(self, model_name: str, sink_factory: SinkFactory = ray_sink,
                  max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> None:
-        super().__init__(scheduler_families(max_model_len), model_name, sink_factory)
+        super().__init__(engine_families(max_model_len), model_name, sink_factory)
         self._mirror = CounterMirror()
 
     def record_timing(self, batch: TimingBatch) -> None:

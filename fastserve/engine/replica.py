@@ -1,18 +1,18 @@
 """The ``Engine`` deployment: one replica = one model copy, its executor and its engine loop.
 
 Owns the replica side of a request: ``EngineReplica.generate`` submits the ingress's
-``JobRequest`` to the replica's ``AsyncEngine`` and streams the job's ``TokenDelta``s back through the
-ingress's ``DeploymentHandle``; the first event says whether the job was accepted (or refused,
-with the ``ErrorCode`` that picks the HTTP answer: admission queue full → 429, invalid → 400), the
-last carries the finish reason and the job's stats (``JobStats``). A cancelled stream (client
+``JobRequest`` to the replica's ``AsyncEngine`` and streams the job's events back through the
+ingress's ``DeploymentHandle`` (``fastserve.engine.delivery``): ``Accepted``, or ``Refused`` with the
+``ErrorCode`` that picks the HTTP answer (admission queue full → 429, invalid → 400), then its
+``TokenDelta``s, the last with its ``Finish`` (reason and ``JobStats``). A cancelled stream (client
 gone, stop string matched) aborts the job, which frees its KV blocks. ``subscribe`` holds each
-ingress replica's delivery channel (``fastserve.engine.delivery``): its jobs' events after the accepted one
-travel there, one message per step, instead of on their own streams.
+ingress replica's delivery channel: its jobs' deltas travel there, one message per step, instead
+of on their own streams.
 
 It also owns executor construction (``build_executor``): in process (``ThreadedExecutor`` over
 ``InProcessExecutor``) for TP·PP = 1, else the Ray pipeline of stage-worker actors placed in this
 replica's own placement group (bundle 0 is the replica, bundle 1 + s is stage s), and the
-replica's metrics (``fastserve.engine.metrics.SchedulerMetrics``): every ``metrics_sample_interval_s``, the
+replica's metrics (``fastserve.engine.metrics.EngineMetrics``): every ``metrics_sample_interval_s``, the
 engine's per-step token counts and per-request timing since the last tick, finished jobs'
 accounting and the scheduler's state, recorded into Ray's metrics pipeline.
 """
@@ -33,8 +33,8 @@ from fastserve.config import AppArgs, ProfileMismatchWarning
 from fastserve.config_model import resolve_path
 from fastserve.engine.async_engine import AsyncEngine, Executor, ThreadedExecutor
 from fastserve.engine.core import SyncExecutor
-from fastserve.engine.delivery import Channel, Message
-from fastserve.engine.metrics import SchedulerMetrics
+from fastserve.engine.delivery import Accepted, Channel, JobEvent, Message, Refused
+from fastserve.engine.metrics import EngineMetrics
 from fastserve.errors import AdmissionQueueFull, RequestError
 from fastserve.logs import join_serve_logs
 from fastserve.scheduler.job import JobRequest, TokenDelta
@@ -107,7 +107,7 @@ class EngineReplica:
             join_serve_logs()
         self.args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
         _check_environment(self.args.engine_env_vars())
-        self.metrics = SchedulerMetrics(self.args.model.name, max_model_len=self.args.model.context_len())
+        self.metrics = EngineMetrics(self.args.model.name, max_model_len=self.args.model.context_len())
         self.spec = self.args.engine_spec()
         executor = await build_executor(self.spec)
         # A lost pipeline (a stage worker died) is rebuilt in this replica's placement group.
@@ -145,20 +145,21 @@ class EngineReplica:
     def scheduler(self) -> Scheduler:
         return self.engine.scheduler
 
-    async def generate(self, req: JobRequest, ingress_id: str = "") -> AsyncIterator[TokenDelta]:
-        """Stream one job's events: first an accepted (empty) event or a refusal with its
-        ``ErrorCode``, then its tokens, merged per read, the last with the finish and the job's
-        stats. Cancellation (the caller went away) aborts the job and frees its blocks.
+    async def generate(self, req: JobRequest, ingress_id: str = "") -> AsyncIterator[JobEvent]:
+        """Stream one job's events: ``Accepted`` or ``Refused``, then its deltas, merged per
+        read, the last with its finish. Cancellation (the caller went away) aborts the job and
+        frees its blocks.
 
-        When ``ingress_id``'s replica has a delivery channel open here, the job's events after
-        the accepted one (which names the channel) travel on the channel instead, and this stream
-        stays open, silent, until the job ends: cancelling it still aborts the job."""
+        When ``ingress_id``'s replica has a delivery channel open here, the job's deltas travel
+        on the channel instead (``Accepted`` names it), and this stream stays open, silent, until
+        the job ends: cancelling it still aborts the job."""
         channel = self._channels.get(ingress_id) if ingress_id else None
         if channel is not None and channel.closed:   # ended idle; its subscribe call is returning
             channel = None
         try:
             if channel is not None:
-                self.engine.submit_to(req, channel.sink(req.job_id))
+                channel.open(req.job_id)
+                self.engine.submit_to(req, channel)
             else:
                 stream = self.engine.submit(req)
         except RequestError as exc:
@@ -166,16 +167,16 @@ class EngineReplica:
                 channel.forget(req.job_id)
             if isinstance(exc, AdmissionQueueFull):
                 self.metrics.rejected()
-            yield TokenDelta(req.job_id, error=exc.code, message=str(exc))
+            yield Refused(req.job_id, exc.code, str(exc))
             return
         finished = False
         try:   # from here on, however the caller leaves, the job must not outlive it
             if channel is not None:
-                yield TokenDelta(req.job_id, replica_id=self.replica_id, channel_id=channel.channel_id)
+                yield Accepted(req.job_id, self.replica_id, channel.channel_id)
                 await channel.wait_done(req.job_id)
                 finished = True
                 return
-            yield TokenDelta(req.job_id, replica_id=self.replica_id)
+            yield Accepted(req.job_id, self.replica_id)
             async for delta in stream:
                 merged = TokenDelta.merge([delta, *stream.ready()])
                 finished = merged.finished

@@ -18,7 +18,7 @@ Owns what vLLM's v1 engine measures per request (``RequestStateStats``) and per 
   Aborted and failed jobs leave no latency (their tokens still count).
 
 ``RequestTimer`` accumulates these between two ``drain`` calls; the replica's metrics tick drains
-them into Ray's metrics (``fastserve.engine.metrics.SchedulerMetrics.record_timing``). Imports no torch, no ray.
+them into Ray's metrics (``fastserve.engine.metrics.EngineMetrics.record_timing``). Imports no torch, no ray.
 """
 
 from __future__ import annotations

@@ -70,6 +70,7 @@ from types import ModuleType
 import torch
 
 from fastserve.kernels import reference
+from fastserve.kernels.cuda_specs import CUDA_KERNEL_SUFFIX
 
 __all__ = [
     "BACKEND_ENV_VAR",
@@ -95,14 +96,6 @@ CUDA_BACKEND = "cuda"
 CPU_BACKEND = "cpu"
 TORCH_BACKEND = "torch"
 BACKEND_ENV_VAR = "FASTSERVE_KERNEL_BACKEND"
-# Kernel-name suffix of each dtype the .cu sources are instantiated for.
-CUDA_KERNEL_SUFFIX: dict[torch.dtype, str] = {
-    torch.float16: "f16",
-    torch.bfloat16: "bf16",
-    torch.float32: "f32",
-}
-# MAX_HEAD_DIM in fastserve/kernels/cuda/paged_attention.cu.
-PAGED_ATTENTION_MAX_HEAD_DIM = 256
 
 _log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ import cupy
 import numpy as np
 import torch
 
-from fastserve.kernels import CUDA_KERNEL_SUFFIX, PAGED_ATTENTION_MAX_HEAD_DIM
+from fastserve.kernels.cuda_specs import CUDA_KERNEL_SUFFIX, PAGED_ATTENTION_MAX_HEAD_DIM
 
 CUDA_SOURCE_DIR = Path(__file__).resolve().parent / "cuda"
 PAGED_ATTENTION_SOURCE = "paged_attention.cu"

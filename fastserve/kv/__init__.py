@@ -1,4 +1,5 @@
-"""Control-plane KV-cache management (paper §4.2): block tables and free lists of the device and
-host tiers (``manager``), ENST (``enst``) and swap planning (``swap_planner``). Pure Python: the
-data plane (``fastserve/worker/kv_store.py``) copies what these modules decide.
+"""Control-plane KV-cache management (paper §4.2): block tables, the two tiers and the prefix
+cache (``manager``, ``prefix``, ``tables``), ENST (``enst``) and swap planning
+(``swap_planner``). Pure Python: the data plane (``fastserve/worker/kv_store.py``) copies what
+these modules decide.
 """

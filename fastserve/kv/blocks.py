@@ -1,19 +1,37 @@
-"""``BlockPool``: the free list of one tier (device or host) of the paged KV cache.
+"""``TierBlocks``: one tier (device or host) of the paged KV cache — which blocks are free,
+who references the others, and which hold cached KV.
 
-Owns nothing but which block ids of its tier are free; who holds the others is the
-``KVCacheManager``'s business.
+A block of a tier is exactly one of
+
+* free (in the free list, no hash),
+* cached and evictable (a hash, no reference; in the LRU order, oldest first),
+* referenced: by job block tables and by in-flight steps that still read or write it (``refs``
+  counts both; the manager knows which).
+
+A block whose last reference goes keeps its hash and becomes evictable instead of free; taking
+blocks uses the free list first, then evicts the least recently released cached blocks (the
+manager decides where an evicted device block's KV goes: the host tier or nowhere).
+
+The ``KVCacheManager`` (``fastserve.kv.manager``) knows which tables and steps hold a block; the
+prefix cache (``fastserve.kv.prefix``) which hashes a job's tokens have.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+#: A full block's chained hash (``fastserve.kv.prefix.hash_block``).
+BlockHash = bytes
 
 
 class OutOfBlocks(RuntimeError):
     """An allocation asked for more blocks than the pool has free (a planner bug: check first)."""
 
 
-class BlockPool:
+class TierBlocks:
+    """The free list, reference counts and cached hashes of one tier."""
+
     def __init__(self, num_blocks: int, name: str) -> None:
         if num_blocks < 0:
             raise ValueError(f"{name} pool: num_blocks must be >= 0, got {num_blocks}")
@@ -22,6 +40,20 @@ class BlockPool:
         # A stack: the most recently released block is reused first (warm in caches); the
         # initial order hands out low ids first, which keeps test expectations readable.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.refs: dict[int, int] = {}
+        self.hash_of: dict[int, BlockHash] = {}
+        self.by_hash: dict[BlockHash, int] = {}
+        self.lru: OrderedDict[int, None] = OrderedDict()   # evictable, oldest first
+        self.evictions = 0
+
+    @property
+    def num_available(self) -> int:
+        """Blocks a new owner can take now: free plus cached-evictable."""
+        return self.num_free + len(self.lru)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.hash_of)
 
     @property
     def num_free(self) -> int:
@@ -30,7 +62,94 @@ class BlockPool:
     def free_ids(self) -> list[int]:
         return list(self._free)
 
-    def allocate(self, n: int) -> list[int]:
+    def take(self, n: int) -> tuple[list[int], list[tuple[int, BlockHash]]]:
+        """``n`` blocks, each referenced once: free ones first, then the least recently released
+        cached ones, whose (block, hash) are returned as evicted (their KV is still there until
+        something writes the block)."""
+        if n > self.num_available:
+            raise OutOfBlocks(f"{self.name} pool: {n} blocks wanted, {self.num_available} "
+                              "free or evictable")
+        fresh = min(n, self.num_free)
+        blocks = self._allocate(fresh)
+        evicted = []
+        for _ in range(n - fresh):
+            block, _ = self.lru.popitem(last=False)
+            evicted.append((block, self._unhash(block)))
+            blocks.append(block)
+        self.evictions += len(evicted)
+        for b in blocks:
+            self.refs[b] = 1
+        return blocks, evicted
+
+    def ref(self, block: int) -> None:
+        n = self.refs.get(block, 0)
+        if n == 0:
+            self.lru.pop(block)    # only a cached block is referenced from nothing
+        self.refs[block] = n + 1
+
+    def unref(self, blocks: Iterable[int]) -> None:
+        for b in blocks:
+            n = self.refs[b] - 1
+            if n:
+                self.refs[b] = n
+                continue
+            del self.refs[b]
+            if b in self.hash_of:
+                self.lru[b] = None   # most recently released: evicted last
+            else:
+                self._release((b,))
+
+    def unref_chain(self, blocks: Sequence[int]) -> None:
+        """``unref`` a table's blocks: cached ones become evictable last block first (a block is
+        only ever found through every block before it, so a chain's tail goes first); free ones
+        are released in table order (the free list's order without caching)."""
+        freed = []
+        for b in reversed(blocks):
+            n = self.refs[b] - 1
+            if n:
+                self.refs[b] = n
+                continue
+            del self.refs[b]
+            if b in self.hash_of:
+                self.lru[b] = None
+            else:
+                freed.append(b)
+        freed.reverse()
+        self._release(freed)
+
+    def register(self, block: int, block_hash: BlockHash) -> bool:
+        """Cache ``block`` under ``block_hash`` (it must be referenced); False when the hash is
+        already cached in another block (that one stays the cached copy) or the block has one."""
+        if block_hash in self.by_hash or block in self.hash_of:
+            return False
+        self.by_hash[block_hash] = block
+        self.hash_of[block] = block_hash
+        return True
+
+    def forget(self, block: int) -> None:
+        """Its KV is not what its hash says (a failed copy): uncache it."""
+        if block in self.hash_of:
+            self._unhash(block)
+            if block in self.lru:
+                del self.lru[block]
+                self._release((block,))
+
+    def reset(self) -> int:
+        """Uncache every block: evictable ones become free; referenced ones keep their owners but
+        are found by no later lookup. Returns how many blocks were cached."""
+        n = len(self.hash_of)
+        for b in list(self.hash_of):
+            self._unhash(b)
+        self._release(self.lru)
+        self.lru.clear()
+        return n
+
+    def _unhash(self, block: int) -> BlockHash:
+        h = self.hash_of.pop(block)
+        del self.by_hash[h]
+        return h
+
+    def _allocate(self, n: int) -> list[int]:
         if n < 0:
             raise ValueError(f"{self.name} pool: cannot allocate {n} blocks")
         if n > len(self._free):
@@ -42,5 +161,5 @@ class BlockPool:
         taken.reverse()
         return taken
 
-    def release(self, blocks: Iterable[int]) -> None:
+    def _release(self, blocks: Iterable[int]) -> None:
         self._free.extend(blocks)

@@ -31,25 +31,41 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from fastserve.kv.blocks import OutOfBlocks
-from fastserve.kv.cache_ops import PrefixCacheOps
-from fastserve.kv.integrity import check_manager
-from fastserve.kv.tables import SPILL_JOB, PoolSizes, Residency, Tier, Tokens, _JobKV
-from fastserve.worker.messages import SwapCommand
+from fastserve.kv.blocks import BlockHash, OutOfBlocks, TierBlocks
+from fastserve.kv.prefix import PrefixCache, PrefixHit
+from fastserve.kv.tables import SPILL_JOB, JobKV, PoolSizes, Residency, StepReleases, Tier, Tokens
+from fastserve.worker.messages import SwapCommand, blocks_for
 
 __all__ = ["SPILL_JOB", "KVCacheManager", "PoolSizes", "Residency", "Tier", "Tokens"]
 
 
-class KVCacheManager(PrefixCacheOps):
+class KVCacheManager:
     """Block tables, reference counts and the prefix cache of the two-tier KV (above).
 
-    Twenty public methods, on purpose: it is the only holder of block tables, so every question
-    about them is asked here — twelve reads the planners count with (free blocks per tier, a
-    job's tier, residency, blocks, tokens, table, the blocks a swap would move, when a job's
-    last swap or step ends, blocks a run needs) — and every change made here: seven operations
-    the ``Applier`` calls (``allocate``, ``swap_out``, ``swap_in``, ``drop``, ``free``,
-    ``complete``, ``fail``) and ``check_invariants``. The prefix cache's own operations are its
-    base class's (``PrefixCacheOps``)."""
+    The only holder of block tables: the planners ask it what a job holds and what a swap would
+    move; the ``Applier`` asks it to allocate, swap, drop, free, admit and commit; a returned
+    or failed step settles here (``complete``, ``fail``). Its tiers (``TierBlocks``) hold the
+    blocks, references and cached hashes; ``prefix`` (``PrefixCache``) the jobs' hash chains and
+    the lookups over both tiers."""
+
+    def __init__(self, config: PoolSizes) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.device = TierBlocks(config.num_device_blocks, "device")
+        self.host = TierBlocks(config.num_host_blocks, "host")
+        self.prefix = PrefixCache(self.device, self.host, config.block_size, config.prefix_cache_key,
+                                  config.prefix_caching, config.host_prefix_cache)
+        self._jobs: dict[str, JobKV] = {}
+        self._steps: dict[int, StepReleases] = {}
+        self._evicted: list[tuple[int, BlockHash]] = []   # device evictions not yet spilled
+        self.device_releasing = 0   # device references in-flight steps let go of on completion
+        self.swapped_out_blocks = 0
+        self.swapped_in_blocks = 0
+        self.spilled_blocks = 0     # cached device blocks moved to the host on eviction
+        self.fetched_blocks = 0     # cached host blocks copied back for a new job's prefix
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return blocks_for(num_tokens, self.block_size)
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -127,7 +143,7 @@ class KVCacheManager(PrefixCacheOps):
         ``step``; returns its block table. First iterations, recomputes and decode growth."""
         kv = self._jobs.get(job_id)
         if kv is None:
-            kv = self._jobs[job_id] = _JobKV(Tier.DEVICE, [], 0)
+            kv = self._jobs[job_id] = JobKV(Tier.DEVICE, [], 0)
         if kv.tier is not Tier.DEVICE:
             raise ValueError(f"job {job_id}: KV is on {kv.tier.value}, cannot run on the device")
         if kv.swap_step is not None and kv.swap_step != step:
@@ -241,8 +257,7 @@ class KVCacheManager(PrefixCacheOps):
     def free(self, job_id: str) -> None:
         """Release a finished or aborted job's KV; the last reference to a block an in-flight
         step or swap still touches goes when that step completes."""
-        self._hashes.pop(job_id, None)
-        self._salted_roots.pop(job_id, None)
+        self.prefix.forget(job_id)
         kv = self._jobs.pop(job_id, None)
         if kv is None:
             return
@@ -299,15 +314,211 @@ class KVCacheManager(PrefixCacheOps):
             rec.cache_host.clear()
         for job_id in lost:
             kv = self._jobs.pop(job_id)
-            self._hashes.pop(job_id, None)
+            self.prefix.forget_chain(job_id)
             self._unref_table(kv)
             if kv.busy_step is not None and kv.busy_step != step:
                 self._steps[kv.busy_step].busy.remove(job_id)
         self.complete(step)
         return lost
 
-    # ---- integrity -----------------------------------------------------------------------
+    # ---- the prefix cache ----------------------------------------------------------------
+    def prefix_hit(self, job_id: str, num_tokens: int, tokens: Tokens,
+                   max_host: int | None = None) -> PrefixHit:
+        """The cached prefix a job with no KV would start from (``PrefixCache.lookup``); none
+        for a job that already has KV."""
+        if job_id in self._jobs:
+            return PrefixHit(block_size=self.block_size)
+        return self.prefix.lookup(job_id, num_tokens, tokens, max_host)
+
+    def admit(self, job_id: str, num_tokens: int, step: int, tokens: Tokens,
+              runs: bool, max_host: int | None = None) -> tuple[int, SwapCommand | None]:
+        """Give a job with no KV a table for ``num_tokens`` positions, its cached prefix first:
+        device hits by reference, host hits into new blocks with the returned swap-in (the job
+        is in transit until ``step`` completes). ``runs``: an entry of ``step`` uses the table
+        (its forward waits for the copy). ``max_host``: at most the host hits the decision
+        planned (an earlier action of it may have evicted a device hit the walk counted, and the
+        host copy of that block is not what it planned to read). Returns the cached positions
+        and the swap-in."""
+        if job_id in self._jobs:
+            raise ValueError(f"job {job_id}: already has KV")
+        hit = self.prefix_hit(job_id, num_tokens, tokens, max_host)
+        for d in hit.device:
+            if d is not None:
+                self.device.ref(d)
+        for hb in hit.host:
+            if hb is not None:
+                self.host.ref(hb)
+        fresh = self._take_device(sum(d is None for d in hit.device)
+                                  + self.blocks_for(num_tokens) - hit.num_blocks)
+        table: list[int] = []
+        src: list[int] = []
+        dst: list[int] = []
+        rec = self._record(step)
+        for d, hb in zip(hit.device, hit.host, strict=True):
+            if d is None:
+                assert hb is not None
+                d = fresh.pop(0)   # (few: one per host hit)
+                rec.host.append(hb)           # read by the copy: held until it lands
+                rec.cache_device.append((d, self.host.hash_of[hb]))
+                src.append(hb)
+                dst.append(d)
+            table.append(d)
+        table.extend(fresh)
+        kv = self._jobs[job_id] = JobKV(Tier.DEVICE, table, num_tokens, committed=hit.num_blocks)
+        cmd = None
+        if src:
+            kv.swap_step = step
+            rec.swaps.append(job_id)
+            self.fetched_blocks += len(src)
+            cmd = SwapCommand("in", job_id, tuple(src), tuple(dst))
+        if runs:
+            kv.busy_step = step
+            rec.busy.append(job_id)
+        if not rec.device and not rec.host and not rec.swaps and not rec.busy:
+            del self._steps[step]
+        return hit.tokens, cmd
+
+    def commit(self, job_id: str, computed: int, tokens: Tokens) -> None:
+        """A completed step computed the job's positions up to ``computed``: cache its full
+        blocks (a hash already cached elsewhere keeps that copy)."""
+        kv = self._jobs.get(job_id)
+        full = computed // self.block_size
+        if not self.prefix.enabled or kv is None or kv.tier is not Tier.DEVICE or full <= kv.committed:
+            return
+        hashes = self.prefix.hashes(job_id, full, tokens)
+        for i in range(kv.committed, full):
+            self.device.register(kv.blocks[i], hashes[i])
+        kv.committed = full
+
+    def flush_evicted(self, step: int) -> SwapCommand | None:
+        """Where the cached device blocks this decision evicted go: to the host (a swap-out with
+        ``step``, before anything writes them) while the host has room and lacks their hash,
+        else nowhere. Called once the decision's own swaps took their host blocks."""
+        evicted, self._evicted = self._evicted, []
+        if not self.prefix.host_enabled:
+            return None
+        src: list[int] = []
+        dst: list[int] = []
+        rec = self._record(step)
+        for block, block_hash in evicted:
+            if block_hash in self.host.by_hash or self.host.num_available == 0:
+                continue
+            (hb,), _ = self.host.take(1)
+            rec.host.append(hb)                 # written by the copy; cached when it lands
+            if self.device.refs.get(block, 0):
+                # Read by the copy: held until it lands, whoever took it in this decision (that
+                # owner may be aborted or finish first; the block must not be free meanwhile).
+                self.device.ref(block)
+                rec.device_reads.append(block)
+            rec.cache_host.append((hb, block_hash))
+            src.append(block)
+            dst.append(hb)
+        self.spilled_blocks += len(src)
+        return SwapCommand("out", SPILL_JOB, tuple(src), tuple(dst)) if src else None
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (vLLM's ``/reset_prefix_cache``): evictable ones are free
+        again, referenced ones stay with their owners unfound by later lookups. Returns how many
+        blocks were cached."""
+        for rec in self._steps.values():
+            rec.cache_device.clear()
+            rec.cache_host.clear()
+        return self.prefix.reset()
+
+    def cache_stats(self) -> dict[str, int]:
+        """Cached blocks per tier (evictable ones among them) and cache traffic."""
+        return {"device_cached": self.device.num_cached, "device_evictable": len(self.device.lru),
+                "host_cached": self.host.num_cached, "host_evictable": len(self.host.lru),
+                "device_evictions": self.device.evictions, "host_evictions": self.host.evictions,
+                "spilled_blocks": self.spilled_blocks, "fetched_blocks": self.fetched_blocks}
+
+    # ---- internals -----------------------------------------------------------------------
+    def _record(self, step: int) -> StepReleases:
+        rec = self._steps.get(step)
+        if rec is None:
+            rec = self._steps[step] = StepReleases()
+        return rec
+
+    def _take_device(self, n: int) -> list[int]:
+        blocks, evicted = self.device.take(n)
+        self._evicted.extend(evicted)
+        return blocks
+
+    def _unref_table(self, kv: JobKV) -> None:
+        # Last block first: a chain's tail becomes evictable before its head (a block is only
+        # ever found through every block before it).
+        (self.device if kv.tier is Tier.DEVICE else self.host).unref_chain(kv.blocks)
+
+    def _settled(self, job_id: str, tier: Tier) -> JobKV:
+        kv = self._jobs.get(job_id)
+        if kv is None or kv.tier is not tier:
+            raise ValueError(f"job {job_id}: KV is not on {tier.value}")
+        if kv.busy_step is not None or kv.swap_step is not None:
+            raise ValueError(f"job {job_id}: KV is used by an in-flight step")
+        return kv
+
+    # ---- integrity (tests run it after every step: O(jobs + blocks), not for the hot path) --
     def check_invariants(self, expected_tokens: Mapping[str, int] | None = None) -> None:
         """Every block free, cached and evictable, or referenced by exactly the job tables and
-        in-flight steps that hold it; tables match contexts (``fastserve.kv.integrity``)."""
-        check_manager(self, expected_tokens)
+        in-flight steps that hold it (its reference count); tables match contexts.
+
+        ``expected_tokens`` (job id -> positions its table must cover) comes from the
+        scheduler; jobs with KV must all be listed when it is given.
+        """
+        self._check_tier(self.device)
+        self._check_tier(self.host)
+        assert not self._evicted, "a decision was left half applied (evictions not flushed)"
+        releasing = sum(len(r.device) for r in self._steps.values())
+        assert releasing == self.device_releasing, (
+            f"device_releasing={self.device_releasing} but in-flight records hold {releasing}")
+        assert self.prefix.enabled or not (self.device.hash_of or self.host.hash_of), "caching is off"
+        for job_id, kv in self._jobs.items():
+            assert kv.tier is not Tier.NONE, f"job {job_id} has a KV entry on no tier"
+            assert len(kv.blocks) == self.blocks_for(kv.num_tokens), (
+                f"job {job_id}: {len(kv.blocks)} blocks for {kv.num_tokens} positions "
+                f"(block size {self.block_size})")
+            for waits_on in (kv.busy_step, kv.swap_step):
+                assert waits_on is None or waits_on in self._steps, (
+                    f"job {job_id} waits on step {waits_on}, which has no in-flight record")
+            if expected_tokens is not None:
+                assert job_id in expected_tokens, f"job {job_id} holds KV but is not active"
+                assert kv.num_tokens == expected_tokens[job_id], (
+                    f"job {job_id}: table covers {kv.num_tokens} positions, "
+                    f"the job has {expected_tokens[job_id]}")
+
+    def _check_tier(self, pool: TierBlocks) -> None:
+        """Each of the tier's blocks is exactly one of free, cached and evictable, or held (by
+        as many tables and in-flight steps as its reference count says)."""
+        on_device = pool is self.device
+        holders: dict[int, list[str]] = {}
+        for job_id, kv in self._jobs.items():
+            if on_device == (kv.tier is Tier.DEVICE):
+                for b in kv.blocks:
+                    holders.setdefault(b, []).append(f"owned by {job_id}")
+        for step, rec in self._steps.items():
+            for b in (rec.device + rec.device_reads) if on_device else rec.host:
+                holders.setdefault(b, []).append(f"in flight with step {step}")
+        state: dict[int, str] = {}
+
+        def claim(block: int, who: str) -> None:
+            assert 0 <= block < pool.capacity, (
+                f"{pool.name} block {block} ({who}) is outside [0, {pool.capacity})")
+            assert block not in state, f"{pool.name} block {block} is both {state[block]} and {who}"
+            state[block] = who
+
+        for b in pool.free_ids():
+            claim(b, "free")
+            assert b not in pool.hash_of, f"{pool.name} block {b} is free but cached"
+        for b in pool.lru:
+            claim(b, "cached")
+            assert b in pool.hash_of, f"{pool.name} block {b} is evictable but not cached"
+        for b, who in holders.items():
+            claim(b, who[0])
+            assert pool.refs.get(b) == len(who), (
+                f"{pool.name} block {b}: refcount {pool.refs.get(b)}, held by {who}")
+        leaked = sorted(set(pool.refs) - holders.keys())
+        assert not leaked, f"{pool.name} blocks {leaked[:8]} are referenced by nobody"
+        missing = sorted(set(range(pool.capacity)) - state.keys())
+        assert not missing, f"{pool.name} blocks {missing[:8]} are neither free, owned nor in flight"
+        assert all(pool.by_hash.get(h) == b for b, h in pool.hash_of.items()) and \
+            len(pool.by_hash) == len(pool.hash_of), f"{pool.name} cache maps disagree"

@@ -1,4 +1,5 @@
-"""Automatic prefix caching: block hashes and one tier's reference-counted, cached blocks.
+"""Automatic prefix caching: block hashes, and the ``PrefixCache`` over both tiers that the
+``KVCacheManager`` holds.
 
 **What is shared.** Only *full* blocks whose KV a completed step computed are cached, keyed by a
 chained hash: ``hash(parent block's hash, the block's token ids, extra)``, the root seeded by a
@@ -7,29 +8,20 @@ prefixes, so equal KV. A full block is immutable — no step ever writes it agai
 by reference and no copy-on-write is needed: a job's last, partial block is always its own, and a
 fully cached prompt still computes its last position (to sample), as vLLM does.
 
-**One tier's blocks** (``TierBlocks``, the device or the host pool): a block is exactly one of
-
-* free (in the free list, no hash),
-* cached and evictable (a hash, no reference; in the LRU order, oldest first),
-* referenced: by job block tables and by in-flight steps that still read or write it (``refs``
-  counts both; the manager knows which).
-
-A block whose last reference goes keeps its hash and becomes evictable instead of free; taking
-blocks uses the free list first, then evicts the least recently released cached blocks (the
-manager decides where an evicted device block's KV goes: the host tier or nowhere).
+**The cache over both tiers** (``PrefixCache``): each job's chain of block hashes (rooted in the
+model's key, or in its cache salt) and the longest prefix of a job's tokens cached on the device
+or, failing that, the host. It reads the tiers' hash maps (``fastserve.kv.blocks.TierBlocks``);
+what is cached, evicted or copied is the manager's to decide.
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from fastserve.kv.blocks import BlockPool, OutOfBlocks
-
-BlockHash = bytes
+from fastserve.kv.blocks import BlockHash, TierBlocks
 
 
 def root_hash(key: str) -> BlockHash:
@@ -90,109 +82,70 @@ class PrefixHit:
         return sum(b is None for b in self.device)
 
 
-class TierBlocks(BlockPool):
-    """The free list, reference counts and prefix cache of one tier."""
+class PrefixCache:
+    """Each job's block hashes and the longest cached prefix of its tokens, over the device and
+    host tiers (``TierBlocks``) of one ``KVCacheManager``."""
 
-    def __init__(self, num_blocks: int, name: str) -> None:
-        super().__init__(num_blocks, name)
-        self.refs: dict[int, int] = {}
-        self.hash_of: dict[int, BlockHash] = {}
-        self.by_hash: dict[BlockHash, int] = {}
-        self.lru: OrderedDict[int, None] = OrderedDict()   # evictable, oldest first
-        self.evictions = 0
+    def __init__(self, device: TierBlocks, host: TierBlocks, block_size: int, key: str,
+                 enabled: bool, host_tier: bool) -> None:
+        self.device = device
+        self.host = host
+        self.block_size = block_size
+        self.enabled = enabled
+        #: Cached blocks evicted from the device move to the host, and are found there.
+        self.host_enabled = enabled and host_tier
+        self._root = root_hash(key)
+        self._chains: dict[str, list[BlockHash]] = {}
+        self._salted_roots: dict[str, BlockHash] = {}   # jobs with a cache salt: their chain's root
 
-    @property
-    def num_available(self) -> int:
-        """Blocks a new owner can take now: free plus cached-evictable."""
-        return self.num_free + len(self.lru)
+    def salt(self, job_id: str, salt: str) -> None:
+        """Only jobs with this salt share cached blocks with ``job_id`` (vLLM's ``cache_salt``);
+        called before its prefix is first looked up, kept until it is forgotten."""
+        if job_id in self._chains:
+            raise ValueError(f"job {job_id}: salted after its blocks were hashed")
+        self._salted_roots[job_id] = salted_root(self._root, salt)
 
-    @property
-    def num_cached(self) -> int:
-        return len(self.hash_of)
+    def hashes(self, job_id: str, n: int, tokens: Callable[[], Sequence[int]]) -> list[BlockHash]:
+        """The hashes of the job's first ``n`` full blocks (computed once, then extended)."""
+        have = self._chains.setdefault(job_id, [])
+        if len(have) < n:
+            parent = have[-1] if have else self._salted_roots.get(job_id, self._root)
+            have.extend(hash_blocks(parent, tokens(), self.block_size, len(have), n))
+        return have[:n]
 
-    def take(self, n: int) -> tuple[list[int], list[tuple[int, BlockHash]]]:
-        """``n`` blocks, each referenced once: free ones first, then the least recently released
-        cached ones, whose (block, hash) are returned as evicted (their KV is still there until
-        something writes the block)."""
-        if n > self.num_available:
-            raise OutOfBlocks(f"{self.name} pool: {n} blocks wanted, {self.num_available} "
-                              "free or evictable")
-        fresh = min(n, self.num_free)
-        blocks = self.allocate(fresh)
-        evicted = []
-        for _ in range(n - fresh):
-            block, _ = self.lru.popitem(last=False)
-            evicted.append((block, self._unhash(block)))
-            blocks.append(block)
-        self.evictions += len(evicted)
-        for b in blocks:
-            self.refs[b] = 1
-        return blocks, evicted
+    def lookup(self, job_id: str, num_tokens: int, tokens: Callable[[], Sequence[int]],
+               max_host: int | None = None) -> PrefixHit:
+        """The longest cached prefix of the job's first ``num_tokens`` positions, in full blocks,
+        leaving at least its last position to compute (it is sampled). Each block is found on
+        the device or, failing that, on the host (host tier on; at most ``max_host`` blocks)."""
+        if not self.enabled:
+            return PrefixHit(block_size=self.block_size)
+        device: list[int | None] = []
+        host: list[int | None] = []
+        in_use: list[int] = []
+        host_free = n_host = 0
+        for h in self.hashes(job_id, (num_tokens - 1) // self.block_size, tokens):
+            d = self.device.by_hash.get(h)
+            hb = None if d is not None or not self.host_enabled else self.host.by_hash.get(h)
+            if d is None and (hb is None or (max_host is not None and n_host >= max_host)):
+                break
+            n_host += d is None
+            device.append(d)
+            host.append(hb)
+            if d is not None and d in self.device.refs:
+                in_use.append(d)
+            host_free += hb is not None and hb not in self.host.refs
+        return PrefixHit(tuple(device), tuple(host), tuple(in_use), host_free, self.block_size)
 
-    def ref(self, block: int) -> None:
-        n = self.refs.get(block, 0)
-        if n == 0:
-            self.lru.pop(block)    # only a cached block is referenced from nothing
-        self.refs[block] = n + 1
+    def forget_chain(self, job_id: str) -> None:
+        """Drop the job's hashes (its KV is gone; they are computed again if it is looked up)."""
+        self._chains.pop(job_id, None)
 
-    def unref(self, blocks: Iterable[int]) -> None:
-        for b in blocks:
-            n = self.refs[b] - 1
-            if n:
-                self.refs[b] = n
-                continue
-            del self.refs[b]
-            if b in self.hash_of:
-                self.lru[b] = None   # most recently released: evicted last
-            else:
-                self.release((b,))
-
-    def unref_chain(self, blocks: Sequence[int]) -> None:
-        """``unref`` a table's blocks: cached ones become evictable last block first (a block is
-        only ever found through every block before it, so a chain's tail goes first); free ones
-        are released in table order (the free list's order without caching)."""
-        freed = []
-        for b in reversed(blocks):
-            n = self.refs[b] - 1
-            if n:
-                self.refs[b] = n
-                continue
-            del self.refs[b]
-            if b in self.hash_of:
-                self.lru[b] = None
-            else:
-                freed.append(b)
-        freed.reverse()
-        self.release(freed)
-
-    def register(self, block: int, block_hash: BlockHash) -> bool:
-        """Cache ``block`` under ``block_hash`` (it must be referenced); False when the hash is
-        already cached in another block (that one stays the cached copy) or the block has one."""
-        if block_hash in self.by_hash or block in self.hash_of:
-            return False
-        self.by_hash[block_hash] = block
-        self.hash_of[block] = block_hash
-        return True
-
-    def forget(self, block: int) -> None:
-        """Its KV is not what its hash says (a failed copy): uncache it."""
-        if block in self.hash_of:
-            self._unhash(block)
-            if block in self.lru:
-                del self.lru[block]
-                self.release((block,))
+    def forget(self, job_id: str) -> None:
+        """The job is gone: its hashes and its salt."""
+        self._chains.pop(job_id, None)
+        self._salted_roots.pop(job_id, None)
 
     def reset(self) -> int:
-        """Uncache every block: evictable ones become free; referenced ones keep their owners but
-        are found by no later lookup. Returns how many blocks were cached."""
-        n = len(self.hash_of)
-        for b in list(self.hash_of):
-            self._unhash(b)
-        self.release(self.lru)
-        self.lru.clear()
-        return n
-
-    def _unhash(self, block: int) -> BlockHash:
-        h = self.hash_of.pop(block)
-        del self.by_hash[h]
-        return h
+        """Uncache every block of both tiers; returns how many were cached."""
+        return self.device.reset() + self.host.reset()

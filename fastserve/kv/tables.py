@@ -1,5 +1,7 @@
-"""The KV manager's state: tiers, per-job tables, per-step records, and the bookkeeping both
-the manager's operations (``fastserve.kv.manager``) and the prefix cache's (``fastserve.kv.cache_ops``) use.
+"""The KV manager's records: what it knows of one job's KV (``JobKV``: tier, block table,
+positions covered, the in-flight step or swap using it) and of one in-flight step
+(``StepReleases``), the enums its queries answer with, and what it is built from (``PoolSizes``).
+The ``KVCacheManager`` (``fastserve.kv.manager``) is their only writer.
 """
 
 from __future__ import annotations
@@ -9,8 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from fastserve.kv.prefix import BlockHash, TierBlocks, hash_blocks, root_hash, salted_root
-from fastserve.worker.messages import blocks_for
+from fastserve.kv.blocks import BlockHash
 
 #: The job id a cache spill's swap-out carries (the data plane only copies blocks).
 SPILL_JOB = "prefix-cache"
@@ -32,7 +33,7 @@ class Residency(enum.Enum):
 
 
 @dataclass
-class _JobKV:
+class JobKV:
     tier: Tier
     blocks: list[int]
     num_tokens: int                 # positions the table covers
@@ -42,7 +43,7 @@ class _JobKV:
 
 
 @dataclass
-class _StepReleases:
+class StepReleases:
     """What one in-flight step holds of the KV cache, settled when it completes: references it
     lets go of then, and blocks it writes that are cached then."""
 
@@ -72,66 +73,3 @@ class PoolSizes(Protocol):
     def host_prefix_cache(self) -> bool: ...
     @property
     def prefix_cache_key(self) -> str: ...
-
-
-class KVState:
-    """Everything the KV manager holds, and its internal helpers."""
-
-    def __init__(self, config: PoolSizes) -> None:
-        self.config = config
-        self.block_size = config.block_size
-        self.device = TierBlocks(config.num_device_blocks, "device")
-        self.host = TierBlocks(config.num_host_blocks, "host")
-        self.caching = config.prefix_caching
-        self.host_caching = self.caching and config.host_prefix_cache
-        self._root = root_hash(config.prefix_cache_key)
-        self._jobs: dict[str, _JobKV] = {}
-        self._hashes: dict[str, list[BlockHash]] = {}
-        self._salted_roots: dict[str, BlockHash] = {}   # jobs with a cache salt: their chain's root
-        self._steps: dict[int, _StepReleases] = {}
-        self._evicted: list[tuple[int, BlockHash]] = []   # device evictions not yet spilled
-        self.device_releasing = 0   # device references in-flight steps let go of on completion
-        self.swapped_out_blocks = 0
-        self.swapped_in_blocks = 0
-        self.spilled_blocks = 0     # cached device blocks moved to the host on eviction
-        self.fetched_blocks = 0     # cached host blocks copied back for a new job's prefix
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return blocks_for(num_tokens, self.block_size)
-
-    # ---- internals -----------------------------------------------------------------------
-    def _record(self, step: int) -> _StepReleases:
-        rec = self._steps.get(step)
-        if rec is None:
-            rec = self._steps[step] = _StepReleases()
-        return rec
-
-    def _take_device(self, n: int) -> list[int]:
-        blocks, evicted = self.device.take(n)
-        self._evicted.extend(evicted)
-        return blocks
-
-    def _unref_table(self, kv: _JobKV) -> None:
-        # Last block first: a chain's tail becomes evictable before its head (a block is only
-        # ever found through every block before it).
-        (self.device if kv.tier is Tier.DEVICE else self.host).unref_chain(kv.blocks)
-
-    def _job_hashes(self, job_id: str, n: int, tokens: Tokens) -> list[BlockHash]:
-        have = self._hashes.setdefault(job_id, [])
-        if len(have) < n:
-            parent = have[-1] if have else self._salted_roots.get(job_id, self._root)
-            have.extend(hash_blocks(parent, tokens(), self.block_size, len(have), n))
-        return have[:n]
-
-    def _salt(self, job_id: str, salt: str) -> None:
-        if job_id in self._hashes:
-            raise ValueError(f"job {job_id}: salted after its blocks were hashed")
-        self._salted_roots[job_id] = salted_root(self._root, salt)
-
-    def _settled(self, job_id: str, tier: Tier) -> _JobKV:
-        kv = self._jobs.get(job_id)
-        if kv is None or kv.tier is not tier:
-            raise ValueError(f"job {job_id}: KV is not on {tier.value}")
-        if kv.busy_step is not None or kv.swap_step is not None:
-            raise ValueError(f"job {job_id}: KV is used by an in-flight step")
-        return kv

@@ -1,4 +1,5 @@
-"""Control-plane job state: ``JobRequest`` in, ``Job`` and its ``JobState`` and accounting, ``TokenDelta`` out.
+"""Control-plane job state: ``JobRequest`` in, ``Job`` and its ``JobState`` and accounting, ``TokenDelta``s
+(the last with its ``Finish``) out.
 
 A job's progress is one number, ``Job.num_computed_tokens``, against its prompt + generated
 tokens (vLLM's model): prefill, chunks, recompute and a naive-MLFQ cut are what that number, the
@@ -14,7 +15,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fastserve.errors import ErrorCode
 from fastserve.worker.messages import FinishReason, SamplingParams, TokenLogprobs
 
 
@@ -30,50 +30,58 @@ ACTIVE_STATES = frozenset({JobState.WAITING, JobState.RUNNABLE, JobState.RUNNING
 
 
 @dataclass(frozen=True)
-class TokenDelta:
-    """The one event type of a job's stream, from the scheduler to the HTTP layer.
+class Finish:
+    """How a job ended: its reason and, from the scheduler, its accounting (none for a job ended
+    outside it: an abort, a broken delivery)."""
 
-    ``token_ids`` are the tokens since the previous event: one per step out of the scheduler,
-    several once a lagging reader's events are merged (``merge``). The finishing event has a
-    ``finish_reason`` and, from the scheduler, the job's ``stats``. A job refused before it
-    started ends with one event carrying an ``error`` code and its ``message``. An event with
-    neither tokens nor a finish says the job was accepted; it names the scheduler replica
-    (``replica_id``) and, when the job's later events travel on that replica's delivery channel
-    to the caller's ingress replica (``fastserve.engine.delivery``), the channel (``channel_id``).
-    ``emitted_at`` (wall clock) lets the reader measure the delivery delay. ``logprobs`` (only
-    for a job that asked) has one entry per token of ``token_ids`` and merges the same way.
+    reason: FinishReason
+    stats: JobStats | None = None
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """A job's output since its previous delta, from the scheduler to the HTTP layer.
+
+    ``token_ids`` are the tokens since the previous delta: one per step out of the scheduler,
+    several once a lagging reader's deltas are merged (``merge``); ``logprobs`` (only for a job
+    that asked) has one entry per token and merges the same way. The job's last delta carries
+    its ``finish`` (with or without tokens). ``emitted_at`` (wall clock, set where it leaves the
+    engine replica) lets the reader measure the delivery delay.
     """
 
     job_id: str
     token_ids: tuple[int, ...] = ()
-    finish_reason: FinishReason | None = None
-    stats: JobStats | None = None
-    error: ErrorCode | None = None
-    message: str = ""
-    emitted_at: float = 0.0
-    replica_id: str = ""
-    channel_id: str = ""
+    finish: Finish | None = None
     logprobs: tuple[TokenLogprobs, ...] = ()
+    emitted_at: float = 0.0
 
     @classmethod
-    def token(cls, job_id: str, token_id: int, finish_reason: FinishReason | None = None,
-              stats: JobStats | None = None, logprobs: TokenLogprobs | None = None) -> TokenDelta:
-        return cls(job_id, (token_id,), finish_reason, stats,
-                   logprobs=() if logprobs is None else (logprobs,))
+    def token(cls, job_id: str, token_id: int, finish: Finish | None = None,
+              logprobs: TokenLogprobs | None = None) -> TokenDelta:
+        return cls(job_id, (token_id,), finish, () if logprobs is None else (logprobs,))
+
+    @classmethod
+    def ended(cls, job_id: str, reason: FinishReason, stats: JobStats | None = None) -> TokenDelta:
+        """A last delta without tokens (an error, an abort)."""
+        return cls(job_id, finish=Finish(reason, stats))
 
     @property
     def finished(self) -> bool:
-        """The last event of its stream: the job finished, or was refused."""
-        return self.finish_reason is not None or self.error is not None
+        return self.finish is not None
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """The finish's reason; None while the job runs."""
+        return None if self.finish is None else self.finish.reason
 
     @property
     def token_id(self) -> int | None:
-        """The token of a one-step event (None for an event without a token)."""
+        """The token of a one-step delta (None for a delta without a token)."""
         return self.token_ids[-1] if self.token_ids else None
 
     @classmethod
     def merge(cls, deltas: Sequence[TokenDelta]) -> TokenDelta:
-        """Consecutive events of one job as one: every token, the last one's finish."""
+        """Consecutive deltas of one job as one: every token, the last one's finish."""
         last = deltas[-1]
         if len(deltas) == 1:
             return last

@@ -29,7 +29,7 @@ from fastserve.scheduler.batcher import BatchPlanner
 from fastserve.scheduler.checks import check_scheduler, scheduler_stats
 from fastserve.scheduler.config import KVCacheConfig, SchedulerConfig
 from fastserve.scheduler.decision import Decision
-from fastserve.scheduler.job import Job, JobRequest, JobState, JobStats, TokenDelta
+from fastserve.scheduler.job import Finish, Job, JobRequest, JobState, JobStats, TokenDelta
 from fastserve.scheduler.memory import MemoryPlanner
 from fastserve.scheduler.policies import Policy
 from fastserve.scheduler.profile import Profile
@@ -42,12 +42,10 @@ _PLAN_PASSES = 2
 
 
 class Scheduler:
-    """Eighteen public methods, on purpose: the step's four (``add``, ``abort``, ``schedule``,
-    ``update``, which ``fastserve.engine.core.EngineCore`` drives), three for a failed step or a lost
-    data plane (``fail``, ``lose_all_kv``, ``fail_all``), the operator's ``reset_prefix_cache``,
-    and ten reads for the replica's metrics, ``/debug/engine``, the simulator and the tests. Each
-    is a line or two onto the state, a planner or the one writer; moving the reads to a second
-    object would give the same facts a second name and save nothing."""
+    """One model copy's scheduler. ``EngineCore`` drives the step's four methods (``add``,
+    ``abort``, ``schedule``, ``update``); ``fail``, ``lose_all_kv`` and ``fail_all`` end a failed
+    step or a lost data plane; ``reset_prefix_cache`` is the operator's; the rest are reads for
+    the replica's metrics, ``/debug/engine``, the simulator and the tests."""
 
     def __init__(self, config: SchedulerConfig, kv_config: KVCacheConfig, profile: Profile,
                  eos_token_ids: frozenset[int]) -> None:
@@ -140,7 +138,7 @@ class Scheduler:
                 f"{s.num_unadmitted} jobs already wait for admission "
                 f"(admission_queue_limit={s.config.admission_queue_limit})")
         if isinstance(req, JobRequest) and req.cache_salt is not None:
-            s.kv.salt(job.job_id, req.cache_salt)   # before the lookup: its chain starts there
+            s.kv.prefix.salt(job.job_id, req.cache_salt)   # before the lookup: its chain starts there
         # Skip-join places it by the prompt it must compute: what the prefix cache lacks now.
         job.cached_at_arrival = s.kv.prefix_hit(job.job_id, job.prompt_len, job.tokens).tokens
         self.applier.add(job, self._entry_level(job), now)
@@ -229,8 +227,8 @@ class Scheduler:
                 self.applier.waste(job, served, now)
                 continue
             reason = self.applier.advance(job, token, served, now)
-            deltas.append(TokenDelta.token(job_id, token, reason, job.stats if reason else None,
-                                           output.logprobs.get(job_id)))
+            finish = Finish(reason, job.stats) if reason is not None else None
+            deltas.append(TokenDelta.token(job_id, token, finish, output.logprobs.get(job_id)))
         self.applier.settle(settled, now)
         return deltas
 
@@ -267,4 +265,4 @@ class Scheduler:
 
     def _fail_job(self, job: Job, now: float) -> TokenDelta:
         self.applier.fail_job(job, now)
-        return TokenDelta(job.job_id, finish_reason="error", stats=job.stats)
+        return TokenDelta.ended(job.job_id, "error", job.stats)

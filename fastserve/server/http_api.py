@@ -35,7 +35,7 @@ async def respond(server: OpenAIServer, raw: bytes, chat: bool,
     stall every other stream of this replica); a streaming request gets its SSE stream, any other
     its body (``OpenAIServer.complete_unless_gone``: bounded by ``request_timeout_s``, aborted when
     the client goes away)."""
-    prepare = server.prepare_chat if chat else server.prepare_completion
+    prepare = server.preparer.prepare_chat if chat else server.preparer.prepare_completion
     prep = await asyncio.to_thread(prepare, raw)
     streams = await server.start_all(prep)
     if prep.req.stream:
@@ -65,7 +65,7 @@ def make_api(server: OpenAIServer) -> FastAPI:
 
     def guarded(chat: bool) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
-            server.check_auth(request.headers.get("authorization"))
+            server.preparer.check_auth(request.headers.get("authorization"))
             raw = await read_body(request, server.ctx.limits.max_request_bytes)
             return await respond(server, raw, chat, lambda: wait_for_disconnect(request.receive))
         return endpoint
@@ -91,16 +91,16 @@ def make_api(server: OpenAIServer) -> FastAPI:
     @api.get("/debug/engine")
     async def engine_stats(request: Request) -> JSONResponse:
         """One engine replica's counters and step breakdown (``fastserve.bench.breakdown`` reads it)."""
-        server.check_auth(request.headers.get("authorization"))
+        server.preparer.check_auth(request.headers.get("authorization"))
         return JSONResponse(await server.backend.engine_stats())
 
     if server.ctx.allow_reset_prefix_cache:
         @api.post("/reset_prefix_cache")
         async def reset_prefix_cache(request: Request) -> JSONResponse:
-            """vLLM's endpoint: every scheduler replica forgets the cached KV blocks no job uses;
+            """vLLM's endpoint: every engine replica forgets the cached KV blocks no job uses;
             503 if one does not answer within ``server.reset_timeout_s``. Only when
             ``server.allow_reset_prefix_cache`` is on."""
-            server.check_auth(request.headers.get("authorization"))
+            server.preparer.check_auth(request.headers.get("authorization"))
             try:
                 return JSONResponse(await server.backend.reset_prefix_cache())
             except TimeoutError as exc:

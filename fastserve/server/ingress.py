@@ -21,12 +21,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any, Protocol
 
-from fastserve.engine.delivery import DeltaStream
+from fastserve.detokenizer import IncrementalDecoder
+from fastserve.engine.delivery import DeliveryDelay, JobStream
 from fastserve.engine.metrics import IngressMetrics
-from fastserve.scheduler.job import JobRequest, TokenDelta
+from fastserve.scheduler.job import Finish, JobRequest, TokenDelta
 from fastserve.server.choices import LogprobFormatter, merge_logprobs, merged
 from fastserve.server.ingress_requests import Prepared, RequestPreparer, ServerContext
-from fastserve.server.ingress_streams import DeliveryDelay, Replayed
 from fastserve.server.protocol import APIError, error_body
 from fastserve.server.protocol_output import (
     StopStringMatcher,
@@ -38,7 +38,6 @@ from fastserve.server.protocol_output import (
     usage,
 )
 from fastserve.server.request_limits import timed_out
-from fastserve.tokenizer import IncrementalDecoder
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +46,8 @@ SSE_DONE = b"data: [DONE]\n\n"
 SERVER_ENDED = {"abort": (503, "the server stopped the request (shutting down?)"),
                 "error": (500, "generation failed inside the engine")}
 
-#: A scheduler stream: an async iterator of ``TokenDelta``s that can be cancelled (a job's own
-#: Serve stream, or ``fastserve.engine.delivery.JobStream`` reading it and its channel).
-Stream = DeltaStream
-
-
 class Backend(Protocol):
-    def generate(self, req: JobRequest) -> Stream: ...
+    def generate(self, req: JobRequest) -> JobStream: ...
 
     async def metrics_text(self) -> str: ...
 
@@ -65,28 +59,31 @@ class Backend(Protocol):
 
 
 def job_stats(delta: TokenDelta) -> dict[str, Any]:
-    """A finishing event's ``job_stats`` as the response carries them ({} without stats)."""
-    return {} if delta.stats is None else delta.stats.as_dict()
+    """A finishing delta's ``job_stats`` as the response carries them ({} without stats)."""
+    stats = None if delta.finish is None else delta.finish.stats
+    return {} if stats is None else stats.as_dict()
 
 
 def cached_tokens(delta: TokenDelta) -> int:
     """Prompt tokens the prefix cache served the job (0 without stats)."""
-    return 0 if delta.stats is None else delta.stats.cached_tokens
+    stats = None if delta.finish is None else delta.finish.stats
+    return 0 if stats is None else stats.cached_tokens
 
 
-class OpenAIServer(RequestPreparer):
+class OpenAIServer:
     """A prepared request's jobs started on the backend and their outputs answered: the
-    non-streaming body (``complete``) or the SSE stream (``sse``). Preparation (auth, parsing,
-    validation, refusals) is the base class's."""
+    non-streaming body (``complete``) or the SSE stream (``sse``). Its ``preparer`` makes a
+    request body into those jobs (auth, parsing, validation) or refuses it."""
 
     def __init__(self, ctx: ServerContext, backend: Backend, metrics: IngressMetrics | None = None) -> None:
-        super().__init__(ctx)
+        self.ctx = ctx
+        self.preparer = RequestPreparer(ctx)
         self.backend = backend
         self.metrics = metrics
 
     # ---- generation ------------------------------------------------------------------------
 
-    async def start_all(self, prep: Prepared) -> list[Stream]:
+    async def start_all(self, prep: Prepared) -> list[JobStream]:
         """Every choice's job handed to a scheduler; if one is refused, the others are cancelled."""
         if len(prep.choices) == 1:
             return [await self.start(prep)]
@@ -100,37 +97,36 @@ class OpenAIServer(RequestPreparer):
             raise failed[0]
         return [r for r in started if not isinstance(r, BaseException)]
 
-    async def start(self, prep: Prepared, job: JobRequest | None = None) -> Stream:
-        """Hand the job to a scheduler; raise 429/400 if it refuses."""
+    async def start(self, prep: Prepared, job: JobRequest | None = None) -> JobStream:
+        """Hand the job to an engine replica; raise 429/400 if it refuses."""
         stream = self.backend.generate(prep.job if job is None else job)
         try:
-            first = await stream.__anext__()
+            refused = await stream.start()
         except BaseException:
             stream.cancel()
             raise
-        if first.error is not None:
-            raise self.refusal(first.error, first.message, "messages" if prep.chat else "prompt")
-        return await self._first_output(stream)
+        if refused is not None:
+            raise self.preparer.refusal(refused.code, refused.message, "messages" if prep.chat else "prompt")
+        await self._first_output(stream)
+        return stream
 
-    async def _first_output(self, stream: Stream) -> Stream:
+    async def _first_output(self, stream: JobStream) -> None:
         """Wait (at most ``admission_timeout_s``) for the job's first output before answering, so
-        a job stuck behind a backlog is refused with a 429 instead of holding its client."""
+        a job stuck behind a backlog is refused with a 429 instead of holding its client. (A
+        stream that ends without output is left to its reader, who reports it broken.)"""
         wait = self.ctx.limits.admission_timeout_s
         try:
-            first = await asyncio.wait_for(stream.__anext__(), wait)
+            await asyncio.wait_for(stream.peek(), wait)
         except TimeoutError:
             stream.cancel()   # the scheduler aborts the queued job
             raise APIError(429, f"server busy: no capacity for this request within {wait:g} s "
                            "(server.admission_timeout_s); retry later", None, "admission_timeout",
                            "rate_limit_error", {"Retry-After": str(self.ctx.retry_after_s)}) from None
-        except StopAsyncIteration:
-            return stream   # ended without output: reading it on reports the broken stream
         except BaseException:
             stream.cancel()
             raise
-        return Replayed(first, stream)
 
-    async def events(self, stream: Stream, prep: Prepared) -> AsyncIterator[tuple[TokenDelta, str]]:
+    async def events(self, stream: JobStream, prep: Prepared) -> AsyncIterator[tuple[TokenDelta, str]]:
         """The stream's events with their text (stop strings applied); the last has the finish.
 
         One event per read: an event carries every token since the previous one, so a lagging
@@ -149,8 +145,6 @@ class OpenAIServer(RequestPreparer):
         delay = DeliveryDelay()
         try:
             async for delta in stream:
-                if not delta.token_ids and not delta.finished:
-                    continue   # the accepted event
                 delay.observe(delta.emitted_at)
                 text, ids = [], []
                 # A job the scheduler stopped on EOS or a stop token id: that token counts as
@@ -166,25 +160,25 @@ class OpenAIServer(RequestPreparer):
                     if matcher.stopped:
                         done, outcome = True, "stop"
                         stream.cancel()   # the scheduler aborts the job and frees its blocks
-                        yield TokenDelta(delta.job_id, tuple(ids), "stop",
+                        yield TokenDelta(delta.job_id, tuple(ids), Finish("stop"),
                                          logprobs=delta.logprobs[:len(ids)]), "".join(text)
                         return
-                if not delta.finished:
+                if delta.finish is None:
                     yield delta, "".join(text)
                     continue
                 done = True
-                reason = outcome = delta.finish_reason or "stop"
+                reason = outcome = delta.finish.reason
                 if reason in SERVER_ENDED:
                     status, message = SERVER_ENDED[reason]
                     raise APIError(status, message, None, reason, "internal_error")
                 text.append(matcher.push(decoder.flush()))
-                stats = delta.stats
+                stats = delta.finish.stats
                 if stats is not None and (mean_delay := delay.mean()) is not None:
                     stats = replace(stats, delivery_s=mean_delay)   # a copy: in process it is the scheduler's
-                yield replace(delta, finish_reason=reason, stats=stats), "".join(text) + matcher.flush()
+                yield replace(delta, finish=Finish(reason, stats)), "".join(text) + matcher.flush()
                 return
             outcome = "error"
-            raise APIError(500, "the scheduler stream ended without a finish", None, "internal_error",
+            raise APIError(500, "the job's stream ended without a finish", None, "internal_error",
                            "internal_error")
         except Exception:
             if not done:
@@ -196,7 +190,7 @@ class OpenAIServer(RequestPreparer):
             if self.metrics is not None:
                 self.metrics.request_finished(outcome)
 
-    async def complete(self, prep: Prepared, streams: Stream | list[Stream]) -> dict[str, Any]:
+    async def complete(self, prep: Prepared, streams: JobStream | list[JobStream]) -> dict[str, Any]:
         """The non-streaming response: every choice read to its end, usage summed over choices
         (the prompt counted once, as vLLM)."""
         streams = streams if isinstance(streams, list) else [streams]
@@ -220,7 +214,7 @@ class OpenAIServer(RequestPreparer):
             body["choices"].append(choice)
         return body
 
-    async def _choice(self, prep: Prepared, stream: Stream,
+    async def _choice(self, prep: Prepared, stream: JobStream,
                       index: int) -> tuple[str, list[int], TokenDelta, dict[str, Any]]:
         """One choice read to its end: its text, token ids, finishing event, and the choice's
         extra fields (logprobs, token ids)."""
@@ -243,7 +237,7 @@ class OpenAIServer(RequestPreparer):
             extra["token_ids"] = ids
         return "".join(text), ids, last, extra
 
-    async def sse(self, prep: Prepared, streams: Stream | list[Stream]) -> AsyncIterator[bytes]:
+    async def sse(self, prep: Prepared, streams: JobStream | list[JobStream]) -> AsyncIterator[bytes]:
         streams = streams if isinstance(streams, list) else [streams]
         created, model, rid = now_s(), self.ctx.model_name, prep.request_id
         want_usage, want_ids = prep.req.include_usage, prep.req.return_token_ids
@@ -304,7 +298,7 @@ class OpenAIServer(RequestPreparer):
             yield b"data: " + json.dumps(tail).encode() + b"\n\n"
         yield SSE_DONE
 
-    async def complete_unless_gone(self, prep: Prepared, stream: list[Stream],
+    async def complete_unless_gone(self, prep: Prepared, stream: list[JobStream],
                                    disconnected: Callable[[], Awaitable[Any]] | None) -> dict[str, Any]:
         """The non-streaming body, bounded by ``request_timeout_s``; a client that goes away
         (``disconnected()`` completes) aborts its jobs: both are ours to enforce, whatever

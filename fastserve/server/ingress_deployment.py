@@ -16,12 +16,12 @@ from fastapi import FastAPI
 from ray import serve
 
 from fastserve.config import AppArgs
-from fastserve.engine.delivery import ChannelClient, MessageStream
+from fastserve.engine.delivery import ChannelClient, JobStream, Message, ServeStream
 from fastserve.engine.metrics import IngressMetrics
 from fastserve.logs import join_serve_logs
 from fastserve.scheduler.job import JobRequest
 from fastserve.server.http_api import make_api
-from fastserve.server.ingress import OpenAIServer, Stream
+from fastserve.server.ingress import OpenAIServer
 from fastserve.server.ingress_requests import ServerContext
 from fastserve.server.metrics_export import AgentMetrics
 from fastserve.server.routing import PIN_KWARG
@@ -36,30 +36,29 @@ class ServeBackend:
     delivery channels (one message per step per engine replica, ``fastserve.engine.delivery``) once one is
     open to the replica a job landed on; without, each job's tokens come on its own stream."""
 
-    def __init__(self, scheduler: Any, metrics: AgentMetrics, channels: ChannelClient | None,
+    def __init__(self, engine: Any, metrics: AgentMetrics, channels: ChannelClient | None,
                  reset_timeout_s: float) -> None:
-        self._generate = scheduler.options(stream=True).generate
-        self._stats = scheduler.stats
-        self._scheduler = scheduler
+        self._generate = engine.options(stream=True).generate
+        self._stats = engine.stats
+        self._engine = engine
         self._reset_timeout_s = reset_timeout_s
-        self._health = scheduler.health
+        self._health = engine.health
         self._metrics = metrics
         self.channels = channels
 
-    def generate(self, req: JobRequest) -> Stream:
+    def generate(self, req: JobRequest) -> JobStream:
         channels = self.channels
         if channels is None:
-            stream: Stream = self._generate.remote(req)
-            return stream
+            return JobStream(req.job_id, self._generate.remote(req))
         return channels.submit(req.job_id, lambda: self._generate.remote(req, channels.ingress_id))
 
     async def metrics_text(self) -> str:
         return await self._metrics.text()
 
     async def reset_prefix_cache(self) -> dict[str, Any]:
-        """Every running scheduler replica forgets its cached blocks (Serve's broadcast: one call
+        """Every running engine replica forgets its cached blocks (Serve's broadcast: one call
         per replica; each model copy has its own cache). Raises TimeoutError past the bound."""
-        replies = await self._scheduler.broadcast("reset_prefix_cache").results_async(
+        replies = await self._engine.broadcast("reset_prefix_cache").results_async(
             timeout_s=self._reset_timeout_s)
         return {"reset_blocks": sum(int(r["reset_blocks"]) for r in replies), "replicas": len(replies)}
 
@@ -72,12 +71,12 @@ class ServeBackend:
         return state
 
 
-def channel_client(scheduler: Any, ingress_id: str, open_timeout_s: float) -> ChannelClient:
+def channel_client(engine: Any, ingress_id: str, open_timeout_s: float) -> ChannelClient:
     """This ingress replica's delivery channels over the Engine deployment's handle."""
-    subscribe = scheduler.options(stream=True).subscribe
+    subscribe = engine.options(stream=True).subscribe
 
-    def open_channel(ingress: str, replica_id: str, channel_id: str) -> MessageStream:
-        stream: MessageStream = subscribe.remote(ingress_id=ingress, channel_id=channel_id,
+    def open_channel(ingress: str, replica_id: str, channel_id: str) -> ServeStream[Message]:
+        stream: ServeStream[Message] = subscribe.remote(ingress_id=ingress, channel_id=channel_id,
                                                  **{PIN_KWARG: replica_id})
         return stream
 
@@ -88,15 +87,15 @@ def channel_client(scheduler: Any, ingress_id: str, open_timeout_s: float) -> Ch
 class Ingress:
     """The HTTP entry point; ``fastserve.main`` applies its Serve options (autoscaling, ...)."""
 
-    def __init__(self, scheduler: Any, args: dict[str, Any]) -> None:
+    def __init__(self, engine: Any, args: dict[str, Any]) -> None:
         join_serve_logs()
         started = time.monotonic()
         app_args = AppArgs.model_validate(args)
         ctx = ServerContext.from_args(app_args)
         srv = app_args.server
-        channels = channel_client(scheduler, _ingress_replica_id(), srv.channel_open_timeout_s) \
+        channels = channel_client(engine, _ingress_replica_id(), srv.channel_open_timeout_s) \
             if srv.delivery_channels else None
-        backend = ServeBackend(scheduler, AgentMetrics(srv.metrics_agent_timeout_s), channels,
+        backend = ServeBackend(engine, AgentMetrics(srv.metrics_agent_timeout_s), channels,
                                srv.reset_timeout_s)
         self.server = OpenAIServer(ctx, backend, IngressMetrics(ctx.model_name))
         log.info("ingress ready in %.1f s for model %s", time.monotonic() - started, ctx.model_name)

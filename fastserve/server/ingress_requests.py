@@ -4,7 +4,7 @@ Owns ``ServerContext`` (model name, tokenizer, limits, API key), ``Prepared`` (a
 and the ``JobRequest`` per choice it asks for) and ``RequestPreparer``: authentication, parsing
 and checking a body (``fastserve.server.protocol``), tokenization and chat templating (``fastserve.tokenizer``), the
 one validation (``fastserve.errors.validate_request``) and how a refusal reads to the client. The
-generation side, ``fastserve.server.ingress.OpenAIServer``, extends it. Imports no ray and no FastAPI.
+generation side, ``fastserve.server.ingress.OpenAIServer``, holds one. Imports no ray and no FastAPI.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ Needs the ``serve-llm`` extra (``ray.serve.llm`` imports vLLM's OpenAI protocol 
 from __future__ import annotations
 
 import copy
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, cast
 
 from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
@@ -36,10 +36,11 @@ from ray.llm._internal.serve.core.engine.protocol import LLMEngine
 from ray.serve.llm import LLMServer
 
 from fastserve.config import AppArgs
+from fastserve.engine.delivery import JobEvent, JobStream, LocalStream
 from fastserve.engine.metrics import IngressMetrics
 from fastserve.engine.replica import EngineReplica
-from fastserve.scheduler.job import JobRequest, TokenDelta
-from fastserve.server.ingress import OpenAIServer, Stream
+from fastserve.scheduler.job import JobRequest
+from fastserve.server.ingress import OpenAIServer
 from fastserve.server.ingress_requests import Prepared, ServerContext
 from fastserve.server.protocol import APIError
 from fastserve.server.tokenize_api import detokenize_response, tokenize_response
@@ -56,34 +57,15 @@ def app_args(llm_config: LLMConfig) -> AppArgs:
     return AppArgs.model_validate(kwargs)
 
 
-class LocalStream:
-    """A ``EngineReplica.generate`` stream in this process, cancellable like a Serve stream."""
-
-    def __init__(self, gen: AsyncGenerator[TokenDelta, None]) -> None:
-        self._gen = gen
-
-    def __aiter__(self) -> AsyncIterator[TokenDelta]:
-        return self
-
-    async def __anext__(self) -> TokenDelta:
-        return await self._gen.__anext__()
-
-    def cancel(self) -> None:
-        # aclose() runs the generator's cleanup, which aborts the job and frees its blocks.
-        import asyncio
-
-        asyncio.ensure_future(self._gen.aclose())
-
-
 class LocalBackend:
     """``OpenAIServer``'s backend: the engine replica living in this Serve replica."""
 
     def __init__(self, replica: EngineReplica) -> None:
         self.replica = replica
 
-    def generate(self, req: JobRequest) -> Stream:
+    def generate(self, req: JobRequest) -> JobStream:
         # generate is an async generator function (typed by what callers need: an iterator)
-        return LocalStream(cast(AsyncGenerator[TokenDelta, None], self.replica.generate(req)))
+        return JobStream(req.job_id, LocalStream(cast(AsyncGenerator[JobEvent, None], self.replica.generate(req))))
 
     async def metrics_text(self) -> str:
         return ""   # metrics go to Ray's agents; Ray Serve LLM has no /metrics route of its own
@@ -158,7 +140,7 @@ class FastServeEngine(LLMEngine):
         raw = _client_fields(request)
         server = self.server
         try:
-            prep = server.prepare_chat(raw) if chat else server.prepare_completion(raw)
+            prep = server.preparer.prepare_chat(raw) if chat else server.preparer.prepare_completion(raw)
             streams = await server.start_all(prep)
             if not prep.req.stream:
                 body = await server.complete(prep, streams)
@@ -190,7 +172,7 @@ class FastServeEngine(LLMEngine):
         except APIError as exc:
             yield error_response(exc)
 
-    async def _sse(self, prep: Prepared, streams: list[Stream]) -> AsyncGenerator[str, None]:
+    async def _sse(self, prep: Prepared, streams: list[JobStream]) -> AsyncGenerator[str, None]:
         assert self.server is not None
         async for chunk in self.server.sse(prep, streams):
             yield chunk.decode()

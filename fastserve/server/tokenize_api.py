@@ -141,22 +141,22 @@ def add_routes(api: FastAPI, server: OpenAIServer) -> None:
 
     @api.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
-        server.check_auth(request.headers.get("authorization"))
+        server.preparer.check_auth(request.headers.get("authorization"))
         return JSONResponse(models_list(ctx))
 
     @api.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> JSONResponse:
-        server.check_auth(request.headers.get("authorization"))
+        server.preparer.check_auth(request.headers.get("authorization"))
         return JSONResponse(model_or_404(ctx, model_id))
 
     @api.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
-        server.check_auth(request.headers.get("authorization"))
+        server.preparer.check_auth(request.headers.get("authorization"))
         raw = await read_body(request, ctx.limits.max_request_bytes)
         return JSONResponse(await asyncio.to_thread(tokenize_response, ctx, raw))
 
     @api.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
-        server.check_auth(request.headers.get("authorization"))
+        server.preparer.check_auth(request.headers.get("authorization"))
         raw = await read_body(request, ctx.limits.max_request_bytes)
         return JSONResponse(await asyncio.to_thread(detokenize_response, ctx, raw))

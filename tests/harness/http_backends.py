@@ -1,9 +1,10 @@
-"""Scripted scheduler backends for the HTTP layer's tests (no Ray, no model).
+"""Scripted engine backends for the HTTP layer's tests (no Ray, no model).
 
 ``FakeBackend`` answers every request with fixed tokens (or refuses it); ``ScriptedBackend``
-answers each job with what a script makes of its request; both hand out ``FakeStream``s, which
-record whether the ingress cancelled them. ``post`` sends one request to an ``OpenAIServer``
-over a backend, ``sse_events`` reads a stream's events.
+answers each job with what a script makes of its request; both hand out ``JobStream``s over
+``FakeStream``s (a job's own stream, scripted), which record whether the ingress cancelled them.
+``post`` sends one request to an ``OpenAIServer`` over a backend, ``sse_events`` reads a stream's
+events.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from typing import Any
 
 import httpx
 
+from fastserve.engine.delivery import Accepted, JobEvent, JobStream, Refused
 from fastserve.errors import ErrorCode
-from fastserve.scheduler.job import JobRequest, JobStats, TokenDelta
+from fastserve.scheduler.job import Finish, JobRequest, JobStats, TokenDelta
 from fastserve.server.http_api import make_api
 from fastserve.server.ingress import OpenAIServer
 from fastserve.server.ingress_requests import ServerContext
@@ -34,17 +36,17 @@ FAKE_STATS = JobStats("j", arrival=0.0, prompt_len=2, queueing_s=0.5, execution_
 
 
 class FakeStream:
-    """A backend stream of scripted deltas; it yields to the loop before each item, as a real
+    """A job's own stream of scripted events; it yields to the loop before each item, as a real
     stream does, and ends once cancelled."""
 
-    def __init__(self, items: list[TokenDelta]) -> None:
+    def __init__(self, items: list[JobEvent]) -> None:
         self.items = list(items)
         self.cancelled = False
 
-    def __aiter__(self) -> AsyncIterator[TokenDelta]:
+    def __aiter__(self) -> AsyncIterator[JobEvent]:
         return self
 
-    async def __anext__(self) -> TokenDelta:
+    async def __anext__(self) -> JobEvent:
         await asyncio.sleep(0)
         if self.cancelled or not self.items:
             raise StopAsyncIteration
@@ -52,6 +54,10 @@ class FakeStream:
 
     def cancel(self) -> None:
         self.cancelled = True
+
+    def read(self, job_id: str = "j") -> JobStream:
+        """The stream the ingress reads over this one."""
+        return JobStream(job_id, self)
 
 
 class FakeBackend:
@@ -64,19 +70,19 @@ class FakeBackend:
         self.requests: list[JobRequest] = []
         self.streams: list[FakeStream] = []
 
-    def generate(self, req: JobRequest) -> FakeStream:
+    def generate(self, req: JobRequest) -> JobStream:
         self.requests.append(req)
         if self.first != "accepted":
             code = {"rejected": ErrorCode.ADMISSION_QUEUE_FULL, "unavailable": ErrorCode.ENGINE_UNAVAILABLE}[self.first]
-            stream = FakeStream([TokenDelta("j", error=code, message="2 jobs already wait for admission")])
+            stream = FakeStream([Refused("j", code, "2 jobs already wait for admission")])
         else:
             k = self.per_item
-            items = [TokenDelta("j"),
-                     *(TokenDelta("j", tuple(self.tokens[i:i + k])) for i in range(0, len(self.tokens), k)),
-                     TokenDelta("j", finish_reason=self.reason, stats=FAKE_STATS)]
+            items: list[JobEvent] = [
+                Accepted("j"), *(TokenDelta("j", tuple(self.tokens[i:i + k])) for i in range(0, len(self.tokens), k)),
+                TokenDelta("j", finish=Finish(self.reason, FAKE_STATS))]   # type: ignore[arg-type]
             stream = FakeStream(items)
         self.streams.append(stream)
-        return stream
+        return stream.read()
 
     async def metrics_text(self) -> str:
         return "fastserve:num_requests_running 0.0\n"
@@ -96,9 +102,9 @@ class ScriptedBackend:
         self.requests: list[JobRequest] = []
         self.resets = 0
 
-    def generate(self, req: JobRequest) -> FakeStream:
+    def generate(self, req: JobRequest) -> JobStream:
         self.requests.append(req)
-        return FakeStream([TokenDelta(req.job_id)] + self.script(req))
+        return FakeStream([Accepted(req.job_id), *self.script(req)]).read(req.job_id)
 
     async def metrics_text(self) -> str:
         return ""

@@ -79,24 +79,9 @@ def test_gpu_configs_validate_and_are_consistent(name: str) -> None:
 
 # ---- the 429 path through a real scheduler, in process (no Ray) ------------------------------
 
-class LocalStream:
-    """A ``EngineReplica.generate`` generator, cancellable as a Serve stream is."""
-
-    def __init__(self, agen: Any) -> None:
-        self._agen = agen
-
-    def __aiter__(self) -> LocalStream:
-        return self
-
-    async def __anext__(self) -> Any:
-        return await self._agen.__anext__()
-
-    def cancel(self) -> None:
-        asyncio.ensure_future(self._agen.aclose())
-
-
 def test_full_admission_queue_answers_429_and_aborts_free_blocks() -> None:
-    from fastserve.engine.metrics import SchedulerMetrics
+    from fastserve.engine.delivery import JobStream, LocalStream
+    from fastserve.engine.metrics import EngineMetrics
     from fastserve.engine.replica import EngineReplica
     from fastserve.server.http_api import make_api
     from fastserve.server.ingress import OpenAIServer
@@ -109,12 +94,12 @@ def test_full_admission_queue_answers_429_and_aborts_free_blocks() -> None:
 
     async def run() -> None:
         replica = await EngineReplica.create(raw)
-        replica.metrics = SchedulerMetrics(MODEL, FakeSink)   # read back below
+        replica.metrics = EngineMetrics(MODEL, FakeSink)   # read back below
         recorded = replica.metrics._sinks
 
         class Backend:
-            def generate(self, req: Any) -> LocalStream:
-                return LocalStream(replica.generate(req))
+            def generate(self, req: Any) -> JobStream:
+                return JobStream(req.job_id, LocalStream(replica.generate(req)))
 
             async def metrics_text(self) -> str:
                 return ""
@@ -132,10 +117,9 @@ def test_full_admission_queue_answers_429_and_aborts_free_blocks() -> None:
             held = []
             for i in range(2):   # one runs, one waits for admission (held at the scheduler's stream:
                 # the ingress itself would wait for the queued one's first output)
-                prep = server.prepare_completion(body)
+                prep = server.preparer.prepare_completion(body)
                 stream = backend.generate(prep.job)
-                accepted = await stream.__anext__()
-                assert accepted.error is None and not accepted.token_ids and not accepted.finished
+                assert await stream.start() is None   # accepted
                 if i == 0:   # admitted once it has produced a token
                     tokens = await stream.__anext__()
                     assert tokens.token_ids and not tokens.finished
@@ -170,7 +154,7 @@ def test_full_admission_queue_answers_429_and_aborts_free_blocks() -> None:
 def test_delivery_channel_carries_exact_tokens_one_message_per_step_and_breaking_it_frees_blocks() -> None:
     """A real engine replica and the ingress's ``ChannelClient``, in process (no Ray): the
     first job travels on its own stream and opens the channel; the next four share it."""
-    from fastserve.engine.delivery import ChannelClient
+    from fastserve.engine.delivery import ChannelClient, JobStream, LocalStream
     from fastserve.engine.replica import EngineReplica
     from fastserve.server.ingress import OpenAIServer
     from fastserve.server.ingress_requests import ServerContext
@@ -189,9 +173,9 @@ def test_delivery_channel_carries_exact_tokens_one_message_per_step_and_breaking
             def __init__(self, channels: bool) -> None:
                 self.channels = channels
 
-            def generate(self, req: JobRequest) -> Any:
+            def generate(self, req: JobRequest) -> JobStream:
                 if not self.channels:
-                    return LocalStream(replica.generate(req))
+                    return JobStream(req.job_id, LocalStream(replica.generate(req)))
                 return client.submit(req.job_id, lambda: LocalStream(replica.generate(req, client.ingress_id)))
 
         ctx = ServerContext.from_args(replica.args)
@@ -199,7 +183,7 @@ def test_delivery_channel_carries_exact_tokens_one_message_per_step_and_breaking
 
         async def complete(server: OpenAIServer, prompt: str, tokens: int = 12) -> dict[str, Any]:
             body = {"model": MODEL, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
-            prep = server.prepare_completion(json.dumps(body).encode())
+            prep = server.preparer.prepare_completion(json.dumps(body).encode())
             return await server.complete(prep, await server.start(prep))
 
         def steps() -> float:
@@ -222,7 +206,7 @@ def test_delivery_channel_carries_exact_tokens_one_message_per_step_and_breaking
 
             # The channel breaks mid-job: the job fails, the scheduler aborts it and frees its blocks.
             body = {"model": MODEL, "prompt": "Go on", "max_tokens": 400, "ignore_eos": True}
-            prep = on_channel.prepare_completion(json.dumps(body).encode())
+            prep = on_channel.preparer.prepare_completion(json.dumps(body).encode())
             stream = await on_channel.start(prep)
             await client.close()
             with pytest.raises(APIError) as failed:
@@ -245,7 +229,7 @@ def test_an_idle_delivery_channel_ends_at_both_ends_and_the_next_job_reopens_it(
     """With ``server.channel_idle_close_s``, the engine replica ends a channel with no job on
     it (so Serve's drain of that replica is not held by it), not one with a job running; the
     ingress's next job there travels on its own stream and opens a new channel."""
-    from fastserve.engine.delivery import ChannelClient
+    from fastserve.engine.delivery import ChannelClient, LocalStream
     from fastserve.engine.replica import EngineReplica
 
     raw = dummy_opt_yaml()["applications"][0]["args"]
@@ -256,11 +240,13 @@ def test_an_idle_delivery_channel_ends_at_both_ends_and_the_next_job_reopens_it(
         client = ChannelClient("ingress-1", lambda ingress, replica_id, channel_id: LocalStream(
             replica.subscribe(ingress, channel_id, replica_id)), open_timeout_s=30)
 
-        async def tokens(prompt: str, n: int) -> list[TokenDelta]:
+        async def tokens(prompt: str, n: int) -> tuple[bool, list[TokenDelta]]:
+            """Whether the job's deltas came on the channel, and the deltas."""
             req = JobRequest(f"{prompt}-{n}", tuple(TOK.encode(prompt)),
                              SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
             stream = client.submit(req.job_id, lambda: LocalStream(replica.generate(req, client.ingress_id)))
-            return [d async for d in stream]
+            assert await stream.start() is None
+            return stream.on_channel, [d async for d in stream]
 
         async def until(what: str, check: Callable[[], bool]) -> None:
             deadline = time.monotonic() + 30
@@ -269,20 +255,21 @@ def test_an_idle_delivery_channel_ends_at_both_ends_and_the_next_job_reopens_it(
                 await asyncio.sleep(0.01)
 
         try:
-            first = await tokens("Opening", 2)   # on its own stream; opens the channel
-            assert first[0].channel_id == "" and sum(len(d.token_ids) for d in first) == 2
+            on_channel, first = await tokens("Opening", 2)   # on its own stream; opens the channel
+            assert not on_channel and sum(len(d.token_ids) for d in first) == 2
             await until("the channel open", lambda: bool(client.live_channels))
             (channel_id,) = client.live_channels.values()
             # A job far longer than the idle time keeps the channel: it ends with every token.
-            long = await tokens("A long one", 40)
-            assert long[0].channel_id == channel_id and long[-1].finish_reason == "length"
+            on_channel, long = await tokens("A long one", 40)
+            assert on_channel and client.live_channels == {replica.replica_id: channel_id}
+            assert long[-1].finish_reason == "length"
             assert sum(len(d.token_ids) for d in long) == 40 and client.messages >= 2
             # Then nothing: both ends drop it within the idle time (+ the loop's wake-ups).
             await until("the channel closed at the ingress", lambda: not client.live_channels)
             assert (await replica.stats())["delivery_channels"] == {}
             # The next job travels on its own stream and reopens a channel.
-            again = await tokens("Again", 3)
-            assert again[0].channel_id == "" and [d.finish_reason for d in again][-1] == "length"
+            on_channel, again = await tokens("Again", 3)
+            assert not on_channel and again[-1].finish_reason == "length"
             assert sum(len(d.token_ids) for d in again) == 3
             await until("a new channel", lambda: bool(client.live_channels))
             assert client.live_channels[replica.replica_id] != channel_id
@@ -336,25 +323,6 @@ def test_two_model_copies_each_with_a_ray_pipeline(tmp_path: Path) -> None:
         assert got == [e for e in expected for _ in range(2)]
         m = wait_metrics(srv, lambda m: len(m.replicas("fastserve:num_requests_running")) == 2)
         assert len(m.replicas("fastserve:num_requests_running")) == 2   # both model copies record
-
-
-def test_a_config_naming_the_deprecated_scheduler_deployment_still_deploys(tmp_path: Path) -> None:
-    """A config written before the engine deployment's rename (``deployments: [{name: Scheduler}]``)
-    serves for one more release: the engine deployment takes the old name, the entry's options
-    apply to it, and the build logs the deprecation. Runs before the demo server starts."""
-    from ray.serve.context import _get_global_client
-
-    config = dummy_opt_yaml()
-    options = engine_options(config)
-    options.update(name="Scheduler", max_ongoing_requests=512)
-    with serve_app(tmp_path, config) as srv:   # up once a first completion has answered
-        assert len(greedy(srv, "Hello", 3)) == 3
-        with driver(srv):
-            deployments = _get_global_client().get_serve_details()["applications"]["fastserve"]["deployments"]
-        assert sorted(deployments) == ["Ingress", "Scheduler"]
-        assert deployments["Scheduler"]["deployment_config"]["max_ongoing_requests"] == 512
-        assert ("deployments: names 'Scheduler', the engine deployment's deprecated name: it is 'Engine' now"
-                in srv.log.read_text(errors="replace"))
 
 
 @pytest.fixture(scope="module")
@@ -628,12 +596,12 @@ def test_gauges_match_the_schedulers_own_state_at_a_quiet_point(server: Server) 
 
 
 def test_metrics_families_have_their_types_and_parse(server: Server) -> None:
-    from fastserve.engine.metrics import INGRESS_FAMILIES, SCHEDULER_FAMILIES
+    from fastserve.engine.metrics import ENGINE_FAMILIES, INGRESS_FAMILIES
 
     resp = httpx.get(server.url("/metrics"), timeout=30)
     assert resp.headers["content-type"].startswith("text/plain")
     m = Scrape.parse(resp.text)   # prometheus_client's parser accepts the whole answer
-    declared = {f"fastserve:{suffix}": f.kind for suffix, f in {**SCHEDULER_FAMILIES, **INGRESS_FAMILIES}.items()}
+    declared = {f"fastserve:{suffix}": f.kind for suffix, f in {**ENGINE_FAMILIES, **INGRESS_FAMILIES}.items()}
     assert set(m.types) <= set(declared)   # ours only: Ray's and Serve's own stay on the agents
     for name, kind in m.types.items():
         assert kind == declared[name], name

@@ -26,9 +26,10 @@ def test_a_step_schedules_at_the_clock_runs_the_plan_and_applies_it_when_it_retu
     assert second is not None
     [last] = second.deltas
     assert (last.token_id, last.finish_reason) == (TOKEN, "length")
-    assert last.stats is not None
+    assert last.finish is not None and last.finish.stats is not None
+    stats = last.finish.stats
     # Arrived at 10.0; the first token came back at 10.5 and the last at 11.5.
-    assert (last.stats.arrival, last.stats.first_token_time, last.stats.finish_time) == (10.0, 10.5, 11.5)
+    assert (stats.arrival, stats.first_token_time, stats.finish_time) == (10.0, 10.5, 11.5)
     assert core.steps == 2
     assert not core.has_work()
     assert core.step(ChargedExecutor(clock, 1.0)) is None

@@ -100,7 +100,7 @@ def test_a_template_refusal_is_a_400_naming_the_reason() -> None:
     server = OpenAIServer(ServerContext("m", tok, tok.vocab_size, 256), backend=None)  # type: ignore[arg-type]
     body = {"model": "m", "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}
     with pytest.raises(APIError) as refused:
-        server.prepare_chat(json.dumps(body).encode())
+        server.preparer.prepare_chat(json.dumps(body).encode())
     assert (refused.value.status, refused.value.param) == (400, "messages")
     assert refused.value.message == ("the model's chat template refused these messages: TemplateError: "
                                      "Conversation roles must alternate, but messages 0 and 1 are both user")

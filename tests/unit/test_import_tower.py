@@ -1,12 +1,15 @@
 """The import tower, read from the sources: every room of ``fastserve`` imports only its own floor
-and the floors below, and the policy and KV-manager rooms import no torch, ray or cupy.
+and the floors below, no module is in an import cycle, and the policy and KV-manager rooms import
+no torch, ray or cupy.
 
 Floors, lowest first: ``kernels`` (device code) → ``worker`` (the data plane) → the control plane's
 shared modules with ``scheduler`` and ``kv`` (config sections embed their settings; the policy
 rooms raise the shared errors) → ``engine`` → ``server`` → ``bench``. ``fastserve.main`` and
 ``fastserve.cli`` compose the rooms and stand above ``server``.
 
-Every import counts, at module level or inside a function (a lazy import is still a dependency).
+Every import counts, at module level or inside a function (a lazy import is still a dependency),
+type-only ones (``if TYPE_CHECKING:``) too: a cycle hidden from the interpreter is still two
+modules a reader cannot understand one without the other.
 The torch-free rule is checked twice: no such import in the sources, and none loaded when a fresh
 interpreter imports every one of them (what the simulator relies on).
 """
@@ -64,6 +67,59 @@ def sources(room: str = "") -> list[Path]:
     return sorted((PACKAGE / room).rglob("*.py"))
 
 
+def module_of(path: Path, root: Path = ROOT) -> str:
+    """``fastserve/kv/manager.py`` → ``fastserve.kv.manager``; a package's ``__init__`` is the package."""
+    return ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+
+
+def import_graph(package: Path, root: Path = ROOT) -> dict[str, set[str]]:
+    """Module → the modules of ``package`` it imports (``from a import b`` names ``a.b`` where that
+    is a module, else ``a``). Importing a submodule runs its package's ``__init__`` first, but
+    that is no dependency of the importer's: it is not an edge."""
+    paths = {module_of(p, root): p for p in sorted(package.rglob("*.py"))}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        named = (resolve(dotted) for _, dotted in imported_modules(path))
+        graph[module] = {m for m in named if m is not None and m != module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles: each set of modules that reach each other (a strongly connected
+    component of more than one module, Tarjan's walk), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            if component:
+                found.append(sorted([v, *component]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
 def test_every_room_has_sources() -> None:
     """The walk below sees real files (a moved folder would make the tower test pass vacuously)."""
     rooms = [room for room in FLOORS if room]
@@ -75,6 +131,10 @@ def test_no_module_imports_a_room_above_its_own() -> None:
               for path in sources() for line, module in imported_modules(path)
               if (floor := floor_of_module(module)) is not None and floor > floor_of_file(path)]
     assert upward == []
+
+
+def test_no_module_is_in_an_import_cycle() -> None:
+    assert cycles(import_graph(PACKAGE)) == []
 
 
 def test_nothing_imports_the_old_top_level_packages() -> None:
@@ -119,3 +179,26 @@ def test_the_checks_see_lazy_dotted_and_from_imports(tmp_path: Path) -> None:
     assert floor_of_file(PACKAGE / "kv" / "manager.py") == 2 < floor_of_file(PACKAGE / "engine" / "core.py")
     assert floor_of_file(PACKAGE / "worker" / "model" / "llama.py") == 1
     assert floor_of_file(PACKAGE / "main.py") > floor_of_file(PACKAGE / "server" / "ingress.py")
+
+
+def test_the_cycle_check_sees_type_only_and_lazy_imports(tmp_path: Path) -> None:
+    """Else the cycle test could not fail: a cycle through ``if TYPE_CHECKING:``, one through a
+    function's import, and a package's ``__init__`` importing a submodule that imports it."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    files = {
+        "__init__.py": "",
+        "a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.b import B\n",
+        "b.py": "from pkg.a import A\n",
+        "c.py": "def f() -> None:\n    import pkg.d\n",
+        "d.py": "from pkg import c\n",
+        "e.py": "from pkg.a import A\n",
+        "sub/__init__.py": "def g() -> None:\n    from pkg.sub import leaf\n",
+        "sub/leaf.py": "from pkg.sub import g\n",
+        "sub/alone.py": "import pkg.sub.leaf\n",
+    }
+    for name, text in files.items():
+        (pkg / name).write_text(text)
+    graph = import_graph(pkg, tmp_path)
+    assert graph["pkg.e"] == {"pkg.a"} and graph["pkg.sub.alone"] == {"pkg.sub.leaf"}
+    assert cycles(graph) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"], ["pkg.sub", "pkg.sub.leaf"]]

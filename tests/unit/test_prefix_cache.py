@@ -203,14 +203,14 @@ def test_only_jobs_with_the_same_cache_salt_share_a_prefix(warm_salt: str | None
     assert job.cached_at_arrival == cached
     finish(s, now)
     assert job.stats.cached_tokens == cached
-    assert s.state.kv._salted_roots == {}     # forgotten with the jobs
+    assert s.state.kv.prefix._salted_roots == {}     # forgotten with the jobs
 
 
 def test_a_salt_after_the_first_lookup_is_refused() -> None:
     kv = manager()
     kv.prefix_hit("a", len(PREFIX), lambda: PREFIX)
     with pytest.raises(ValueError, match="job a: salted after its blocks were hashed"):
-        kv.salt("a", "t1")
+        kv.prefix.salt("a", "t1")
 
 
 def test_a_job_whose_prefix_is_on_the_host_is_not_ready_until_the_copy_lands() -> None:

@@ -7,13 +7,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 from fastserve.config_server import ServerArgs
-from fastserve.scheduler.job import TokenDelta
+from fastserve.scheduler.job import Finish, TokenDelta
 from tests.harness.http_backends import STATS, ScriptedBackend, post, sse_events
 
 
 def backend(cached: int) -> ScriptedBackend:
     stats = replace(STATS, cached_tokens=cached)
-    return ScriptedBackend(lambda req: [TokenDelta(req.job_id, (5,), "length", stats)])
+    return ScriptedBackend(lambda req: [TokenDelta(req.job_id, (5,), Finish("length", stats))])
 
 
 BODY = {"model": "opt-125m", "prompt": "hello there", "max_tokens": 1}
@@ -41,7 +41,7 @@ def test_reset_prefix_cache_is_offered_only_when_allowed() -> None:
 
 
 class UnansweredReset(ScriptedBackend):
-    """A scheduler replica did not answer the broadcast within ``server.reset_timeout_s``."""
+    """An engine replica did not answer the broadcast within ``server.reset_timeout_s``."""
 
     async def reset_prefix_cache(self) -> dict[str, object]:
         raise TimeoutError("Timed out waiting for broadcast results.")

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from fastserve.engine.delivery import Accepted, JobEvent, JobStream
 from fastserve.scheduler.job import JobRequest, TokenDelta
 from fastserve.server.http_api import make_api, respond
 from fastserve.server.ingress import OpenAIServer
@@ -320,15 +321,15 @@ def test_models_health_metrics_and_unknown_routes() -> None:
 
 def test_a_stream_that_breaks_mid_way_ends_with_an_error_event() -> None:
     class BrokenStream(FakeStream):
-        async def __anext__(self) -> TokenDelta:
+        async def __anext__(self) -> JobEvent:
             if len(self.items) == 0:
                 raise RuntimeError("replica died")
             return await super().__anext__()
 
     class Broken(FakeBackend):
-        def generate(self, req: JobRequest) -> FakeStream:
+        def generate(self, req: JobRequest) -> JobStream:
             # accepted, one token, then the replica is gone
-            return BrokenStream([TokenDelta("j"), TokenDelta("j", (TEXT_IDS[0],))])
+            return BrokenStream([Accepted("j"), TokenDelta("j", (TEXT_IDS[0],))]).read()
 
     resp = post(Broken(TEXT_IDS), "/v1/completions", {"model": MODEL, "prompt": "Hi", "stream": True})
     events = sse_events(resp)
@@ -343,15 +344,15 @@ def test_a_stream_that_breaks_mid_way_ends_with_an_error_event() -> None:
 class HangingBackend(FakeBackend):
     """Accepts, streams the first token, then never finishes (a slow or stuck job)."""
 
-    def generate(self, req: JobRequest) -> FakeStream:
+    def generate(self, req: JobRequest) -> JobStream:
         self.requests.append(req)
-        stream = HangingStream([TokenDelta("j"), TokenDelta("j", (TEXT_IDS[0],))])
+        stream = HangingStream([Accepted("j"), TokenDelta("j", (TEXT_IDS[0],))])
         self.streams.append(stream)
-        return stream
+        return stream.read()
 
 
 class HangingStream(FakeStream):
-    async def __anext__(self) -> TokenDelta:
+    async def __anext__(self) -> JobEvent:
         if not self.items:
             await asyncio.Event().wait()   # forever, until cancelled
         return await super().__anext__()
@@ -501,10 +502,10 @@ def test_an_unavailable_engine_answers_503_with_retry_after() -> None:
 
 def test_a_job_without_output_within_the_admission_timeout_gets_429_and_is_dropped() -> None:
     class Queued(FakeBackend):
-        def generate(self, req: JobRequest) -> FakeStream:
-            stream = HangingStream([TokenDelta("j")])   # admitted to the queue, never run
+        def generate(self, req: JobRequest) -> JobStream:
+            stream = HangingStream([Accepted("j")])   # admitted to the queue, never run
             self.streams.append(stream)
-            return stream
+            return stream.read()
 
     for stream in (False, True):
         backend = Queued(TEXT_IDS)

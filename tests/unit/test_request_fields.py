@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from fastserve.scheduler.job import JobRequest, TokenDelta
+from fastserve.scheduler.job import Finish, JobRequest, TokenDelta
 from fastserve.server.request_fields import HARMLESS, REFUSED
 from fastserve.tokenizer import Tokenizer
 from fastserve.worker.messages import SamplingParams, TokenLogprobs
@@ -34,7 +34,7 @@ def script(reason: str = "length", ids: list[int] | None = None,
         asked = req.sampling.logprobs is not None
         out = [TokenDelta(req.job_id, (t,), logprobs=(LP[i % len(LP)],) if asked else ())
                for i, t in enumerate(toks)]
-        out[-1] = TokenDelta(req.job_id, out[-1].token_ids, reason, STATS, logprobs=out[-1].logprobs)
+        out[-1] = TokenDelta(req.job_id, out[-1].token_ids, Finish(reason, STATS), out[-1].logprobs)  # type: ignore[arg-type]
         return out
     return ScriptedBackend(run)
 

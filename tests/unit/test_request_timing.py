@@ -3,7 +3,7 @@
 The real ``Engine`` and ``Scheduler`` run on a manual clock; the data plane is a script that
 advances the clock by a chosen time per step (binary-exact, so every interval is exact) and
 returns a token for every entry that samples. What the replica's metrics tick records is read
-back through ``SchedulerMetrics`` with recording sinks.
+back through ``EngineMetrics`` with recording sinks.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from collections.abc import Sequence
 import pytest
 
 from fastserve.engine.async_engine import AsyncEngine
-from fastserve.engine.metrics import SchedulerMetrics
+from fastserve.engine.metrics import EngineMetrics
 from fastserve.engine.request_timing import RequestTimer, TimingBatch
-from fastserve.scheduler.job import TokenDelta
+from fastserve.scheduler.job import Finish, TokenDelta
 from fastserve.worker.messages import BatchPlan, StepOutput
 from tests.harness.metric_sinks import FakeSink, sinks
 from tests.harness.scheduling import TOKEN, make, req
@@ -92,7 +92,7 @@ def test_a_stall_is_one_long_inter_token_gap_in_its_own_bucket() -> None:
     assert f.e2e_s == f.inference_s and f.time_per_output_token_s == (3 * DECODE + STALL) / 4
     assert len(engine.timing) == 0   # nothing kept for a finished job
 
-    m = SchedulerMetrics(MODEL, FakeSink, max_model_len=512)
+    m = EngineMetrics(MODEL, FakeSink, max_model_len=512)
     m.record_timing(batch)
     s = sinks(m)
     # vLLM's ITL buckets: the stall lands alone in (0.5, 0.75]; a per-request mean (0.17) would
@@ -135,7 +135,7 @@ def test_an_aborted_job_counts_its_tokens_but_records_no_latency() -> None:
     timer.scheduled(["x"], 1.5)
     timer.step([TokenDelta("x", (7,))], 2.0)
     timer.step([TokenDelta("x", (7,)), TokenDelta("unknown", (1,))], 2.25)
-    timer.step([TokenDelta("x", finish_reason="abort")], 3.0)
+    timer.step([TokenDelta.ended("x", "abort")], 3.0)
     batch = timer.drain()
     assert (batch.prompt_tokens, batch.generation_tokens, batch.ttfts, batch.itls) == (5, 2, [1.0], [0.25])
     assert batch.finished == [] and len(timer) == 0
@@ -148,10 +148,10 @@ def test_a_one_token_answer_has_no_time_per_output_token(reason: str) -> None:
     timer.added("x", 0.0, 3)
     timer.scheduled(["x"], 0.5)
     timer.scheduled(["x"], 0.75)   # a later plan (after a preemption) does not move it
-    timer.step([TokenDelta("x", (2,), reason)], 1.0)   # type: ignore[arg-type]
+    timer.step([TokenDelta("x", (2,), Finish(reason))], 1.0)   # type: ignore[arg-type]
     (f,) = timer.drain().finished
     assert (f.queue_s, f.prefill_s, f.decode_s, f.time_per_output_token_s) == (0.5, 0.5, 0.0, None)
-    m = SchedulerMetrics(MODEL, FakeSink)
+    m = EngineMetrics(MODEL, FakeSink)
     m.record_timing(TimingBatch(finished=[f]))
     assert sinks(m)["request_time_per_output_token_seconds"].observed == []
     assert sinks(m)["e2e_request_latency_seconds"].observed == [1.0]

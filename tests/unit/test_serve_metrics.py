@@ -14,16 +14,17 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fastserve.engine.delivery import Accepted, JobStream
 from fastserve.engine.metrics import (
+    ENGINE_FAMILIES,
     INGRESS_FAMILIES,
-    SCHEDULER_FAMILIES,
     TTFT_BUCKETS,
     CounterMirror,
+    EngineMetrics,
     IngressMetrics,
-    SchedulerMetrics,
     length_buckets,
 )
-from fastserve.scheduler.job import JobStats, TokenDelta
+from fastserve.scheduler.job import JobStats
 from fastserve.server.http_api import make_api
 from fastserve.server.ingress import OpenAIServer
 from fastserve.server.ingress_requests import ServerContext
@@ -33,7 +34,7 @@ from tests.harness.metric_sinks import FakeSink, sinks
 
 
 def test_families_use_vllms_names_units_and_buckets() -> None:
-    fam = SCHEDULER_FAMILIES
+    fam = ENGINE_FAMILIES
     for suffix, kind in (("num_requests_running", "gauge"), ("num_requests_waiting", "gauge"),
                          ("kv_cache_usage_perc", "gauge"), ("num_preemptions", "counter"),
                          ("prompt_tokens", "counter"), ("generation_tokens", "counter"),
@@ -54,7 +55,7 @@ def test_families_use_vllms_names_units_and_buckets() -> None:
 
 
 def test_job_finished_records_the_schedulers_own_accounting() -> None:
-    m = SchedulerMetrics(MODEL, FakeSink)
+    m = EngineMetrics(MODEL, FakeSink)
     stats = JobStats("j", arrival=10.0, prompt_len=7, first_token_time=10.5, finish_time=12.5,
                      finish_reason="length", num_generated=5, queueing_s=0.25, swap_blocked_s=0.125)
     stats.enst_pairs.append((1.0, 1.5))
@@ -76,14 +77,14 @@ def test_job_finished_records_the_schedulers_own_accounting() -> None:
 def test_length_buckets_are_vllms_1_2_5_series_up_to_the_context() -> None:
     assert length_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
     assert length_buckets(2048)[-1] == 2000 and length_buckets(1999)[-1] == 1000
-    m = SchedulerMetrics(MODEL, FakeSink, max_model_len=512)
+    m = EngineMetrics(MODEL, FakeSink, max_model_len=512)
     assert sinks(m)["request_prompt_tokens"].family.buckets == (1, 2, 5, 10, 20, 50, 100, 200, 500)
     assert sinks(m)["request_generation_tokens"].family.buckets[-1] == 500
     assert sinks(m)["e2e_request_latency_seconds"].family.buckets[0] == 0.3   # others untouched
 
 
 def test_counter_mirror_only_moves_forward() -> None:
-    m = SchedulerMetrics(MODEL, FakeSink)
+    m = EngineMetrics(MODEL, FakeSink)
     mirror = CounterMirror()
     for total in (3, 3, 5, 2, 6):   # 2: a smaller total must not subtract
         mirror.advance(m, "swaps", total, direction="out")
@@ -148,8 +149,8 @@ def test_ingress_records_how_each_request_ended_for_its_client() -> None:
     assert ingress_outcomes(FakeBackend(TEXT_IDS), {"stop": ["world"]}) == {(("finished_reason", "stop"),): 1.0}
 
     class Broken(FakeBackend):
-        def generate(self, req: Any) -> FakeStream:
-            return FakeStream([TokenDelta("j")])   # ends without a finish
+        def generate(self, req: Any) -> JobStream:
+            return FakeStream([Accepted("j")]).read()   # ends without a finish
     assert ingress_outcomes(Broken(TEXT_IDS), {"stream": True}) == {(("finished_reason", "error"),): 1.0}
 
 

@@ -8,8 +8,7 @@ import pytest
 
 from fastserve.engine.async_engine import RequestStream
 from fastserve.engine.step_stats import StepStats, diff_totals, summarize
-from fastserve.errors import ErrorCode
-from fastserve.scheduler.job import JobStats, TokenDelta
+from fastserve.scheduler.job import Finish, JobStats, TokenDelta
 
 
 def test_step_stats_means_per_kind_and_overhead_share() -> None:
@@ -41,8 +40,8 @@ def test_request_stream_ready_takes_what_is_queued_up_to_the_finish() -> None:
         queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
         stream = RequestStream("j", queue)
         for token, finished in ((5, False), (6, False), (7, True)):
-            queue.put_nowait(TokenDelta.token("j", token, "length" if finished else None))
-        queue.put_nowait(TokenDelta("j", finish_reason="abort"))   # never read: the job finished
+            queue.put_nowait(TokenDelta.token("j", token, Finish("length") if finished else None))
+        queue.put_nowait(TokenDelta.ended("j", "abort"))   # never read: the job finished
         first = await stream.__anext__()
         rest = stream.ready()
         assert [first.token_id, *(d.token_id for d in rest)] == [5, 6, 7]
@@ -53,11 +52,11 @@ def test_request_stream_ready_takes_what_is_queued_up_to_the_finish() -> None:
     asyncio.run(run())
 
 
-def test_a_lagging_readers_events_merge_into_one_with_the_last_ones_finish() -> None:
-    stats = JobStats("j", arrival=0.0, prompt_len=2)
+def test_a_lagging_readers_deltas_merge_into_one_with_the_last_ones_finish() -> None:
+    finish = Finish("length", JobStats("j", arrival=0.0, prompt_len=2))
     merged = TokenDelta.merge([TokenDelta.token("j", 5), TokenDelta.token("j", 6),
-                               TokenDelta.token("j", 7, "length", stats)])
-    assert merged.token_ids == (5, 6, 7) and merged.finish_reason == "length" and merged.stats is stats
+                               TokenDelta.token("j", 7, finish)])
+    assert merged.token_ids == (5, 6, 7) and merged.finish is finish and merged.finish_reason == "length"
     assert merged.finished and TokenDelta("j").finished is False
-    refused = TokenDelta("j", error=ErrorCode.ADMISSION_QUEUE_FULL, message="full")
-    assert refused.finished and refused.token_id is None and refused.error.status == 429
+    ended = TokenDelta.ended("j", "abort")
+    assert ended.finished and ended.token_id is None and ended.finish == Finish("abort")

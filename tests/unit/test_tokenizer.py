@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastserve.chat_template import ChatTemplateError, apply_chat_template
-from fastserve.tokenizer import DEFAULT_TOKENIZER_DIR, IncrementalDecoder, Tokenizer, TokenizerLoadError
+from fastserve.detokenizer import IncrementalDecoder
+from fastserve.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer, TokenizerLoadError
 
 VECTORS_FILE = DEFAULT_TOKENIZER_DIR.parent / "tokenizer_test_vectors.json"
 OPT_VOCAB_SIZE = 50265
