@@ -10,7 +10,7 @@ import pytest
 
 from fastserve.config_model import ModelArgs
 from fastserve.generation_config import GENERATION_CONFIG_FILE, SamplingDefaults, sampling_defaults
-from fastserve.scheduler.job import JobRequest, TokenDelta
+from fastserve.scheduler.job import Finish, JobRequest, TokenDelta
 from tests.harness.http_backends import MODEL, STATS, ScriptedBackend, post
 
 MODEL_VALUES = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
@@ -48,7 +48,7 @@ def test_the_vllm_switch_turns_them_off(tmp_path: Path) -> None:
 
 
 def one_token(req: JobRequest) -> list[TokenDelta]:
-    return [TokenDelta(req.job_id, (5,), "length", STATS)]
+    return [TokenDelta(req.job_id, (5,), Finish("length", STATS))]
 
 
 @pytest.mark.parametrize("path,body", [
