@@ -1,16 +1,124 @@
-"""A minimal hand-driven plan builder for exercising the executor without the scheduler.
+"""Driving an engine step by step in tests, from either side of the ``BatchPlan``.
 
-It allocates blocks from simple free lists and lets a test swap a job out, back in, or drop it
-for recomputation at chosen steps. The real control plane (``fastserve/kv``, ``fastserve/scheduler``) is
-tested separately; this exists so the data plane's tests can say exactly which plan runs.
+``CoreDriver`` is the one way a test runs the real control plane one plan at a time: a
+``Scheduler`` inside an ``EngineCore`` on a virtual clock, each plan run by an executor (a real
+model, or ``TimedScript``) and applied, the scheduler's invariants checked after each half. A
+test says what arrives when, aborts, and what to check between steps; the step itself is not
+written again in each test. (Paper-scale and property runs with simulated time go through the
+simulator's loop: ``fastserve.bench.sim.driver.drive``.)
+
+``Driver`` is the other side: a minimal hand-driven plan builder for exercising the executor
+without the scheduler. It allocates blocks from simple free lists and lets a test swap a job out,
+back in, or drop it for recomputation at chosen steps, so the data plane's tests can say exactly
+which plan runs.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from fastserve.worker.executor import InProcessExecutor
-from fastserve.worker.messages import BatchEntry, BatchPlan, SamplingParams, SwapCommand, blocks_for
+from fastserve.engine.core import EngineCore, SyncExecutor, VirtualClock
+from fastserve.scheduler.job import Job, JobRequest, TokenDelta
+from fastserve.scheduler.scheduler import Scheduler
+from fastserve.worker.messages import BatchEntry, BatchPlan, SamplingParams, StepOutput, SwapCommand, blocks_for
+
+if TYPE_CHECKING:
+    from fastserve.worker.executor import InProcessExecutor
+
+#: (job id, index of the token in the job's output) -> token id
+TokenScript = Callable[[str, int], int]
+
+
+class TimedScript:
+    """A scripted data plane: each sampling entry's token from ``script``, and the plan's
+    ``total`` seconds (a number, or a function of the plan)."""
+
+    def __init__(self, script: TokenScript, total: float | Callable[[BatchPlan], float]) -> None:
+        self.script = script
+        self.total = total
+
+    def execute(self, plan: BatchPlan) -> StepOutput:
+        total = self.total(plan) if callable(self.total) else self.total
+        return StepOutput(plan.step_id, {e.job_id: self.script(e.job_id, e.step_index)
+                                         for e in plan.entries if e.samples}, {"total": total})
+
+
+class CoreDriver:
+    """``scheduler`` driven one plan at a time through an ``EngineCore`` on a virtual clock.
+
+    ``schedule`` takes the step's first half (the plan stays in flight); ``complete`` runs the
+    oldest plan in flight on ``executor``, moves the clock by ``step_s`` (None: by the plan's
+    reported ``total``) and applies its output; ``step`` is both. Every delta is kept, per job, in
+    ``deltas``; every plan in ``plans``; the scheduler's invariants are checked after each half."""
+
+    def __init__(self, scheduler: Scheduler, executor: SyncExecutor, *, step_s: float | None = 0.01,
+                 now: float = 0.0) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.step_s = step_s
+        self.clock = VirtualClock(now)
+        self.core = EngineCore(scheduler, self.clock, check_invariants=True)
+        self.inflight: deque[BatchPlan] = deque()
+        self.plans: list[BatchPlan] = []
+        self.deltas: dict[str, list[TokenDelta]] = {}
+
+    @property
+    def now(self) -> float:
+        return self.clock.now
+
+    def tokens(self) -> dict[str, list[int]]:
+        """Every job's tokens so far."""
+        return {job: [t for d in ds for t in d.token_ids] for job, ds in self.deltas.items()}
+
+    def add(self, req: JobRequest) -> Job:
+        return self.core.add(req)
+
+    def abort(self, job_id: str) -> None:
+        self.core.abort(job_id)
+        self.scheduler.check_invariants()
+
+    def schedule(self) -> BatchPlan | None:
+        plan = self.core.schedule()
+        if plan is not None:
+            self.inflight.append(plan)
+            self.plans.append(plan)
+        return plan
+
+    def complete(self) -> list[TokenDelta]:
+        plan = self.inflight.popleft()
+        out = self.executor.execute(plan)
+        self.clock.advance(out.timings["total"] if self.step_s is None else self.step_s)
+        deltas = self.core.update(plan, out).deltas
+        for d in deltas:
+            self.deltas.setdefault(d.job_id, []).append(d)
+        return deltas
+
+    def step(self) -> BatchPlan | None:
+        """One plan scheduled, run and applied; None (and the clock moved by ``step_s``) when
+        nothing could run."""
+        plan = self.schedule()
+        if plan is None:
+            self.clock.advance(self.step_s or 0.0)
+            return None
+        self.complete()
+        return plan
+
+    def run(self, arrivals: Mapping[int, Sequence[JobRequest]] | None = None,
+            max_steps: int = 400) -> dict[str, list[int]]:
+        """Steps until no work is left and every arrival came (``arrivals``: the step each
+        request arrives at); every job's tokens."""
+        arrivals = arrivals or {}
+        last = max(arrivals, default=0)
+        for k in range(max_steps):
+            for req in arrivals.get(k, ()):
+                self.add(req)
+            if not self.scheduler.has_work() and k >= last:
+                return self.tokens()
+            self.step()
+        raise AssertionError(f"work left after {max_steps} steps: {self.scheduler.stats()}")
 
 
 @dataclass

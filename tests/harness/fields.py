@@ -19,6 +19,7 @@ from fastserve.worker.executor import InProcessExecutor
 from fastserve.worker.messages import SamplingParams
 from fastserve.worker.model.config import OPTConfig
 from fastserve.worker.spec import ModelSpec
+from tests.harness.engine_driver import CoreDriver
 
 TINY = OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                  ffn_dim=64, max_position_embeddings=256, name="tiny")
@@ -41,20 +42,11 @@ def run_jobs(ex: InProcessExecutor, jobs: dict[str, SamplingParams],
     """Every job to its finish through the real scheduler; each job's deltas in order."""
     s = Scheduler(SchedulerConfig(), KVCacheConfig(block_size=BLOCK, num_device_blocks=64,
                                                    num_host_blocks=16), PROFILE, frozenset({TINY.eos_token_id}))
-    now = 0.0
+    driver = CoreDriver(s, ex)
     for job_id, sampling in jobs.items():
-        s.add(JobRequest(job_id, prompt, sampling), now)
-    out: dict[str, list[TokenDelta]] = {j: [] for j in jobs}
-    for _ in range(max_steps):
-        if not s.has_work():
-            return out
-        plan = s.schedule(now)
-        now += 0.01
-        if plan is None:
-            continue
-        for d in s.update(plan, ex.execute(plan), now):
-            out[d.job_id].append(d)
-    raise AssertionError(f"jobs not finished after {max_steps} steps")
+        driver.add(JobRequest(job_id, prompt, sampling))
+    driver.run(max_steps=max_steps)
+    return {j: driver.deltas.get(j, []) for j in jobs}
 
 
 def recording(ex: InProcessExecutor) -> list[torch.Tensor]:

@@ -21,7 +21,7 @@ import torch
 from pydantic import ValidationError
 
 from fastserve.bench import workloads as W
-from fastserve.bench.sim import PAPER_PROFILES, SimOptions, SimSetup, simulate
+from fastserve.bench.sim import PAPER_PROFILES, CostModel, SimOptions, SimSetup, simulate
 from fastserve.bench.sim.driver import CostModelExecutor, constant_tokens, drive
 from fastserve.config import AppArgs
 from fastserve.engine.async_engine import AsyncEngine, ThreadedExecutor
@@ -33,7 +33,7 @@ from fastserve.scheduler.config import (
     SchedulerConfig,
     SwapMode,
 )
-from fastserve.scheduler.job import JobRequest
+from fastserve.scheduler.job import JobRequest, TokenDelta
 from fastserve.scheduler.profile import Profile
 from fastserve.scheduler.scheduler import Scheduler
 from fastserve.worker.executor import InProcessExecutor
@@ -41,6 +41,7 @@ from fastserve.worker.messages import BatchEntry, BatchPlan, SamplingParams, Ste
 from fastserve.worker.model.config import OPTConfig
 from fastserve.worker.spec import ModelSpec
 from tests.harness.app_config import demo_args, error_of
+from tests.harness.engine_driver import CoreDriver
 
 TINY = OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                  ffn_dim=64, max_position_embeddings=256, name="tiny")
@@ -243,19 +244,7 @@ def test_greedy_tokens_are_the_same_with_and_without_chunks(policy: PolicyName,
     assert all(st.first_token_time is not None for st in stats.values())
 
 
-class PricedExecutor(WatchingExecutor):
-    """Real tokens and KV; the plan's time from the cost model (a deterministic schedule)."""
-
-    def __init__(self, real: InProcessExecutor) -> None:
-        super().__init__(real)
-        self.cost = CostModelExecutor(PROFILE, constant_tokens(0))
-
-    def execute(self, plan: BatchPlan) -> StepOutput:
-        out = super().execute(plan)
-        return StepOutput(plan.step_id, out.tokens, self.cost.timings(plan))
-
-
-def _drive(chunk: int | None) -> tuple[dict[str, list[int]], PricedExecutor]:
+def _drive(chunk: int | None) -> tuple[dict[str, list[int]], WatchingExecutor]:
     """A long prompt starts alone; short jobs arriving mid-prompt outrank it (skip-join) and
     need its blocks, so it is swapped out part-way through its chunks and resumed later."""
     cfg = SchedulerConfig(max_batch_size=3, max_num_batched_tokens=16 if chunk else 64,
@@ -263,11 +252,11 @@ def _drive(chunk: int | None) -> tuple[dict[str, list[int]], PricedExecutor]:
                                                                chunk_tokens=chunk or 1))
     kv = KVCacheConfig(block_size=BLOCK, num_device_blocks=16, num_host_blocks=64)
     s = Scheduler(cfg, kv, PROFILE, frozenset({TINY.eos_token_id}))
-    ex = PricedExecutor(_executor(16))
+    ex = WatchingExecutor(_executor(16))   # real tokens and KV; the cost model prices each plan
     arrivals = [(0.0, JobRequest("long", PROMPT, GREEDY))] + [
         (0.015 + 0.001 * i, JobRequest(f"s{i}", (2, 9 + i, 30 + i, 4), SamplingParams(
             max_tokens=12, temperature=0.0, ignore_eos=True))) for i in range(3)]
-    result = drive(s, ex, arrivals, observe=lambda sched, plan, now: sched.check_invariants())  # type: ignore[arg-type]
+    result = drive(s, ex, arrivals, cost=CostModel(PROFILE), observe=lambda sched, plan, now: sched.check_invariants())
     return result.tokens, ex
 
 
@@ -288,18 +277,16 @@ def test_chunks_are_service_in_the_level_the_whole_prompt_chose() -> None:
     job = s.add(JobRequest("a", PROMPT, GREEDY), 0.0)
     assert job.level == s.policy.entry_level(job)      # skip-join from t_init(41), not of a chunk
     assert PROFILE.t_init(len(PROMPT)) <= s.policy.quanta()[job.level - 1]
-    ex = CostModelExecutor(PROFILE, constant_tokens(7))
-    now, deltas = 0.0, []
+    driver = CoreDriver(s, CostModelExecutor(PROFILE, constant_tokens(7)), step_s=None)
+    deltas: list[TokenDelta] = []
     for chunk in (16, 16, 9):
-        plan = s.schedule(now)
+        plan = driver.schedule()
         assert plan is not None and [len(e.token_ids) for e in plan.entries] == [chunk]
-        out = ex.execute(plan)
-        now += out.timings["total"]
-        deltas = s.update(plan, out, now)
+        deltas = driver.complete()
         if chunk != 9:
             assert deltas == [] and job.stats.first_token_time is None
             assert job.num_computed_tokens == plan.entries[0].context_len and job.prefilling
-    assert [d.token_id for d in deltas] == [7] and job.stats.first_token_time == now
+    assert [d.token_id for d in deltas] == [7] and job.stats.first_token_time == driver.now
     # Every prompt position has KV; the decode feeds the token just sampled.
     assert job.num_computed_tokens == len(PROMPT) and job.decoding
     # Three chunks' t_init are the job's service (in its entry level, or it moved down).
@@ -317,17 +304,11 @@ def test_a_recompute_in_chunks_moves_one_count_and_ends_in_a_decode() -> None:
     s = Scheduler(cfg, KVCacheConfig(block_size=4, num_device_blocks=64, num_host_blocks=64),
                   PROFILE, eos_token_ids=frozenset({1}))
     job = s.add(JobRequest("a", PROMPT[:32], GREEDY), 0.0)
-    ex = CostModelExecutor(PROFILE, constant_tokens(7))
-    now = 0.0
+    driver = CoreDriver(s, CostModelExecutor(PROFILE, constant_tokens(7)), step_s=None)
 
     def step() -> BatchPlan:
-        nonlocal now
-        plan = s.schedule(now)
+        plan = driver.step()
         assert plan is not None and len(plan.entries) == 1
-        out = ex.execute(plan)
-        now += out.timings["total"]
-        s.update(plan, out, now)
-        s.check_invariants()
         return plan
 
     assert [len(step().entries[0].token_ids) for _ in range(2)] == [16, 16]

@@ -16,6 +16,7 @@ from fastserve.scheduler.decision import BatchDecision, Decision
 from fastserve.scheduler.queues import LevelQueues
 from fastserve.scheduler.scheduler import Scheduler
 from fastserve.worker.messages import BatchEntry, StepOutput, SwapCommand
+from tests.harness.engine_driver import CoreDriver, TimedScript
 from tests.harness.scheduling import PROFILE, TOKEN, ids, make, req, step
 
 
@@ -326,27 +327,24 @@ def test_new_jobs_wait_while_both_tiers_are_full_and_nothing_is_killed() -> None
         s.add(req(name, 3, max_tokens=3), 0.0)
     admitted: set[str] = set()
     reasons = {}
-    now = 0.0
+    # A plan with a first iteration takes 1.5 s, a decode-only one 1 s.
+    driver = CoreDriver(s, TimedScript(lambda job_id, index: TOKEN,
+                                       lambda plan: 1.5 if any(e.is_prefill for e in plan.entries) else 1.0),
+                        step_s=None)
     k = 0
     while s.has_work():
         if k == 4:
-            s.add(req("N", 3, max_tokens=2), now)
+            driver.add(req("N", 3, max_tokens=2))
         full = s.kv.num_free_device == 0 and s.kv.num_free_host == 0
-        plan = s.schedule(now)
+        plan = driver.schedule()
         assert plan is not None
-        s.check_invariants()
         new = {e.job_id for e in plan.entries} - admitted
         if full:
             assert not new, f"step {k}: admitted {new} while both tiers were full"
         admitted |= new
-        total = 1.5 if any(e.is_prefill for e in plan.entries) else 1.0
-        out = StepOutput(plan.step_id, {e.job_id: TOKEN for e in plan.entries},
-                         {"total": total})
-        for d in s.update(plan, out, now + total):
+        for d in driver.complete():
             if d.finished:
                 reasons[d.job_id] = (d.finish_reason, k)
-        s.check_invariants()
-        now += total
         k += 1
     assert {j: r for j, (r, _) in reasons.items()} == dict.fromkeys("ABCDEN", "length")
     assert reasons["A"][1] == 14 and reasons["N"][1] == 13 and "N" in admitted

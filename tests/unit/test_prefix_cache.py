@@ -13,6 +13,7 @@ from fastserve.scheduler.config import KVCacheConfig, SchedulerConfig, SwapMode
 from fastserve.scheduler.job import JobRequest
 from fastserve.scheduler.scheduler import Scheduler
 from fastserve.worker.messages import SamplingParams, StepOutput
+from tests.harness.engine_driver import CoreDriver, TimedScript
 from tests.harness.fields import PROFILE
 
 BLOCK = 4
@@ -157,15 +158,10 @@ def scheduler(cache: bool, mode: SwapMode = "proactive", device: int = 64) -> Sc
 
 
 def finish(s: Scheduler, now: float) -> float:
-    while s.has_work():
-        plan = s.schedule(now)
-        assert plan is not None
-        s.check_invariants()
-        now += 0.01
-        s.update(plan, StepOutput(plan.step_id, {e.job_id: 9 for e in plan.entries if e.samples},
-                                  {"total": 0.01}), now)
-        s.check_invariants()
-    return now
+    """Every job to its end from ``now``, a token 9 each step of 0.01 s; the time it ends."""
+    driver = CoreDriver(s, TimedScript(lambda job_id, index: 9, 0.01), now=now)
+    driver.run()
+    return driver.now
 
 
 @pytest.mark.parametrize("cache", [True, False])

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from fastserve.scheduler.config import PolicyName, SwapMode
 from fastserve.scheduler.job import JobRequest
-from fastserve.worker.messages import BatchPlan, SamplingParams, StepOutput
+from fastserve.worker.messages import BatchPlan, SamplingParams
+from tests.harness.engine_driver import CoreDriver, TimedScript
 from tests.harness.scheduling import RANDOM_LOAD_PROFILE, every_policy_and_mode, make
 
 PREFIXES = ((5,) * 8, tuple(range(10, 18)), (5, 5, 5, 5, 6, 6, 6, 6))
@@ -99,14 +100,12 @@ def test_shared_prefixes_aborts_and_swaps_keep_every_invariant(
     s = make(policy, batch=setup["batch"], alpha=0.05, device=setup["device"], host=setup["host"],
              block=setup["block"], mode=mode, profile=RANDOM_LOAD_PROFILE,
              chunk_tokens=setup["chunk"] or None, max_num_batched_tokens=16)
-    inflight: list[BatchPlan] = []
-    tokens: dict[str, list[int]] = {}
+    driver = CoreDriver(s, TimedScript(script, 0.01))
     aborted: set[str] = set()
-    now = 0.0
 
     def check() -> None:
         s.check_invariants()
-        for plan in inflight:
+        for plan in driver.inflight:
             device, host = touched(plan, mode)
             for pool, blocks in ((s.kv.device, device), (s.kv.host, host)):
                 loose = {b for b in blocks if b not in pool.refs}
@@ -117,31 +116,25 @@ def test_shared_prefixes_aborts_and_swaps_keep_every_invariant(
         for a in arrivals:
             if a.at_event == event:
                 prompt = PREFIXES[a.prefix][:a.prefix_len] + a.suffix
-                s.add(JobRequest(a.job_id, prompt, SamplingParams(
-                    max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)), now)
+                driver.add(JobRequest(a.job_id, prompt, SamplingParams(
+                    max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)))
             if a.abort_at == event and a.job_id in s.jobs():
-                s.abort(a.job_id, now)
+                driver.abort(a.job_id)
                 aborted.add(a.job_id)
                 check()
         if not s.has_work() and event > last:
             break
-        plan = s.schedule(now) if len(inflight) < setup["depth"] else None
-        if plan is not None:
-            inflight.append(plan)
+        if len(driver.inflight) < setup["depth"] and driver.schedule() is not None:
             check()
-        elif inflight:
-            done = inflight.pop(0)
-            now += 0.01
-            out = StepOutput(done.step_id, {e.job_id: script(e.job_id, e.step_index)
-                                            for e in done.entries if e.samples}, {"total": 0.01})
-            for d in s.update(done, out, now):
-                tokens.setdefault(d.job_id, []).extend(d.token_ids)
+        elif driver.inflight:
+            driver.complete()
             check()
         else:
-            now += 0.01
+            driver.clock.advance(0.01)
     assert not s.has_work(), "work left after 2000 events"
     assert not s.kv.device.refs and not s.kv.host.refs, "references leaked"
     assert s.kv.num_free_device == setup["device"] and s.kv.num_free_host == setup["host"]
+    tokens = driver.tokens()
     for a in arrivals:
         if a.job_id not in aborted:
             assert tokens[a.job_id] == [script(a.job_id, i) for i in range(a.max_tokens)]

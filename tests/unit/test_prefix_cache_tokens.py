@@ -19,6 +19,7 @@ from fastserve.scheduler.scheduler import Scheduler
 from fastserve.worker.executor import InProcessExecutor
 from fastserve.worker.messages import SamplingParams
 from fastserve.worker.spec import ModelSpec
+from tests.harness.engine_driver import CoreDriver
 from tests.harness.fields import PROFILE, TINY
 from tests.harness.scheduling import every_policy_and_mode, make
 
@@ -47,25 +48,12 @@ def run(policy: PolicyName, mode: SwapMode, chunked: bool, cache: bool
     s = make(policy, batch=3, alpha=0.05, device=DEVICE, host=HOST, block=BLOCK, mode=mode,
              profile=PROFILE, cache=cache, chunk_tokens=4 if chunked else None,
              eos=frozenset({TINY.eos_token_id}))
-    tokens: dict[str, list[int]] = {}
-    now = 0.0
+    arrivals = {k: [JobRequest(job_id, prompt, greedy(n)) for job_id, prompt, n in jobs]
+                for k, jobs in ARRIVALS.items()}
     try:
-        for k in range(400):
-            for job_id, prompt, n in ARRIVALS.get(k, []):
-                s.add(JobRequest(job_id, prompt, greedy(n)), now)
-            if not s.has_work() and k > max(ARRIVALS):
-                break
-            plan = s.schedule(now)
-            now += 0.01
-            if plan is None:
-                continue
-            s.check_invariants()
-            for d in s.update(plan, ex.execute(plan), now):
-                tokens.setdefault(d.job_id, []).extend(d.token_ids)
-            s.check_invariants()
+        tokens = CoreDriver(s, ex).run(arrivals)
     finally:
         ex.close()
-    assert not s.has_work()
     return tokens, s
 
 

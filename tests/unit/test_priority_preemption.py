@@ -24,6 +24,7 @@ from fastserve.scheduler.scheduler import Scheduler
 from fastserve.worker.executor import InProcessExecutor
 from fastserve.worker.messages import BatchPlan, SamplingParams, StepOutput
 from fastserve.worker.spec import ModelSpec
+from tests.harness.engine_driver import CoreDriver
 from tests.harness.fields import PROFILE, TINY
 from tests.harness.scheduling import make, req, step
 
@@ -47,29 +48,21 @@ def run(mode: SwapMode, device_blocks: int, with_short: bool) -> tuple[
                   KVCacheConfig(block_size=BLOCK, num_device_blocks=device_blocks,
                                 num_host_blocks=16, swap_mode=mode),
                   PROFILE, frozenset({TINY.eos_token_id}))
+    driver = CoreDriver(s, ex)
     for job_id, prompt in LONG_PROMPTS.items():
-        s.add(JobRequest(job_id, prompt, greedy(LONG_TOKENS)), 0.0)
-    tokens: dict[str, list[int]] = {}
+        driver.add(JobRequest(job_id, prompt, greedy(LONG_TOKENS)))
     first: dict[str, int] = {}
-    plans: list[BatchPlan] = []
-    now = 0.0
     for k in range(200):
         if with_short and k == ARRIVES_AT_STEP:
-            s.add(JobRequest("short", SHORT_PROMPT, greedy(2)), now)
+            driver.add(JobRequest("short", SHORT_PROMPT, greedy(2)))
         if not s.has_work():
             break
-        plan = s.schedule(now)
-        assert plan is not None, f"nothing to run at step {k}"
-        s.check_invariants()
-        plans.append(plan)
-        now += 0.01
-        for d in s.update(plan, ex.execute(plan), now):
-            tokens.setdefault(d.job_id, []).extend(d.token_ids)
-            first.setdefault(d.job_id, k)
-        s.check_invariants()
+        assert driver.step() is not None, f"nothing to run at step {k}"
+        for job_id in driver.deltas:
+            first.setdefault(job_id, k)
     assert not s.has_work()
     ex.close()
-    return tokens, first, plans, s
+    return driver.tokens(), first, driver.plans, s
 
 
 @pytest.mark.parametrize("mode", ["proactive", "reactive", "recompute"])

@@ -2,7 +2,7 @@
 every swap mode, with one and with two plans in flight:
 
 * block integrity holds after every schedule and every update (``check_invariants``);
-* every job finishes with all its tokens (no deadlock: the driver raises ``Stalled`` if work
+* every job finishes with all its tokens (no deadlock: the simulator's loop raises ``SimStalled`` if work
   remains with nothing runnable; no livelock: a bound on the number of plans);
 * a job that has waited past α (the α in effect: floored at k measured iterations) is
   promoted at the next decision (MLFQ policies);

@@ -70,13 +70,12 @@ class PricedExecutor:
     def __init__(self, real: InProcessExecutor, clock: VirtualClock) -> None:
         self.real = real
         self.clock = clock
-        self.pipeline = SimPipeline(CostModel(PROFILE), token_id=0)
+        self.pipeline = SimPipeline(CostModel(PROFILE), real)
 
     def execute(self, plan: BatchPlan) -> StepOutput:
-        out = self.real.execute(plan)
         done = self.pipeline.dispatch(plan, self.clock.now)
         self.clock.now = done.completion
-        return StepOutput(plan.step_id, out.tokens, done.output.timings)
+        return done.output
 
     def close(self) -> None:
         close = getattr(self.real, "close", None)

@@ -93,23 +93,5 @@ class CostModel:
             total += self.profile.t_dec(decodes)
         return total
 
-    def stage_seconds(self, plan: BatchPlan) -> float:
-        return self.compute_seconds(plan) / self.stages
-
-    def blocking_swap_seconds(self, plan: BatchPlan) -> float:
-        """How long the plan's forward waits before it may start: the data plane issues the
-        plan's swaps (outs, then ins) in order on one copy stream and the forward waits for every
-        swap touching a device block its entries use — a reactive swap-in of its own job, or a
-        swap-out whose blocks this plan reuses (reactive preemption) — hence for all issued
-        before the last such one."""
-        used = {b for e in plan.entries for b in e.block_table}
-        issued = blocking = 0
-        for cmd in (*plan.swap_out, *plan.swap_in):
-            issued += len(cmd.src_blocks)
-            device = cmd.src_blocks if cmd.direction == "out" else cmd.dst_blocks
-            if used.intersection(device):
-                blocking = issued
-        return self.swap_seconds(blocking)
-
     def swap_seconds(self, num_blocks: int) -> float:
         return num_blocks * self.profile.swap_seconds_per_block * self.swap_time_factor

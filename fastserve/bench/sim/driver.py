@@ -1,57 +1,48 @@
-"""A scripted data plane priced by the simulator's ``CostModel``, and a small event loop for tests.
+"""A test's jobs through the simulator's loop, and a scripted executor priced by its cost model.
 
-``CostModelExecutor`` answers a ``BatchPlan`` like an executor would — one token per entry, from
-a per-job script — and reports the plan's time from ``fastserve.bench.sim.cost.CostModel`` (the one cost
-model: the simulator, the scheduler's tests and its benchmark all price plans with it). ``drive``
-replays arrivals through an ``EngineCore`` on a virtual clock with up to P plans in flight between
-the step's two halves, calling an observer after every decision and update (the rule and
-property tests). For paper-scale replays with metrics, use ``fastserve.bench.sim.simulate``.
+``drive`` runs arrivals through an ``EngineCore`` over a given ``Scheduler`` on the simulator's
+own ``EventLoop`` and ``SimPipeline`` (up to ``pipeline_depth`` plans in flight), calling an
+observer after every plan and every update (the rule and property tests) and collecting each
+job's tokens, finish and finish time. The executor makes the tokens (a script, or a real model
+whose tokens a test checks); the cost model prices the plans. For paper-scale replays with
+metrics, use ``fastserve.bench.sim.simulate``.
+
+``CostModelExecutor`` is the same pricing for callers that run one plan at a time on a clock of
+their own (``AsyncEngine`` tests, ``fastserve.bench.bench_scheduler``): a plan's time is what an
+idle ``SimPipeline`` says it takes.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from fastserve.bench.sim.cost import CostModel
-from fastserve.engine.core import EngineCore, VirtualClock
+from fastserve.bench.sim.pipeline import ScriptedTokens, SimPipeline, TokenScript, constant_tokens
+from fastserve.bench.sim.simulator import EventLoop, LoopHooks, SimStalled
+from fastserve.engine.core import EngineCore, SyncExecutor, VirtualClock
 from fastserve.scheduler.job import JobRequest, TokenDelta
 from fastserve.scheduler.profile import Profile
 from fastserve.scheduler.scheduler import Scheduler
 from fastserve.worker.messages import BatchPlan, StepOutput
 
-#: (job id, index of the token in the job's output) -> token id
-TokenScript = Callable[[str, int], int]
-
-
-def constant_tokens(token_id: int) -> TokenScript:
-    return lambda job_id, index: token_id
+__all__ = ["CostModelExecutor", "DriveResult", "SimStalled", "TokenScript", "constant_tokens", "drive"]
 
 
 class CostModelExecutor:
-    """Plan time = the cost model's compute, plus the swap copies its forward must wait for
-    (``CostModel.blocking_swap_seconds``); background swaps overlap the forward and only
-    stretch the step when they take longer."""
+    """Tokens from a script; a plan's timings from the cost model, as an idle pipeline runs it
+    (the forward waits for the swaps touching its blocks; the rest overlap it)."""
 
     max_inflight = 1
 
     def __init__(self, cost: CostModel | Profile, tokens: TokenScript) -> None:
         self.cost = cost if isinstance(cost, CostModel) else CostModel(cost)
-        self.tokens = tokens
+        self.tokens = ScriptedTokens(tokens)
         self.plans = 0
-
-    def timings(self, plan: BatchPlan) -> dict[str, float]:
-        swapped = sum(len(c.src_blocks) for c in (*plan.swap_in, *plan.swap_out))
-        wait = self.cost.blocking_swap_seconds(plan)
-        forward_done = wait + self.cost.compute_seconds(plan)
-        total = max(forward_done, self.cost.swap_seconds(swapped))
-        return {"total": total, "swap_wait": wait, "swap_tail": total - forward_done}
 
     def execute(self, plan: BatchPlan) -> StepOutput:
         self.plans += 1
-        tokens = {e.job_id: self.tokens(e.job_id, e.step_index) for e in plan.entries if e.samples}
-        return StepOutput(plan.step_id, tokens, self.timings(plan))
+        return SimPipeline(self.cost, self.tokens).dispatch(plan, 0.0).output
 
 
 @dataclass
@@ -63,67 +54,40 @@ class DriveResult:
     end_time: float = 0.0
 
 
-class Stalled(RuntimeError):
-    """Work remains but nothing can run and nothing is in flight (a deadlock)."""
-
-
 Observer = Callable[[Scheduler, BatchPlan | None, float], None]
 
 
-def drive(scheduler: Scheduler, executor: CostModelExecutor,
-          arrivals: Iterable[tuple[float, JobRequest]], *, pipeline_depth: int = 1,
-          max_plans: int | None = None, observe: Observer | None = None) -> DriveResult:
-    """Run until every job finished. Plans take their reported time; with a depth-P pipeline a
-    new plan may start every total/P seconds while up to P are in flight; outputs return in
-    order. ``observe(scheduler, plan, now)`` runs after every schedule (plan) and update (None).
-    Raises ``Stalled`` on a deadlock and ``RuntimeError`` past ``max_plans`` (a livelock)."""
-    pending = deque(sorted(arrivals, key=lambda a: a[0]))
-    inflight: deque[tuple[float, BatchPlan, StepOutput]] = deque()
-    result = DriveResult()
+def drive(scheduler: Scheduler, executor: SyncExecutor, arrivals: Iterable[tuple[float, JobRequest]], *,
+          cost: CostModel | None = None, pipeline_depth: int = 1, max_plans: int | None = None,
+          observe: Observer | None = None) -> DriveResult:
+    """Run until every job finished, from t = 0. ``executor`` makes each plan's tokens, ``cost``
+    (default: a ``CostModelExecutor``'s own) prices it on a ``pipeline_depth``-stage pipeline.
+    ``observe(scheduler, plan, now)`` runs after every plan (plan) and update (None). Raises
+    ``SimStalled`` when work remains that nothing will run, ``RuntimeError`` past ``max_plans``
+    plans (a livelock)."""
+    if cost is None:
+        if not isinstance(executor, CostModelExecutor):
+            raise TypeError("drive: pass cost= to price an executor that is not a CostModelExecutor")
+        cost = executor.cost
     clock = VirtualClock()
-    core = EngineCore(scheduler, clock)
-    stage_free = 0.0
+    loop = EventLoop(EngineCore(scheduler, clock), clock, SimPipeline(cost, executor, pipeline_depth),
+                     max_plans=max_plans)
+    result = DriveResult()
 
-    def collect(deltas: list[TokenDelta]) -> None:
+    def collect(deltas: list[TokenDelta], now: float) -> None:
         for d in deltas:
-            if d.token_id is not None:
-                result.tokens.setdefault(d.job_id, []).append(d.token_id)
+            result.tokens.setdefault(d.job_id, []).extend(d.token_ids)
             if d.finished:
-                result.finish_times[d.job_id] = clock.now
+                result.finish_times[d.job_id] = now
                 result.reasons[d.job_id] = d.finish_reason
+        if observe is not None:
+            observe(scheduler, None, now)
 
-    while True:
-        now = clock.now
-        while pending and pending[0][0] <= now:
-            core.add(pending.popleft()[1])
-        if len(inflight) < pipeline_depth and now >= stage_free:
-            plan = core.schedule()
-            if plan is not None:
-                out = executor.execute(plan)
-                total = out.timings["total"]
-                inflight.append((now + total, plan, out))
-                stage_free = now + total / pipeline_depth
-                result.plans += 1
-                if max_plans is not None and result.plans > max_plans:
-                    raise RuntimeError(f"no completion after {max_plans} plans (livelock?)")
-                if observe is not None:
-                    observe(scheduler, plan, now)
-                continue
-        events = [inflight[0][0]] if inflight else []
-        if pending:
-            events.append(pending[0][0])
-        if inflight and len(inflight) < pipeline_depth and stage_free > now:
-            events.append(stage_free)
-        if not events:
-            if scheduler.has_work():
-                raise Stalled(f"t={now}: work remains but nothing is scheduled: "
-                              f"{scheduler.stats()}")
-            break
-        clock.now = now = max(now, min(events))
-        while inflight and inflight[0][0] <= now:
-            _, plan, out = inflight.popleft()
-            collect(core.update(plan, out).deltas)
-            if observe is not None:
-                observe(scheduler, None, now)
+    def planned(plan: BatchPlan, now: float) -> None:
+        if observe is not None:
+            observe(scheduler, plan, now)
+
+    loop.run(sorted(arrivals, key=lambda a: a[0]), LoopHooks(collect, planned))
+    result.plans = loop.plans
     result.end_time = clock.now
     return result

@@ -3,18 +3,43 @@
 Owns *when* a dispatched ``BatchPlan`` completes, given the ``CostModel``: the plan's swaps run
 on one PCIe resource (FIFO across plans, swap-outs then swap-ins as ``fastserve/worker/stage.py`` issues
 them) overlapped with compute; its forward waits only for same-plan swaps touching its entries'
-blocks (the reactive cases) and then visits the ``pp`` stages in order, each a server that takes
-compute / pp and handles one plan at a time. The output returns at max(last stage, swaps) — the
-``StepOutput`` contract — with the executor's timing keys, so the scheduler's accounting (its
+blocks (the reactive cases) and then visits the stages in order, each a server that takes
+compute / stages and handles one plan at a time. The output returns at max(last stage, swaps) —
+the ``StepOutput`` contract — with the executor's timing keys, so the scheduler's accounting (its
 quantum charge is ``timings["total"]``) sees what it would see from real workers.
+
+What a plan *produces* is its ``tokens`` executor's: ``ScriptedTokens`` (a token per sampling
+entry from a script) or a real one (a model whose tokens and KV the test checks); only its
+timings are replaced.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from fastserve.bench.sim.cost import CostModel
+from fastserve.engine.core import SyncExecutor
 from fastserve.worker.messages import BatchPlan, StepOutput
+
+#: (job id, index of the token in the job's output) -> token id
+TokenScript = Callable[[str, int], int]
+
+
+def constant_tokens(token_id: int) -> TokenScript:
+    return lambda job_id, index: token_id
+
+
+class ScriptedTokens:
+    """A data plane that only answers: one token per sampling entry, from ``script``; no
+    timings (whoever runs it prices the plan)."""
+
+    def __init__(self, script: TokenScript) -> None:
+        self.script = script
+
+    def execute(self, plan: BatchPlan) -> StepOutput:
+        return StepOutput(plan.step_id, {e.job_id: self.script(e.job_id, e.step_index)
+                                         for e in plan.entries if e.samples})
 
 
 @dataclass(frozen=True)
@@ -26,10 +51,15 @@ class Dispatch:
 
 
 class SimPipeline:
-    def __init__(self, cost: CostModel, token_id: int) -> None:
+    """``stages`` (default: the profile's ``pp``) plans may be in flight at once."""
+
+    def __init__(self, cost: CostModel, tokens: SyncExecutor, stages: int | None = None) -> None:
         self.cost = cost
-        self.token_id = token_id
-        self.stage_free = [0.0] * cost.stages
+        self.tokens = tokens
+        self.stages = cost.stages if stages is None else stages
+        if self.stages < 1:
+            raise ValueError(f"a pipeline has at least one stage, got {self.stages}")
+        self.stage_free = [0.0] * self.stages
         self.pcie_free = 0.0
         self.busy_compute_s = 0.0
         self.busy_pcie_s = 0.0
@@ -53,22 +83,21 @@ class SimPipeline:
 
     def dispatch(self, plan: BatchPlan, now: float) -> Dispatch:
         swaps_done, reactive_ready = self._swaps(plan, now)
-        stage_time = self.cost.stage_seconds(plan) if plan.entries else 0.0
+        stage_time = self.cost.compute_seconds(plan) / self.stages if plan.entries else 0.0
         ready = max(now, self.stage_free[0])
         start = max(ready, reactive_ready)
         end = start
         if plan.entries:
-            for k in range(len(self.stage_free)):
+            for k in range(self.stages):
                 end = max(end, self.stage_free[k]) + stage_time
                 self.stage_free[k] = end
-            self.busy_compute_s += stage_time * len(self.stage_free)
+            self.busy_compute_s += stage_time * self.stages
         completion = max(end, swaps_done)
         timings = {
             "swap_wait": start - ready,
-            "forward": stage_time * len(self.stage_free),
+            "forward": stage_time * self.stages,
             "sample": 0.0,
             "swap_tail": completion - end,
             "total": completion - ready,
         }
-        tokens = {e.job_id: self.token_id for e in plan.entries if e.samples}
-        return Dispatch(completion, StepOutput(plan.step_id, tokens, timings))
+        return Dispatch(completion, replace(self.tokens.execute(plan), timings=timings))

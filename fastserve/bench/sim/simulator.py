@@ -1,11 +1,13 @@
 """Discrete-event replay of a workload through the real ``Scheduler`` and ``KVCacheManager``.
 
-Owns the event loop and what it observes. It drives the server's own ``EngineCore`` on a
-``VirtualClock``: arrivals are ``add``ed at their arrival time; whenever fewer than ``pp`` plans
-are in flight the loop takes the step's first half (``schedule``) and hands the plan to
-``SimPipeline`` (the cost model), and at each plan's completion it applies the second half
-(``update``) — the engine loop of DESIGN.md with simulated time, and the very objects the
-server runs (no copies of their logic; no Ray, no torch).
+Owns the one simulated-time loop (``EventLoop``) and what the simulator observes through it. The
+loop drives the server's own ``EngineCore`` on a ``VirtualClock``: arrivals are ``add``ed at their
+arrival time; whenever fewer plans than the pipeline's stages are in flight it takes the step's
+first half (``schedule``) and hands the plan to ``SimPipeline`` (the cost model), and at each
+plan's completion it applies the second half (``update``) — the engine loop of DESIGN.md with
+simulated time, and the very objects the server runs (no copies of their logic; no Ray, no
+torch). ``Simulator`` replays a workload through it; ``fastserve.bench.sim.driver.drive`` runs a
+test's jobs through it.
 
 Output lengths are fixed (``ignore_eos`` semantics): every entry emits a fake token and the
 scheduler finishes the job at ``max_tokens`` = the request's output length. Observed per request:
@@ -19,20 +21,21 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
 
 from fastserve.bench.metrics import STATUS_OK, RequestRecord
 from fastserve.bench.sim.cost import CostModel
-from fastserve.bench.sim.pipeline import SimPipeline
+from fastserve.bench.sim.pipeline import ScriptedTokens, SimPipeline, constant_tokens
 from fastserve.bench.workloads import BOS_TOKEN_ID, Request
 from fastserve.engine.core import EngineCore, VirtualClock
+from fastserve.errors import RequestError
 from fastserve.scheduler.config import EngineConfig, KVCacheConfig, SchedulerConfig
 from fastserve.scheduler.job import JobRequest, JobStats, TokenDelta
 from fastserve.scheduler.profile import Profile
-from fastserve.scheduler.scheduler import AdmissionQueueFull, Scheduler
+from fastserve.scheduler.scheduler import Scheduler
 from fastserve.worker.messages import BatchPlan, SamplingParams, StepOutput
 
 #: OPT's end-of-sequence id (``</s>``, the same id as BOS).
@@ -119,22 +122,93 @@ class _Trace:
     status: str = STATUS_UNFINISHED
 
 
-@dataclass
-class _RunState:
-    """The event loop's state during one ``Simulator.run``."""
+@dataclass(frozen=True)
+class LoopHooks:
+    """What ``EventLoop.run`` calls: ``deltas`` with each update's deltas (after it, at its time);
+    ``plan`` with each plan dispatched; ``settled`` after each round of dispatching (the state
+    until the next event); ``refused`` with a request the scheduler refused (without it, the
+    refusal is raised)."""
 
-    requests: list[Request]
-    timeline: KVTimeline
-    traces: dict[str, _Trace] = field(init=False)
-    inflight: list[tuple[float, int, BatchPlan, StepOutput]] = field(default_factory=list)  # heap by completion
-    order: list[str] = field(default_factory=list)
-    stats: dict[str, JobStats] = field(default_factory=dict)
-    seq: Iterator[int] = field(default_factory=count)
-    next_request: int = 0
-    idle_polls: int = 0
+    deltas: Callable[[list[TokenDelta], float], None]
+    plan: Callable[[BatchPlan, float], None] | None = None
+    settled: Callable[[float], None] | None = None
+    refused: Callable[[JobRequest, RequestError], None] | None = None
 
-    def __post_init__(self) -> None:
-        self.traces = {r.request_id: _Trace() for r in self.requests}
+
+class EventLoop:
+    """Simulated time around one ``EngineCore``: arrivals are added at their time, up to the
+    pipeline's stages of plans are in flight on ``pipeline``, and each plan's output is applied
+    at its completion, in order. While work waits with nothing in flight and nothing arriving, the
+    scheduler is asked again every ``idle_poll_s`` (its time-driven rules, starvation promotion,
+    may free it), ``max_idle_polls`` times at most (then ``SimStalled``). ``max_plans`` bounds the
+    plans of one run (past it: ``RuntimeError``, a livelock); ``max_time_s`` its simulated time."""
+
+    def __init__(self, core: EngineCore, clock: VirtualClock, pipeline: SimPipeline, *,
+                 idle_poll_s: float = EngineConfig().idle_poll_s, max_time_s: float = math.inf,
+                 max_plans: int | None = None, max_idle_polls: int = MAX_IDLE_POLLS) -> None:
+        self.core = core
+        self.clock = clock
+        self.pipeline = pipeline
+        self.idle_poll_s = idle_poll_s
+        self.max_time_s = max_time_s
+        self.max_plans = max_plans
+        self.max_idle_polls = max_idle_polls
+        self.plans = 0
+        self._inflight: list[tuple[float, int, BatchPlan, StepOutput]] = []   # heap by completion
+        self._seq = count()
+
+    def run(self, arrivals: Iterable[tuple[float, JobRequest]], hooks: LoopHooks) -> None:
+        """Until every job is done (or ``max_time_s``); ``arrivals`` in time order."""
+        pending = iter(arrivals)
+        upcoming = next(pending, None)
+        idle_polls = 0
+        while True:
+            while upcoming is not None and upcoming[0] <= self.clock.now:
+                self._add(upcoming[1], hooks)
+                upcoming = next(pending, None)
+            self._dispatch(hooks)
+            if hooks.settled is not None:
+                hooks.settled(self.clock.now)
+            next_done = self._inflight[0][0] if self._inflight else math.inf
+            next_arrival = math.inf if upcoming is None else upcoming[0]
+            if math.isinf(next_done) and math.isinf(next_arrival):
+                if not self.core.has_work():
+                    return
+                idle_polls += 1
+                if idle_polls > self.max_idle_polls:
+                    raise SimStalled(f"{len(self.core.scheduler.jobs())} jobs left at t={self.clock.now:.3f}s, "
+                                     "nothing runs")
+                next_arrival = self.clock.now + self.idle_poll_s
+            event = min(next_arrival, next_done)
+            if event > self.max_time_s:
+                return
+            self.clock.now = event
+            if next_done <= next_arrival:
+                idle_polls = 0
+                _, _, plan, output = heapq.heappop(self._inflight)
+                hooks.deltas(self.core.update(plan, output).deltas, self.clock.now)
+
+    def _add(self, req: JobRequest, hooks: LoopHooks) -> None:
+        try:
+            self.core.add(req)
+        except RequestError as exc:
+            if hooks.refused is None:
+                raise
+            hooks.refused(req, exc)
+
+    def _dispatch(self, hooks: LoopHooks) -> None:
+        """Fill the pipeline: a plan per free stage while the scheduler has one."""
+        while self.core.scheduler.num_inflight() < self.pipeline.stages:
+            plan = self.core.schedule()
+            if plan is None:
+                return
+            self.plans += 1
+            if self.max_plans is not None and self.plans > self.max_plans:
+                raise RuntimeError(f"no end after {self.max_plans} plans (a livelock?)")
+            done = self.pipeline.dispatch(plan, self.clock.now)
+            heapq.heappush(self._inflight, (done.completion, next(self._seq), plan, done.output))
+            if hooks.plan is not None:
+                hooks.plan(plan, self.clock.now)
 
 
 class Simulator:
@@ -151,7 +225,9 @@ class Simulator:
         self.clock = VirtualClock()
         self.core = EngineCore(self.scheduler, self.clock,
                                check_invariants=self.options.check_invariants)
-        self.pipeline = SimPipeline(cost, self.options.token_id)
+        self.pipeline = SimPipeline(cost, ScriptedTokens(constant_tokens(self.options.token_id)))
+        self.loop = EventLoop(self.core, self.clock, self.pipeline, idle_poll_s=self.options.idle_poll_s,
+                              max_time_s=self.options.max_sim_time_s)
         self._fillers: dict[int, tuple[int, ...]] = {}
         # Every prompt's second token is its own, so no two requests share a KV block: with the
         # prefix cache on, identical synthetic prompts would all hit one cached prefix.
@@ -165,86 +241,43 @@ class Simulator:
             self._fillers[n] = (self.options.token_id,) * (n - 2)
         return (BOS_TOKEN_ID, next(self._prompt_tags)) + self._fillers[n]
 
+    def _job(self, req: Request) -> JobRequest:
+        sampling = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
+        return JobRequest(req.request_id, self._prompt(req.prompt_len), sampling, req.arrival_s)
+
     def run(self, requests: Sequence[Request]) -> SimResult:
         started = time.perf_counter()
         reqs = sorted(requests, key=lambda r: r.arrival_s)
-        state = _RunState(reqs, KVTimeline(self.cost.profile.swap_bytes_per_block, self.scheduler.kv.device.capacity,
-                                           self.scheduler.kv.host.capacity))
-        while True:
-            self._admit(state)
-            self._dispatch(state)
-            self._observe(state.timeline)
-            upcoming, is_completion = self._next_event(state)
-            if upcoming is None or upcoming > self.options.max_sim_time_s:
-                break
-            self.clock.now = upcoming
-            if is_completion:
-                self._complete(state)
-        records = [_record(r, state.traces[r.request_id], state.stats.get(r.request_id)) for r in reqs]
-        return SimResult(reqs, records, state.order, state.timeline, state.stats, dict(self.scheduler.totals),
+        kv = self.scheduler.kv
+        timeline = KVTimeline(self.cost.profile.swap_bytes_per_block, kv.device.capacity, kv.host.capacity)
+        traces = {r.request_id: _Trace() for r in reqs}
+        order: list[str] = []
+        stats: dict[str, JobStats] = {}
+
+        def observe(now: float) -> None:
+            timeline.observe(now, kv.device.capacity - kv.num_free_device, kv.host.capacity - kv.num_free_host)
+
+        def on_deltas(deltas: list[TokenDelta], now: float) -> None:
+            for d in deltas:
+                trace = traces[d.job_id]
+                if d.token_id is not None:
+                    trace.token_times.append(now)
+                if d.finished:
+                    trace.end = now
+                    trace.status = STATUS_OK if d.finish_reason in ("length", "stop") else STATUS_ERROR
+                    order.append(d.job_id)
+            for st in self.scheduler.drain_finished():
+                stats[st.job_id] = st
+            observe(now)
+
+        def on_refused(req: JobRequest, exc: RequestError) -> None:
+            traces[req.job_id].status = STATUS_REJECTED
+
+        self.loop.run(((r.arrival_s, self._job(r)) for r in reqs), LoopHooks(on_deltas, None, observe, on_refused))
+        records = [_record(r, traces[r.request_id], stats.get(r.request_id)) for r in reqs]
+        return SimResult(reqs, records, order, timeline, stats, dict(self.scheduler.totals),
                          self.clock.now, self.core.steps, self.pipeline.busy_compute_s,
                          self.pipeline.busy_pcie_s, time.perf_counter() - started)
-
-    def _admit(self, state: _RunState) -> None:
-        reqs = state.requests
-        while state.next_request < len(reqs) and reqs[state.next_request].arrival_s <= self.clock.now:
-            self._add(reqs[state.next_request], state.traces)
-            state.next_request += 1
-
-    def _dispatch(self, state: _RunState) -> None:
-        """Fill the pipeline: up to ``pp`` plans in flight (one in process)."""
-        while self.scheduler.num_inflight() < self.cost.stages:
-            plan = self.core.schedule()
-            if plan is None:
-                return
-            done = self.pipeline.dispatch(plan, self.clock.now)
-            heapq.heappush(state.inflight, (done.completion, next(state.seq), plan, done.output))
-
-    def _next_event(self, state: _RunState) -> tuple[float | None, bool]:
-        """(time of the next event, whether it is a plan completion); None when all is done."""
-        reqs = state.requests
-        next_arrival = reqs[state.next_request].arrival_s if state.next_request < len(reqs) else math.inf
-        next_done = state.inflight[0][0] if state.inflight else math.inf
-        if math.isinf(next_arrival) and math.isinf(next_done):
-            if not self.scheduler.has_work():
-                return None, False
-            state.idle_polls += 1
-            if state.idle_polls > MAX_IDLE_POLLS:
-                raise SimStalled(f"{len(self.scheduler.jobs())} jobs left at t={self.clock.now:.3f}s, "
-                                 "nothing runs")
-            next_arrival = self.clock.now + self.options.idle_poll_s
-        return min(next_arrival, next_done), next_done <= next_arrival
-
-    def _complete(self, state: _RunState) -> None:
-        state.idle_polls = 0
-        _, _, plan, output = heapq.heappop(state.inflight)
-        self._apply(self.core.update(plan, output).deltas, state.traces, state.order)
-        for st in self.scheduler.drain_finished():
-            state.stats[st.job_id] = st
-        self._observe(state.timeline)
-
-    def _add(self, req: Request, traces: dict[str, _Trace]) -> None:
-        sampling = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
-        try:
-            self.core.add(JobRequest(req.request_id, self._prompt(req.prompt_len), sampling,
-                                     req.arrival_s))
-        except (ValueError, AdmissionQueueFull):
-            traces[req.request_id].status = STATUS_REJECTED
-
-    def _apply(self, deltas: list[TokenDelta], traces: dict[str, _Trace], order: list[str]) -> None:
-        now = self.clock.now
-        for d in deltas:
-            trace = traces[d.job_id]
-            if d.token_id is not None:
-                trace.token_times.append(now)
-            if d.finished:
-                trace.end = now
-                trace.status = STATUS_OK if d.finish_reason in ("length", "stop") else STATUS_ERROR
-                order.append(d.job_id)
-
-    def _observe(self, timeline: KVTimeline) -> None:
-        kv = self.scheduler.kv
-        timeline.observe(self.clock.now, kv.device.capacity - kv.num_free_device, kv.host.capacity - kv.num_free_host)
 
 
 def _record(req: Request, trace: _Trace, st: JobStats | None) -> RequestRecord:
