@@ -77,6 +77,7 @@ class Applier(Filing):
             else:
                 self._run(action, step, now, out)
         self._refresh_blocked(decision.batch.wanted_host, now)
+        s.claims = decision.batch.claims
         self._swap(decision.swaps, step, table, out)
         if decision.unstick.swap_out or decision.unstick.drop:
             s.totals["stall_breaks"] += 1

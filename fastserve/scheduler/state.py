@@ -20,6 +20,7 @@ from fastserve.kv.enst import EnstTable
 from fastserve.kv.manager import KVCacheManager, Residency, Tier, Tokens
 from fastserve.kv.prefix import PrefixHit
 from fastserve.scheduler.config import KVCacheConfig, SchedulerConfig
+from fastserve.scheduler.decision import Claim
 from fastserve.scheduler.job import Job, JobStats
 from fastserve.scheduler.policies import Policy, make_policy
 from fastserve.scheduler.profile import Profile
@@ -83,6 +84,8 @@ class SchedulerState:
         self.step_time_s: float | None = None
         #: Jobs waiting for device space the last decision wanted them for (``Job.blocked_since``).
         self.blocked: set[str] = set()
+        #: Proactive preemption's claims (``decision.Claim``), as the last decision left them.
+        self.claims: dict[str, Claim] = {}
 
     def alpha(self, level: int | None = None) -> float:
         """α for a job whose wait begins now in ``level`` (None: the lowest level, behind every
@@ -125,6 +128,14 @@ class SchedulerView:
 
     def alpha(self) -> float:
         return self._s.alpha()
+
+    def held_claims(self) -> dict[str, Claim]:
+        """Claims still held: their plan is in flight (a plan completes after every earlier
+        one, so the blocks they counted on are free or still being released) and their job is
+        still here. Once the plan returned, the job takes free blocks in priority order."""
+        s = self._s
+        return {job_id: c for job_id, c in s.claims.items()
+                if c.step in s.inflight and job_id in s.jobs}
 
     def enst_table(self, now: float) -> EnstTable | None:
         if not self.policy.uses_enst:
