@@ -42,6 +42,13 @@ class Applied:
 
 
 class Applier(Filing):
+    """Sixteen public methods, on purpose: as the only writer of job and KV-manager state it
+    has one method per transition the scheduler makes — intake and the starvation clock
+    (``add``, ``promote``, ``postpone``), a decision (``apply``, ``dispatch``), a step's results
+    (``advance``, ``chunk_done``, ``waste``, ``complete``, ``settle``) and failures and aborts
+    (``fail_step``, ``void_inflight``, ``fail_job``, ``lose_all_kv``, ``abort``,
+    ``forget_aborted``); splitting them would give two objects write access to the same jobs."""
+
     # ---- intake and promotion ------------------------------------------------------------
     def add(self, job: Job, level: int, now: float) -> None:
         s = self.s
@@ -62,6 +69,14 @@ class Applier(Filing):
         job.promoted = True
         self._count(job, "promotions")
         self._place(job)
+
+    def postpone(self, job: Job, due: float) -> None:
+        """The job's wait, checked when it came due, is not over: the backlog ahead of it grew
+        since the wait began, and its promotion moves to ``due`` (later, never earlier)."""
+        assert job.starve_due is not None and due > job.starve_due
+        job.starve_due = due
+        self.s.queues.starving.add(job.job_id, due)
+        self.s.totals["promotions_postponed"] += 1
 
     # ---- a decision ----------------------------------------------------------------------
     def apply(self, decision: Decision, now: float, out: Applied) -> None:

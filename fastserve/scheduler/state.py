@@ -88,18 +88,27 @@ class SchedulerState:
         self.claims: dict[str, Claim] = {}
 
     def alpha(self, level: int | None = None) -> float:
-        """α for a job whose wait begins now in ``level`` (None: the lowest level, behind every
-        job held): the configured one, but never under ``starvation_min_iterations`` measured
-        iterations (paper: α is tuned to the SLO; the SLO is 10 iterations) nor under
-        ``starvation_backlog_batches`` rounds of the backlog ahead of it — the jobs in its level
-        and above, in batches of B. A job already promoted waits longer
-        (``Policy.starvation_wait``)."""
+        """α for a job whose wait begins, or is checked, now in ``level`` (None: the lowest
+        level, behind every job held): the configured one, but never under
+        ``starvation_min_iterations`` decode iterations of the profile (paper: α is tuned to the
+        SLO, and the SLO is 10 decode iterations) nor under ``starvation_backlog_batches``
+        rounds of the backlog ahead of it — the jobs in its level and above, in batches of B,
+        each round a measured step. A job already promoted waits longer
+        (``Policy.starvation_wait``).
+
+        The floor is in decode iterations, not measured steps: a step that carries first
+        iterations is longer than a decode, and counting it made α grow with the prefill share
+        of the work (a median 0.87 s instead of 0.3 s at prefill-heavy ratios)."""
         cfg = self.config
-        step = self.step_time_estimate()
         ahead = len(self.jobs) if level is None else sum(self.queues.counts[:level])
-        floor = cfg.starvation_min_iterations * step
-        backlog = cfg.starvation_backlog_batches * math.ceil(ahead / cfg.max_batch_size) * step
+        floor = cfg.starvation_min_iterations * self.decode_iteration()
+        rounds = math.ceil(ahead / cfg.max_batch_size)
+        backlog = cfg.starvation_backlog_batches * rounds * self.step_time_estimate()
         return max(cfg.starvation_alpha_s, floor, backlog)
+
+    def decode_iteration(self) -> float:
+        """α's unit: the profile's decode iteration at a full batch."""
+        return self.profile.t_dec(self.config.max_batch_size)
 
     def step_time_estimate(self) -> float:
         """The running mean of measured step times; before any step returned, the profile's
