@@ -71,6 +71,8 @@ class _Walk:
         self.tokens = 0
         self.picked: set[str] = set()
         self.evicted: set[str] = set()
+        #: The smallest need a victim scan of this walk could not cover (``_victims_below``).
+        self.failed_short: int | None = None
         self._hold_claims()
 
     def _hold_claims(self) -> None:
@@ -324,40 +326,49 @@ class _Walk:
 
     def _victims_below(self, job: Job, short: int) -> list[tuple[str, int]] | None:
         """Idle resident jobs strictly below ``job`` in rank, lowest priority first, whose blocks
-        cover ``short``; None when they cannot (then none is taken)."""
+        cover ``short``; None when they cannot (then none is taken).
+
+        Bounded: candidates come in non-increasing rank (levels from the lowest priority up;
+        within a level every MLFQ job has the same rank, and a one-level policy's swap-out order
+        is its order reversed), so the scan stops at the first one ``job`` does not outrank; it
+        passes over at most B candidates it may not take (in a plan, pinned, or too large for
+        the host) besides this batch's own picks and victims. And the walk reaches jobs in
+        non-decreasing rank while picks, evictions and host blocks only shrink what a later job
+        may take, so once a need could not be covered no later need as large is scanned for."""
+        if self.failed_short is not None and short >= self.failed_short:
+            return None
         view = self.view
         policy, kv = view.policy, view.kv
         host_free = self.res.free_host
+        keep = frozenset(self.res.shared_hits)    # shared blocks stay on the device
         chosen: list[tuple[str, int]] = []
         freed = skipped = 0
-        # Levels from the lowest priority up; within a level, the policy's swap-out order.
         with view.queues.ordered("evictable", lambda level, _job: -float(level)) as order:
             for cand in order:
                 if freed >= short:
                     break
                 victim = view.jobs[cand]
-                if victim.level < job.level:
-                    break      # every job left in the walk is of a higher level
-                if (not policy.outranks_for_memory(job, victim) or cand in self.picked
-                        or cand in self.evicted):
+                if not policy.outranks_for_memory(job, victim):
+                    break      # neither this one nor any after it ranks below ``job``
+                if cand in self.picked or cand in self.evicted:
                     continue
+                on_host = 0 if self.p.recompute else kv.num_blocks(cand)   # at most its table
                 if (kv.busy_step(cand) is not None or view.pinned(cand, self.step)
-                        or (self.p.recompute and victim.prefilling)):
+                        or (self.p.recompute and victim.prefilling) or on_host > host_free):
                     # (A first iteration part-way through its chunks is not dropped: two long
                     # prompts could otherwise drop each other's chunks forever.)
                     skipped += 1
                     if skipped > view.config.max_batch_size:
                         break
                     continue
-                n = kv.movable_blocks(cand, frozenset(self.res.shared_hits))   # shared stay
-                if not self.p.recompute:
-                    on_host = kv.num_blocks(cand)   # the host takes at most its table
-                    if on_host > host_free:
-                        continue
-                    host_free -= on_host
+                host_free -= on_host
+                n = kv.movable_blocks(cand, keep)
                 chosen.append((cand, n))
                 freed += n
-        return chosen if freed >= short else None
+        if freed < short:
+            self.failed_short = short
+            return None
+        return chosen
 
     def _preempt_latest(self, job: Job) -> None:
         """vLLM-style: decode growth does not fit, so preempt the most recently admitted idle

@@ -80,6 +80,7 @@ class SchedulerState:
         self.finished: deque[JobStats] = deque(maxlen=config.finished_stats_limit)
         self.reserve = ArrivalReserve(kv_config)
         self.totals: Counter[str] = Counter()
+        self._decode_iteration = profile.t_dec(config.max_batch_size)
         #: Running mean of measured step durations (None until the first step returns).
         self.step_time_s: float | None = None
         #: Jobs waiting for device space the last decision wanted them for (``Job.blocked_since``).
@@ -108,7 +109,7 @@ class SchedulerState:
 
     def decode_iteration(self) -> float:
         """α's unit: the profile's decode iteration at a full batch."""
-        return self.profile.t_dec(self.config.max_batch_size)
+        return self._decode_iteration
 
     def step_time_estimate(self) -> float:
         """The running mean of measured step times; before any step returned, the profile's
