@@ -67,6 +67,14 @@ class Applier:
         self._count(job, "promotions")
         self._place(job)
 
+    def postpone(self, job: Job, due: float) -> None:
+        """The job's wait, checked when it came due, is not over: the backlog ahead of it grew
+        since the wait began, and its promotion moves to ``due`` (later, never earlier)."""
+        assert job.starve_due is not None and due > job.starve_due
+        job.starve_due = due
+        self.s.queues.starving.add(job.job_id, due)
+        self.s.totals["promotions_postponed"] += 1
+
     # ---- a decision ----------------------------------------------------------------------
     def apply(self, decision: Decision, now: float, out: Applied) -> None:
         """Run ``decision``: evictions and runs in the order decided, then its swaps, then the
@@ -81,6 +89,7 @@ class Applier:
             else:
                 self._run(action, step, now, out)
         self._refresh_blocked(decision.batch.wanted_host, now)
+        s.claims = decision.batch.claims
         self._swap(decision.swaps, step, table, out)
         if decision.unstick.swap_out or decision.unstick.drop:
             s.totals["stall_breaks"] += 1

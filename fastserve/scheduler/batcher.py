@@ -17,9 +17,13 @@ batch; never from a job of equal or higher rank, one in an in-flight plan, one a
 or one swapped in for its turn and not yet run. Victims are dropped under ``recompute`` (the
 job runs in this plan), swapped out with their blocks reused by this plan under ``reactive``
 (its forward stalls for the copy, as the paper's reactive baseline does), and swapped out one
-plan ahead under ``proactive`` (the job claims the blocks and runs at the next decision, with
-nothing stalled). Victims are taken only when they cover the whole need, so every eviction buys
-its job an iteration. Why two jobs cannot evict each other forever (the paper's deadlock):
+plan ahead under ``proactive`` (the job claims the blocks and runs once the plan that carries
+the swap-outs returned, with nothing stalled). Victims are taken only when they cover the whole
+need, so every eviction buys its job an iteration. A claim (``decision.Claim``) is remembered
+while that plan is in flight: with P plans in flight the next decisions come before the copy
+lands, and each set its blocks aside instead of evicting again for the same job; blocks being
+released that no claim holds (earlier plans' swap-outs, finished jobs) are taken before anyone
+is evicted. Why two jobs cannot evict each other forever (the paper's deadlock):
 ``rank`` is a strict order at each decision, an eviction goes only down it, and it is followed
 by the evicting job's iteration — a pair can swap places only after each made progress, and
 only when demotion or promotion (α, bounded below by the backlog) reordered them.
@@ -36,7 +40,7 @@ from __future__ import annotations
 from typing import Literal
 
 from fastserve.kv.manager import Tier
-from fastserve.scheduler.decision import BatchDecision, Evict, Fetch, Run
+from fastserve.scheduler.decision import BatchDecision, Claim, Evict, Fetch, Run
 from fastserve.scheduler.job import Job
 from fastserve.scheduler.prioset import Key, PrioritySet
 from fastserve.scheduler.state import SchedulerView
@@ -67,8 +71,26 @@ class _Walk:
         self.tokens = 0
         self.picked: set[str] = set()
         self.evicted: set[str] = set()
-        #: Proactive preemption: blocks this walk's swap-outs release that no job claimed yet.
-        self.spare_release = 0
+        #: The smallest need a victim scan of this walk could not cover (``_victims_below``).
+        self.failed_short: int | None = None
+        self._hold_claims()
+
+    def _hold_claims(self) -> None:
+        """Set aside the blocks of claims still held (``SchedulerView.held_claims``) before
+        anything is planned: from the blocks in-flight steps release first, the rest (released
+        since) from the free ones. What the claims leave of the releasing blocks is the walk's
+        spare: a job short of room takes it before evicting anyone."""
+        res = self.res
+        self.held = self.view.held_claims()
+        res.claims = dict(self.held)
+        reserved = sum(c.blocks for c in self.held.values())
+        releasing = self.view.kv.device_releasing
+        from_release = min(reserved, releasing)
+        #: Claimed blocks that have landed (set aside from ``free_device``).
+        self.landed = min(reserved - from_release, res.free_device)
+        res.free_device -= self.landed
+        #: Blocks in-flight steps and this walk's swap-outs release that no claim holds.
+        self.spare_release = releasing - from_release
 
     def full(self) -> bool:
         cfg = self.view.config
@@ -126,6 +148,7 @@ class _Walk:
                 break
         if res.focus is None:
             res.focus = first_waiting
+        res.unclaimed_release = self.spare_release
         return res
 
     # ---- one candidate each --------------------------------------------------------------
@@ -256,13 +279,15 @@ class _Walk:
         swap-outs free it for the next decision (claimed here), None when the jobs it outranks
         cannot cover it (nothing is evicted then)."""
         res = self.res
+        self._renew_claim(job.job_id)
         short = need - res.free_device
         if short <= 0:
             return "now"
         if not self.view.policy.preempts_for_priority:
             return None
         deferred = not (self.p.recompute or self.p.reactive)
-        # Proactive: blocks this walk's earlier swap-outs release beyond what was claimed.
+        # Proactive: blocks being released that no claim holds (this walk's swap-outs, earlier
+        # plans' swap-outs and finished jobs, the job's own claim of an earlier decision).
         spare = self.spare_release if deferred else 0
         if short > spare:
             victims = self._victims_below(job, short - spare)
@@ -271,7 +296,7 @@ class _Walk:
             for victim, _n in victims:
                 self.evicted.add(victim)
                 res.actions.append(Evict(victim, drop=self.p.recompute,
-                                         reuse_now=self.p.reactive))
+                                         reuse_now=self.p.reactive, for_job=job.job_id))
                 if not self.p.recompute:
                     res.free_host -= self.view.kv.num_blocks(victim)
             freed = sum(n for _, n in victims)
@@ -280,47 +305,70 @@ class _Walk:
                 return "now"
             self.spare_release += freed
         self.spare_release -= short
-        res.claimed_release += short
-        res.claimants.append(job.job_id)
-        res.free_device = 0      # the job takes every free block and ``short`` of the released
+        # The job takes every free block and ``short`` of the released, held until the plan of
+        # this decision returns (``Claim``).
+        res.claims[job.job_id] = Claim(need, self.step)
+        res.free_device = 0
         return "later"
+
+    def _renew_claim(self, job_id: str) -> None:
+        """The walk reached a job holding a claim of an earlier decision: its blocks go back
+        where ``_hold_claims`` took them from (landed ones first), for this decision to claim
+        again or run on."""
+        claim = self.held.pop(job_id, None)
+        if claim is None:
+            return
+        del self.res.claims[job_id]
+        back = min(claim.blocks, self.landed)
+        self.landed -= back
+        self.res.free_device += back
+        self.spare_release += claim.blocks - back
 
     def _victims_below(self, job: Job, short: int) -> list[tuple[str, int]] | None:
         """Idle resident jobs strictly below ``job`` in rank, lowest priority first, whose blocks
-        cover ``short``; None when they cannot (then none is taken)."""
+        cover ``short``; None when they cannot (then none is taken).
+
+        Bounded: candidates come in non-increasing rank (levels from the lowest priority up;
+        within a level every MLFQ job has the same rank, and a one-level policy's swap-out order
+        is its order reversed), so the scan stops at the first one ``job`` does not outrank; it
+        passes over at most B candidates it may not take (in a plan, pinned, or too large for
+        the host) besides this batch's own picks and victims. And the walk reaches jobs in
+        non-decreasing rank while picks, evictions and host blocks only shrink what a later job
+        may take, so once a need could not be covered no later need as large is scanned for."""
+        if self.failed_short is not None and short >= self.failed_short:
+            return None
         view = self.view
         policy, kv = view.policy, view.kv
         host_free = self.res.free_host
+        keep = frozenset(self.res.shared_hits)    # shared blocks stay on the device
         chosen: list[tuple[str, int]] = []
         freed = skipped = 0
-        # Levels from the lowest priority up; within a level, the policy's swap-out order.
         with view.queues.ordered("evictable", lambda level, _job: -float(level)) as order:
             for cand in order:
                 if freed >= short:
                     break
                 victim = view.jobs[cand]
-                if victim.level < job.level:
-                    break      # every job left in the walk is of a higher level
-                if (not policy.outranks_for_memory(job, victim) or cand in self.picked
-                        or cand in self.evicted):
+                if not policy.outranks_for_memory(job, victim):
+                    break      # neither this one nor any after it ranks below ``job``
+                if cand in self.picked or cand in self.evicted:
                     continue
+                on_host = 0 if self.p.recompute else kv.num_blocks(cand)   # at most its table
                 if (kv.busy_step(cand) is not None or view.pinned(cand, self.step)
-                        or (self.p.recompute and victim.prefilling)):
+                        or (self.p.recompute and victim.prefilling) or on_host > host_free):
                     # (A first iteration part-way through its chunks is not dropped: two long
                     # prompts could otherwise drop each other's chunks forever.)
                     skipped += 1
                     if skipped > view.config.max_batch_size:
                         break
                     continue
-                n = kv.movable_blocks(cand, frozenset(self.res.shared_hits))   # shared stay
-                if not self.p.recompute:
-                    on_host = kv.num_blocks(cand)   # the host takes at most its table
-                    if on_host > host_free:
-                        continue
-                    host_free -= on_host
+                host_free -= on_host
+                n = kv.movable_blocks(cand, keep)
                 chosen.append((cand, n))
                 freed += n
-        return chosen if freed >= short else None
+        if freed < short:
+            self.failed_short = short
+            return None
+        return chosen
 
     def _preempt_latest(self, job: Job) -> None:
         """vLLM-style: decode growth does not fit, so preempt the most recently admitted idle
@@ -347,3 +395,4 @@ class _Walk:
             res.free_device += n
         else:
             res.free_host -= on_host
+            self.spare_release += n     # released when this plan returns

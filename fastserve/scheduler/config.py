@@ -74,10 +74,13 @@ class SchedulerConfig(_Strict):
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     #: α: a job not served for longer than this is promoted to level 1 (paper default 300 ms).
     starvation_alpha_s: float = Field(default=0.3, gt=0)
-    #: α never falls below this many measured iterations, so a job that waited one or two
-    #: ordinary iterations is never "starving" (else every job outside the batch is promoted at
-    #: each decision and MLFQ becomes FIFO). 10 is the paper's own ratio: α = 300 ms over a
-    #: ~30 ms OPT-13B decode iteration at B = 16, and its SLO of "10x a decode iteration".
+    #: α never falls below this many decode iterations (the profile's ``t_dec`` at
+    #: ``max_batch_size``), so a job that waited one or two ordinary iterations is never
+    #: "starving" (else every job outside the batch is promoted at each decision and MLFQ
+    #: becomes FIFO). 10 is the paper's own ratio: α = 300 ms over a ~30 ms OPT-13B decode
+    #: iteration at B = 16, and its SLO of "10x a decode iteration". Decode iterations, not
+    #: measured steps: a step carrying first iterations is longer, and α would grow with the
+    #: prefill share of the work.
     starvation_min_iterations: float = Field(default=10.0, ge=0)
     #: A job's α is multiplied by this for every promotion it already had. Under sustained
     #: overload a starving job is otherwise promoted every α, runs its level-1 quantum, sinks
@@ -92,10 +95,12 @@ class SchedulerConfig(_Strict):
     #: begins (the jobs in its level and above ÷ B, times the measured step): under sustained
     #: overload the backlog grows and so does every job's wait, and a fixed α would promote
     #: each waiting job again and again. The wait's α is fixed when it begins, so a backlog
-    #: that drains later does not turn a long wait into a promotion. At normal load this term
-    #: is a few steps, below the paper's 300 ms or the iteration floor. 2 rather than 4: the
-    #: short jobs' P95 under 2x overload is 2.2-2.7x its 0.9-load value with 2, 2.6-3.4x with
-    #: 4, at the same promotions. 0 turns it off.
+    #: that drains later does not turn a long wait into a promotion; when the job comes due
+    #: α is read again and the promotion postponed if the backlog grew meanwhile (a burst's
+    #: first jobs saw almost nothing ahead). At normal load this term is a few steps, below
+    #: the paper's 300 ms or the iteration floor. 2 rather than 4: the short jobs' P95 under
+    #: 2x overload is 2.2-2.7x its 0.9-load value with 2, 2.6-3.4x with 4, at the same
+    #: promotions. 0 turns it off.
     starvation_backlog_batches: float = Field(default=2.0, ge=0)
     #: Weight of the newest step in the running mean of measured step times (α's floor).
     step_time_ewma_weight: float = Field(default=0.1, gt=0, le=1)

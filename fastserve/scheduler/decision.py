@@ -50,6 +50,9 @@ class Evict:
     #: Swapped out with its blocks reused by this very plan (reactive: the forward stalls for
     #: the copy); otherwise they are free once the plan completes.
     reuse_now: bool = False
+    #: The job whose KV room it was evicted for (memory preemption by priority); None for
+    #: FCFS's decode growth.
+    for_job: str | None = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,16 @@ class Fetch:
 
     job_id: str
     host_hits: int     # blocks the walk found only on the host (no more are fetched)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Proactive preemption: device blocks a job set aside for its next run — free ones and
+    ones that swap-outs in flight release — held while the plan of the decision that made it
+    is in flight, so that no later decision takes them or evicts again for the job."""
+
+    blocks: int
+    step: int      # the plan of the decision that made (or last renewed) it
 
 
 @dataclass
@@ -74,11 +87,12 @@ class BatchDecision:
     focus: str | None = None      # highest-priority job deferred for memory (stall breaker)
     free_device: int = 0          # device blocks free once the runs (and claims) have theirs
     free_host: int = 0            # host blocks free once evictions have theirs
-    #: Blocks that this plan's swap-outs release and that jobs of this walk already claimed
-    #: (proactive preemption: the job runs at the next decision, when they are free).
-    claimed_release: int = 0
-    #: The jobs that claimed them: no swap plan of this decision evicts them.
-    claimants: list[str] = field(default_factory=list)
+    #: Device blocks in-flight steps and this plan's swap-outs release that no claim holds:
+    #: what the swap plan may count on being free by the next decision.
+    unclaimed_release: int = 0
+    #: Every claim after this decision (``Claim``): those it made or renewed, and those of
+    #: earlier decisions whose job it did not reach. No swap plan evicts a claimant.
+    claims: dict[str, Claim] = field(default_factory=dict)
     #: Device blocks that jobs admitted by this decision take as their cached prefix while
     #: another job holds them: an eviction of that job leaves them (they become shared).
     shared_hits: set[int] = field(default_factory=set)
@@ -89,10 +103,10 @@ class BatchDecision:
 
     @property
     def protected(self) -> set[str]:
-        """Jobs the swap plan must not evict: those that claimed blocks this decision frees, and
-        the highest-priority job whose decode growth did not fit (lower-priority growth-blocked
-        jobs may be evicted, which frees room for it)."""
-        return set(self.claimants) | set(list(self.growth_needs)[:1])
+        """Jobs the swap plan must not evict: those holding a claim, and the highest-priority
+        job whose decode growth did not fit (lower-priority growth-blocked jobs may be evicted,
+        which frees room for it)."""
+        return set(self.claims) | set(list(self.growth_needs)[:1])
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 from fastserve.kv.enst import EnstTable
 from fastserve.kv.manager import Residency
 from fastserve.kv.swap_planner import PoolCounts, SwapDecision, plan_swaps
-from fastserve.scheduler.decision import BatchDecision, Evict
+from fastserve.scheduler.decision import BatchDecision
 from fastserve.scheduler.queues import LevelScore
 from fastserve.scheduler.state import KVView, SchedulerView
 
@@ -107,7 +107,7 @@ class MemoryPlanner:
         pools = PoolCounts(pools.free_device - moved_in + dropped, pools.free_host - host_taken,
                            pools.device_releasing + moved_out)
         taken = self._taken(batch) | set(swaps.swap_out) | set(swaps.drop) | set(swaps.swap_in) \
-            | set(batch.claimants)
+            | set(batch.claims)
         need = view.kv.device_blocks_needed(focus, job.num_tokens)
         with view.queues.ordered("evictable", self._score(table, -1.0)) as victims:
             decision = plan_swaps(kv, pools, keep_free=need, wanted={}, prefetch=(),
@@ -125,15 +125,10 @@ class MemoryPlanner:
 
     def _pools(self, batch: BatchDecision) -> PoolCounts:
         """Free blocks as the swap plan sees them: what the walk left plus what it set aside for
-        the host jobs it wants (the swap plan brings them in); releasing soon, less what jobs of
-        the walk already claimed."""
-        kv = self.view.kv
-        keep = frozenset(batch.shared_hits)
-        releasing = kv.device_releasing - batch.claimed_release + sum(
-            kv.movable_blocks(a.job_id, keep) for a in batch.actions
-            if isinstance(a, Evict) and not a.drop and not a.reuse_now)
+        the host jobs it wants (the swap plan brings them in); releasing soon, less what claims
+        hold."""
         free = batch.free_device + sum(batch.wanted_host.values())
-        return PoolCounts(free, batch.free_host, releasing)
+        return PoolCounts(free, batch.free_host, batch.unclaimed_release)
 
     @staticmethod
     def _taken(batch: BatchDecision) -> set[str]:

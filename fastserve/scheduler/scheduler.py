@@ -189,10 +189,20 @@ class Scheduler:
         return Decision(step, batch, swaps, unstick, table)
 
     def _promote_starved(self, now: float) -> None:
-        """Starvation prevention: the policy moves a job not served for longer than its α."""
-        jobs, policy = self.state.jobs, self.policy
+        """Starvation prevention: the policy moves a job not served for longer than its α.
+
+        A job's α is fixed when its wait begins, from the backlog ahead of it then; when it
+        comes due, α is read again and the promotion postponed if the backlog has grown since
+        (a burst: the first jobs of 10,000 arriving at once saw almost nothing ahead). So α
+        never falls while a job waits — a backlog that drains does not shorten a wait — and a
+        burst does not turn into a storm of promotions."""
+        s, policy = self.state, self.policy
         while (job_id := self.queues.starving.first_overdue(now)) is not None:
-            job = jobs[job_id]
+            job = s.jobs[job_id]
+            due = job.last_served + policy.starvation_wait(job.stats.promotions, s.alpha(job.level))
+            if due > now:
+                self.applier.postpone(job, due)
+                continue
             level = policy.promotion_level(job)
             assert level is not None, f"{job_id} is overdue but the policy does not promote it"
             self.applier.promote(job, level, now)

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import pytest
 
+from fastserve.scheduler.apply import Applied
 from fastserve.scheduler.config import KVCacheConfig, SchedulerConfig, SwapMode
+from fastserve.scheduler.decision import Decision, Evict
 from fastserve.scheduler.job import JobRequest
 from fastserve.scheduler.scheduler import Scheduler
 from fastserve.worker.executor import InProcessExecutor
@@ -139,3 +141,55 @@ def test_preemption_level_gap(gap: int, evicts: bool) -> None:
     s.check_invariants()
     assert [c.job_id for c in plan.swap_out] == (["a"] if evicts else [])
     assert [e.job_id for e in plan.entries] == (["b"] if evicts else ["a", "b"])
+
+
+def test_a_claim_is_held_while_its_swap_out_is_in_flight() -> None:
+    """Two plans in flight (a pipeline of two stages), batch 2: four jobs of 20 tokens (level 2,
+    t_init 1.875; level 3 once their first iteration exceeded q2) hold the whole 8-block pool
+    (2 blocks of 16 each, no growth for 12 more tokens); a 3-token job (level 1) arrives
+    needing 1 block. Decision 4 swaps out the lowest job (L2) for it and
+    the short job claims the 2 blocks that plan releases; decision 5 comes before plan 4 returns
+    and must not evict again for the same job (it did: L3, a second victim for a 1-block need).
+    The short job runs at decision 6, once plan 4 returned."""
+    s = make(batch=2, device=8, host=64, block=16, cache=False)
+    evicted: list[tuple[int, str, str | None]] = []
+    apply = s.applier.apply
+
+    def record(decision: Decision, now: float, out: Applied) -> None:
+        evicted.extend((decision.step, a.job_id, a.for_job)
+                       for a in decision.batch.actions if isinstance(a, Evict))
+        apply(decision, now, out)
+
+    s.applier.apply = record  # type: ignore[method-assign]
+    for i in range(4):
+        s.add(req(f"L{i}", 20, 10), 0.0)
+    now = 0.0
+    inflight: list[BatchPlan] = []
+
+    def complete(plan: BatchPlan) -> None:
+        nonlocal now
+        now += 1.0
+        s.update(plan, StepOutput(plan.step_id, {e.job_id: 9 for e in plan.entries if e.samples},
+                                  {"total": 1.0}), now)
+        s.check_invariants()
+
+    for _ in range(4):      # admit and run each long job once, one plan at a time
+        plan = s.schedule(now)
+        assert plan is not None
+        complete(plan)
+    assert s.kv.num_free_device == 0 and {s.jobs()[f"L{i}"].level for i in range(4)} == {3}
+    s.add(req("short", 3, 2), now)
+    ran: dict[int, list[str]] = {}
+    for _ in range(4):
+        plan = s.schedule(now)
+        assert plan is not None
+        s.check_invariants()
+        ran[plan.step_id] = [e.job_id for e in plan.entries]
+        inflight.append(plan)
+        if len(inflight) == 2:
+            complete(inflight.pop(0))
+    while inflight:
+        complete(inflight.pop(0))
+    assert evicted == [(4, "L2", "short")]
+    assert "short" not in ran[4] + ran[5] and "short" in ran[6]
+    assert s.kv.swapped_out_blocks == 2

@@ -8,7 +8,10 @@ every swap mode, with one and with two plans in flight:
   promoted at the next decision (MLFQ policies);
 * no job runs while its KV is not resident (a reactive swap-in in the same plan excepted);
 * no job is in two in-flight plans; no job that never had KV is admitted while both tiers are
-  full (swap modes).
+  full (swap modes);
+* a job claims room at most once while the swap-outs made for it are in flight: no decision
+  evicts for a job while an eviction an earlier decision made for it is still being copied
+  (proactive preemption with two plans in flight).
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from hypothesis import strategies as st
 
 from fastserve.bench.sim.driver import CostModelExecutor, drive
 from fastserve.kv.manager import Residency
+from fastserve.scheduler.apply import Applied
 from fastserve.scheduler.config import SWAP_MODES, PolicyName, SwapMode
+from fastserve.scheduler.decision import Decision, Evict
 from fastserve.scheduler.job import JobRequest, JobState
 from fastserve.scheduler.scheduler import Scheduler
 from fastserve.worker.messages import BatchPlan, SamplingParams
@@ -142,6 +147,7 @@ def check_random_load(policy: PolicyName, mode: SwapMode, case: Workload,
                         f"{job.job_id} was due for promotion at {job.starve_due} and is still "
                         f"in level {job.level} at {now}")
 
+    watch_claims(s)
     total_tokens = sum(r.sampling.max_tokens for _, r in jobs)
     if chunk_tokens is not None:   # every first iteration may take one plan per chunk
         total_tokens += sum(-(-len(r.prompt_ids) // chunk_tokens) for _, r in jobs)
@@ -157,6 +163,26 @@ def check_random_load(policy: PolicyName, mode: SwapMode, case: Workload,
         assert result.reasons[r.job_id] == "length"
     assert not s.has_work()
     assert s.kv.num_free_device == setup.device and s.kv.num_free_host == setup.host
+
+
+def watch_claims(sched: Scheduler) -> None:
+    """Check every applied decision: a deferred eviction (proactive: the victim's blocks are
+    free once its plan returns) is made for a job only when no earlier one made for it is
+    still in flight."""
+    apply = sched.applier.apply
+    made_at: dict[str, list[int]] = {}    # job -> steps of the plans that evicted for it
+
+    def checked(decision: Decision, now: float, out: Applied) -> None:
+        for a in decision.batch.actions:
+            if not isinstance(a, Evict) or a.for_job is None or a.drop or a.reuse_now:
+                continue
+            pending = [k for k in made_at.get(a.for_job, ()) if k in sched.state.inflight]
+            assert not pending, (f"decision {decision.step} evicts {a.job_id} for {a.for_job}, "
+                                 f"whose evictions of plans {pending} are still in flight")
+            made_at.setdefault(a.for_job, []).append(decision.step)
+        apply(decision, now, out)
+
+    sched.applier.apply = checked  # type: ignore[method-assign]
 
 
 def check_chunks(sched: Scheduler, plan: BatchPlan, chunk_tokens: int, budget: int) -> None:

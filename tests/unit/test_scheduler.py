@@ -170,26 +170,50 @@ def test_swap_time_and_step_time_are_no_ones_service() -> None:
     assert a.stats.swap_blocked_s == 90.0 and a.stats.execution_s == 0.5 + 10.0
 
 
-def test_alpha_is_floored_at_k_iterations_and_fixed_when_the_wait_begins() -> None:
-    # α = 0.3 configured; the profile's decode at B = 1 takes 1 s, the measured steps 0.9 s
-    # (3 α). With k = 10 a job is starving only after ten ordinary iterations: before any step
-    # returned that is 10 × 1 s (the profile), once steps are measured 10 × 0.9 s. b's wait
-    # began at its arrival under the 10 s α, and a later, shorter α does not shorten it.
+def test_alpha_is_floored_at_k_decode_iterations_and_fixed_when_the_wait_begins() -> None:
+    # α = 0.3 configured; the profile's decode at B = 1 takes 1 s, the measured steps 3 s (they
+    # carry first iterations). With k = 10 a job is starving only after ten decode iterations of
+    # the profile, 10 s, whatever the steps measure: α is in decode units.
     s = make(batch=1, alpha=0.3, starvation_min_iterations=10.0, step_time_ewma_weight=1.0,
              starvation_backlog_batches=0.0, num_levels=6)
-    assert s.starvation_alpha() == 10.0                  # nothing measured yet: the profile
+    assert s.starvation_alpha() == 10.0
     s.add(req("a", 8, max_tokens=40), 0.0)
     b = s.add(req("b", 200, max_tokens=2), 0.0)          # level 6, waits behind a
     assert b.starve_due == 10.0
     now = 0.0
-    for _ in range(12):                                  # steps at 0, 0.9, ..., 9.9
-        plan, _ = step(s, now, 0.9)
-        now += 0.9
+    for _ in range(4):                                   # steps at 0, 3, 6, 9
+        plan, _ = step(s, now, 3.0)
+        now += 3.0
         assert ids(plan) == ["a"] and b.stats.promotions == 0
-    assert s.starvation_alpha() == pytest.approx(9.0)
-    assert b.level == 6
-    plan, _ = step(s, 10.125, 0.9)                       # waited 10.125 > 10: promoted, runs
+    assert s.starvation_alpha() == 10.0 and b.level == 6
+    plan, _ = step(s, 12.0, 3.0)                         # waited 12 > 10: promoted, runs
     assert ids(plan) == ["b"] and b.stats.promotions == 1
+
+
+def test_alpha_never_falls_while_a_job_waits_and_rises_with_the_backlog() -> None:
+    # B = 1, backlog floor 2 rounds of the step, no iteration floor, α = 2. b arrives in level
+    # 6 with 2 jobs in its level and above (a and itself): α = max(2, 2 rounds × 2 × 1 s) = 4.
+    # Eight level-1 jobs arrive before b is due; when it comes due (checked at 5 > 4), 9 jobs
+    # are ahead of it: α = 2 × 9 × 1 s (the measured step) = 18, and its promotion moves to
+    # 18 instead of happening. α never falls while it waits: jobs that finish meanwhile do not
+    # bring it back, and b is promoted at the first decision past 18.
+    s = make(batch=1, alpha=2.0, num_levels=6, starvation_min_iterations=0.0,
+             starvation_backlog_batches=2.0, step_time_ewma_weight=1.0)
+    s.add(req("a", 8, max_tokens=1), 0.0)
+    b = s.add(req("b", 200, max_tokens=2), 0.0)
+    assert b.starve_due == 4.0
+    step(s, 0.0, 1.0)                                    # a's one token: a finishes
+    for i in range(8):
+        s.add(req(f"s{i}", 8, max_tokens=10), 1.0)
+    for k in range(5):                                   # the level-1 jobs run, b waits
+        step(s, 1.0 + k, 1.0)
+    assert b.stats.promotions == 0 and b.starve_due == 18.0
+    assert s.totals["promotions_postponed"] == 1
+    now = 6.0
+    while b.stats.promotions == 0:
+        step(s, now, 1.0)
+        now += 1.0
+    assert now - 1.0 == 19.0 and b.generated     # promoted and run at the decision at 19
 
 
 # ---- starvation ---------------------------------------------------------------------------
