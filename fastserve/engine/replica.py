@@ -14,7 +14,8 @@ It also owns executor construction (``build_executor``): in process (``ThreadedE
 replica's own placement group (bundle 0 is the replica, bundle 1 + s is stage s), and the
 replica's metrics (``fastserve.engine.metrics.SchedulerMetrics``): every ``metrics_sample_interval_s``, the
 engine's per-step token counts and per-request timing since the last tick, finished jobs'
-accounting and the scheduler's state, recorded into Ray's metrics pipeline.
+accounting and the scheduler's state, recorded into Ray's metrics pipeline; and, every
+``server.stats_log_interval_s``, one stats line in the log (``fastserve.engine.stats_log``).
 """
 
 from __future__ import annotations
