@@ -85,8 +85,9 @@ def _serve_folder(args: argparse.Namespace, extra: Sequence[str]) -> None:
         folder = FolderServeArgs.model_validate({**given, "model_dir": Path(args.target),
                                                  "device": _device(args.device)})
         cache = Path(args.cache_dir) if args.cache_dir else cache_dir()
+        gpu_memory = _gpu_memory(folder)   # before the profiler loads the model here
         profile = Path(args.profile).resolve() if args.profile else _cached_profile(folder, cache)
-        app = app_args(folder, profile, _torch_threads(folder), _gpu_blocks(folder, profile))
+        app = app_args(folder, profile, _torch_threads(folder), _gpu_blocks(folder, profile, gpu_memory))
         AppArgs.model_validate(app)   # every refusal here, before a cluster starts
     except (ValidationError, ValueError) as exc:
         raise SystemExit(f"fastserve serve: {exc}") from None
@@ -154,14 +155,23 @@ def _cached_profile(folder: FolderServeArgs, cache: Path) -> Path:
     return path
 
 
-def _gpu_blocks(folder: FolderServeArgs, profile: Path) -> int | None:
-    """On a GPU, the device pool vLLM's way (``fastserve.config_folder.gpu_kv_blocks``) from the
-    free memory now and the profile's weights and peak activations; None on a CPU."""
+def _gpu_memory(folder: FolderServeArgs) -> tuple[int, int] | None:
+    """(free, total) bytes of the GPU now, on a GPU. Read in this process before it loads a model:
+    what it holds then is its CUDA context, about what the replica's own context will take."""
     if folder.device != "cuda":
         return None
-    import json
-
     import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return int(free), int(total)
+
+
+def _gpu_blocks(folder: FolderServeArgs, profile: Path, gpu_memory: tuple[int, int] | None) -> int | None:
+    """On a GPU, the device pool vLLM's way (``fastserve.config_folder.gpu_kv_blocks``) from the
+    free memory read first and the profile's weights and peak activations; None on a CPU."""
+    if gpu_memory is None:
+        return None
+    import json
 
     from fastserve.config_folder import app_args, gpu_kv_blocks
     from fastserve.config_model import ModelArgs
@@ -171,7 +181,7 @@ def _gpu_blocks(folder: FolderServeArgs, profile: Path) -> int | None:
     if memory is None:
         raise ValueError(f"profile {profile} has no GPU memory figures (weights, activations): "
                          "measure it on this GPU (leave out --profile)")
-    free, total = torch.cuda.mem_get_info()
+    free, total = gpu_memory
     model = ModelArgs.model_validate(app_args(folder, profile, None)["model"])
     return gpu_kv_blocks(total, free, folder.gpu_memory_utilization, memory["weight_bytes"],
                          memory["activation_bytes"], folder.world_size, model.kv_bytes_per_block(DEFAULT_BLOCK_SIZE))

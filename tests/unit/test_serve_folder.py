@@ -174,3 +174,17 @@ def test_dry_run_with_a_given_profile_writes_the_serve_config(tmp_path: Path,
     app = AppArgs.model_validate(entry["args"])
     assert (app.profile.path, app.kv_cache.device_memory_gib) == (str(profile), 0.5)
     assert not (tmp_path / "profiles").exists()   # a given profile is used as is
+
+
+def test_the_command_sizes_a_gpu_pool_from_the_memory_read_first_and_the_profiles_figures(tmp_path: Path) -> None:
+    folder = folder_args(device="cuda", tensor_parallel_size=2)
+    profile = tmp_path / "p.json"
+    profile.write_text('{"memory": {"weight_bytes": 268435456, "activation_bytes": 1073741824}}')
+    block = 16 * 2 * 30 * 3 * 64 * 2   # SmolLM2 in bf16, as ``auto`` resolves on a GPU
+    # 2 x (0.9 x 80 GiB - 1 GiB used by others - 128 MiB of weights per rank - 1 GiB) of 360 KiB blocks.
+    want = int(2 * (0.9 * 80 * GIB - GIB - 128 * MIB - GIB) // block)
+    assert cli._gpu_blocks(folder, profile, (79 * GIB, 80 * GIB)) == want
+    assert cli._gpu_blocks(folder_args(), profile, None) is None
+    profile.write_text('{"t_init": {}}')
+    with pytest.raises(ValueError, match="has no GPU memory figures"):
+        cli._gpu_blocks(folder, profile, (79 * GIB, 80 * GIB))
