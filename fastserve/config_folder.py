@@ -13,6 +13,7 @@ and hands the numbers here.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -173,8 +174,21 @@ def app_args(args: FolderServeArgs, profile_path: Path, torch_threads: int | Non
         kv["device_memory_gib"] = args.kv_cache_space_gib
     else:
         kv["num_device_blocks"] = num_device_blocks
-    return {"model": model, "parallel": parallel, "profile": {"path": str(profile_path)},
-            "scheduler": scheduler_settings(args), "kv_cache": kv}
+    app: dict[str, Any] = {"model": model, "parallel": parallel, "profile": {"path": str(profile_path)},
+                           "scheduler": scheduler_settings(args), "kv_cache": kv}
+    if not is_loopback(args.host):   # reachable from other machines: refuse to start open
+        app["server"] = {"require_api_key": True}
+    return app
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` binds this machine only (``localhost``, 127.0.0.0/8, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:   # a host name: it may resolve to any interface
+        return False
 
 
 def serve_config(args: FolderServeArgs, app: dict[str, Any]) -> dict[str, Any]:

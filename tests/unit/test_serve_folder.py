@@ -24,6 +24,7 @@ from fastserve.config_folder import (
     serve_config,
 )
 from fastserve.config_model import REQUIRE_PROFILE_CONTEXT
+from fastserve.config_server import API_KEY_ENV
 from fastserve.scheduler.config import KVCacheConfig, SchedulerConfig
 from tests.harness.tokenizers import require_smollm2
 
@@ -188,3 +189,14 @@ def test_the_command_sizes_a_gpu_pool_from_the_memory_read_first_and_the_profile
     profile.write_text('{"t_init": {}}')
     with pytest.raises(ValueError, match="has no GPU memory figures"):
         cli._gpu_blocks(folder, profile, (79 * GIB, 80 * GIB))
+
+
+def test_a_server_bound_beyond_loopback_requires_an_api_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    for host, required in (("127.0.0.1", False), ("localhost", False), ("::1", False), ("0.0.0.0", True),
+                           ("10.1.2.3", True), ("myhost", True)):
+        app = app_args(folder_args(host=host), Path("p.json"), None)
+        assert ("server" in app) == required, host
+    app = app_args(folder_args(host="0.0.0.0"), Path("p.json"), None)
+    with pytest.raises(ValueError, match="require_api_key is set but no API key"):
+        AppArgs.model_validate(app, context=NO_PROFILE).server.resolved_api_key()
