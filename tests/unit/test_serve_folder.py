@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -25,7 +26,7 @@ from fastserve.config_folder import (
 )
 from fastserve.config_model import REQUIRE_PROFILE_CONTEXT
 from fastserve.config_server import API_KEY_ENV
-from fastserve.scheduler.config import KVCacheConfig, SchedulerConfig
+from fastserve.scheduler.config import ChunkedPrefillConfig, KVCacheConfig, SchedulerConfig
 from tests.harness.tokenizers import require_smollm2
 
 MIB = 1 << 20
@@ -48,7 +49,7 @@ def test_a_folder_becomes_the_app_args_of_that_folder_with_the_schemas_defaults(
             app.parallel.num_gpus, app.parallel.torch_threads) == (1, 1, 0, 2)
     # The scheduler is the schema's, but for chunked prefill (vLLM V1's default), which is also what
     # lets SmolLM2's 8,192-token context run with the default 2,048-token budget.
-    assert app.scheduler == SchedulerConfig(chunked_prefill={"enabled": True})
+    assert app.scheduler == SchedulerConfig(chunked_prefill=ChunkedPrefillConfig(enabled=True))
     assert app.scheduler.max_num_batched_tokens < m.context_len() == 8192
 
 
@@ -103,7 +104,7 @@ def test_gpu_pool_is_utilization_times_total_less_others_weights_and_activations
 
 
 def test_the_quick_grid_stops_at_what_the_server_runs() -> None:
-    sched, chunk = SchedulerConfig(), SchedulerConfig(chunked_prefill={"enabled": True}).chunk_limit()
+    sched, chunk = SchedulerConfig(), SchedulerConfig(chunked_prefill=ChunkedPrefillConfig(enabled=True)).chunk_limit()
     assert chunk is not None
     prompts, batches = profile_grid(folder_args())
     assert prompts == [p for p in FolderServeArgs.model_fields["profile_prompt_lens"].default if p < chunk] + [chunk]
@@ -116,14 +117,15 @@ def test_the_quick_grid_stops_at_what_the_server_runs() -> None:
 
 
 def test_the_profile_cache_key_changes_with_each_thing_timings_depend_on() -> None:
-    base = {"name": "smol", "config_json": b'{"hidden_size": 576}', "hardware": "cpu-x-2t", "dtype": "bfloat16",
-            "tp": 1, "pp": 1, "block_size": KVCacheConfig.model_fields["block_size"].default}
-    name = profile_cache_name(**base)   # type: ignore[arg-type]
-    assert name == profile_cache_name(**base)   # type: ignore[arg-type]
+    block_size = KVCacheConfig.model_fields["block_size"].default
+    base: dict[str, Any] = {"name": "smol", "config_json": b'{"hidden_size": 576}', "hardware": "cpu-x-2t",
+                            "dtype": "bfloat16", "tp": 1, "pp": 1, "block_size": block_size}
+    name = profile_cache_name(**base)
+    assert name == profile_cache_name(**base)
     assert name.startswith("smol-") and name.endswith("-cpu-x-2t-bfloat16-tp1-pp1-bs16.json")
     changes = {"config_json": b'{"hidden_size": 577}', "hardware": "h100", "dtype": "float32", "tp": 2, "pp": 2,
                "block_size": 32}
-    others = {profile_cache_name(**{**base, key: value}) for key, value in changes.items()}   # type: ignore[arg-type]
+    others = {profile_cache_name(**{**base, key: value}) for key, value in changes.items()}
     assert len(others) == len(changes) and name not in others
     assert hardware_key("Intel(R) Xeon(R) Processor (avx512_bf16)", 2) == "intel-r-xeon-r-processor-avx512-bf16-2t"
     assert "/" not in profile_cache_name("org/model", b"{}", "h100", "bfloat16", 1, 1)
