@@ -14,7 +14,7 @@ export RAY_metrics_report_interval_ms ?= 2000
 # priority, as vLLM runs its engine.
 export RAY_worker_niceness ?= 0
 
-.PHONY: install install-serve-llm model serve test lint bench profile clean
+.PHONY: install install-serve-llm model serve serve-folder test lint bench profile clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -46,8 +46,14 @@ $(MODEL_STAMP): $(STAMP) fastserve/model_folder.py
 
 model: $(MODEL_STAMP)
 
+# The demo keeps its own config: its settings (batch 32, 256-token chunks, 1,024 admissions, its
+# measured profile) are tuned for a 2-core box; `fastserve serve FOLDER` takes the schema's defaults.
 serve: install model
 	$(BIN)/fastserve serve config/demo.yaml
+
+# The same model served as `vllm serve` would: no YAML, profiled at first start (docs/configs.md).
+serve-folder: install model
+	$(BIN)/fastserve serve $(MODEL_DIR)
 
 test: install install-serve-llm model
 	$(BIN)/python -m pytest -q tests

@@ -54,6 +54,9 @@ class ServerArgs(Strict):
     #: How often each engine replica records its state gauges and mirrored counters (Ray
     #: then exports them every ``RAY_metrics_report_interval_ms``).
     metrics_sample_interval_s: float = Field(default=0.5, gt=0)
+    #: How often each engine replica logs one stats line (running, waiting, swapped, KV use,
+    #: prefix-cache hit rate, prompt and generation tokens/s), as vLLM logs every 5 s; 0: never.
+    stats_log_interval_s: float = Field(default=5.0, ge=0)
     #: Deliver tokens on one channel per ingress replica and engine replica, one message per
     #: step (``fastserve.engine.delivery``), instead of on each job's own stream (one message per job per step).
     delivery_channels: bool = True

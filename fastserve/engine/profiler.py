@@ -41,6 +41,38 @@ def hardware_name(device: str) -> str:
     return "cpu"
 
 
+Progress = Callable[[str], None] | None
+
+
+def _report(progress: Progress, line: str) -> None:
+    if progress is not None:
+        progress(line)
+
+
+class _GpuMemory:
+    """Weights and peak activation bytes on a CUDA device, read around the measurements: what
+    torch holds after loading, less the profiler's own KV pool, is the weights; the peak above
+    that during the grid is one iteration's activations."""
+
+    def __init__(self, device: str, pool_bytes: int) -> None:
+        self.enabled = device.startswith("cuda")
+        if not self.enabled:
+            return
+        import torch
+
+        torch.cuda.synchronize()
+        self.loaded = torch.cuda.memory_allocated()
+        self.pool_bytes = pool_bytes
+        torch.cuda.reset_peak_memory_stats()
+
+    def read(self) -> dict[str, int]:
+        import torch
+
+        torch.cuda.synchronize()
+        return {"weight_bytes": self.loaded - self.pool_bytes,
+                "activation_bytes": torch.cuda.max_memory_allocated() - self.loaded}
+
+
 def _median_seconds(run: Callable[[], object], repeats: int) -> float:
     run()  # warm-up: allocator, kernel caches
     samples = []
@@ -51,7 +83,8 @@ def _median_seconds(run: Callable[[], object], repeats: int) -> float:
     return statistics.median(samples)
 
 
-def measure_t_init(ex: InProcessExecutor, prompt_lens: Sequence[int], repeats: int) -> list[float]:
+def measure_t_init(ex: InProcessExecutor, prompt_lens: Sequence[int], repeats: int,
+                   progress: Progress = None) -> list[float]:
     bs = ex.kv.block_size
     out = []
     for s in prompt_lens:
@@ -59,10 +92,12 @@ def measure_t_init(ex: InProcessExecutor, prompt_lens: Sequence[int], repeats: i
                            tuple(range(blocks_for(s, bs))), True, GREEDY)
         plan = BatchPlan(0, (entry,))
         out.append(_median_seconds(partial(ex.execute, plan), repeats))
+        _report(progress, f"t_init({s:5d}) = {out[-1] * 1e3:8.2f} ms")
     return out
 
 
-def measure_t_dec(ex: InProcessExecutor, batch_sizes: Sequence[int], repeats: int) -> list[float]:
+def measure_t_dec(ex: InProcessExecutor, batch_sizes: Sequence[int], repeats: int,
+                  progress: Progress = None) -> list[float]:
     bs = ex.kv.block_size
     per_seq = blocks_for(DECODE_CONTEXT + 1, bs)
     out = []
@@ -73,6 +108,7 @@ def measure_t_dec(ex: InProcessExecutor, batch_sizes: Sequence[int], repeats: in
             for j in range(b)
         )
         out.append(_median_seconds(partial(ex.execute, BatchPlan(0, entries)), repeats))
+        _report(progress, f"t_dec(b={b:3d}) = {out[-1] * 1e3:8.2f} ms")
     return out
 
 
@@ -88,11 +124,18 @@ def measure_swap(ex: InProcessExecutor, repeats: int) -> float:
 
 
 def profile(model: str, dtype: str, device: str, block_size: int,
-            prompt_lens: Sequence[int], batch_sizes: Sequence[int], repeats: int) -> dict[str, Any]:
+            prompt_lens: Sequence[int], batch_sizes: Sequence[int], repeats: int,
+            progress: Progress = None) -> dict[str, Any]:
+    """Measure the grid; ``progress`` (if given) gets one line per phase and grid point. On a GPU
+    the result also says what the weights and one iteration's activations took (``memory``:
+    what ``fastserve serve`` sizes the KV pool from, as vLLM's profile run does)."""
     need = max(blocks_for(max(prompt_lens), block_size),
                max(batch_sizes) * blocks_for(DECODE_CONTEXT + 1, block_size))
+    _report(progress, f"loading {Path(model).name} ({dtype}, {device}) to profile "
+                      f"{len(prompt_lens)} prompt lengths and {len(batch_sizes)} batch sizes")
     ex = InProcessExecutor(ModelSpec(model, num_device_blocks=need, num_host_blocks=SWAP_PROBE_BLOCKS,
                            block_size=block_size, dtype=dtype, device=device))
+    memory = _GpuMemory(device, need * ex.kv.bytes_per_block)
     try:
         result = {
             "model": Path(model).name,
@@ -104,12 +147,14 @@ def profile(model: str, dtype: str, device: str, block_size: int,
             "block_size": block_size,
             "decode_context": DECODE_CONTEXT,
             "t_init": {"prompt_lens": list(prompt_lens),
-                       "seconds": measure_t_init(ex, prompt_lens, repeats)},
+                       "seconds": measure_t_init(ex, prompt_lens, repeats, progress)},
             "t_dec": {"batch_sizes": list(batch_sizes),
-                      "seconds": measure_t_dec(ex, batch_sizes, repeats)},
+                      "seconds": measure_t_dec(ex, batch_sizes, repeats, progress)},
             "swap": {"bytes_per_block": ex.kv.bytes_per_block,
                      "seconds_per_block": measure_swap(ex, repeats)},
         }
+        if memory.enabled:
+            result["memory"] = memory.read()
     finally:
         ex.close()
     return result

@@ -14,7 +14,8 @@ It also owns executor construction (``build_executor``): in process (``ThreadedE
 replica's own placement group (bundle 0 is the replica, bundle 1 + s is stage s), and the
 replica's metrics (``fastserve.engine.metrics.EngineMetrics``): every ``metrics_sample_interval_s``, the
 engine's per-step token counts and per-request timing since the last tick, finished jobs'
-accounting and the scheduler's state, recorded into Ray's metrics pipeline.
+accounting and the scheduler's state, recorded into Ray's metrics pipeline; and, every
+``server.stats_log_interval_s``, one stats line in the log (``fastserve.engine.stats_log``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from fastserve.config_model import resolve_path
 from fastserve.engine.async_engine import AsyncEngine, Executor, ThreadedExecutor
 from fastserve.engine.core import SyncExecutor
 from fastserve.engine.delivery import Accepted, Channel, JobEvent, Message, Refused
-from fastserve.engine.metrics import EngineMetrics
+from fastserve.engine.metrics import EngineMetrics, scheduler_gauges
+from fastserve.engine.stats_log import StatsLog
 from fastserve.errors import AdmissionQueueFull, RequestError
 from fastserve.logs import join_serve_logs
 from fastserve.scheduler.job import JobRequest, TokenDelta
@@ -115,6 +117,7 @@ class EngineReplica:
         self.engine = AsyncEngine(build_scheduler(self.args), executor, config=self.args.engine, rebuild=rebuild)
         await self.engine.start()
         self._channels: dict[str, Channel] = {}   # ingress replica id → its delivery channel here
+        self.stats_log = StatsLog(self.args.server.stats_log_interval_s, time.monotonic())
         self._sample_task = asyncio.get_running_loop().create_task(self._sample_metrics_forever())
         self._closed = False
         log.info("engine replica %s ready (%s, policy %s, swap %s)", self.replica_id,
@@ -220,7 +223,9 @@ class EngineReplica:
         """Record the engine's timing since the last tick (tokens of every step, per-token
         latencies, finished requests' intervals) and the finished jobs' accounting (each is kept
         until drained here)."""
-        self.metrics.record_timing(self.engine.timing.drain())
+        timing = self.engine.timing.drain()
+        self.metrics.record_timing(timing)
+        self.stats_log.add_tokens(timing.prompt_tokens, timing.generation_tokens)
         for stats in self.scheduler.drain_finished():
             self.metrics.job_finished(stats)
 
@@ -248,6 +253,15 @@ class EngineReplica:
     def _sample_metrics(self) -> None:
         self._record_finished()
         self.metrics.sample(self.scheduler)
+        self._log_stats()
+
+    def _log_stats(self) -> None:
+        """The stats line (``fastserve.engine.stats_log``), when one is due."""
+        totals = self.scheduler.totals
+        line = self.stats_log.observe(scheduler_gauges(self.scheduler), totals["prefix_cache_hits"],
+                                      totals["prefix_cache_queries"], time.monotonic())
+        if line is not None:
+            log.log(self.stats_log.level(line), "%s", line)
 
     async def _sample_metrics_forever(self) -> None:
         interval = self.args.server.metrics_sample_interval_s

@@ -2,7 +2,8 @@
 small object store, explicit CPUs and ports) and ``serve run`` on a copy of a config that differs
 only in ``http_options.port`` (a free port, so a test never collides with a server on 8000).
 Teardown stops exactly the processes it started, walking their process trees: ``ray stop`` would
-also kill every other Ray on the machine.
+also kill every other Ray on the machine. ``private_ray_head`` alone is for a test that starts its own
+command on the head (``fastserve serve MODEL_DIR --address ...``).
 
 Also the dummy-OPT config most integration tests serve (``dummy_opt_yaml``), its tokenizer and
 the Engine deployment options: no test module imports another.
@@ -121,7 +122,8 @@ class Server:
         return self.base + path
 
 
-def _wait_for(what: str, check: Callable[[], bool], timeout: float, log: Path) -> None:
+def wait_for(what: str, check: Callable[[], bool], timeout: float, log: Path) -> None:
+    """Poll ``check`` each second until it holds; past ``timeout`` fail with ``log``'s tail."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -134,42 +136,32 @@ def _wait_for(what: str, check: Callable[[], bool], timeout: float, log: Path) -
     raise AssertionError(f"{what} not within {timeout:.0f} s; log tail:\n{tail}")
 
 
+@dataclass
+class RayHead:
+    """A private Ray head: its address and the environment its clients run with."""
+
+    address: str
+    env: dict[str, str]
+
+
 @contextlib.contextmanager
-def serve_app(tmp: Path, config: dict[str, Any], health_path: str = "/health", model: str = MODEL) -> Iterator[Server]:
-    """A private Ray head and ``serve run`` of ``config`` (on a free port), stopped afterwards;
-    ready once ``model`` answers a first completion."""
-    gcs, http = free_port(), free_port()
+def private_ray_head(tmp: Path) -> Iterator[RayHead]:
+    """``ray start --head --block`` on free ports (log in ``tmp/ray.log``), stopped afterwards by
+    process tree; ``env`` points clients at it (``RAY_ADDRESS``) with the test API key."""
+    gcs = free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", API_KEY_ENV: API_KEY, "RAY_ADDRESS": f"127.0.0.1:{gcs}",
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "RAY_metrics_report_interval_ms": METRICS_REPORT_MS}
-    config = copy.deepcopy(config)
-    config["http_options"]["port"] = http
-    config_path = tmp / "config.yaml"
-    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    ray_log, serve_log = tmp / "ray.log", tmp / "serve.log"
+    ray_log = tmp / "ray.log"
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
          "--num-cpus", RAY_CPUS, "--object-store-memory", OBJECT_STORE_BYTES, "--include-dashboard", "false",
          "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port())],
         cwd=ROOT, env=env, stdout=ray_log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    serve_run: subprocess.Popen[bytes] | None = None
     try:
-        _wait_for("ray start", lambda: "--block" in ray_log.read_text(errors="replace"), 90, ray_log)
-        serve_run = subprocess.Popen([str(BIN / "serve"), "run", str(config_path)], cwd=ROOT, env=env,
-                                     stdout=serve_log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
-        srv = Server(f"http://127.0.0.1:{http}", serve_log, f"127.0.0.1:{gcs}")
-        _wait_for(health_path, lambda: httpx.get(srv.url(health_path), timeout=5).status_code == 200,
-                  STARTUP_TIMEOUT_S, serve_log)
-
-        def scheduler_ready() -> bool:
-            resp = httpx.post(srv.url("/v1/completions"), headers=AUTH, timeout=REQUEST_TIMEOUT_S,
-                              json={"model": model, "prompt": "warm up", "max_tokens": 1})
-            return resp.status_code == 200
-        _wait_for("a first completion", scheduler_ready, STARTUP_TIMEOUT_S, serve_log)
-        yield srv
+        wait_for("ray start", lambda: "--block" in ray_log.read_text(errors="replace"), 90, ray_log)
+        yield RayHead(f"127.0.0.1:{gcs}", env)
     finally:
-        if serve_run is not None:
-            stop_tree(serve_run, grace_s=5)
         stop_tree(head, grace_s=10)
         # `ray start` recorded our head as this machine's current cluster; a later plain
         # `serve run` would try to join it (what `ray stop` cleans up, for our cluster only).
@@ -177,6 +169,37 @@ def serve_app(tmp: Path, config: dict[str, Any], health_path: str = "/health", m
         with contextlib.suppress(OSError):
             if current.read_text().strip() == f"127.0.0.1:{gcs}":
                 current.unlink()
+
+
+@contextlib.contextmanager
+def serve_app(tmp: Path, config: dict[str, Any], health_path: str = "/health", model: str = MODEL) -> Iterator[Server]:
+    """A private Ray head and ``serve run`` of ``config`` (on a free port), stopped afterwards;
+    ready once ``model`` answers a first completion."""
+    http = free_port()
+    config = copy.deepcopy(config)
+    config["http_options"]["port"] = http
+    config_path = tmp / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    serve_log = tmp / "serve.log"
+    with private_ray_head(tmp) as head:
+        serve_run: subprocess.Popen[bytes] | None = None
+        try:
+            serve_run = subprocess.Popen([str(BIN / "serve"), "run", str(config_path)], cwd=ROOT, env=head.env,
+                                         stdout=serve_log.open("wb"), stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+            srv = Server(f"http://127.0.0.1:{http}", serve_log, head.address)
+            wait_for(health_path, lambda: httpx.get(srv.url(health_path), timeout=5).status_code == 200,
+                      STARTUP_TIMEOUT_S, serve_log)
+
+            def scheduler_ready() -> bool:
+                resp = httpx.post(srv.url("/v1/completions"), headers=AUTH, timeout=REQUEST_TIMEOUT_S,
+                                  json={"model": model, "prompt": "warm up", "max_tokens": 1})
+                return resp.status_code == 200
+            wait_for("a first completion", scheduler_ready, STARTUP_TIMEOUT_S, serve_log)
+            yield srv
+        finally:
+            if serve_run is not None:
+                stop_tree(serve_run, grace_s=5)
 
 
 #: The OPT tokenizer the dummy-OPT servers use (``config/opt125m-dummy.yaml``).

@@ -78,3 +78,12 @@ def test_main_writes_the_file_and_prints_each_measurement(tiny_opt: Path, tmp_pa
     assert [line.split("=")[0] for line in lines[:3]] == ["t_init(    2) ", "t_init(   16) ", "t_dec(b"]
     assert lines[3].startswith("swap: ") and lines[3].endswith(f"us per block of {BYTES_PER_BLOCK} B")
     assert lines[4:] == [f"wrote {path}"]
+
+
+def test_progress_gets_one_line_per_phase_and_grid_point(tiny_opt: Path) -> None:
+    lines: list[str] = []
+    profile(str(tiny_opt), "float32", "cpu", BLOCK, prompt_lens=[1, 8], batch_sizes=[2], repeats=1,
+            progress=lines.append)
+    assert lines[0] == "loading tiny-opt (float32, cpu) to profile 2 prompt lengths and 1 batch sizes"
+    assert [line.split(" = ")[0] for line in lines[1:]] == ["t_init(    1)", "t_init(    8)", "t_dec(b=  2)"]
+    assert all(line.endswith(" ms") for line in lines[1:])
