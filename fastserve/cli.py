@@ -1,9 +1,9 @@
 """The ``fastserve`` command: one entry point for what a user runs.
 
 ``fastserve serve CONFIG.yaml`` runs a Serve application config (what ``serve run`` does, with a
-local cluster when none is given); ``fastserve offline``, ``fastserve profile`` and
-``fastserve convert-model`` hand their arguments to the engine's offline runner, the job profiler
-and the demo model's conversion.
+local cluster when none is given); ``fastserve offline``, ``fastserve profile``,
+``fastserve convert-model`` and ``fastserve plan`` hand their arguments to the engine's offline
+runner, the job profiler, the demo model's conversion and the memory planner.
 """
 
 from __future__ import annotations
@@ -46,6 +46,11 @@ def _convert(argv: list[str]) -> None:
     model_folder.main(argv)
 
 
+def _plan(argv: list[str]) -> None:
+    from fastserve import plan
+    sys.exit(plan.main(argv))
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="fastserve", description=__doc__.splitlines()[0])
     commands = top.add_subparsers(dest="command", required=True)
@@ -55,7 +60,8 @@ def parser() -> argparse.ArgumentParser:
     serve.set_defaults(run=_serve)
     for name, main, help_text in (("offline", _offline, "the engine in process on a config's args"),
                                   ("profile", _profile, "measure t_init and t_dec into a profile"),
-                                  ("convert-model", _convert, "convert the demo model's GGUF wheel")):
+                                  ("convert-model", _convert, "convert the demo model's GGUF wheel"),
+                                  ("plan", _plan, "a GPU config's memory per GPU and node, dry run")):
         sub = commands.add_parser(name, help=help_text, add_help=False)
         sub.set_defaults(run=_passthrough(main))
     return top

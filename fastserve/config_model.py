@@ -22,6 +22,9 @@ from fastserve.worker.model.config import ModelConfig, load_model_config
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 #: Validation-context key that lets the schema test skip the profile file check.
 REQUIRE_PROFILE_CONTEXT = "require_profile"
+#: Validation-context key that lets a check away from the serving nodes (the planner, the schema
+#: tests) skip the tokenizer folder, which lives beside the checkpoint on a mounted volume.
+REQUIRE_MODEL_FILES_CONTEXT = "require_model_files"
 
 Device = Literal["cpu", "cuda"]
 #: ``auto``: bfloat16 where the device computes it natively (CPU: AVX-512 BF16 or AMX, read from
@@ -59,7 +62,7 @@ class ModelArgs(Strict):
     #: Cap on prompt + generated tokens; None = the model's ``max_position_embeddings``.
     max_model_len: int | None = Field(default=None, ge=1)
 
-    @field_validator("config_path", "tokenizer_path")
+    @field_validator("config_path")
     @classmethod
     def _exists(cls, value: str) -> str:
         if not resolve_path(value).exists():
@@ -68,8 +71,12 @@ class ModelArgs(Strict):
 
     @field_validator("tokenizer_path")
     @classmethod
-    def _loads(cls, value: str) -> str:
-        """Refuse at start a folder whose tokenizer (or chat template) cannot be loaded."""
+    def _loads(cls, value: str, info: ValidationInfo) -> str:
+        """Refuse at start a folder whose tokenizer (or chat template) cannot be loaded; waived
+        where the model's folder is not mounted (``REQUIRE_MODEL_FILES_CONTEXT``)."""
+        if not (info.context or {}).get(REQUIRE_MODEL_FILES_CONTEXT, True):
+            return value
+        cls._exists(value)
         load_tokenizer(resolve_path(value))   # TokenizerLoadError names the path and reason
         return value
 
