@@ -187,3 +187,23 @@ def test_dummy_weights_are_drawn_per_shard_and_equal_the_unsplit_model(monkeypat
     for local, p in params.items():
         name = _global(shard, local).removeprefix("model.")
         assert torch.equal(p.detach(), _expected_slice(name, whole[name], shard.tp_rank)), name
+
+
+def test_startup_timeout_grows_with_the_bytes_a_rank_reads() -> None:
+    import dataclasses
+
+    import yaml
+
+    from fastserve.config import AppArgs
+
+    root = Path(__file__).resolve().parents[2]
+    app = yaml.safe_load((root / "config/opt175b.yaml").read_text())["applications"][0]
+    spec = AppArgs.model_validate(app["args"], context={"require_profile": False}).engine_spec()
+    # Stage 0's rank holds the most: its 48 layers' slices plus the replicated embeddings
+    # (tests/unit/test_plan.py works the figure out by hand).
+    assert spec.max_rank_weight_bytes() == 23_037_247_488
+    assert spec.startup_timeout_s() == spec.timeouts.startup_timeout_s == 300.0   # 115 s at 200 MB/s: the floor
+    slow = dataclasses.replace(spec, timeouts=dataclasses.replace(spec.timeouts, weight_read_bytes_per_s=50e6))
+    assert slow.startup_timeout_s() == 23_037_247_488 / 50e6
+    dummy = dataclasses.replace(slow, model=dataclasses.replace(slow.model, load_format="dummy"))
+    assert dummy.startup_timeout_s() == 300.0
