@@ -66,3 +66,22 @@ def test_a_layout_too_big_for_the_gpu_says_so(capsys: pytest.CaptureFixture) -> 
 def test_unknown_gpu_kind_is_refused_naming_the_table() -> None:
     with pytest.raises(ValueError, match=r"unknown gpu_kind 'B300'.*A100-80GB"):
         load_gpu_table().kind("B300")
+
+
+@pytest.mark.parametrize("name", GPU_CONFIGS)
+def test_gpu_configs_load_offline_from_mounted_folders(name: str) -> None:
+    """No hub ids (the image is offline), a tokenizer of the model's own, and every command the
+    comments tell a user to run exists."""
+    import importlib.util
+    import re
+
+    import yaml
+
+    text = (ROOT / "config" / f"{name}.yaml").read_text()
+    (app,) = yaml.safe_load(text)["applications"]
+    model = app["args"]["model"]
+    assert model["model_path"] == f"/models/{model['name']}"
+    family = "opt" if name.startswith("opt") else "llama"
+    assert model["tokenizer_path"] == ("config/tokenizers/opt" if family == "opt" else model["model_path"])
+    commands = re.findall(r"python -m ([\w.]+)", text)
+    assert commands and all(importlib.util.find_spec(m) is not None for m in commands), commands
