@@ -15,7 +15,6 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from fastserve.generation_config import CONFIG_FILE, eos_token_ids
-from fastserve.kernels.cpu_features import cpu_has_bf16
 from fastserve.tokenizer import Tokenizer, load_tokenizer
 from fastserve.worker.model.config import ModelConfig, load_model_config
 
@@ -31,6 +30,14 @@ Device = Literal["cpu", "cuda"]
 #: /proc/cpuinfo), float32 on other CPUs (``fastserve.worker.executor.resolve_dtype``).
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 LoadFormat = Literal["dummy", "auto"]
+
+
+def cpu_has_bf16() -> bool:
+    """``fastserve.kernels.cpu_features.cpu_has_bf16``, imported when first asked: the kernels
+    package loads torch, which reading a GPU config (the planner) does not need."""
+    from fastserve.kernels.cpu_features import cpu_has_bf16 as detect
+
+    return detect()
 
 
 def resolve_path(path: str | Path) -> Path:

@@ -3,6 +3,9 @@ shipped GPU config fits the GPU it names, and one figure checked by hand from th
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,3 +88,20 @@ def test_gpu_configs_load_offline_from_mounted_folders(name: str) -> None:
     assert model["tokenizer_path"] == ("config/tokenizers/opt" if family == "opt" else model["model_path"])
     commands = re.findall(r"python -m ([\w.]+)", text)
     assert commands and all(importlib.util.find_spec(m) is not None for m in commands), commands
+
+
+def test_the_planner_runs_without_torch_ray_or_cupy() -> None:
+    """A dry run on a laptop or a CI box: nothing of the data plane's device stack is imported."""
+    script = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('torch', 'ray', 'cupy'):\n"
+        "            raise ImportError(f'{name} is blocked')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from fastserve.plan import main\n"
+        f"sys.exit(main([{str(ROOT / 'config/opt175b.yaml')!r}, '--json']))\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert '"fits": true' in done.stdout
