@@ -105,3 +105,12 @@ def test_the_planner_runs_without_torch_ray_or_cupy() -> None:
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-2000:]
     assert '"fits": true' in done.stdout
+
+
+def test_the_fastserve_command_has_a_plan_subcommand(capsys: pytest.CaptureFixture) -> None:
+    from fastserve.cli import main as cli
+
+    with pytest.raises(SystemExit) as done:
+        cli(["plan", str(ROOT / "config/llama3-70b.yaml")])
+    assert done.value.code == 0
+    assert "on A100-80GB: 8 GPUs, fits" in capsys.readouterr().out

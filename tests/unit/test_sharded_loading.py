@@ -207,3 +207,16 @@ def test_startup_timeout_grows_with_the_bytes_a_rank_reads() -> None:
     assert slow.startup_timeout_s() == 23_037_247_488 / 50e6
     dummy = dataclasses.replace(slow, model=dataclasses.replace(slow.model, load_format="dummy"))
     assert dummy.startup_timeout_s() == 300.0
+
+
+def test_torch_pickles_load_the_same_slices(tmp_path: Path, checkpoint: tuple[Path, dict]) -> None:
+    """A ``.bin`` checkpoint is memory-mapped and sliced the same way."""
+    _, full = checkpoint
+    torch.save(full, tmp_path / "pytorch_model.bin")
+    (tmp_path / "config.json").write_text("{}")
+    shard = _shards()[-1]
+    stage = LlamaStage(CONFIG, shard)
+    load_stage_weights(stage, "auto", str(tmp_path))
+    for local, p in stage.named_parameters():
+        name = _global(shard, local)
+        assert torch.equal(p.detach(), _expected_slice(name, full[name], shard.tp_rank)), name
