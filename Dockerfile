@@ -1,19 +1,24 @@
 # FastServe on Ray: this repository installed on Ray's own image, for KubeRay (config/kuberay/).
 #
-#   GPU (A100/H100 nodes, CUDA 12; what rayservice-opt175b.yaml runs):
-#     docker build -t fastserve-ray:0.1.0-cu121 .
+#   GPU (A100/H100/H200 nodes, CUDA 13; what rayservice-opt175b.yaml runs):
+#     docker build -t fastserve-ray:0.1.0-cu130 .
 #   ... with Ray Serve LLM (fastserve.server.llm_server, config/serve-llm-demo.yaml):
-#     docker build -t fastserve-ray:0.1.0-cu121-llm --build-arg EXTRAS=gpu,serve-llm .
-#   CPU (the kind/minikube demo, rayservice-demo.yaml; CPU-only torch, ~1 GB smaller):
-#     docker build -t fastserve-ray:0.1.0-cpu --build-arg RAY_IMAGE=rayproject/ray:2.60.0-py311-cpu \
+#     docker build -t fastserve-ray:0.1.0-cu130-llm --build-arg EXTRAS=gpu,serve-llm .
+#   CPU (the kind/minikube demo, rayservice-demo.yaml, and the GPU cluster's CPU-only pods: head
+#   and ingress; CPU-only torch, ~1 GB smaller):
+#     docker build -t fastserve-ray:0.1.0-cpu --build-arg RAY_IMAGE=rayproject/ray:2.60.0-py312-cpu \
 #       --build-arg EXTRAS=cpu --build-arg PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu .
 #
-# The Ray version and Python must match pyproject.toml (ray[serve] 2.60, Python 3.11): KubeRay's
-# rayVersion and every node of the cluster run this one image.
-ARG RAY_IMAGE=rayproject/ray:2.60.0-py311-cu121
+# One CUDA major in the GPU image: torch 2.13's PyPI wheel is built for CUDA 13.0 (it pulls
+# nvidia-nccl-cu13 and cuda-toolkit 13.0), the gpu extra is cupy-cuda13x, and the base is Ray's
+# CUDA 13.0 image (Ray tags CUDA x.y as -cuxy0; its CUDA 13 images are built for Python 3.12).
+# The GPU nodes need an NVIDIA driver >= 580 (CUDA 13.0's minimum on Linux).
+# The Ray version and Python must match pyproject.toml (ray[serve] 2.60, Python >= 3.11) and be
+# the same on every node of the cluster: the CPU image above uses the same Ray and Python 3.12.
+ARG RAY_IMAGE=rayproject/ray:2.60.0-py312-cu130
 FROM ${RAY_IMAGE}
 
-# A pyproject.toml extra: gpu (CuPy kernels for CUDA 12) or cpu (nothing more).
+# A pyproject.toml extra: gpu (CuPy kernels for CUDA 13) or cpu (nothing more).
 ARG EXTRAS=gpu
 # Where torch's wheels come from: PyPI's default build, or PyTorch's CPU index for the demo.
 ARG PIP_EXTRA_INDEX_URL=
@@ -35,7 +40,7 @@ USER root
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libgomp1 libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 USER ray
-RUN python -c "from kernels import cpu_ops; cpu_ops.build(cpu_ops.PAGED_ATTENTION_SOURCE)"
+RUN python -c "from fastserve.kernels import cpu_ops; cpu_ops.build(cpu_ops.PAGED_ATTENTION_SOURCE)"
 
 # Ray 2.60 turns token auth on by default; the manifests hand pods no token, so it is off and
 # the Serve endpoint is guarded by our own API key (env FASTSERVE_API_KEY, e.g. from a Secret).

@@ -5,8 +5,8 @@ local cluster when none is given). ``fastserve serve MODEL_DIR`` serves a Huggin
 command, as ``vllm serve`` does: it profiles the model at first start (cached, progress printed),
 sizes the KV pools from memory, writes the Serve config to the cache folder (path printed, to edit
 or reuse) and runs it (``fastserve.config_folder`` holds its settings). ``fastserve offline``,
-``fastserve profile`` and ``fastserve convert-model`` hand their arguments to the engine's offline
-runner, the job profiler and the demo model's conversion.
+``fastserve profile``, ``fastserve convert-model`` and ``fastserve plan`` hand their arguments to
+the engine's offline runner, the job profiler, the demo model's conversion and the memory planner.
 """
 
 from __future__ import annotations
@@ -206,6 +206,11 @@ def _convert(argv: list[str]) -> None:
     model_folder.main(argv)
 
 
+def _plan(argv: list[str]) -> None:
+    from fastserve import plan
+    sys.exit(plan.main(argv))
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="fastserve", description=__doc__.splitlines()[0])
     commands = top.add_subparsers(dest="command", required=True)
@@ -224,7 +229,8 @@ def parser() -> argparse.ArgumentParser:
     serve.set_defaults(run=_serve)
     for name, main, help_text in (("offline", _offline, "the engine in process on a config's args"),
                                   ("profile", _profile, "measure t_init and t_dec into a profile"),
-                                  ("convert-model", _convert, "convert the demo model's GGUF wheel")):
+                                  ("convert-model", _convert, "convert the demo model's GGUF wheel"),
+                                  ("plan", _plan, "a GPU config's memory per GPU and node, dry run")):
         sub = commands.add_parser(name, help=help_text, add_help=False)
         sub.set_defaults(run=_passthrough(main))
     return top

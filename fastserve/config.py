@@ -33,6 +33,7 @@ from fastserve.config_drain import DrainArgs, profile_tpot_s
 from fastserve.config_layout import ParallelArgs
 from fastserve.config_model import ModelArgs, ProfileArgs, Strict, resolve_path
 from fastserve.config_server import ServerArgs
+from fastserve.gpu_kinds import load_gpu_table
 from fastserve.scheduler.config import LEVELLED_POLICIES, EngineConfig, KVCacheConfig, SchedulerConfig
 from fastserve.scheduler.profile import Profile
 from fastserve.worker.messages import DEFAULT_BLOCK_SIZE, blocks_for
@@ -129,6 +130,10 @@ class AppArgs(Strict):
             )
         if model.device == "cpu" and par.num_gpus:
             raise ValueError(f"parallel.num_gpus={par.num_gpus} but model.device is 'cpu'")
+        if par.gpu_kind is not None:
+            if model.device != "cuda":
+                raise ValueError(f"parallel.gpu_kind={par.gpu_kind!r} but model.device is {model.device!r}")
+            load_gpu_table().kind(par.gpu_kind)   # an unknown kind is refused, naming the table's
         par.spec().check(model.hf_config())
 
     def _check_sizes(self) -> None:

@@ -51,6 +51,10 @@ class ParallelArgs(ParallelSpec):
     #: group); GPUs are added for an in-process model on cuda. It must hold the replica's
     #: ``ray_actor_options`` (``deployments:`` in the YAML). A sliver keeps a 2-core box schedulable.
     replica_bundle: dict[str, float] = field(default_factory=_replica_sliver)
+    #: The GPU kind this layout is sized for, a name in ``config/gpus.yaml``: ``python -m
+    #: fastserve.plan`` checks that each rank's weights, KV pool and activations fit it (and the
+    #: pinned host pools its node). None on a CPU model.
+    gpu_kind: str | None = None
 
     def __post_init__(self) -> None:
         if not any(v > 0 for v in self.replica_bundle.values()):

@@ -15,13 +15,15 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from fastserve.generation_config import CONFIG_FILE, SamplingDefaults, eos_token_ids, sampling_defaults
-from fastserve.kernels.cpu_features import cpu_has_bf16
 from fastserve.tokenizer import Tokenizer, load_tokenizer
 from fastserve.worker.model.config import ModelConfig, load_model_config
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 #: Validation-context key that lets the schema test skip the profile file check.
 REQUIRE_PROFILE_CONTEXT = "require_profile"
+#: Validation-context key that lets a check away from the serving nodes (the planner, the schema
+#: tests) skip the tokenizer folder, which lives beside the checkpoint on a mounted volume.
+REQUIRE_MODEL_FILES_CONTEXT = "require_model_files"
 
 Device = Literal["cpu", "cuda"]
 #: ``auto``: bfloat16 where the device computes it natively (CPU: AVX-512 BF16 or AMX, read from
@@ -31,6 +33,14 @@ LoadFormat = Literal["dummy", "auto"]
 #: Where a request's omitted sampling values come from (vLLM's ``--generation-config``): ``auto``,
 #: the model folder's ``generation_config.json``; ``vllm``, the OpenAI defaults only.
 GenerationConfigSource = Literal["auto", "vllm"]
+
+
+def cpu_has_bf16() -> bool:
+    """``fastserve.kernels.cpu_features.cpu_has_bf16``, imported when first asked: the kernels
+    package loads torch, which reading a GPU config (the planner) does not need."""
+    from fastserve.kernels.cpu_features import cpu_has_bf16 as detect
+
+    return detect()
 
 
 def resolve_path(path: str | Path) -> Path:
@@ -69,7 +79,7 @@ class ModelArgs(Strict):
     cuda_graph_max_batch: int = Field(default=256, ge=1)
     cuda_graph_max_context: int = Field(default=8192, ge=1)
 
-    @field_validator("config_path", "tokenizer_path")
+    @field_validator("config_path")
     @classmethod
     def _exists(cls, value: str) -> str:
         if not resolve_path(value).exists():
@@ -78,8 +88,12 @@ class ModelArgs(Strict):
 
     @field_validator("tokenizer_path")
     @classmethod
-    def _loads(cls, value: str) -> str:
-        """Refuse at start a folder whose tokenizer (or chat template) cannot be loaded."""
+    def _loads(cls, value: str, info: ValidationInfo) -> str:
+        """Refuse at start a folder whose tokenizer (or chat template) cannot be loaded; waived
+        where the model's folder is not mounted (``REQUIRE_MODEL_FILES_CONTEXT``)."""
+        if not (info.context or {}).get(REQUIRE_MODEL_FILES_CONTEXT, True):
+            return value
+        cls._exists(value)
         load_tokenizer(resolve_path(value))   # TokenizerLoadError names the path and reason
         return value
 

@@ -151,10 +151,12 @@ class PipelineExecutor:
     async def _await_ready(self) -> None:
         names = [ws.name for stage in self._specs for ws in stage]
         pings: list[ray.ObjectRef] = [w.ping.remote() for w in self._all_workers()]
+        timeout = self.spec.startup_timeout_s()
         try:
-            await asyncio.wait_for(asyncio.gather(*pings), self.timeouts.startup_timeout_s)
+            await asyncio.wait_for(asyncio.gather(*pings), timeout)
         except TimeoutError:
-            raise PipelineError(f"stage workers did not start within {self.timeouts.startup_timeout_s}s") from None
+            raise PipelineError(f"stage workers did not start within {timeout:.0f}s (startup_timeout_s, or the "
+                                "weights' bytes at weight_read_bytes_per_s)") from None
         except RayActorError as exc:
             failed = next((n for n, p in zip(names, pings, strict=True) if ref_failed(p)), "a worker")
             raise PipelineError(f"{failed} failed to start: {exc}") from exc

@@ -21,6 +21,9 @@ from annotated_types import Ge, Gt
 
 from fastserve.worker.messages import DEFAULT_BLOCK_SIZE
 from fastserve.worker.model.config import ModelConfig, as_model_config
+from fastserve.worker.model.footprint import stage_weight_bytes
+from fastserve.worker.model.shard import StageShard
+from fastserve.worker.parallel import layer_ranges
 
 #: The variable OpenMP (libgomp, as torch's CPU wheels ship it) reads its wait policy from, once,
 #: as torch loads: a process that runs the model must have it in its environment from the start.
@@ -121,8 +124,12 @@ class PipelineTimeouts:
     channel_buffer_bytes: Annotated[int, Ge(1024)] = DEFAULT_CHANNEL_BUFFER_BYTES
     #: How long the stage workers' placement group may take to be placed.
     placement_timeout_s: Annotated[float, Gt(0)] = 60.0
-    #: How long the stage workers may take to start (weights loaded).
+    #: How long the stage workers may take to start (weights loaded), at least: a checkpoint is
+    #: given longer where its largest rank's bytes need it at ``weight_read_bytes_per_s``.
     startup_timeout_s: Annotated[float, Gt(0)] = 300.0
+    #: The rate each worker is assumed to read its checkpoint slices at: a node's storage shared
+    #: by its 8 ranks (1.6 GB/s per node, a conservative NVMe or network volume).
+    weight_read_bytes_per_s: Annotated[float, Gt(0)] = 200e6
     #: TP rendezvous timeout, also gloo/NCCL's collective timeout (a rank whose peer died).
     tp_timeout_s: Annotated[float, Gt(0)] = 120.0
     #: While a plan is overdue by this much, the workers are pinged to tell slow from dead.
@@ -137,6 +144,10 @@ class PipelineTimeouts:
     teardown_timeout_s: Annotated[float, Gt(0)] = 15.0
 
 
+#: Bytes per element of each served dtype; ``auto`` counts as the widest it may resolve to.
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "auto": 4}
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """One model copy: what runs (``model``), how it is cut (``parallel``), the pipeline's waits."""
@@ -144,3 +155,19 @@ class EngineSpec:
     model: ModelSpec
     parallel: ParallelSpec = field(default_factory=ParallelSpec)
     timeouts: PipelineTimeouts = field(default_factory=PipelineTimeouts)
+
+    def max_rank_weight_bytes(self) -> int:
+        """The weight bytes of the rank that holds the most (every rank reads only its own)."""
+        config = self.model.load_config()
+        tp, layers = self.parallel.tensor_parallel_size, config.num_hidden_layers
+        dtype_bytes = DTYPE_BYTES[self.model.dtype]
+        return max(stage_weight_bytes(config, StageShard(start, end, layers, 0, tp), dtype_bytes)
+                   for start, end in layer_ranges(layers, self.parallel.pipeline_parallel_size))
+
+    def startup_timeout_s(self) -> float:
+        """How long the stage workers may take to start: ``startup_timeout_s``, or longer where
+        reading the largest rank's checkpoint slices at ``weight_read_bytes_per_s`` needs it."""
+        floor = self.timeouts.startup_timeout_s
+        if self.model.load_format != "auto":
+            return floor
+        return max(floor, self.max_rank_weight_bytes() / self.timeouts.weight_read_bytes_per_s)

@@ -56,7 +56,7 @@ def check_nccl_binding() -> None:
     imports ``cupy.cuda.nccl`` only when it compiles the graph, and its error then says neither
     which module nor how to get it. CuPy's module imports even without libnccl, with
     ``available`` false and none of the functions Ray calls."""
-    fix = ("install the gpu extra (pip install -e '.[gpu]', which brings cupy-cuda12x) in every "
+    fix = ("install the gpu extra (pip install -e '.[gpu]', which brings cupy-cuda13x) in every "
            "node's image, or set parallel.transport: actor (plain actor calls, no NCCL channels)")
     try:
         nccl = importlib.import_module(NCCL_BINDING)
@@ -66,9 +66,9 @@ def check_nccl_binding() -> None:
                            f"Fix: {fix}") from exc
     if not getattr(nccl, "available", False) or not hasattr(nccl, "get_unique_id"):
         raise RuntimeError(f"{NCCL_BINDING} is installed but could not load libnccl (its `available` is "
-                           "false), and Ray's NCCL channels need it: install NCCL for CUDA 12 on the node "
-                           "(e.g. the nvidia-nccl-cu12 wheel torch ships with, or "
-                           "`python -m cupyx.tools.install_library --library nccl --cuda 12.x`), "
+                           "false), and Ray's NCCL channels need it: install NCCL for CUDA 13 on the node "
+                           "(e.g. the nvidia-nccl-cu13 wheel torch ships with, or "
+                           "`python -m cupyx.tools.install_library --library nccl --cuda 13.x`), "
                            "or set parallel.transport: actor")
 
 

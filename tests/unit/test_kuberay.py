@@ -172,7 +172,8 @@ def test_dockerfile_installs_pyproject_extras_on_the_matching_ray_image() -> Non
     assert set(named) == {"gpu", "cpu", "serve-llm"} and set(named) <= extras
     ray_pin = next(d for d in project["dependencies"] if d.startswith("ray["))
     assert ray_pin == "ray[serve]>=2.60,<2.61"
-    assert re.fullmatch(r"rayproject/ray:2\.60\.0-py311-cu12\d", args["RAY_IMAGE"])
+    # Ray's CUDA 13 images are built for Python 3.12 (tests/unit/test_cuda_major.py: the CUDA major).
+    assert re.fullmatch(r"rayproject/ray:2\.60\.0-py312-cu\d+", args["RAY_IMAGE"])
     assert project["requires-python"] == ">=3.11"
     for name in MANIFESTS:
         for spec in pod_groups(documents(name)["RayService"]).values():
@@ -208,7 +209,7 @@ def test_dockerfile_has_a_c_compiler_and_builds_the_cpu_kernel() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     (apt,) = re.findall(r"^RUN apt-get update && apt-get install .*$", dockerfile, flags=re.M)
     assert " gcc " in apt and "libgomp1" in apt
-    build = 'RUN python -c "from kernels import cpu_ops; cpu_ops.build(cpu_ops.PAGED_ATTENTION_SOURCE)"'
+    build = 'RUN python -c "from fastserve.kernels import cpu_ops; cpu_ops.build(cpu_ops.PAGED_ATTENTION_SOURCE)"'
     assert build in dockerfile.splitlines()
     assert dockerfile.index(apt) < dockerfile.index(build)
     assert cpu_ops.build(cpu_ops.PAGED_ATTENTION_SOURCE).exists()   # the step's own command works here
@@ -218,3 +219,23 @@ def test_dockerfile_installs_the_no_deps_requirements_with_serve_llm() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert ("RUN case \",${EXTRAS},\" in *,serve-llm,*) pip install --no-cache-dir --no-deps "
             "-r config/requirements-nodeps.txt;; esac") in dockerfile.splitlines()
+
+
+def test_gpu_pods_set_nccl_networking_and_cpu_pods_run_the_cpu_image() -> None:
+    """Between GPU pods NCCL must be told its interface (the pod network) and that there is no
+    InfiniBand unless one is wired in; pods without GPUs take the CPU image, not CUDA's."""
+    groups = pod_groups(documents("rayservice-opt175b.yaml")["RayService"])
+    for group, spec in groups.items():
+        (container,) = spec["template"]["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        gpus = container["resources"]["limits"].get("nvidia.com/gpu", 0)
+        if gpus:
+            assert container["image"].endswith("-cu130"), group
+            assert env["NCCL_SOCKET_IFNAME"] and env["NCCL_IB_DISABLE"] == "1", group
+        else:
+            assert container["image"].endswith("-cpu"), group
+            assert not any(k.startswith("NCCL_") for k in env), group
+    text = (KUBERAY / "rayservice-opt175b.yaml").read_text()
+    # The InfiniBand variant is written out, commented, beside the TCP one.
+    for line in ("- name: NCCL_IB_HCA", "rdma/rdma_shared_device_a: 1", "add: [IPC_LOCK]"):
+        assert re.search(rf"^\s*#\s*{re.escape(line)}", text, flags=re.M), line

@@ -142,8 +142,10 @@ def test_llama_serve_configs_validate(name: str) -> None:
     raw = yaml.safe_load((ROOT / "config" / f"{name}.yaml").read_text())
     ServeDeploySchema.model_validate(raw)
     (app,) = raw["applications"]
-    # The GPU configs' profiles are to be measured on their GPUs; the CPU demo's is shipped.
-    args = AppArgs.model_validate(app["args"], context={"require_profile": name == "llama-demo"})
+    # The GPU configs' profiles are to be measured on their GPUs, and their tokenizers come with the
+    # mounted model folder; the CPU demo's are shipped.
+    shipped = name == "llama-demo"
+    args = AppArgs.model_validate(app["args"], context={"require_profile": shipped, "require_model_files": shipped})
     assert isinstance(args.model.hf_config(), LlamaConfig)
     assert args.parallel.tensor_parallel_size * args.parallel.pipeline_parallel_size == max(
         args.parallel.num_gpus, 1)

@@ -3,27 +3,33 @@
 Checkpoint names map one-to-one onto our module names once the architecture's prefix
 (``model.decoder.`` for OPT, ``model.`` for LLaMA; see each model's ``WeightLayout``) is stripped
 and the global layer index is rebased onto the stage. Each stage and tensor-parallel rank takes
-only the slices it owns: column-parallel weights (OPT q/k/v and fc1; LLaMA q, gate, up) are split
-by output rows, row-parallel weights (out_proj/o_proj, fc2/down_proj) by input columns; K/V
-projections under grouped-query attention take the rows of the KV heads the rank stores (a split
-when TP divides the KV heads, else the one shared head, replicated); biases of row-parallel
-layers and everything else are replicated. Safetensors (also sharded, with
-``model.safetensors.index.json``), or torch pickles.
+only the slices it owns (a ``Cut``): column-parallel weights (OPT q/k/v and fc1; LLaMA q, gate, up)
+are split by output rows, row-parallel weights (out_proj/o_proj, fc2/down_proj) by input columns;
+K/V projections under grouped-query attention take the rows of the KV heads the rank stores (a
+split when TP divides the KV heads, else the one shared head, replicated); biases of row-parallel
+layers and everything else are replicated.
 
-``load_format="dummy"`` (as vLLM's ``--load-format dummy``) draws every full tensor from a
-generator seeded by ``(seed, name)`` and then slices it, so any TP/PP split of the same seed holds
+A rank reads only what it holds: safetensors checkpoints are read through ``get_slice`` (only the
+rank's rows or columns leave the file), and a sharded checkpoint's ``model.safetensors.index.json``
+says which files to open at all. Torch pickles are memory-mapped and sliced.
+
+``load_format="dummy"`` (as vLLM's ``--load-format dummy``) draws each matrix line by line (rows,
+or columns for row-parallel weights, so a rank's slice is whole lines) from generators seeded by
+``(seed, name, line)``: a rank draws only its own lines, and any TP/PP split of the same seed holds
 exactly the same model as the unsplit one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -37,6 +43,7 @@ _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 DUMMY_INIT_STD = 0.02
 #: The index of a sharded safetensors checkpoint (maps each tensor to its shard file).
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+_SEED_MASK = (1 << 63) - 1
 
 
 class ServedStage(Protocol):
@@ -54,6 +61,25 @@ class ServedStage(Protocol):
         ...
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
+
+
+@dataclass(frozen=True)
+class Cut:
+    """The part of a full tensor a rank holds: ``length`` entries of ``dim`` from ``start``."""
+
+    dim: int
+    start: int
+    length: int
+
+    def apply(self, full: torch.Tensor) -> torch.Tensor:
+        return full.narrow(self.dim, self.start, self.length)
+
+    def index(self) -> tuple[slice, ...]:
+        """The same cut as a subscript (what a safetensors slice takes)."""
+        return (slice(None),) * self.dim + (slice(self.start, self.start + self.length),)
+
+    def shape(self, full_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return full_shape[:self.dim] + (self.length,) + full_shape[self.dim + 1:]
 
 
 def canonical_name(name: str, layout: WeightLayout) -> str:
@@ -79,60 +105,203 @@ def _local_name(stage: ServedStage, name: str) -> str | None:
     return f"layers.{layer - stage.shard.layer_start}.{m.group(2)}"
 
 
-def _shard(stage: ServedStage, name: str, full: torch.Tensor) -> torch.Tensor:
+def _global_name(stage: ServedStage, local: str) -> str:
+    m = _LAYER.match(local)
+    return local if m is None else f"layers.{int(m.group(1)) + stage.shard.layer_start}.{m.group(2)}"
+
+
+def _chunk(total: int, size: int, rank: int) -> tuple[int, int]:
+    """``(start, length)`` of ``torch.chunk(size)[rank]`` along a dimension of ``total``."""
+    step = -(-total // size)
+    start = min(rank * step, total)
+    return start, max(0, min(step, total - start))
+
+
+def tensor_cut(stage: ServedStage, local: str, full_shape: tuple[int, ...]) -> Cut | None:
+    """The part of the full tensor ``local`` this rank holds; None when it holds all of it."""
     rank, size = stage.shard.tp_rank, stage.shard.tp_size
     if size == 1:
-        return full
-    layout, suffix = stage.weight_layout, _suffix(name)
+        return None
+    layout, suffix = stage.weight_layout, _suffix(local)
     if suffix.startswith(layout.kv_parallel):
         rows = stage.config.num_kv_heads * stage.config.head_dim
-        if full.shape[0] != rows:   # checked here: a wrong tensor's slice could fit by accident
-            raise ValueError(f"checkpoint tensor {name!r} has {full.shape[0]} rows; the model's "
+        if full_shape[0] != rows:   # checked here: a wrong tensor's slice could fit by accident
+            raise ValueError(f"checkpoint tensor {local!r} has {full_shape[0]} rows; the model's "
                              f"{stage.config.num_kv_heads} KV heads x {stage.config.head_dim} need {rows}")
-        first, count = stage.kv_rows()
-        return full.narrow(0, first, count)
+        return Cut(0, *stage.kv_rows())
     if suffix.startswith(layout.column_parallel):
-        return full.chunk(size, dim=0)[rank]
+        return Cut(0, *_chunk(full_shape[0], size, rank))
     if suffix in layout.row_parallel:
-        return full.chunk(size, dim=1)[rank]
-    return full
+        return Cut(1, *_chunk(full_shape[1], size, rank))
+    return None
 
 
-def load_weights(stage: ServedStage, tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
-    """Copy checkpoint tensors into ``stage``, taking this stage's slices; check every shape."""
-    params = dict(stage.named_parameters())
-    layout = stage.weight_layout
-    loaded: set[str] = set()
-    for raw_name, full in tensors:
-        name = canonical_name(raw_name, layout)
-        if name in layout.skipped:
-            continue
-        local = _local_name(stage, name)
-        if local is None or local not in params:
-            continue
-        piece = _shard(stage, local, full)
-        target = params[local]
+class _Filler:
+    """Copies pieces into a stage's parameters, checking each shape, and says what is missing."""
+
+    def __init__(self, stage: ServedStage) -> None:
+        self.stage = stage
+        self.params = dict(stage.named_parameters())
+        self.loaded: set[str] = set()
+
+    def target(self, raw_name: str) -> str | None:
+        """The parameter a checkpoint tensor fills, or None if this stage does not hold it."""
+        name = canonical_name(raw_name, self.stage.weight_layout)
+        if name in self.stage.weight_layout.skipped:
+            return None
+        local = _local_name(self.stage, name)
+        return local if local is not None and local in self.params else None
+
+    def put(self, raw_name: str, local: str, full_shape: tuple[int, ...], piece: torch.Tensor) -> None:
+        target = self.params[local]
         if tuple(piece.shape) != tuple(target.shape):
+            shard = self.stage.shard
             raise ValueError(
-                f"checkpoint tensor {raw_name!r} has shape {tuple(full.shape)}; this stage expects "
-                f"{tuple(target.shape)} for {local!r} (tp_rank {stage.shard.tp_rank}/{stage.shard.tp_size})"
+                f"checkpoint tensor {raw_name!r} has shape {tuple(full_shape)}; this stage expects "
+                f"{tuple(target.shape)} for {local!r} (tp_rank {shard.tp_rank}/{shard.tp_size})"
             )
         with torch.no_grad():
             target.copy_(piece)
-        loaded.add(local)
-    missing = sorted(set(params) - loaded)
-    if strict and missing:
-        raise ValueError(f"checkpoint lacks {len(missing)} tensors this stage needs, e.g. {missing[:5]}")
+        self.loaded.add(local)
+
+    def finish(self, strict: bool) -> None:
+        missing = sorted(set(self.params) - self.loaded)
+        if strict and missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors this stage needs, e.g. {missing[:5]}")
 
 
-def _dummy_tensor(name: str, shape: tuple[int, ...], seed: int, layout: WeightLayout) -> torch.Tensor:
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+def load_weights(stage: ServedStage, tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
+    """Copy full checkpoint tensors (already in memory) into ``stage``, taking this stage's slices."""
+    filler = _Filler(stage)
+    for raw_name, full in tensors:
+        local = filler.target(raw_name)
+        if local is None:
+            continue
+        shape = tuple(full.shape)
+        cut = tensor_cut(stage, local, shape)
+        filler.put(raw_name, local, shape, full if cut is None else cut.apply(full))
+    filler.finish(strict)
+
+
+class CheckpointReader(Protocol):
+    """A checkpoint read tensor by tensor, and only in part where a rank holds part."""
+
+    def names(self) -> Iterable[str]: ...
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def read(self, name: str, cut: Cut | None) -> torch.Tensor: ...
+
+
+def load_checkpoint(stage: ServedStage, reader: CheckpointReader, strict: bool = True) -> None:
+    """Fill ``stage`` from ``reader``, reading only the tensors it holds and only their slices."""
+    filler = _Filler(stage)
+    for raw_name in reader.names():
+        local = filler.target(raw_name)
+        if local is None:
+            continue
+        shape = reader.shape(raw_name)
+        cut = tensor_cut(stage, local, shape)
+        filler.put(raw_name, local, shape, reader.read(raw_name, cut))
+    filler.finish(strict)
+
+
+class SafetensorsReader:
+    """Safetensors files, opened only when a tensor in them is wanted (the index says where each
+    tensor lives; without one every file's header is read to learn it). Use as a context manager."""
+
+    def __init__(self, files: Iterable[Path], weight_map: dict[str, str] | None = None) -> None:
+        self._files = {f.name: f for f in files}
+        self._map = weight_map
+        self._handles: dict[str, Any] = {}
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> SafetensorsReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def _handle(self, file: str) -> Any:
+        if file not in self._handles:
+            from safetensors import safe_open
+
+            self._handles[file] = self._stack.enter_context(safe_open(str(self._files[file]), framework="pt"))
+        return self._handles[file]
+
+    def _weight_map(self) -> dict[str, str]:
+        if self._map is None:
+            self._map = {name: file for file in self._files for name in self._handle(file).keys()}  # noqa: SIM118
+        return self._map
+
+    def names(self) -> Iterable[str]:
+        return list(self._weight_map())
+
+    def _slice(self, name: str) -> Any:
+        return self._handle(self._weight_map()[name]).get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def read(self, name: str, cut: Cut | None) -> torch.Tensor:
+        if cut is None:
+            return self._handle(self._weight_map()[name]).get_tensor(name)
+        return self._slice(name)[cut.index()]
+
+
+class PickleReader:
+    """Torch pickles, memory-mapped so a slice reads only its own pages."""
+
+    def __init__(self, files: Iterable[Path]) -> None:
+        self._tensors: dict[str, torch.Tensor] = {}
+        for f in files:
+            self._tensors.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
+
+    def names(self) -> Iterable[str]:
+        return list(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._tensors[name].shape)
+
+    def read(self, name: str, cut: Cut | None) -> torch.Tensor:
+        full = self._tensors[name]
+        return full if cut is None else cut.apply(full)
+
+
+def _line_dim(name: str, layout: WeightLayout) -> int:
+    """The dimension a dummy matrix is drawn along, line by line: columns for row-parallel
+    weights (a rank holds whole columns), rows otherwise (a rank holds whole rows)."""
+    return 1 if _suffix(name) in layout.row_parallel else 0
+
+
+def _line_seed(key: int, line: int) -> int:
+    """A seed for line ``line`` of the tensor keyed ``key`` (splitmix64, so neighbours differ)."""
+    z = (key + (line + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & _SEED_MASK
+
+
+def dummy_tensor(name: str, full_shape: tuple[int, ...], seed: int, layout: WeightLayout,
+                 cut: Cut | None = None) -> torch.Tensor:
+    """The ``cut`` part (all, if None) of the dummy tensor ``name``: the same values whatever the cut."""
+    shape = full_shape if cut is None else cut.shape(full_shape)
     if name.endswith(layout.ones):
         return torch.ones(shape)
     if name.endswith(layout.zeros):
         return torch.zeros(shape)
-    return torch.randn(shape, generator=gen) * DUMMY_INIT_STD
+    key = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
+    gen = torch.Generator()
+    if len(full_shape) != 2:   # vectors are small: draw whole, then cut
+        full = torch.randn(full_shape, generator=gen.manual_seed(key & _SEED_MASK)) * DUMMY_INIT_STD
+        return full if cut is None else cut.apply(full)
+    dim = _line_dim(name, layout)
+    first, count = (cut.start, cut.length) if cut is not None and cut.dim == dim else (0, full_shape[dim])
+    lines = torch.empty(count, full_shape[1 - dim])
+    for i in range(count):
+        torch.randn(full_shape[1 - dim], generator=gen.manual_seed(_line_seed(key, first + i)), out=lines[i])
+    piece = (lines if dim == 0 else lines.t()) * DUMMY_INIT_STD
+    if cut is not None and cut.dim != dim:
+        piece = cut.apply(piece)
+    return piece
 
 
 def full_shapes(stage: ServedStage) -> dict[str, tuple[int, ...]]:
@@ -140,8 +309,6 @@ def full_shapes(stage: ServedStage) -> dict[str, tuple[int, ...]]:
     layout, config = stage.weight_layout, stage.config
     shapes: dict[str, tuple[int, ...]] = {}
     for local, p in stage.named_parameters():
-        m = _LAYER.match(local)
-        name = local if m is None else f"layers.{int(m.group(1)) + stage.shard.layer_start}.{m.group(2)}"
         shape = list(p.shape)
         suffix = _suffix(local)
         if suffix.startswith(layout.kv_parallel):
@@ -150,7 +317,7 @@ def full_shapes(stage: ServedStage) -> dict[str, tuple[int, ...]]:
             shape[0] *= stage.shard.tp_size
         elif suffix in layout.row_parallel:
             shape[1] *= stage.shard.tp_size
-        shapes[name] = tuple(shape)
+        shapes[_global_name(stage, local)] = tuple(shape)
     return shapes
 
 
@@ -158,18 +325,40 @@ def dummy_weights(stage: ServedStage, seed: int) -> Iterator[tuple[str, torch.Te
     """Every full (unsharded) tensor this stage holds, drawn from ``seed``, by our name."""
     layout = stage.weight_layout
     for name, shape in full_shapes(stage).items():
-        yield name, _dummy_tensor(name, shape, seed, layout)
+        yield name, dummy_tensor(name, shape, seed, layout)
+
+
+def load_dummy(stage: ServedStage, seed: int) -> None:
+    """Fill ``stage`` with its own slices of the dummy model ``seed``, drawing nothing else."""
+    filler = _Filler(stage)
+    for name, shape in full_shapes(stage).items():
+        local = filler.target(name)
+        if local is None:
+            continue
+        cut = tensor_cut(stage, local, shape)
+        filler.put(name, local, shape, dummy_tensor(name, shape, seed, stage.weight_layout, cut))
+    filler.finish(strict=True)
+
+
+def _safetensors_index(path: Path) -> dict[str, str] | None:
+    index = path / SAFETENSORS_INDEX
+    if not index.is_file():
+        return None
+    weight_map = json.loads(index.read_text()).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index} has no weight_map")
+    return {str(k): str(v) for k, v in weight_map.items()}
 
 
 def checkpoint_files(path: Path) -> list[Path]:
     """The weight files of a local Hugging Face model folder: safetensors preferred (the shards an
     index names, when there is one), else .bin."""
-    index = path / SAFETENSORS_INDEX
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+    weight_map = _safetensors_index(path)
+    if weight_map is not None:
+        shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (path / s).is_file()]
         if missing:
-            raise FileNotFoundError(f"{index} names shards that are not in {path}: {missing[:3]}")
+            raise FileNotFoundError(f"{path / SAFETENSORS_INDEX} names shards that are not in {path}: {missing[:3]}")
         return [path / s for s in shards]
     for pattern in ("*.safetensors", "pytorch_model*.bin", "*.bin", "*.pt"):
         files = sorted(path.glob(pattern))
@@ -178,17 +367,26 @@ def checkpoint_files(path: Path) -> list[Path]:
     raise FileNotFoundError(f"no .safetensors or .bin weights in {path}")
 
 
-def iter_checkpoint(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    for f in files:
-        if f.suffix == ".safetensors":
-            from safetensors import safe_open
+def open_checkpoint(path: Path) -> SafetensorsReader | PickleReader:
+    """A reader over a local model folder's weights (safetensors preferred)."""
+    files = checkpoint_files(path)
+    if files[0].suffix == ".safetensors":
+        return SafetensorsReader(files, _safetensors_index(path))
+    return PickleReader(files)
 
-            with safe_open(str(f), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    yield name, handle.get_tensor(name)
-        else:
-            state = torch.load(f, map_location="cpu", weights_only=True)
-            yield from state.items()
+
+def iter_checkpoint(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every full tensor of ``files`` (for tools that want whole tensors; serving uses ``open_checkpoint``)."""
+    files = list(files)
+    reader: SafetensorsReader | PickleReader
+    if files and files[0].suffix == ".safetensors":
+        with SafetensorsReader(files) as reader:
+            for name in reader.names():
+                yield name, reader.read(name, None)
+    else:
+        reader = PickleReader(files)
+        for name in reader.names():
+            yield name, reader.read(name, None)
 
 
 def resolve_model_path(model: str) -> Path:
@@ -206,11 +404,15 @@ def resolve_model_path(model: str) -> Path:
 def load_stage_weights(stage: ServedStage, load_format: str, model_path: str | None = None, seed: int = 0) -> None:
     """Fill ``stage`` from ``load_format``: ``dummy`` (seeded random) or ``auto`` (a checkpoint)."""
     if load_format == "dummy":
-        load_weights(stage, dummy_weights(stage, seed))
+        load_dummy(stage, seed)
         return
     if load_format != "auto":
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     if model_path is None:
         raise ValueError("load_format 'auto' needs a model path or hub id")
-    load_weights(stage, iter_checkpoint(checkpoint_files(resolve_model_path(model_path))))
-
+    reader = open_checkpoint(resolve_model_path(model_path))
+    if isinstance(reader, SafetensorsReader):
+        with reader:
+            load_checkpoint(stage, reader)
+    else:
+        load_checkpoint(stage, reader)
