@@ -191,21 +191,21 @@ def bench_hf(hf: transformers.PreTrainedModel, b: int, repeats: int) -> tuple[fl
     return b * PROMPT_LEN / t_prefill, b / decode_step_s_hf(hf, b, repeats)
 
 
-def build_pair(model: str, weights: str, batch_sizes: list[int], dtype: str,
-               seed: int = 0) -> tuple[InProcessExecutor, transformers.PreTrainedModel, str]:
-    """Our in-process executor (a pool for the largest batch) and transformers' model on the same
-    weights, both in ``dtype`` (``auto`` resolved as the server resolves it), and a label of the
-    weights."""
+def build_pair(model: str, weights: str, batch_sizes: list[int], dtype: str, seed: int = 0,
+               gemm_choice: str = "cached") -> tuple[InProcessExecutor, transformers.PreTrainedModel, str]:
+    """Our in-process executor (a pool for the largest batch; its GEMM paths chosen as a server's,
+    ``gemm_choice``) and transformers' model on the same weights, both in ``dtype`` (``auto``
+    resolved as the server resolves it), and a label of the weights."""
     config = load_bench_config(model)
     folder = checkpoint_folder(model, weights)
     pool = max(batch_sizes) * blocks_for(PROMPT_LEN + DECODE_STEPS + 1, BLOCK_SIZE)
     dtype = resolve_dtype(dtype, "cpu")
     if folder is None:
-        ex = InProcessExecutor(ModelSpec(config, pool, 0, BLOCK_SIZE, dtype=dtype, seed=seed))
+        ex = InProcessExecutor(ModelSpec(config, pool, 0, BLOCK_SIZE, dtype=dtype, seed=seed, gemm_choice=gemm_choice))
         hf = _hf_twin(ex, config, seed).to(torch_dtype(dtype))
     else:
         ex = InProcessExecutor(ModelSpec(config, pool, 0, BLOCK_SIZE, dtype=dtype, load_format="auto",
-                                         model_path=str(folder)))
+                                         model_path=str(folder), gemm_choice=gemm_choice))
         hf = _hf_pretrained(config, folder, torch_dtype(dtype))
     label = "dummy" if folder is None else str(folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder)
     return ex, hf, label

@@ -104,7 +104,7 @@ def model_profile(batch_sizes: Sequence[int], context: int, model_config: str = 
     steps = 5
     for b in batch_sizes:
         per_seq = blocks_for(context + steps + 2, 16)
-        ex = InProcessExecutor(ModelSpec(resolve_path(model_config), b * per_seq, 0, 16, dtype))
+        ex = InProcessExecutor(ModelSpec(resolve_path(model_config), b * per_seq, 0, 16, dtype, gemm_choice="cached"))
         tables = [tuple(range(j * per_seq, (j + 1) * per_seq)) for j in range(b)]
         prompt = tuple(range(2, 2 + context))
         ex.execute(BatchPlan(0, tuple(BatchEntry(str(j), prompt, 0, tables[j], True, greedy) for j in range(b))))

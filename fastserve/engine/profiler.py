@@ -30,6 +30,8 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 DECODE_CONTEXT = 128
 DEFAULT_REPEATS = 5
 SWAP_PROBE_BLOCKS = 32
+#: The GEMM paths profiled: chosen as a server chooses them (``engine.gemm_choice``'s default).
+SERVING_GEMM_CHOICE = "cached"
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
@@ -134,7 +136,7 @@ def profile(model: str, dtype: str, device: str, block_size: int,
     _report(progress, f"loading {Path(model).name} ({dtype}, {device}) to profile "
                       f"{len(prompt_lens)} prompt lengths and {len(batch_sizes)} batch sizes")
     ex = InProcessExecutor(ModelSpec(model, num_device_blocks=need, num_host_blocks=SWAP_PROBE_BLOCKS,
-                           block_size=block_size, dtype=dtype, device=device))
+                           block_size=block_size, dtype=dtype, device=device, gemm_choice=SERVING_GEMM_CHOICE))
     memory = _GpuMemory(device, need * ex.kv.bytes_per_block)
     try:
         result = {

@@ -238,7 +238,7 @@ class EngineReplica:
                 "process_rss_bytes": process_rss_bytes(), "torch_threads": _torch_threads(),
                 "omp_wait_policy": os.environ.get(OMP_WAIT_POLICY_ENV),
                 "delivery_channels": {ingress: len(channel.job_ids) for ingress, channel in self._channels.items()},
-                "rebuilds": self.engine.rebuilds}
+                "rebuilds": self.engine.rebuilds, "gemm_choice": _gemm_choice(self.spec)}
 
     async def reset_prefix_cache(self) -> dict[str, Any]:
         """Forget this replica's cached KV blocks (``POST /reset_prefix_cache``)."""
@@ -313,6 +313,16 @@ def _check_environment(wanted: dict[str, str]) -> None:
                         "runtime_env; add runtime_env: {env_vars: {%s: %s}} there; outside Serve: "
                         "set it in the environment before starting)", name, os.environ.get(name),
                         value, name, value)
+
+
+def _gemm_choice(spec: EngineSpec) -> dict[str, Any] | None:
+    """The CPU GEMM path chosen per linear shape, where the model runs in this process (the
+    Ray pipeline's stage workers log theirs at start)."""
+    if spec.parallel.uses_pipeline:
+        return None
+    from fastserve.worker.model.gemm_choice import report  # torch: already loaded by the executor here
+
+    return report()
 
 
 def _torch_threads() -> int:

@@ -25,6 +25,13 @@ LINEAR_SOURCE = SOURCE_DIR / "linear_bf16.c"
 OUTPUT_BLOCK = 16
 OUTPUT_MULTIPLE = 2 * OUTPUT_BLOCK
 K_MULTIPLE = 2
+#: The kernel's arithmetic, per call (``PATH_*`` in the C file): vdpbf16ps with a lone row on
+#: four chains; vdpbf16ps with every row on one chain (a row's sums independent of the row
+#: count); AMX tiles (row-count independent too; ``UNIFORM`` where AMX is absent or in features
+#: are not a multiple of ``AMX_K_MULTIPLE``).
+DPBF16, UNIFORM, AMX = 0, 1, 2
+PATH_NAMES = {DPBF16: "dpbf16", UNIFORM: "dpbf16_uniform", AMX: "amx"}
+AMX_K_MULTIPLE = 32
 
 _log = logging.getLogger(__name__)
 
@@ -40,21 +47,38 @@ def _library() -> ctypes.CDLL | None:
     if not lib.linear_bf16_available():
         _log.info("the C compiler does not target AVX-512 BF16 here: bf16 linears stay on oneDNN")
         return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     lib.linear_bf16_pack.argtypes = [ptr, i64, i64, ptr]
     lib.linear_bf16_pack.restype = None
-    lib.linear_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    lib.linear_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i32, i32]
     lib.linear_bf16.restype = None
-    lib.linear_bf16_widened.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    lib.linear_bf16_widened.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i32, i32]
     lib.linear_bf16_widened.restype = None
-    lib.linear_bf16_swiglu.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ctypes.c_int]
+    lib.linear_bf16_swiglu.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i32, i32]
     lib.linear_bf16_swiglu.restype = None
+    lib.linear_bf16_amx_available.restype = ctypes.c_int
     return lib
 
 
 def available() -> bool:
     """Whether the kernel built with AVX-512 BF16 on this machine (probed once per process)."""
     return _library() is not None
+
+
+@functools.cache
+def amx_available() -> bool:
+    """Whether ``AMX`` runs on AMX tiles here: the compiler targets AMX-BF16 and the OS grants
+    this process the tile state (probed once per process; elsewhere ``AMX`` runs ``UNIFORM``)."""
+    lib = _library()
+    return lib is not None and bool(lib.linear_bf16_amx_available())
+
+
+def paths() -> tuple[int, ...]:
+    """The paths that differ on this machine: ``DPBF16`` and ``AMX`` where AMX runs, else
+    ``DPBF16`` alone (its ``UNIFORM`` twin is only for batch-invariant mode); none without the kernel."""
+    if not available():
+        return ()
+    return (DPBF16, AMX) if amx_available() else (DPBF16,)
 
 
 def library() -> ctypes.CDLL:
@@ -88,11 +112,14 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-           widened: bool = False) -> torch.Tensor:
+           widened: bool = False, path: int = DPBF16) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a bf16 ``x`` [rows, in] and ``pack(weight)``: products
     summed in float32, the bias added in float32, one rounding to bf16. With ``widened``, those
     bf16 values as float32 (``F.linear(...).float()``'s bits) written by the kernel itself: a
-    model's logits without a second pass over them."""
+    model's logits without a second pass over them. ``path``: the arithmetic (``DPBF16``,
+    ``UNIFORM``, ``AMX``)."""
+    if path not in PATH_NAMES:
+        raise ValueError(f"path must be one of {sorted(PATH_NAMES)}, got {path!r}")
     lib = library()
     out_features, in_features = packed.shape[0] * OUTPUT_BLOCK, packed.shape[1] * 2
     if x.dim() != 2 or x.shape[1] != in_features or x.dtype != torch.bfloat16 or x.device.type != "cpu":
@@ -110,5 +137,22 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     if x.shape[0]:
         call = lib.linear_bf16_widened if widened else lib.linear_bf16
         call(x.data_ptr(), x.shape[0], in_features, x.stride(0), packed.data_ptr(), out_features,
-             None if fp32_bias is None else fp32_bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+             None if fp32_bias is None else fp32_bias.data_ptr(), out.data_ptr(), torch.get_num_threads(), path)
+    return out
+
+
+def swiglu(x: torch.Tensor, packed: torch.Tensor, path: int = DPBF16) -> torch.Tensor:
+    """``silu_mul(gate, up)`` of ``linear(x, packed)``'s two halves (gate first), bit for bit, in
+    one call: ``packed`` is the merged [2 inter, in] gate/up weight."""
+    lib = library()
+    inter, in_features = packed.shape[0] * OUTPUT_BLOCK // 2, packed.shape[1] * 2
+    if x.dim() != 2 or x.shape[1] != in_features or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        raise ValueError(f"x of shape {tuple(x.shape)} ({x.dtype}, {x.device}) does not fit a bf16 CPU "
+                         f"weight of {in_features} in features")
+    if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], inter, dtype=torch.bfloat16)
+    if x.shape[0]:
+        lib.linear_bf16_swiglu(x.data_ptr(), x.shape[0], in_features, x.stride(0), packed.data_ptr(), inter,
+                               out.data_ptr(), torch.get_num_threads(), path)
     return out

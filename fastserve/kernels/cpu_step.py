@@ -19,7 +19,7 @@ the cost without a compiler.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,17 +44,43 @@ class LayerDims:
     scale: float
 
 
+#: A GEMM path that is not our kernel's: the run calls ``StepGemm.other`` for it.
+OTHER = -1
+
+
+@dataclass(frozen=True)
+class StepGemm:
+    """One layer's GEMM (no bias) as the run makes it: ``ranges`` ``((max_rows, path), ...)``
+    ascending, the last covering every larger row count, each path a ``cpu_linear`` path on
+    ``packed`` (the weight as ``cpu_linear.pack`` laid it out) or ``OTHER``: ``other(x)`` gives
+    ``x W^T`` in bf16 (oneDNN's GEMM, say; the model chose it by measurement)."""
+
+    packed: torch.Tensor | None
+    other: Callable[[torch.Tensor], torch.Tensor] | None
+    ranges: tuple[tuple[int, int], ...]
+
+    def path(self, rows: int) -> int:
+        for max_rows, path in self.ranges:
+            if rows <= max_rows:
+                return path
+        return self.ranges[-1][1]
+
+
 @dataclass(frozen=True)
 class StepLayer:
     """One decoder layer's bf16 weights: the two norms' scales [hidden], and q/k/v merged, o,
-    gate/up merged and down, each packed by ``cpu_linear.pack`` (no biases)."""
+    gate/up merged and down (no biases)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: torch.Tensor
-    o: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    qkv: StepGemm
+    o: StepGemm
+    gate_up: StepGemm
+    down: StepGemm
+
+    @property
+    def gemms(self) -> tuple[StepGemm, StepGemm, StepGemm, StepGemm]:
+        return self.qkv, self.o, self.gate_up, self.down
 
 
 @dataclass(frozen=True)
@@ -85,19 +111,27 @@ def available() -> bool:
 
 def fits(dims: LayerDims, layers: Sequence[StepLayer]) -> bool:
     """Whether these shapes and weights run here: head width a multiple of 32 (the rotary and
-    attention kernels' vectors), bf16 norm scales, packed weights of the widths the dims say."""
+    attention kernels' vectors), bf16 norm scales, each GEMM's paths runnable (a packed weight of
+    the widths the dims say for our kernel's, a callable for ``OTHER``) and alike in every layer
+    (a step picks each GEMM's path once)."""
     q, kv = dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
     packed_out = cpu_linear.OUTPUT_BLOCK
 
-    def shaped(packed: torch.Tensor, out_features: int, in_features: int) -> bool:
-        return (packed.dtype == BF16 and packed.dim() == 4 and packed.shape[0] * packed_out == out_features
-                and packed.shape[1] * 2 == in_features and packed.is_contiguous())
+    def shaped(gemm: StepGemm, out_features: int, in_features: int) -> bool:
+        packed, paths = gemm.packed, {path for _, path in gemm.ranges}
+        ours = paths - {OTHER}
+        return ((not ours or (packed is not None and packed.dtype == BF16 and packed.dim() == 4
+                              and packed.shape[0] * packed_out == out_features and packed.shape[1] * 2 == in_features
+                              and packed.is_contiguous() and ours <= set(cpu_linear.PATH_NAMES)))
+                and (OTHER not in paths or gemm.other is not None))
 
     return (available() and dims.head_dim % (2 * cpu_elementwise.ROTARY_HALF_MULTIPLE) == 0
             and dims.num_heads % dims.num_kv_heads == 0 and dims.hidden % 2 == 0
             and dims.intermediate % cpu_linear.OUTPUT_BLOCK == 0
             and all(n.dtype == BF16 and n.shape == (dims.hidden,) and n.is_contiguous()
                     for layer in layers for n in (layer.input_norm, layer.post_norm))
+            and all(tuple(g.ranges for g in layer.gemms) == tuple(g.ranges for g in layers[0].gemms)
+                    for layer in layers)
             and all(shaped(layer.qkv, q + 2 * kv, dims.hidden) and shaped(layer.o, dims.hidden, q)
                     and shaped(layer.gate_up, 2 * dims.intermediate, dims.hidden)
                     and shaped(layer.down, dims.hidden, dims.intermediate) for layer in layers))
@@ -141,7 +175,10 @@ def run_layers(x: torch.Tensor, layers: Sequence[StepLayer], dims: LayerDims, ca
     attention = getattr(attention_lib, cpu_ops.BF16_ROWS)
     write_kv = getattr(attention_lib, cpu_ops.WRITE_KV)
     prefill_attention = cpu_prefill.library().prefill_attention_bf16
+    silu_mul = elementwise.silu_mul_bf16
     threads = torch.get_num_threads()
+    # Each GEMM's path for this step's row count: alike in every layer (``fits``).
+    qkv_path, o_path, gate_up_path, down_path = (g.path(rows) for g in layers[0].gemms) if layers else (0,) * 4
 
     def empty(*shape: int, dtype: torch.dtype = BF16) -> torch.Tensor:
         return torch.empty(*shape, dtype=dtype)
@@ -177,7 +214,10 @@ def run_layers(x: torch.Tensor, layers: Sequence[StepLayer], dims: LayerDims, ca
             rms_norm(res, res_stride, p.down, hidden, current.data_ptr(), layer.input_norm.data_ptr(), p.normed,
                      rows, hidden, dims.rms_norm_eps, threads)
             res, res_stride = current.data_ptr(), hidden
-        linear(p.normed, rows, hidden, hidden, layer.qkv.data_ptr(), qkv_width, None, p.qkv, threads)
+        if qkv_path == OTHER:
+            qkv.copy_(_other(layer.qkv)(normed))
+        else:
+            linear(p.normed, rows, hidden, hidden, _packed(layer.qkv), qkv_width, None, p.qkv, threads, qkv_path)
         rope(p.qkv, qkv_width, heads + kv_heads, head_dim, cos_p, sin_p, p.qk_rot, rows, threads)
         if write_kv(k_rot, v_src, qk_width * BF16_BYTES, qkv_width * BF16_BYTES, key_cache, value_cache,
                     block_stride * BF16_BYTES, token_stride * BF16_BYTES, slots_p, rows, block_size, num_blocks,
@@ -194,14 +234,35 @@ def run_layers(x: torch.Tensor, layers: Sequence[StepLayer], dims: LayerDims, ca
                 decode_q, qk_width, key_cache, value_cache, block_stride, token_stride, head_stride, tables_p,
                 table_stride, lens_p, num_decode, heads, kv_heads, head_dim, block_size, dims.scale, decode_out,
                 q_width, threads))
-        linear(p.attn, rows, q_width, q_width, layer.o.data_ptr(), hidden, None, p.o, threads)
+        if o_path == OTHER:
+            o.copy_(_other(layer.o)(attn))
+        else:
+            linear(p.attn, rows, q_width, q_width, _packed(layer.o), hidden, None, p.o, threads, o_path)
         current = residuals[0] if current is not residuals[0] else residuals[1]
         rms_norm(res, res_stride, p.o, hidden, current.data_ptr(), layer.post_norm.data_ptr(), p.normed,
                  rows, hidden, dims.rms_norm_eps, threads)
         res, res_stride = current.data_ptr(), hidden
-        swiglu(p.normed, rows, hidden, hidden, layer.gate_up.data_ptr(), inter, p.act, threads)
-        linear(p.act, rows, inter, inter, layer.down.data_ptr(), hidden, None, p.down, threads)
+        if gate_up_path == OTHER:   # the GEMM, then silu_mul: the fused call's roundings
+            gate_up = _other(layer.gate_up)(normed)
+            silu_mul(gate_up.data_ptr(), gate_up.stride(0), gate_up.data_ptr() + inter * BF16_BYTES,
+                     gate_up.stride(0), p.act, rows, inter, threads)
+        else:
+            swiglu(p.normed, rows, hidden, hidden, _packed(layer.gate_up), inter, p.act, threads, gate_up_path)
+        if down_path == OTHER:
+            down.copy_(_other(layer.down)(act))
+        else:
+            linear(p.act, rows, inter, inter, _packed(layer.down), hidden, None, p.down, threads, down_path)
     return current + down if layers else x
+
+
+def _packed(gemm: StepGemm) -> int:
+    assert gemm.packed is not None   # fits(): our kernel's paths have a packed weight
+    return gemm.packed.data_ptr()
+
+
+def _other(gemm: StepGemm) -> Callable[[torch.Tensor], torch.Tensor]:
+    assert gemm.other is not None    # fits(): OTHER has a callable
+    return gemm.other
 
 
 class _Pointers:

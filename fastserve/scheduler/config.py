@@ -15,6 +15,7 @@ from fastserve.worker.messages import DEFAULT_BLOCK_SIZE
 
 PolicyName = Literal["skip_join_mlfq", "naive_mlfq", "fixed_priority", "fcfs", "srpt_oracle"]
 SwapMode = Literal["proactive", "reactive", "recompute"]
+GemmChoiceMode = Literal["cached", "measure", "fixed"]
 
 POLICIES: tuple[PolicyName, ...] = (
     "skip_join_mlfq", "naive_mlfq", "fixed_priority", "fcfs", "srpt_oracle",
@@ -220,3 +221,12 @@ class EngineConfig(_Strict):
     #: Work pending and no step finished for this long: the engine reports itself unhealthy
     #: (a stuck step; Serve then replaces the replica). Well above the longest step.
     watchdog_s: float = Field(default=60.0, gt=0)
+    #: How each CPU linear shape's GEMM path (our bf16 kernel on vdpbf16ps or AMX, oneDNN, torch)
+    #: is chosen at start (``fastserve.worker.model.gemm_choice``): ``cached`` times them once per CPU
+    #: model string and reads the cache after; ``measure`` times them at every start; ``fixed``
+    #: times nothing (our kernel where it builds, else oneDNN, else torch).
+    gemm_choice: GemmChoiceMode = "cached"
+    #: A request's greedy tokens do not depend on what it is batched or chunked with (vLLM's and
+    #: SGLang's deterministic modes): GEMMs whose per-row sums ignore the row count. CPU bf16
+    #: with our kernel only; refused at start elsewhere.
+    batch_invariant: bool = False

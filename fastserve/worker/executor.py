@@ -17,6 +17,7 @@ from fastserve.worker.graphs import GraphSettings
 from fastserve.worker.kv_store import KVStore
 from fastserve.worker.messages import BatchPlan, StepOutput
 from fastserve.worker.model.config import ModelConfig
+from fastserve.worker.model.gemm_choice import GemmPolicy
 from fastserve.worker.model.opt import AllReduce
 from fastserve.worker.model.registry import Stage, build_model
 from fastserve.worker.model.shard import StageShard
@@ -63,9 +64,9 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def build_stage(config: ModelConfig, shard: StageShard, dtype: str, device: str,
                 load_format: str, model_path: str | None, seed: int,
-                all_reduce: AllReduce | None = None) -> Stage:
+                all_reduce: AllReduce | None = None, gemm: GemmPolicy | None = None) -> Stage:
     """Build one stage of ``config``'s architecture on ``device`` and load its weights (dummy or
-    checkpoint)."""
+    checkpoint); its CPU linears are packed on the GEMM paths ``gemm`` chooses."""
     target = torch_dtype(resolve_dtype(dtype, device))
     # Built where it runs and in its dtype: an 8B model is not first made in fp32 on the CPU
     # (32 GB, then copied). The weights (dummy or checkpoint) are cast as they are copied in.
@@ -73,7 +74,7 @@ def build_stage(config: ModelConfig, shard: StageShard, dtype: str, device: str,
         stage = build_model(config, shard, all_reduce)
     load_stage_weights(stage, load_format, model_path, seed)
     stage = stage.to(device=device, dtype=target).eval()
-    stage.pack_linear_weights()   # CPU float32, or bfloat16 where native; a no-op elsewhere
+    stage.pack_linear_weights(gemm)   # CPU float32, or bfloat16 where native; a no-op elsewhere
     return stage
 
 
@@ -84,7 +85,7 @@ def build_runner(spec: ModelSpec, config: ModelConfig, shard: StageShard,
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)   # per process: this worker owns the model's
     model = build_stage(config, shard, spec.dtype, spec.device, spec.load_format, spec.model_path,
-                        spec.seed, all_reduce)
+                        spec.seed, all_reduce, GemmPolicy(spec.gemm_choice, spec.batch_invariant))
     kv = KVStore(shard.num_layers, model.num_local_kv_heads, config.head_dim, spec.block_size,
                  spec.num_device_blocks, spec.num_host_blocks, torch_dtype(resolve_dtype(spec.dtype, spec.device)),
                  spec.device)

@@ -53,6 +53,12 @@ class ModelSpec:
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256
     cuda_graph_max_context: int = 8192
+    #: How each linear shape's CPU GEMM path is chosen (``engine.gemm_choice``, whose default is
+    #: ``cached``: ``fastserve.worker.model.gemm_choice``). ``fixed`` here: a model built directly (tests,
+    #: tools) takes the same paths on every run unless it asks for a measured choice.
+    gemm_choice: str = "fixed"
+    #: A job's greedy tokens independent of what shares its batch (``engine.batch_invariant``).
+    batch_invariant: bool = False
 
     def load_config(self) -> ModelConfig:
         return as_model_config(self.model)

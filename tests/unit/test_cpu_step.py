@@ -5,14 +5,19 @@ not build with AVX-512 BF16."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
-from fastserve.kernels import cpu_step
+from fastserve.kernels import cpu_linear, cpu_step
 from fastserve.worker.executor import InProcessExecutor
 from fastserve.worker.messages import BatchEntry, BatchPlan, SamplingParams
+from fastserve.worker.model import gemm_choice as G
+from fastserve.worker.model import linear
 from fastserve.worker.model.batch import ForwardBatch
+from fastserve.worker.model.gemm_choice import GemmChoice, GemmPolicy, GemmRole
+from fastserve.worker.model.linear import onednn_linear_available
 from fastserve.worker.model.llama import LlamaStage
 from fastserve.worker.model.llama_config import LlamaConfig
 from fastserve.worker.spec import ModelSpec
@@ -31,8 +36,9 @@ GREEDY = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
 DECODE_STEPS = 8
 
 
-def _executor(dtype: str = "bfloat16") -> InProcessExecutor:
-    ex = InProcessExecutor(ModelSpec(CONFIG, BLOCKS_PER_JOB * len(PROMPT_LENS) + 2, 0, BLOCK_SIZE, dtype=dtype))
+def _executor(dtype: str = "bfloat16", gemm_choice: str = "fixed") -> InProcessExecutor:
+    ex = InProcessExecutor(ModelSpec(CONFIG, BLOCKS_PER_JOB * len(PROMPT_LENS) + 2, 0, BLOCK_SIZE, dtype=dtype,
+                                     gemm_choice=gemm_choice))
     torch.manual_seed(0)
     with torch.no_grad():   # dummy norms are ones: give the norms' scales something to do
         for layer in ex.runner.model.layers:
@@ -175,3 +181,66 @@ def test_a_step_with_prefill_chunks_beside_decodes_equals_the_module_path(execut
     fast, after_fast, module = _both_paths(model, batch, pool)
     assert torch.equal(fast, module) and fast.shape == (43, CONFIG.hidden_size)
     assert torch.equal(after_fast, pool)
+
+
+def _repacked(ex: InProcessExecutor, monkeypatch: pytest.MonkeyPatch, choices: dict[str, GemmChoice]) -> LlamaStage:
+    """The model packed again with ``choices`` per shape's user (``qkv``, ``o_proj``, ``gate_up``,
+    ``down_proj``, ``lm_head``: the end of its role label) instead of timing."""
+    def scripted(role: GemmRole, policy: GemmPolicy) -> GemmChoice:
+        return next(c for name, c in choices.items() if role.label.split(" ")[0].endswith(name))
+
+    monkeypatch.setattr(linear, "choose_for", scripted)
+    model = _model(ex)
+    model.pack_linear_weights()
+    return model
+
+
+def _mixed_choices() -> dict[str, GemmChoice]:
+    """Every path in one model: oneDNN and torch handed to the run as calls back, beside our
+    kernel's paths, switching at row counts the tests cross."""
+    ours = G.AMX if cpu_linear.amx_available() else G.UNIFORM
+    other = G.ONEDNN if onednn_linear_available(torch.bfloat16) else G.TORCH
+    return {"qkv": GemmChoice(((2, G.DPBF16), (G.UNBOUNDED, other))),
+            "o_proj": GemmChoice(((4, other), (G.UNBOUNDED, ours))),
+            "gate_up": GemmChoice(((1, ours), (8, G.TORCH), (G.UNBOUNDED, other))),
+            "down_proj": GemmChoice.single(G.TORCH),
+            "lm_head": GemmChoice(((3, other), (G.UNBOUNDED, G.DPBF16)))}
+
+
+def test_the_run_takes_every_gemm_path_and_equals_the_module_path(executor: InProcessExecutor,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """GEMMs the run hands back to oneDNN or torch (``cpu_step.OTHER``) beside our kernel's:
+    still one run, the same bits as the module path making the same choices, for 4 decode rows
+    and for a mixed step of 43 rows."""
+    model = _repacked(executor, monkeypatch, _mixed_choices())
+    assert model._step_run is not None
+    layer = model._step_run[1][0]
+    assert layer.qkv.path(1) == cpu_linear.DPBF16 and layer.qkv.path(3) == cpu_step.OTHER
+    assert layer.down.packed is None and layer.down.other is not None
+    pool = executor.runner.kv.device_pool
+    tokens = _prefilled(executor)
+    fast, after_fast, module = _both_paths(model, ForwardBatch.build(_decode_batch(tokens, 0), BLOCK_SIZE), pool)
+    assert torch.equal(fast, module) and torch.equal(after_fast, pool)
+    entries = (BatchEntry("0", tuple(range(40, 52)), 5, _table(0), True, GREEDY),
+               BatchEntry("2", tuple(range(60, 90)), 0, _table(2), True, GREEDY),
+               BatchEntry("1", (tokens[1],), 17, _table(1), False, GREEDY, 1))
+    fast, after_fast, module = _both_paths(model, ForwardBatch.build(entries, BLOCK_SIZE), pool)
+    assert torch.equal(fast, module) and torch.equal(after_fast, pool)
+
+
+def test_the_paths_this_cpu_measures_run_as_one_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server's choice (``cached``: timed here, on these shapes): whatever it picked, the step
+    is one run and equals the module path bit for bit; the choice is reported."""
+    monkeypatch.setenv(G.CACHE_DIR_ENV, str(tmp_path))
+    ex = _executor(gemm_choice=G.CACHED)
+    try:
+        model, pool = _model(ex), ex.runner.kv.device_pool
+        assert model._step_run is not None
+        batch = ForwardBatch.build(_decode_batch(_prefilled(ex), 0), BLOCK_SIZE)
+        fast, after_fast, module = _both_paths(model, batch, pool)
+        assert torch.equal(fast, module) and torch.equal(after_fast, pool)
+        shapes = G.report()["shapes"].values()
+        assert {e["shape"] for e in shapes if e["dtype"] == "bfloat16"} >= {"256x128", "128x128", "512x128", "128x256",
+                                                                          "320x128"}
+    finally:
+        ex.close()

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from fastserve.kernels import cpu_linear, huge_pages
+from fastserve.kernels.cpu_features import cpu_has_bf16
+from fastserve.worker.model.gemm_choice import CACHE_DIR_ENV, FIXED, MEASURE, GemmPolicy
 from fastserve.worker.model.linear import ServingLinear, place_on_huge_pages
 
 needs_thp = pytest.mark.skipif(not huge_pages.available(), reason="transparent huge pages are off here")
@@ -81,17 +83,40 @@ def test_relocate_leaves_what_it_cannot_place(monkeypatch: pytest.MonkeyPatch) -
     assert huge_pages.relocate([big]) == 0 and big.data_ptr() == before
 
 
-@needs_thp
-@pytest.mark.skipif(not cpu_linear.available(), reason="the bf16 linear kernel did not build here")
-def test_packed_linears_multiply_the_same_on_huge_pages() -> None:
-    """A model's packed weights, moved after packing, give the same products, bit for bit."""
+def _two_linears() -> torch.nn.Sequential:
     torch.manual_seed(1)
-    root = torch.nn.Sequential(ServingLinear(1024, 1024, bias=False), ServingLinear(1024, 512, bias=False))
-    root.to(torch.bfloat16)
-    assert all(m.pack() for m in root)
+    return torch.nn.Sequential(ServingLinear(1024, 1024, bias=False),
+                               ServingLinear(1024, 512, bias=False)).to(torch.bfloat16).requires_grad_(False)
+
+
+@needs_thp
+@pytest.mark.skipif(not cpu_linear.available(), reason="the bf16 linear kernel did not build here (no AVX-512 BF16)")
+def test_packed_linears_multiply_the_same_on_huge_pages() -> None:
+    """Weights packed for our kernel (``fixed``: ``dpbf16`` where it builds), moved after
+    packing, give the same products, bit for bit."""
+    root = _two_linears()
+    assert all(m.pack(GemmPolicy(FIXED)) for m in root)
     x = torch.randn(5, 1024).to(torch.bfloat16)
     before = [m(x) for m in root]
     assert place_on_huge_pages(root) == 2 * 1024 * 1024 + 1024 * 512 * 2
     weights = [m.kernel_weight() for m in root]
     assert all(w is not None and mapping_of(w.data_ptr())["THPeligible"] == "1" for w in weights)
+    assert all(torch.equal(m(x), b) for m, b in zip(root, before, strict=True))
+
+
+@pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no native bf16: nothing is packed in bf16")
+def test_the_measured_paths_move_what_is_in_our_layout_and_multiply_the_same(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever this CPU's timing chose: the weights in our kernel's layout move (oneDNN's
+    packed weights are opaque tensors and stay), and every product is unchanged."""
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
+    root = _two_linears()
+    for m in root:
+        m.pack(GemmPolicy(MEASURE))
+    x = torch.randn(5, 1024).to(torch.bfloat16)
+    before = [m(x) for m in root]
+    ours = [w for w in (m.kernel_weight() for m in root) if w is not None]
+    expected = sum(w.numel() * 2 for w in ours)
+    moved = place_on_huge_pages(root)
+    assert moved == (expected if huge_pages.available() and expected >= huge_pages.HUGE_PAGE_BYTES else 0)
     assert all(torch.equal(m(x), b) for m, b in zip(root, before, strict=True))

@@ -189,8 +189,7 @@ def test_serving_linear_packed_path_equals_f_linear_for_every_row_count() -> Non
 
     torch.manual_seed(0)
     lin = L.ServingLinear(48, 80)
-    # Both sides of every bound either CPU uses (Intel: 2..256 packed; elsewhere: all rows).
-    x_rows = [1, 2, 7, L.INTEL_PACKED_MAX_ROWS, L.INTEL_PACKED_MAX_ROWS + 3]
+    x_rows = [1, 2, 7, 256, 259]   # across the timed grid's steps (gemm_choice may switch path at any)
     inputs = {n: torch.randn(n, 48) for n in x_rows}
     expected = {n: F.linear(x, lin.weight, lin.bias) for n, x in inputs.items()}
     assert lin.pack() == L.onednn_linear_available()
@@ -209,7 +208,7 @@ def test_merged_linear_gives_each_members_output() -> None:
     for bias in (True, False):
         members = [L.ServingLinear(48, width, bias=bias) for width in (32, 16, 16)]
         merged = L.MergedLinear(*members)
-        for n in (1, 7, L.INTEL_PACKED_MAX_ROWS + 3):
+        for n in (1, 7, 259):
             x = torch.randn(n, 48)
             expected = [F.linear(x, m.weight, m.bias) for m in members]
             for out, want in zip(merged(x), expected, strict=True):
@@ -221,7 +220,7 @@ def test_merged_linear_gives_each_members_output() -> None:
         root.extra = L.ServingLinear(16, 8)
         root.qkv = L.MergedLinear(*members)
         # One packed weight for the three members, one for the other linear; no member packs alone.
-        assert L.pack_linears(root) == (2 if L.onednn_linear_available() else 0)
+        assert L.pack_linears(root)[0] == (2 if L.onednn_linear_available() else 0)
         assert all(m._packed is None for m in members)
     # Members that disagree on a bias are not merged: each packs alone.
     mixed = [L.ServingLinear(48, 16, bias=True), L.ServingLinear(48, 16, bias=False)]
@@ -229,19 +228,28 @@ def test_merged_linear_gives_each_members_output() -> None:
     root = torch.nn.Module()
     root.parts = torch.nn.ModuleList(mixed)
     root.pair = L.MergedLinear(*mixed)
-    assert L.pack_linears(root) == (2 if L.onednn_linear_available() else 0)
+    assert L.pack_linears(root)[0] == (2 if L.onednn_linear_available() else 0)
 
 
-def test_packed_row_bounds_per_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    # float32 keeps MKL for single rows and whole prompts on Intel only; bf16 is packed throughout.
+def test_every_float32_path_gives_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Which path runs which row counts is measured per CPU (gemm_choice); each one is F.linear.
+    from fastserve.worker.model import gemm_choice as G
     from fastserve.worker.model import linear as L
 
-    for vendor, fp32 in (("GenuineIntel", (2, 256)), ("AuthenticAMD", (1, L.UNBOUNDED))):
-        monkeypatch.setattr(L, "cpu_vendor", lambda v=vendor: v)
-        L.packed_row_bounds.cache_clear()
-        assert L.packed_row_bounds(torch.float32) == fp32
-        assert L.packed_row_bounds(torch.bfloat16) == (1, L.UNBOUNDED)
-    L.packed_row_bounds.cache_clear()
+    torch.manual_seed(0)
+    lin = L.ServingLinear(48, 32)
+    inputs = {n: torch.randn(n, 48) for n in (1, 2, 300)}
+    paths = [G.ONEDNN, G.TORCH] if L.onednn_linear_available() else []
+    for path in paths:
+        monkeypatch.setattr(L, "choose_for", lambda role, policy, p=path: G.GemmChoice.single(p))
+        assert lin.pack()
+        for x in inputs.values():
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+    split = G.GemmChoice(((1, G.TORCH), (G.UNBOUNDED, G.ONEDNN)))
+    if paths:
+        monkeypatch.setattr(L, "choose_for", lambda role, policy: split)
+        assert lin.pack() and lin._packed is not None
+        assert lin._packed.plain is not None and lin._packed.onednn is not None and lin._packed.ours is None
 
 
 @pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no native bf16 (no avx512_bf16 / amx_bf16 flag)")

@@ -4,8 +4,10 @@ Runs only on a CPU with native bf16 (``avx512_bf16`` or ``amx_bf16`` in /proc/cp
 ``fastserve.kernels.cpu_features``): elsewhere ``dtype: auto`` serves float32 and bf16 would be emulated.
 
 * ``dtype: auto`` resolves to bf16 here: weights, activations and the KV pool are bf16, the
-  decoder linears and the LM head run on oneDNN's packed bf16 GEMM (fp32 accumulation) and decode
-  attention on the C kernel's bf16-cache path.
+  decoder linears and the LM head run on the ``fixed`` GEMM path (our bf16 kernel where it
+  builds, else oneDNN's packed bf16 GEMM; fp32 accumulation either way) and decode attention on
+  the C kernel's bf16-cache path. ``test_the_measured_paths_answer_as_the_fixed_ones`` runs a
+  server's measured choice (``engine.gemm_choice: cached``).
 * Tolerances come from bf16 rounding, measured on the spot, not from one machine's luck. The
   reference is the model itself: transformers in float32. ``delta`` is how far transformers' own
   bf16 evaluation lands from it (the largest |HF bf16 - HF fp32| logit over the eight prompts).
@@ -30,10 +32,14 @@ import torch
 import transformers
 
 from fastserve import kernels
+from fastserve.kernels import cpu_linear
 from fastserve.kernels.cpu_features import cpu_has_bf16
 from fastserve.worker.executor import InProcessExecutor
 from fastserve.worker.messages import BatchEntry, BatchPlan, SamplingParams
-from fastserve.worker.model.linear import BF16_KERNEL, ONEDNN, bf16_kernel_chosen
+from fastserve.worker.model import gemm_choice as G
+from fastserve.worker.model import linear
+from fastserve.worker.model.gemm_choice import GemmChoice
+from fastserve.worker.model.linear import onednn_linear_available
 from fastserve.worker.model.llama_config import LlamaConfig
 from fastserve.worker.spec import ModelSpec
 from tests.harness.engine_driver import Driver
@@ -93,10 +99,12 @@ def test_auto_serves_bf16_on_the_fast_paths(executor: InProcessExecutor) -> None
     assert all(g._packed is not None and all(m._packed is None for m in g.members) for g in merged)
     assert all(m._packed is not None for m in alone)
     assert model._head_packed is not None
-    # Off Intel, every one of them on our bf16 kernel where it built.
-    kernels_used = {p.kernel for p in (*(g._packed for g in merged), *(m._packed for m in alone), model._head_packed)
-                    if p is not None}
-    assert kernels_used == ({BF16_KERNEL} if bf16_kernel_chosen() else {ONEDNN})
+    # Every one of them on our bf16 kernel where it built (the fixed choice), else on oneDNN's.
+    packed = [p for p in (*(g._packed for g in merged), *(m._packed for m in alone), model._head_packed)
+              if p is not None]
+    want = G.DPBF16 if cpu_linear.available() else G.ONEDNN
+    assert {p.choice for p in packed} == {G.GemmChoice.single(want)}
+    assert all((p.ours is not None) == cpu_linear.available() for p in packed)
     query = torch.zeros(1, 9, 64, dtype=torch.bfloat16)
     assert kernels.paged_attention_backend(query, pool[:, 0, 0]) == kernels.CPU_BACKEND
 
@@ -133,6 +141,42 @@ def test_greedy_leaves_fp32_generate_only_at_bf16_ties(executor: InProcessExecut
                                                        hf_fp32: transformers.PreTrainedModel,
                                                        smollm2_llama: LlamaConfig, smollm2_folder: Path,
                                                        eps: float) -> None:
+    _greedy_against_fp32(executor, smollm2_prompts, hf_fp32, smollm2_llama, smollm2_folder, eps)
+
+
+def test_every_gemm_path_mixed_answers_within_bf16_error(smollm2_llama: LlamaConfig, smollm2_folder: Path,
+                                                         smollm2_prompts: list[list[int]],
+                                                         hf_fp32: transformers.PreTrainedModel, eps: float,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a server's measured choice may come to (``engine.gemm_choice``; the timing itself is
+    tested in test_gemm_choice and test_cpu_step): every path this CPU has, switching at row counts
+    the prompts and decodes cross, oneDNN's and torch's called back from the step's run. Every job
+    that leaves fp32 does so at a bf16 tie, and France is Paris."""
+    ours = G.AMX if cpu_linear.amx_available() else G.DPBF16
+    other = G.ONEDNN if onednn_linear_available(torch.bfloat16) else G.TORCH
+    mixed = {"qkv": GemmChoice(((4, ours), (G.UNBOUNDED, other))),
+             "o_proj": GemmChoice(((1, G.TORCH), (G.UNBOUNDED, ours))),
+             "gate_up": GemmChoice(((2, other), (G.UNBOUNDED, ours))),
+             "down_proj": GemmChoice(((8, ours), (G.UNBOUNDED, G.TORCH))),
+             "lm_head": GemmChoice(((1, other), (G.UNBOUNDED, ours)))}
+    if not cpu_linear.available():   # no kernel of ours: oneDNN and torch alone
+        mixed = {name: GemmChoice.single(other) for name in mixed}
+    monkeypatch.setattr(linear, "choose_for",
+                        lambda role, policy: next(c for n, c in mixed.items() if role.label.split(" ")[0].endswith(n)))
+    ex = InProcessExecutor(ModelSpec(smollm2_llama, NUM_DEVICE_BLOCKS, 0, BLOCK_SIZE, dtype="auto",
+                                     load_format="auto", model_path=str(smollm2_folder)))
+    try:
+        assert ex.model._step_run is not None or not cpu_linear.available()
+        _greedy_against_fp32(ex, smollm2_prompts, hf_fp32, smollm2_llama, smollm2_folder, eps)
+    finally:
+        ex.close()
+
+
+def _greedy_against_fp32(executor: InProcessExecutor, smollm2_prompts: list[list[int]],
+                         hf_fp32: transformers.PreTrainedModel, smollm2_llama: LlamaConfig,
+                         smollm2_folder: Path, eps: float) -> None:
+    """Greedy tokens against fp32 ``generate``: each job that leaves it does so where fp32's top
+    two were within ``2 * eps``, and the France prompt answers as fp32 does."""
     refs: dict[str, Reference] = {str(i): hf_greedy_reference(hf_fp32, p, MAX_NEW_TOKENS, smollm2_llama.eos_token_id)
                                   for i, p in enumerate(smollm2_prompts)}
     ours = greedy_until_stop(Driver(executor), smollm2_prompts, MAX_NEW_TOKENS, smollm2_llama.eos_token_id)

@@ -1,57 +1,44 @@
-"""``ServingLinear``: an ``nn.Linear`` whose CPU GEMMs run on a weight packed once for them.
+"""``ServingLinear``: an ``nn.Linear`` whose CPU GEMMs run on the path measured fastest for its shape.
 
-Owns the one choice of how a decoder's linear layers multiply on CPU. After the weights are
-loaded, ``pack()`` reorders the weight once (``PackedWeight``): into oneDNN's blocked layout
-(``torch.ops.mkldnn``, the kernels torch's own inductor uses for frozen CPU linears), or, for
-bfloat16 off Intel, into the layout of our own AVX-512 BF16 kernel (``fastserve.kernels.cpu_linear``:
-oneDNN streamed a decode step's bf16 weights at 11-17 GB/s on the AMD EPYC Zen 4, ours at
-20-26). Every call then skips MKL's per-call packing of the weight, which dominates the few-row
-GEMMs of decode steps. Values equal ``F.linear``'s to the dtype's rounding.
+Owns how a model's linear layers multiply on CPU. After the weights are loaded, ``pack_linears``
+groups every GEMM weight by shape (a ``GemmRole``: q/k/v merged, o, gate/up merged, down, the
+LM head...), has ``fastserve.worker.model.gemm_choice`` choose a path per row count for each shape — timed on
+the model's own weights, cached per CPU model string, never by vendor — and packs each weight
+once for the layouts its choice uses (``PackedWeight``):
 
-Which rows go where is measured per CPU (``packed_row_bounds``):
+* ``dpbf16`` / ``dpbf16_uniform`` / ``amx``: our bf16 kernel (``fastserve.kernels.cpu_linear``), one layout for
+  the three: ``vdpbf16ps`` (the lone row on four chains, or every row on one), or AMX tiles;
+* ``onednn``: oneDNN's prepacked GEMM (``torch.ops.mkldnn``, what torch's inductor runs frozen CPU
+  linears on; AMX where the CPU has it), float32 or bfloat16 on a CPU with native bf16;
+* ``torch``: ``F.linear`` on the weight as loaded (MKL for float32), nothing packed.
 
-* float32 on Intel (the 2-core Xeon with AMX, per 768x3072 GEMM): packed 1.4-2x faster at 4-16
-  rows, ~1.2x at 177; a single row is faster on MKL's GEMV (0.34 vs 0.38 ms) and whole prompts
-  (680-2,700 rows) 3-6 % faster on MKL. So packed for 2-256 rows only.
-* float32 elsewhere (2-core AMD EPYC Zen 4): MKL takes its slow generic path on a non-Intel CPU,
-  and packed wins at every row count: SmolLM2's LM head (49,152x576) 6.9 vs 13.9 ms at 1 row,
-  328 vs 564 ms at 1,024; its MLP up-projection (3,072x576) 0.07 vs 0.14 ms at 1 row, 17.5 vs
-  21.2 ms at 1,024. So packed for every row count.
-* bfloat16 where the CPU has native bf16 (``fastserve.kernels.cpu_features``): packed at every row count
-  (AMD EPYC: oneDNN's LM head 3.4 ms at 1 row against 5.2 for ``F.linear`` in bf16, 6.9 in
-  packed fp32; our kernel below that: ``bf16_kernel_chosen``). Without native bf16 a bf16 weight
-  is not packed (oneDNN would emulate it).
-
-Parameter names stay ``weight``/``bias``, so checkpoints load as into ``nn.Linear``. Without
-oneDNN, on another device or dtype, or before ``pack()``, it is exactly ``nn.Linear``.
+Packing skips MKL's per-call packing of the weight, which dominates the few-row GEMMs of decode
+steps. Every call runs its row count's path; values equal ``F.linear``'s to the dtype's rounding.
+Parameter names stay ``weight``/``bias``, so checkpoints load as into ``nn.Linear``. On another
+device or dtype, or before packing, it is exactly ``nn.Linear``.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastserve.kernels import cpu_linear, huge_pages
-from fastserve.kernels.cpu_features import cpu_has_bf16, cpu_vendor
+from fastserve.kernels import cpu_linear, cpu_step, huge_pages
+from fastserve.kernels.cpu_features import cpu_has_bf16
+from fastserve.worker.model import gemm_choice as G
+from fastserve.worker.model.gemm_choice import GemmChoice, GemmPolicy, GemmRole
 
-#: Row count the packed layout is tuned for (a decode batch); any row count is served.
+#: Row count oneDNN's packed layout is tuned for (a decode batch); any row count is served.
 PACK_BATCH_HINT = 16
-#: float32 rows outside [min, max] use ``F.linear`` on Intel CPUs (MKL's own ground; see above).
-INTEL_PACKED_MIN_ROWS = 2
-INTEL_PACKED_MAX_ROWS = 256
-#: Intel's ``vendor_id``: the CPUs whose MKL paths the bounds above were measured against.
-INTEL_VENDOR = "GenuineIntel"
-#: No upper bound on the rows of a packed GEMM.
-UNBOUNDED = 1 << 62
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
-#: Which kernel a packed weight runs on: oneDNN's blocked GEMM, or ours for bf16 (fastserve.kernels.cpu_linear).
-ONEDNN = "onednn"
-BF16_KERNEL = "bf16_kernel"
+#: Our kernel's paths, by name, as ``cpu_linear`` numbers them.
+OUR_PATHS = {G.DPBF16: cpu_linear.DPBF16, G.UNIFORM: cpu_linear.UNIFORM, G.AMX: cpu_linear.AMX}
 
 _log = logging.getLogger(__name__)
 
@@ -72,46 +59,138 @@ def onednn_linear_available(dtype: torch.dtype = torch.float32) -> bool:
         return False
 
 
-@functools.cache
-def packed_row_bounds(dtype: torch.dtype) -> tuple[int, int]:
-    """Row counts ``[min, max]`` of the GEMMs that run packed on this CPU (see the module note)."""
-    if dtype == torch.float32 and cpu_vendor() == INTEL_VENDOR:
-        return INTEL_PACKED_MIN_ROWS, INTEL_PACKED_MAX_ROWS
-    return 1, UNBOUNDED
+def candidate_paths(weight: torch.Tensor, batch_invariant: bool = False) -> list[str]:
+    """The paths that can multiply ``weight`` ([out, in]) here, in the order ``FIXED`` mode
+    prefers them; empty where nothing is packed (another device or dtype): ``F.linear`` alone."""
+    if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES:
+        return []
+    paths: list[str] = []
+    if weight.dtype == torch.bfloat16 and cpu_linear.fits(weight):
+        amx = cpu_linear.amx_available() and weight.shape[1] % cpu_linear.AMX_K_MULTIPLE == 0
+        if batch_invariant:
+            paths = [G.AMX, G.UNIFORM] if amx else [G.UNIFORM]
+        else:
+            paths = [G.DPBF16, G.AMX] if amx else [G.DPBF16]
+    if batch_invariant:
+        return paths
+    if onednn_linear_available(weight.dtype):
+        paths.append(G.ONEDNN)
+    return [*paths, G.TORCH] if paths else []
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A linear weight reordered once for this CPU's GEMM, and the kernel that reads it."""
+    """A linear weight packed once for the paths its shape's ``choice`` runs, each layout kept
+    only where a path reads it: ``ours`` (``fastserve.kernels.cpu_linear``'s), ``onednn`` (oneDNN's),
+    ``plain`` (the weight itself, for ``torch``)."""
 
-    data: torch.Tensor
-    kernel: str   # ONEDNN or BF16_KERNEL
+    choice: GemmChoice
+    ours: torch.Tensor | None = None
+    onednn: torch.Tensor | None = None
+    plain: torch.Tensor | None = None
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` for a 2-d ``x``."""
-        if self.kernel == BF16_KERNEL:
-            return cpu_linear.linear(x, self.data, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, widened: bool = False) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` for a 2-d ``x``, on its row count's path; with
+        ``widened``, as float32 (``.float()``'s bits; our kernel writes them itself)."""
+        path = self.choice.path(x.shape[0])
+        if path in OUR_PATHS:
+            assert self.ours is not None   # pack_weight keeps each chosen path's layout
+            return cpu_linear.linear(x, self.ours, bias, widened, OUR_PATHS[path])
+        if path == G.ONEDNN:
+            assert self.onednn is not None
+            out = torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
+        else:
+            assert self.plain is not None
+            out = F.linear(x, self.plain, bias)
+        return out.float() if widened else out
+
+    def step_gemm(self) -> cpu_step.StepGemm:
+        """This weight as ``fastserve.kernels.cpu_step`` runs it (no bias): our kernel's paths by number,
+        the others called back through ``matmul``."""
+        ranges = tuple((rows, OUR_PATHS.get(path, cpu_step.OTHER)) for rows, path in self.choice.ranges)
+        return cpu_step.StepGemm(self.ours, self.matmul, ranges)
 
 
-def _kernel_data(packed: PackedWeight | None) -> torch.Tensor | None:
-    return packed.data if packed is not None and packed.kernel == BF16_KERNEL else None
+def pack_weight(weight: torch.Tensor, choice: GemmChoice) -> PackedWeight | None:
+    """``weight`` ([out, in]) packed for the layouts ``choice`` uses; None where the weight is
+    not a CPU float32/bf16 one."""
+    if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES:
+        return None
+    w = weight.detach()
+    ours = cpu_linear.pack(w) if choice.paths & set(OUR_PATHS) else None
+    onednn = (torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
+              if G.ONEDNN in choice.paths else None)
+    return PackedWeight(choice, ours, onednn, w if G.TORCH in choice.paths else None)
+
+
+def _packed_for(weight: torch.Tensor, choice: GemmChoice | None) -> PackedWeight | None:
+    return None if choice is None else pack_weight(weight, choice)
+
+
+def _candidates(paths: Sequence[str]) -> G.Candidates:
+    """Each path's GEMM on each of some weights, for ``gemm_choice`` to time (packed once)."""
+    def ours(path: int, weights: Sequence[torch.Tensor]) -> list[G.Call]:
+        return [functools.partial(_ours_call, cpu_linear.pack(w), path) for w in weights]
+
+    def onednn(weights: Sequence[torch.Tensor]) -> list[G.Call]:
+        return [functools.partial(_onednn_call, torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT))
+                for w in weights]
+
+    def plain(weights: Sequence[torch.Tensor]) -> list[G.Call]:
+        return [functools.partial(_plain_call, w) for w in weights]
+
+    made: G.Candidates = {}
+    for path in paths:
+        if path in OUR_PATHS:
+            made[path] = functools.partial(ours, OUR_PATHS[path])
+        elif path == G.ONEDNN:
+            made[path] = onednn
+        else:
+            made[path] = plain
+    return made
+
+
+def _ours_call(packed: torch.Tensor, path: int, x: torch.Tensor) -> torch.Tensor:
+    return cpu_linear.linear(x, packed, None, path=path)
+
+
+def _onednn_call(packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def _plain_call(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight)
+
+
+def choose_for(role: GemmRole, policy: GemmPolicy) -> GemmChoice | None:
+    """The path per row count for ``role``'s shape (None: nothing to pack for it here)."""
+    paths = candidate_paths(role.weights[0], policy.batch_invariant)
+    if not paths:
+        if policy.batch_invariant and role.weights[0].device.type == "cpu":
+            G.choose(role, {}, policy, "")   # raises, naming what is missing
+        return None
+    return G.choose(role, _candidates(paths), policy, paths[0])
 
 
 class ServingLinear(nn.Linear):
     _packed: PackedWeight | None = None
 
-    def pack(self) -> bool:
-        """Prepack the weight for CPU GEMMs; False (and nothing changes) elsewhere."""
-        self._packed = pack_weight(self.weight)
+    def pack(self, policy: GemmPolicy | None = None) -> bool:
+        """Pack this linear alone, on the paths chosen for its shape; False (it stays
+        ``nn.Linear``) on another device or dtype."""
+        self._packed = _packed_for(self.weight, choose_for(GemmRole("linear", (self.weight,)), policy or GemmPolicy()))
         return self._packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.multiply(x, with_bias=True)
 
+    def step_gemm(self) -> cpu_step.StepGemm | None:
+        """This layer as ``fastserve.kernels.cpu_step`` runs it, where it is packed and has no bias."""
+        return self._packed.step_gemm() if self._packed is not None and self.bias is None else None
+
     def kernel_weight(self) -> torch.Tensor | None:
-        """The weight as ``fastserve.kernels.cpu_linear`` packed it, where it is so and has no bias."""
-        return _kernel_data(self._packed) if self.bias is None else None
+        """The weight as ``fastserve.kernels.cpu_linear`` packed it, where it is so."""
+        return None if self._packed is None else self._packed.ours
 
     def multiply(self, x: torch.Tensor, with_bias: bool) -> torch.Tensor:
         """``x @ weight.T`` (+ bias when ``with_bias``): row-parallel layers add their bias once,
@@ -119,35 +198,10 @@ class ServingLinear(nn.Linear):
         return multiply(x, self.weight, self._packed, self.bias if with_bias else None)
 
 
-@functools.cache
-def bf16_kernel_chosen() -> bool:
-    """Whether bf16 weights go to our kernel (``fastserve.kernels.cpu_linear``) rather than oneDNN: where it
-    built, off Intel. On the AMD EPYC Zen 4 it beat oneDNN's packed bf16 GEMM at 1-256 rows
-    (0.65-0.90x) and matched it on whole prompts (0.93-1.08x per weight at 256-2,048 rows); Intel
-    CPUs with AMX keep oneDNN, whose AMX path was not measured against it."""
-    return cpu_vendor() != INTEL_VENDOR and cpu_linear.available()
-
-
-def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
-    """``weight`` ([out, in]) reordered once for CPU GEMMs: bf16 for our kernel where it is
-    chosen and the shape fits it, else oneDNN's blocked layout (float32, or bfloat16 on a CPU with
-    native bf16); None (use ``weight`` as it is) on another device or dtype, or without oneDNN."""
-    if weight.dtype == torch.bfloat16 and bf16_kernel_chosen() and cpu_linear.fits(weight):
-        return PackedWeight(cpu_linear.pack(weight), BF16_KERNEL)
-    if (weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES
-            or not onednn_linear_available(weight.dtype)):
-        return None
-    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT), ONEDNN)
-
-
 def multiply(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None,
              bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, on ``packed`` (``pack_weight(weight)``) for the row counts
-    where this CPU runs it faster (``packed_row_bounds``)."""
+    """``F.linear(x, weight, bias)``, on ``packed``'s path for ``x``'s row count."""
     if packed is None or x.dim() != 2:
-        return F.linear(x, weight, bias)
-    low, high = packed_row_bounds(weight.dtype)
-    if not low <= x.shape[0] <= high:
         return F.linear(x, weight, bias)
     return packed.matmul(x, bias)
 
@@ -155,11 +209,9 @@ def multiply(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None,
 def multiply_widened(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None) -> torch.Tensor:
     """``multiply(x, weight, packed, None).float()``, bit for bit (a model's logits): where our bf16
     kernel runs the product it writes the float32 values itself, with no pass to widen them."""
-    if packed is not None and packed.kernel == BF16_KERNEL and x.dim() == 2:
-        low, high = packed_row_bounds(weight.dtype)
-        if low <= x.shape[0] <= high:
-            return cpu_linear.linear(x, packed.data, None, widened=True)
-    return multiply(x, weight, packed, None).float()
+    if packed is None or x.dim() != 2:
+        return F.linear(x, weight).float()
+    return packed.matmul(x, None, widened=True)
 
 
 class MergedLinear:
@@ -167,19 +219,20 @@ class MergedLinear:
 
     vLLM merges them at load time (``QKVParallelLinear``, ``MergedColumnParallelLinear``); here
     the members stay separate ``ServingLinear`` modules, so checkpoints load and shard by their
-    own names, and ``pack()`` packs their concatenated weight (and biases) once. A decode step
+    own names, and packing packs their concatenated weight (and biases) once. A decode step
     then makes one GEMM call where it made two or three: on the 2-core AMD EPYC Zen 4, bf16 on
     oneDNN, 30 layers of SmolLM2-135M's linears with cold weights took 20.4 ms at 1 row as 7 GEMMs
     per layer and 15.9 ms as 4 (fewer calls, each streaming a longer weight).
 
     Not a module (its members are the layer's own, registered there): a plain attribute made with
-    the layer and packed after the weights are loaded. Before ``pack()``, or where packing does
-    not apply (another device or dtype, no oneDNN, or a row count this CPU runs on ``F.linear``),
-    each member multiplies on its own, exactly as without the merge.
+    the layer and packed after the weights are loaded. Before packing, or where packing does not
+    apply (another device or dtype, members that disagree on a bias), each member multiplies on
+    its own, exactly as without the merge.
 
     On a GPU ``pack()`` concatenates the members' weights (and biases) into one tensor and makes
-    each member's parameter a view of its rows, so the merged GEMM costs no extra memory and a
-    checkpoint loaded afterwards still lands in it; every call is then one ``F.linear``.
+    each member's parameter a view of its rows (``fuse``), so the merged GEMM costs no extra
+    memory and a checkpoint loaded afterwards still lands in it; every call is then one
+    ``F.linear``.
     """
 
     def __init__(self, *members: ServingLinear) -> None:
@@ -189,19 +242,42 @@ class MergedLinear:
         self._bias: torch.Tensor | None = None
         self._fused: torch.Tensor | None = None
 
-    def pack(self) -> bool:
-        """Pack the members' concatenated weight (on a GPU: fuse them in place, ``fuse``); False
-        (members used one by one) where packing does not apply or the members disagree on having
-        a bias."""
+    def mergeable(self) -> bool:
+        """Whether the members can be one GEMM: all with a bias or all without."""
         with_bias = [m.bias is not None for m in self.members]
-        if any(with_bias) and not all(with_bias):
+        return all(with_bias) or not any(with_bias)
+
+    def merged_weight(self) -> torch.Tensor:
+        """The members' weights concatenated (a copy: kept by the packing only where ``torch``
+        reads it)."""
+        return torch.cat([m.weight.detach() for m in self.members])
+
+    def pack(self, policy: GemmPolicy | None = None) -> bool:
+        """Pack the merged weight on the paths chosen for its shape; False (members used one by
+        one) where packing does not apply or the members disagree on having a bias."""
+        if not self.mergeable():
             return False
         if self.members[0].weight.is_cuda:
-            return self.fuse(all(with_bias))
-        self._packed = pack_weight(torch.cat([m.weight.detach() for m in self.members]))
-        if self._packed is not None and all(with_bias):
+            return self.fuse(self.members[0].bias is not None)
+        weight = self.merged_weight()
+        return self.pack_for(choose_for(GemmRole("merged", (weight,)), policy or GemmPolicy()), weight)
+
+    def pack_for(self, choice: GemmChoice | None, weight: torch.Tensor | None = None) -> bool:
+        """Pack the merged weight (``weight``, if made already) for ``choice`` (None: nothing packed)."""
+        if choice is None or not self.mergeable():
+            return False
+        self._packed = pack_weight(self.merged_weight() if weight is None else weight, choice)
+        if self._packed is None:
+            return False
+        if self.members[0].bias is not None:
             self._bias = torch.cat([m.bias.detach() for m in self.members if m.bias is not None])
-        return self._packed is not None
+        return True
+
+    def step_gemm(self) -> cpu_step.StepGemm | None:
+        """The merged GEMM as ``fastserve.kernels.cpu_step`` runs it, where it is packed and has no bias."""
+        if self._packed is None or self._bias is not None:
+            return None
+        return self._packed.step_gemm()
 
     def fuse(self, with_bias: bool) -> bool:
         """One weight (and bias) tensor for all members, each member's parameter a view of it."""
@@ -217,8 +293,8 @@ class MergedLinear:
         return True
 
     def kernel_weight(self) -> torch.Tensor | None:
-        """The merged weight as ``fastserve.kernels.cpu_linear`` packed it, where it is so and has no bias."""
-        return _kernel_data(self._packed) if self._bias is None else None
+        """The merged weight as ``fastserve.kernels.cpu_linear`` packed it, where it is so."""
+        return None if self._packed is None else self._packed.ours
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each member's ``F.linear(x, weight, bias)``, in order (views of one output when merged)."""
@@ -226,34 +302,75 @@ class MergedLinear:
             return list(F.linear(x, self._fused, self._bias).split(self.widths, dim=-1))
         if self._packed is None or x.dim() != 2:
             return [m(x) for m in self.members]
-        low, high = packed_row_bounds(self.members[0].weight.dtype)
-        if not low <= x.shape[0] <= high:
-            return [m(x) for m in self.members]
         return list(self._packed.matmul(x, self._bias).split(self.widths, dim=-1))
 
 
 def place_on_huge_pages(root: nn.Module, *extra: PackedWeight | None) -> int:
     """Move the weights packed for ``fastserve.kernels.cpu_linear`` under ``root`` (and ``extra``: a head
     packed apart) onto one huge-page mapping, in place (``fastserve.kernels.huge_pages.relocate``: why);
-    returns the bytes moved (0 where huge pages are not available)."""
+    returns the bytes moved (0 where huge pages are not available or nothing is in that layout:
+    oneDNN's packed weights are opaque tensors and stay where oneDNN put them)."""
     found = [m._packed for m in root.modules() if isinstance(m, ServingLinear)]
     found += [v._packed for m in root.modules() for v in vars(m).values() if isinstance(v, MergedLinear)]
-    data = {id(d): d for d in (_kernel_data(p) for p in (*found, *extra)) if d is not None}
+    data = {id(d): d for d in (p.ours for p in (*found, *extra) if p is not None) if d is not None}
     return huge_pages.relocate(list(data.values()))
 
 
-def pack_linears(root: nn.Module) -> int:
-    """Prepack every linear under ``root`` for CPU GEMMs: each ``MergedLinear`` (an attribute of a
-    module under ``root``) as one weight, every other ``ServingLinear`` alone; a member of a merge
-    that could not pack is packed alone. Returns how many GEMM weights were packed."""
-    merged = [v for m in root.modules() for v in vars(m).values() if isinstance(v, MergedLinear)]
-    covered: set[int] = set()
+@dataclass(frozen=True)
+class _Unit:
+    """One GEMM weight to pack: a merged group, a lone linear, or a head apart (``head``)."""
+
+    label: str
+    weight: torch.Tensor
+    target: MergedLinear | ServingLinear | None
+
+
+def _units(root: nn.Module) -> list[_Unit]:
+    merged = [(name, v) for name, m in root.named_modules() for key, v in vars(m).items()
+              if isinstance(v, MergedLinear) and v.mergeable() for name in (f"{name}.{key}".strip("."),)]
+    covered = {id(member) for _, group in merged for member in group.members}
+    units = [_Unit(name, group.merged_weight(), group) for name, group in merged]
+    units += [_Unit(name, m.weight, m) for name, m in root.named_modules()
+              if isinstance(m, ServingLinear) and id(m) not in covered]
+    return units
+
+
+def _role_label(names: Sequence[str]) -> str:
+    """``layers.*.self_attn.qkv x30`` for the names of one shape's units."""
+    shapes = sorted({".".join("*" if part.isdigit() else part for part in n.split(".")) for n in names})
+    return ", ".join(f"{s} x{sum(1 for n in names if '.'.join('*' if q.isdigit() else q for q in n.split('.')) == s)}"
+                     for s in shapes)
+
+
+def pack_linears(root: nn.Module, policy: GemmPolicy | None = None,
+                 head: torch.Tensor | None = None) -> tuple[int, PackedWeight | None]:
+    """Pack every linear under ``root`` for CPU GEMMs, each on the paths chosen for its shape
+    (``fastserve.worker.model.gemm_choice``; ``policy`` says how, default: cached measurements): each
+    ``MergedLinear`` (an attribute of a module under ``root``) as one weight, every other
+    ``ServingLinear`` alone, and ``head`` (an LM head packed apart, called with one row per
+    sampled sequence: timed at decode row counts), whose packing is returned. Returns (how many
+    GEMM weights were packed, the head's)."""
+    if any(p.is_cuda for p in root.parameters()):
+        # A GPU runs every linear on F.linear (cuBLAS): merged groups are fused in place, nothing packed.
+        fused = [v for m in root.modules() for v in vars(m).values() if isinstance(v, MergedLinear)]
+        return sum(group.pack() for group in fused), None
+    policy = policy or GemmPolicy()
+    units = _units(root)
+    by_shape: dict[tuple[tuple[int, ...], torch.dtype], list[_Unit]] = {}
+    for unit in units:
+        by_shape.setdefault((tuple(unit.weight.shape), unit.weight.dtype), []).append(unit)
     count = 0
-    for group in merged:
-        if group.pack():
-            count += 1
-            covered.update(id(m) for m in group.members)
-    for m in root.modules():
-        if isinstance(m, ServingLinear) and id(m) not in covered:
-            count += m.pack()
-    return count
+    for group in by_shape.values():
+        role = GemmRole(_role_label([u.label for u in group]), tuple(u.weight for u in group))
+        choice = choose_for(role, policy)
+        for unit in group:
+            if isinstance(unit.target, MergedLinear):
+                count += unit.target.pack_for(choice, unit.weight)
+            elif isinstance(unit.target, ServingLinear):
+                unit.target._packed = _packed_for(unit.weight, choice)
+                count += unit.target._packed is not None
+    head_packed = None
+    if head is not None:
+        head_packed = _packed_for(head, choose_for(GemmRole("lm_head", (head,), G.DECODE_ROWS[-1]), policy))
+        count += head_packed is not None
+    return count, head_packed

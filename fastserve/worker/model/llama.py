@@ -28,6 +28,7 @@ from fastserve import kernels
 from fastserve.kernels import cpu_step
 from fastserve.worker.model.attention import paged_self_attention
 from fastserve.worker.model.batch import ForwardBatch
+from fastserve.worker.model.gemm_choice import GemmPolicy
 from fastserve.worker.model.layout import WeightLayout
 from fastserve.worker.model.linear import (
     MergedLinear,
@@ -35,7 +36,6 @@ from fastserve.worker.model.linear import (
     ServingLinear,
     multiply_widened,
     pack_linears,
-    pack_weight,
     place_on_huge_pages,
 )
 from fastserve.worker.model.llama_config import LlamaConfig
@@ -188,29 +188,29 @@ class LlamaStage(nn.Module):
         first = self.config.kv_head_start(self.shard.tp_rank, self.shard.tp_size)
         return first * self.config.head_dim, self.num_local_kv_heads * self.config.head_dim
 
-    def pack_linear_weights(self) -> int:
-        """Prepack every decoder linear for CPU GEMMs, q/k/v and gate/up each merged into one
-        (``fastserve.worker.model.linear.pack_linears``); returns how many GEMM weights were packed."""
-        packed = pack_linears(self.layers)
-        if self.shard.is_last:
-            self._head_packed = pack_weight(self._head_weight())
-            packed += self._head_packed is not None
+    def pack_linear_weights(self, policy: GemmPolicy | None = None) -> int:
+        """Prepack every decoder linear for CPU GEMMs, q/k/v and gate/up each merged into one, on
+        the paths chosen for each shape (``fastserve.worker.model.linear.pack_linears``, ``policy``); returns
+        how many GEMM weights were packed."""
+        head = self._head_weight() if self.shard.is_last else None
+        packed, self._head_packed = pack_linears(self.layers, policy, head)
         place_on_huge_pages(self.layers, self._head_packed)
         self._step_run = self._step_run_layers()
         return packed
 
     def _step_run_layers(self) -> tuple[cpu_step.LayerDims, tuple[cpu_step.StepLayer, ...]] | None:
         """The layers' weights for ``fastserve.kernels.cpu_step``, or None where it does not apply: tensor
-        parallel (the run has no all-reduce), a linear not on the bf16 kernel or with a bias, a
-        non-bf16 norm, shapes the kernels do not take, or the kernels not built here."""
+        parallel (the run has no all-reduce), a linear not packed or with a bias, a non-bf16 norm,
+        shapes the kernels do not take, or the kernels not built here. Each GEMM runs in the run on
+        the path chosen for its shape: our kernel's by a C call, any other by a call back."""
         decoder_layers = [cast(DecoderLayer, m) for m in self.layers]
         if self.shard.tp_size != 1 or not decoder_layers or not cpu_step.available():
             return None
         layers = []
         for layer in decoder_layers:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv, o = attn.qkv.kernel_weight(), attn.o_proj.kernel_weight()
-            gate_up, down = mlp.gate_up.kernel_weight(), mlp.down_proj.kernel_weight()
+            qkv, o = attn.qkv.step_gemm(), attn.o_proj.step_gemm()
+            gate_up, down = mlp.gate_up.step_gemm(), mlp.down_proj.step_gemm()
             if qkv is None or o is None or gate_up is None or down is None:
                 return None
             layers.append(cpu_step.StepLayer(layer.input_layernorm.weight.detach(),

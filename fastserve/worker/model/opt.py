@@ -25,6 +25,7 @@ from torch import nn
 from fastserve.worker.model.attention import paged_self_attention
 from fastserve.worker.model.batch import ForwardBatch
 from fastserve.worker.model.config import POSITION_OFFSET, OPTConfig
+from fastserve.worker.model.gemm_choice import GemmPolicy
 from fastserve.worker.model.layout import WeightLayout
 from fastserve.worker.model.linear import (
     MergedLinear,
@@ -32,7 +33,6 @@ from fastserve.worker.model.linear import (
     ServingLinear,
     multiply_widened,
     pack_linears,
-    pack_weight,
     place_on_huge_pages,
 )
 from fastserve.worker.model.shard import StageShard
@@ -153,14 +153,12 @@ class OPTStage(nn.Module):
         rows = self.num_local_heads * self.config.head_dim
         return self.shard.tp_rank * rows, rows
 
-    def pack_linear_weights(self) -> int:
+    def pack_linear_weights(self, policy: GemmPolicy | None = None) -> int:
         """Prepack every decoder linear for CPU GEMMs after the weights are loaded, q/k/v merged
-        into one (``fastserve.worker.model.linear.pack_linears``); returns how many GEMM weights were packed
-        (0 where packing does not apply)."""
-        packed = pack_linears(self.layers)
-        if self.shard.is_last:
-            self._head_packed = pack_weight(self.embed_tokens.weight)
-            packed += self._head_packed is not None
+        into one, on the paths chosen for each shape (``fastserve.worker.model.linear.pack_linears``,
+        ``policy``); returns how many GEMM weights were packed (0 where packing does not apply)."""
+        head = self.embed_tokens.weight if self.shard.is_last else None
+        packed, self._head_packed = pack_linears(self.layers, policy, head)
         place_on_huge_pages(self.layers, self._head_packed)
         return packed
 

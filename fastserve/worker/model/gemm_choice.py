@@ -1,0 +1,354 @@
+"""Which GEMM multiplies each of a model's linear shapes on this CPU: timed, chosen, cached, reported.
+
+Owns the choice between the GEMMs that can run a CPU linear layer here — our bf16 kernel on
+``vdpbf16ps`` or on AMX tiles (``fastserve.kernels.cpu_linear``), oneDNN's prepacked GEMM through torch
+(AMX where the CPU has it), ``F.linear`` (MKL for float32) — made by measuring them, never by the
+CPU's vendor. The candidates differ by more than a CPU family can say: on the 2-core Intel Xeon
+with AMX our AMX path beat oneDNN's at 8-64 rows and lost to it on 512-row prompts, while
+``vdpbf16ps`` was fastest at 1-4 rows; on the AMD EPYC Zen 4 (no AMX) ``vdpbf16ps`` beat oneDNN at
+every row count (docs/engine.md).
+
+For each shape (``GemmRole``: out x in features, dtype, and the layers' weights of that shape),
+``choose`` times every candidate on the model's own weights at the row counts of ``DECODE_ROWS``
+(over all the layers' weights, cold as in a step) and ``PREFILL_ROWS`` (over ``PREFILL_LAYERS``
+of them: compute-bound there), in interleaved rounds, and keeps the fastest per row count
+(``GemmChoice``: row ranges → path). The result is cached per CPU model string under
+``~/.cache/fastserve/gemm-choice`` (written atomically), keyed by everything the timing depends
+on (shape, layers, threads, torch, the kernel's source), and reported: the start log and
+``report()`` (``/debug/engine``). ``engine.gemm_choice`` says how: ``cached`` (the default:
+measure once, then read), ``measure`` (every start) or ``fixed`` (no timing: our kernel where it
+builds, else oneDNN, else ``F.linear``).
+
+With ``batch_invariant`` only paths whose per-row sums do not depend on the row count run (our
+kernel's ``dpbf16_uniform`` and ``amx``), one path per shape for every row count, chosen by the
+same timing.
+
+Torch is imported; the kernels are not: the candidates' runs are given by the caller
+(``fastserve.worker.model.linear``), so this module knows paths only by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastserve.kernels.cpu_features import cpu_flags, cpu_name
+from fastserve.kernels.cpu_linear import LINEAR_SOURCE
+
+#: Paths by name: our kernel's three (``fastserve.kernels.cpu_linear``), oneDNN's prepacked GEMM, torch's.
+DPBF16 = "dpbf16"
+UNIFORM = "dpbf16_uniform"
+AMX = "amx"
+ONEDNN = "onednn"
+TORCH = "torch"
+#: Paths whose per-row sums do not depend on how many rows share the call.
+BATCH_INVARIANT_PATHS = (UNIFORM, AMX)
+#: ``engine.gemm_choice``'s values.
+CACHED, MEASURE, FIXED = "cached", "measure", "fixed"
+MODES = (CACHED, MEASURE, FIXED)
+#: Row counts timed over all the layers' weights (decode batches: bound by reading the weights).
+DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)
+#: Row counts timed over ``PREFILL_LAYERS`` weights (prompt chunks: bound by arithmetic); a larger
+#: count takes the largest's choice.
+PREFILL_ROWS = (128, 256, 512)
+PREFILL_LAYERS = 2
+#: Rounds per row count, every candidate once a round (interleaved), the fastest of each kept:
+#: the least disturbed run on a shared machine.
+DECODE_ROUNDS = 5
+PREFILL_ROUNDS = 3
+#: A candidate this many times slower than the best at a row count is not timed at larger ones.
+PRUNE_RATIO = 4.0
+#: Passes this many times their fastest calls' sum (median): other work had the cores, the
+#: timing is not trusted beyond this process and is not cached.
+BUSY_SPREAD = 1.5
+#: At most this many bytes of a shape's weights are timed (the first layers'): bounds the
+#: temporary copies each candidate's layout needs.
+MEASURE_BYTES = 256 << 20
+CACHE_DIR_ENV = "FASTSERVE_GEMM_CHOICE_CACHE"
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "fastserve" / "gemm-choice"
+#: Rows beyond every range: what the last range covers.
+UNBOUNDED = 1 << 62
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GemmPolicy:
+    """How a model's GEMM paths are chosen (``engine.gemm_choice``, ``engine.batch_invariant``).
+    ``FIXED`` unless asked: a model built directly (tests, tools) takes the same paths on every
+    run; a server's config asks for ``CACHED`` by default."""
+
+    mode: str = FIXED
+    batch_invariant: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"gemm_choice must be one of {MODES}, got {self.mode!r}")
+
+
+@dataclass(frozen=True)
+class GemmChoice:
+    """The path per row count: ``ranges`` ``((max_rows, path), ...)`` ascending, the last one
+    covering every larger count."""
+
+    ranges: tuple[tuple[int, str], ...]
+
+    def __post_init__(self) -> None:
+        if not self.ranges or any(a[0] >= b[0] for a, b in zip(self.ranges, self.ranges[1:], strict=False)):
+            raise ValueError(f"GemmChoice ranges must be non-empty and ascending, got {self.ranges}")
+
+    @classmethod
+    def single(cls, path: str) -> GemmChoice:
+        return cls(((UNBOUNDED, path),))
+
+    @classmethod
+    def of_points(cls, points: Sequence[tuple[int, str]]) -> GemmChoice:
+        """From the fastest path at each measured row count (ascending): a count between two
+        measured ones takes the larger's; equal neighbours merge."""
+        ranges: list[tuple[int, str]] = []
+        for rows, path in points:
+            if ranges and ranges[-1][1] == path:
+                ranges[-1] = (rows, path)
+            else:
+                ranges.append((rows, path))
+        ranges[-1] = (UNBOUNDED, ranges[-1][1])
+        return cls(tuple(ranges))
+
+    def path(self, rows: int) -> str:
+        for max_rows, path in self.ranges:
+            if rows <= max_rows:
+                return path
+        return self.ranges[-1][1]
+
+    @property
+    def paths(self) -> frozenset[str]:
+        return frozenset(p for _, p in self.ranges)
+
+    def describe(self) -> str:
+        """``"1-4 dpbf16, 5-64 amx, 65+ onednn"``."""
+        parts, low = [], 1
+        for max_rows, path in self.ranges:
+            parts.append(f"{low}+ {path}" if max_rows == UNBOUNDED else f"{low}-{max_rows} {path}")
+            low = max_rows + 1
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class GemmRole:
+    """One shape of a model's GEMMs: every weight of it (one per layer, ``[out, in]``), what uses
+    it (for the report), and the most rows it is called with (the LM head: a decode batch)."""
+
+    label: str
+    weights: tuple[torch.Tensor, ...]
+    max_rows: int = UNBOUNDED
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weights[0].shape)  # type: ignore[return-value]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weights[0].dtype
+
+    def grid(self) -> tuple[int, ...]:
+        rows = tuple(r for r in (*DECODE_ROWS, *PREFILL_ROWS) if r <= self.max_rows)
+        return rows or (DECODE_ROWS[0],)
+
+
+#: One GEMM of a candidate on one weight (packed for it once): x -> x W^T.
+Call = Callable[[torch.Tensor], object]
+#: path -> (weights -> one Call per weight): a pass over the weights, call by call.
+Candidates = dict[str, Callable[[Sequence[torch.Tensor]], list[Call]]]
+
+
+@dataclass
+class _Report:
+    mode: str = FIXED
+    batch_invariant: bool = False
+    roles: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+_REPORT = _Report()
+#: Choices made in this process (key -> choice): every stage and executor built here agrees.
+_CHOSEN: dict[str, GemmChoice] = {}
+
+
+def report() -> dict[str, Any]:
+    """What this process chose, per shape (``/debug/engine``'s ``gemm_choice``)."""
+    return {"cpu": cpu_name(), "threads": torch.get_num_threads(), "mode": _REPORT.mode,
+            "batch_invariant": _REPORT.batch_invariant, "shapes": dict(_REPORT.roles)}
+
+
+def choose(role: GemmRole, candidates: Candidates, policy: GemmPolicy, fixed: str) -> GemmChoice:
+    """The path per row count for ``role``, among ``candidates`` (each a path this machine can run
+    for the role's shape), by ``policy``; ``fixed`` is the path ``FIXED`` mode takes."""
+    _REPORT.mode, _REPORT.batch_invariant = policy.mode, policy.batch_invariant
+    if policy.batch_invariant:
+        candidates = {p: c for p, c in candidates.items() if p in BATCH_INVARIANT_PATHS}
+        if not candidates:
+            raise ValueError(f"engine.batch_invariant needs a GEMM whose rows do not depend on the row count "
+                             f"({' or '.join(BATCH_INVARIANT_PATHS)}: our bf16 kernel, built with AVX-512 BF16), "
+                             f"and none runs a {role.dtype} {role.shape[0]}x{role.shape[1]} weight here")
+    if fixed not in candidates:
+        fixed = next(iter(candidates))
+    key = _key(role, sorted(candidates), policy.batch_invariant)
+    entry: dict[str, Any] = {"shape": f"{role.shape[0]}x{role.shape[1]}", "dtype": str(role.dtype).split(".")[-1],
+                             "used_by": role.label, "layers": len(role.weights)}
+    if len(candidates) == 1 or policy.mode == FIXED:
+        choice, entry["source"] = GemmChoice.single(fixed), FIXED
+    elif key in _CHOSEN:   # another stage of this process measured it (measure mode: once a process)
+        choice, entry["source"] = _CHOSEN[key], "this process"
+    elif policy.mode == CACHED and (cached := _read_cache(key)) is not None:
+        choice = GemmChoice(tuple((int(r), str(p)) for r, p in cached["ranges"]))
+        entry["source"], entry["timings_us"] = "cache", cached.get("timings_us")
+    else:
+        start = time.perf_counter()
+        timings, spread = _time_candidates(role, candidates)
+        choice = _pick(timings, policy.batch_invariant)
+        entry["source"], entry["measure_s"] = "measured", round(time.perf_counter() - start, 2)
+        entry["spread"] = round(spread, 2)
+        entry["timings_us"] = {str(r): {p: round(t * 1e6, 1) for p, t in ts.items()} for r, ts in timings.items()}
+        if spread <= BUSY_SPREAD:
+            _write_cache(key, {"ranges": [list(r) for r in choice.ranges], "timings_us": entry["timings_us"],
+                               "shape": entry["shape"], "dtype": entry["dtype"], "used_by": role.label})
+        else:
+            entry["source"] = "measured on a busy machine, not cached"
+            _log.warning("GEMM timing for %s %s was disturbed (passes %.1fx their fastest calls): its choice "
+                         "serves this process and is not cached", entry["dtype"], entry["shape"], spread)
+    _CHOSEN[key] = choice
+    entry["choice"] = choice.describe()
+    _REPORT.roles[key] = entry
+    _log.info("GEMM %s %s (%s, %d layers) on %s, %d threads: %s [%s%s]", entry["dtype"], entry["shape"], role.label,
+              len(role.weights), cpu_name(), torch.get_num_threads(), entry["choice"], entry["source"],
+              f" in {entry['measure_s']} s" if "measure_s" in entry else "")
+    return choice
+
+
+def _time_candidates(role: GemmRole, candidates: Candidates) -> tuple[dict[int, dict[str, float]], float]:
+    """Seconds of one pass over the weights per candidate and row count: each call timed on its
+    own, its fastest over the rounds kept, the pass their sum (a call the OS preempted in one round
+    counts its undisturbed time from another); and how disturbed the machine was (the median,
+    over row counts, of the winner's median pass over that sum). A candidate ``PRUNE_RATIO``
+    behind at one row count is not timed at larger ones."""
+    decode_layers = _decode_layers(role)
+    calls: dict[tuple[str, int], list[Call]] = {}
+    spreads: list[float] = []
+    live = list(candidates)
+    timings: dict[int, dict[str, float]] = {}
+    in_features = role.shape[1]
+    generator = torch.Generator().manual_seed(0)
+    clock = time.perf_counter
+    with torch.inference_mode():
+        for rows in role.grid():
+            layers = decode_layers if rows <= DECODE_ROWS[-1] else min(PREFILL_LAYERS, len(role.weights))
+            rounds = DECODE_ROUNDS if rows <= DECODE_ROWS[-1] else PREFILL_ROUNDS
+            x = torch.randn(rows, in_features, generator=generator).to(role.dtype)
+            for path in live:
+                if (path, layers) not in calls:
+                    calls[(path, layers)] = candidates[path](role.weights[:layers])
+                calls[(path, layers)][0](x)   # warm: first-call setup (oneDNN's primitive cache)
+            best = {p: [math.inf] * layers for p in live}
+            passes: dict[str, list[float]] = {p: [] for p in live}
+            for _ in range(rounds):
+                for path in live:
+                    fastest, total = best[path], 0.0
+                    for i, call in enumerate(calls[(path, layers)]):
+                        start = clock()
+                        call(x)
+                        took = clock() - start
+                        fastest[i], total = min(fastest[i], took), total + took
+                    passes[path].append(total)
+            timings[rows] = {p: sum(ts) for p, ts in best.items()}
+            least = min(timings[rows].values())
+            winner = min(timings[rows], key=timings[rows].__getitem__)
+            spreads.append(statistics.median(passes[winner]) / max(least, 1e-12))
+            live = [p for p in live if timings[rows][p] <= PRUNE_RATIO * least]
+    return timings, statistics.median(spreads)
+
+
+def _decode_layers(role: GemmRole) -> int:
+    """How many of the role's weights a decode row count is timed over: all, up to MEASURE_BYTES."""
+    per_weight = role.weights[0].numel() * role.weights[0].element_size()
+    return max(1, min(len(role.weights), MEASURE_BYTES // max(per_weight, 1)))
+
+
+def _pick(timings: dict[int, dict[str, float]], single: bool) -> GemmChoice:
+    """The fastest path per row count; with ``single``, the one path whose times are closest to
+    the fastest over all the row counts (the sum of log ratios, so each count weighs alike)."""
+    if single:
+        paths = set.intersection(*(set(ts) for ts in timings.values()))
+
+        def cost(path: str) -> float:
+            return sum(math.log(ts[path] / min(ts.values())) for ts in timings.values())
+
+        return GemmChoice.single(min(sorted(paths), key=cost))
+    return GemmChoice.of_points([(rows, min(ts, key=ts.__getitem__)) for rows, ts in sorted(timings.items())])
+
+
+# ---- the cache ------------------------------------------------------------------------------
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR)
+
+
+def cache_file() -> Path:
+    """This CPU's cache file: its model string (and a hash of its flags: a VM may name different
+    CPUs alike)."""
+    name = re.sub(r"[^A-Za-z0-9]+", "-", cpu_name()).strip("-")[:80]
+    flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
+    return _cache_dir() / f"{name}-{flags}.json"
+
+
+def _key(role: GemmRole, candidates: list[str], invariant: bool) -> str:
+    source = hashlib.sha256(LINEAR_SOURCE.read_bytes()).hexdigest()[:12] if LINEAR_SOURCE.exists() else ""
+    parts = {"shape": list(role.shape), "dtype": str(role.dtype), "layers": _decode_layers(role),
+             "grid": list(role.grid()), "threads": torch.get_num_threads(), "torch": torch.__version__,
+             "kernel": source,
+             "candidates": candidates, "invariant": invariant}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _read_all(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data.get("entries", {}) if isinstance(data, dict) else {}
+
+
+def _read_cache(key: str) -> dict[str, Any] | None:
+    entry = _read_all(cache_file()).get(key)
+    return entry if isinstance(entry, dict) and entry.get("ranges") else None
+
+
+def _write_cache(key: str, entry: dict[str, Any]) -> None:
+    """Add ``entry`` to this CPU's file, atomically (a reader sees the old file or the new one);
+    a failure to write is logged, never raised: the choice stands for this process."""
+    path = cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        entries = _read_all(path)
+        entries[key] = entry
+        fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as out:
+                json.dump({"cpu": cpu_name(), "entries": entries}, out, indent=1)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except OSError as exc:
+        _log.warning("could not write the GEMM choice cache %s: %s", path, exc)
