@@ -314,6 +314,7 @@ def test_two_model_copies_each_with_a_ray_pipeline(tmp_path: Path) -> None:
     """Engine ``num_replicas: 2`` with PP 2: each copy places its stage workers in its own
     placement group (bundle 0 = replica, 1..2 = stages) and serves the same tokens as one
     in-process model. Runs before the demo server starts, so the two never share the box."""
+    from fastserve.engine.delivery import JobStream, LocalStream
     from fastserve.engine.replica import EngineReplica
 
     args = dummy_opt_yaml()["applications"][0]["args"]
@@ -325,8 +326,8 @@ def test_two_model_copies_each_with_a_ray_pipeline(tmp_path: Path) -> None:
             for prompt in PIPELINE_PROMPTS:
                 req = JobRequest(prompt, tuple(TOK.encode(prompt)),
                                  SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
-                items = [x async for x in replica.generate(req)]
-                out.append([t for i in items for t in i.token_ids])
+                deltas = [d async for d in JobStream(req.job_id, LocalStream(replica.generate(req)))]
+                out.append([t for d in deltas for t in d.token_ids])
             return out
         finally:
             await replica.close()
