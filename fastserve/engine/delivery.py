@@ -7,8 +7,8 @@ the last with its ``Finish``. Once an ingress replica has a channel open to the 
 travel there instead, every job's in one message per engine step; their own streams stay open,
 silent, so cancelling one still aborts its job (client gone, stop string), and Serve still routes,
 counts and drains by them. One stream per job for everything would cost one stream item per job
-per step: 3.8-5.4x the engine replica's CPU per step at 16-64 jobs, and a delay that grows with
-the batch (``fastserve.bench.delivery_bench``, docs/benchmarks.md).
+per step: several times the engine replica's CPU per step, and a delay that grows with the batch
+(measured by ``fastserve.bench.delivery_bench``; docs/benchmarks.md).
 
 Owns both ends, and neither imports ray:
 

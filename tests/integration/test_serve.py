@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from fastserve.config import AppArgs
-from fastserve.scheduler.job import JobRequest, TokenDelta
+from fastserve.scheduler.job import JobRequest
 from fastserve.worker.messages import SamplingParams
 from tests.harness import metrics_view
 from tests.harness.metrics_view import Scrape
@@ -228,8 +228,12 @@ def test_delivery_channel_carries_exact_tokens_one_message_per_step_and_breaking
 def test_an_idle_delivery_channel_ends_at_both_ends_and_the_next_job_reopens_it() -> None:
     """With ``server.channel_idle_close_s``, the engine replica ends a channel with no job on
     it (so Serve's drain of that replica is not held by it), not one with a job running; the
-    ingress's next job there travels on its own stream and opens a new channel."""
-    from fastserve.engine.delivery import ChannelClient, LocalStream
+    ingress's next job there travels on its own stream and opens a new channel.
+
+    Nothing here assumes a step is quicker than the idle time: on a loaded machine a channel
+    opened by a job on its own stream idles out before that job's two tokens come, so the test
+    watches each channel open and close rather than catch it open."""
+    from fastserve.engine.delivery import ChannelClient, JobStream, LocalStream
     from fastserve.engine.replica import EngineReplica
 
     raw = dummy_opt_yaml()["applications"][0]["args"]
@@ -237,42 +241,56 @@ def test_an_idle_delivery_channel_ends_at_both_ends_and_the_next_job_reopens_it(
 
     async def run() -> None:
         replica = await EngineReplica.create(raw)
-        client = ChannelClient("ingress-1", lambda ingress, replica_id, channel_id: LocalStream(
-            replica.subscribe(ingress, channel_id, replica_id)), open_timeout_s=30)
+        opened: list[str] = []
 
-        async def tokens(prompt: str, n: int) -> tuple[bool, list[TokenDelta]]:
-            """Whether the job's deltas came on the channel, and the deltas."""
+        def open_channel(ingress: str, replica_id: str, channel_id: str) -> Any:
+            opened.append(channel_id)
+            return LocalStream(replica.subscribe(ingress, channel_id, replica_id))
+
+        client = ChannelClient("ingress-1", open_channel, open_timeout_s=30)
+
+        async def submit(prompt: str, n: int) -> JobStream:
             req = JobRequest(f"{prompt}-{n}", tuple(TOK.encode(prompt)),
                              SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
             stream = client.submit(req.job_id, lambda: LocalStream(replica.generate(req, client.ingress_id)))
             assert await stream.start() is None
-            return stream.on_channel, [d async for d in stream]
+            return stream
 
-        async def until(what: str, check: Callable[[], bool]) -> None:
+        async def read(stream: JobStream) -> tuple[int, str | None]:
+            deltas = [d async for d in stream]
+            return sum(len(d.token_ids) for d in deltas), deltas[-1].finish_reason
+
+        async def at_engine() -> bool:
+            return client.ingress_id in (await replica.stats())["delivery_channels"]
+
+        async def gone_at_engine() -> bool:
+            return not await at_engine()
+
+        async def until(what: str, check: Callable[[], Any]) -> None:
+            """Until ``check()`` (a bool, or a coroutine of one) holds; 30 s at most."""
             deadline = time.monotonic() + 30
-            while not check():
+            while not ((await ok) if asyncio.iscoroutine(ok := check()) else ok):
                 assert time.monotonic() < deadline, what
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.005)
 
         try:
-            on_channel, first = await tokens("Opening", 2)   # on its own stream; opens the channel
-            assert not on_channel and sum(len(d.token_ids) for d in first) == 2
-            await until("the channel open", lambda: bool(client.live_channels))
-            (channel_id,) = client.live_channels.values()
-            # A job far longer than the idle time keeps the channel: it ends with every token.
-            on_channel, long = await tokens("A long one", 40)
-            assert on_channel and client.live_channels == {replica.replica_id: channel_id}
-            assert long[-1].finish_reason == "length"
-            assert sum(len(d.token_ids) for d in long) == 40 and client.messages >= 2
-            # Then nothing: both ends drop it within the idle time (+ the loop's wake-ups).
-            await until("the channel closed at the ingress", lambda: not client.live_channels)
-            assert (await replica.stats())["delivery_channels"] == {}
-            # The next job travels on its own stream and reopens a channel.
-            on_channel, again = await tokens("Again", 3)
-            assert not on_channel and again[-1].finish_reason == "length"
-            assert sum(len(d.token_ids) for d in again) == 3
-            await until("a new channel", lambda: bool(client.live_channels))
-            assert client.live_channels[replica.replica_id] != channel_id
+            # The first job travels on its own stream and opens a channel, which has no job:
+            # both ends drop it within the idle time (+ the loop's wake-ups).
+            first = await submit("Opening", 2)
+            assert not first.on_channel
+            await until("a channel opened", lambda: bool(opened))
+            await until("the idle channel ended at the engine replica", gone_at_engine)
+            await until("the idle channel ended at the ingress", lambda: not client.live_channels)
+            assert await read(first) == (2, "length")
+            # The next job travels on its own stream and opens a new channel; a job accepted on
+            # it keeps it open while it runs, however much longer than the idle time.
+            again = await submit("Again", 3)
+            assert not again.on_channel
+            await until("a new channel at the engine replica", at_engine)
+            long = await submit("A long one", 40)
+            assert long.on_channel and len(opened) == 2 and opened[0] != opened[1]
+            assert await read(long) == (40, "length") and await read(again) == (3, "length")
+            assert client.live_channels == {replica.replica_id: opened[1]} and client.messages >= 2
         finally:
             await client.close()
             await replica.close()
@@ -296,6 +314,7 @@ def test_two_model_copies_each_with_a_ray_pipeline(tmp_path: Path) -> None:
     """Engine ``num_replicas: 2`` with PP 2: each copy places its stage workers in its own
     placement group (bundle 0 = replica, 1..2 = stages) and serves the same tokens as one
     in-process model. Runs before the demo server starts, so the two never share the box."""
+    from fastserve.engine.delivery import JobStream, LocalStream
     from fastserve.engine.replica import EngineReplica
 
     args = dummy_opt_yaml()["applications"][0]["args"]
@@ -307,8 +326,8 @@ def test_two_model_copies_each_with_a_ray_pipeline(tmp_path: Path) -> None:
             for prompt in PIPELINE_PROMPTS:
                 req = JobRequest(prompt, tuple(TOK.encode(prompt)),
                                  SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
-                items = [x async for x in replica.generate(req)]
-                out.append([t for i in items for t in i.token_ids])
+                deltas = [d async for d in JobStream(req.job_id, LocalStream(replica.generate(req)))]
+                out.append([t for d in deltas for t in d.token_ids])
             return out
         finally:
             await replica.close()
