@@ -71,7 +71,7 @@ class PackagedGGUF:
     def path(self, scratch: Path) -> Path:
         """The GGUF file: in the package, or assembled (and checked) from its chunks into ``scratch``."""
         if self.assembled:
-            self.package_dir()
+            self.package_dir()   # not installed: the error names the pip command
             assembler = importlib.import_module(self.package)
             return Path(assembler.assemble(scratch / self.filename, overwrite=True))
         path = self.package_dir() / self.filename
