@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from fastserve.engine.offline import load_app_args
 from fastserve.worker.executor import InProcessExecutor
 from fastserve.worker.model.gemma3_config import FULL, SLIDING, Gemma3Config
 from fastserve.worker.spec import ModelSpec
@@ -31,6 +32,7 @@ from tests.harness.gemma3 import (
 from tests.harness.greedy import greedy_until_stop
 from tests.harness.hf_reference import Reference, assert_same_tokens, hf_greedy_reference
 
+ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 16
 #: Five jobs of at most 620 + 16 tokens: 40 blocks each at most.
 NUM_DEVICE_BLOCKS = 128
@@ -74,6 +76,12 @@ def test_model_config_is_gemma3_270m(config: Gemma3Config, prompts: list[list[in
         (262144, 512, 256, 10000.0, 1000000.0)
     assert c.layer_types == ((SLIDING,) * 5 + (FULL,)) * 3
     assert len(prompts[-1]) > c.sliding_window   # the long prompt outgrows the window
+
+
+def test_demo_config_serves_the_folder_and_stops_on_both_end_tokens(folder: Path) -> None:
+    args = load_app_args(ROOT / "config" / "gemma3-demo.yaml")
+    assert Path(args.model.config_path).resolve() == folder.resolve()
+    assert args.model.eos_token_ids() == frozenset({1, END_OF_TURN})   # <eos>, <end_of_turn>
 
 
 def test_reference_has_no_ties(references: dict[str, Reference]) -> None:
