@@ -6,7 +6,8 @@ interleaved (local and global rotary bases, linear rope scaling on the global on
 ``query_pre_attn_scalar`` unlike ``head_dim``, grouped-query attention, the four norms per layer,
 final logit soft-capping. Logits agree on a prefill, on a mixed decode + prefill step and on
 chunked prefills that continue a cached prefix across the window; greedy generation of a batch
-gives exactly ``generate``'s tokens, also through a swap to the host pool and back. The windowed
+gives exactly ``generate``'s tokens, also through a swap to the host pool and back, and at tensor
+parallel size 2 over gloo (2 query heads and 1 of the 2 KV heads per rank). The windowed
 kernels are checked apart against a dense mask. Nothing is downloaded.
 """
 
@@ -28,6 +29,7 @@ from fastserve.worker.model.gemma3_config import FULL, SLIDING, Gemma3Config
 from fastserve.worker.model.llama_config import RopeScaling
 from fastserve.worker.spec import ModelSpec
 from tests.harness.engine_driver import Driver
+from tests.harness.tensor_parallel import RankPools, run_tensor_parallel
 
 WINDOW = 8
 TINY_GEMMA3 = Gemma3Config(
@@ -48,6 +50,8 @@ NORM_STD = 0.1
 #: fp32 on both sides, the same ops in a different grouping: agreement to float32 rounding
 #: accumulated over 4 layers and a 320-wide head.
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
+#: Each TP rank's KV store: the same pools as ``executor_for``'s.
+TP_POOLS = RankPools(BLOCK_SIZE, num_device_blocks=96, num_host_blocks=48)
 
 
 def hf_model(config: Gemma3Config) -> transformers.PreTrainedModel:
@@ -185,3 +189,21 @@ def test_greedy_batch_matches_generate_through_a_swap(pair: tuple[transformers.P
     assert {j: job.generated for j, job in plain.jobs.items()} == expected
     assert {j: job.generated for j, job in swapped.jobs.items()} == expected
     assert swapped.swaps == {"out": 1, "in": 1}
+
+
+def _greedy_batch(driver: Driver) -> dict[str, list[int]]:
+    """A TP rank's work (module level, so it pickles into the spawned rank processes)."""
+    for i, p in enumerate(PROMPTS):
+        driver.add(str(i), p, GREEDY)
+    for _ in range(NEW_TOKENS):
+        driver.step(list(driver.jobs))
+    return {j: job.generated for j, job in driver.jobs.items()}
+
+
+def test_tensor_parallel_2_matches_generate(pair: tuple[transformers.PreTrainedModel, Path]) -> None:
+    hf, path = pair
+    expected = {str(i): hf_greedy(hf, p, NEW_TOKENS) for i, p in enumerate(PROMPTS)}
+    ranks = run_tensor_parallel(TINY_GEMMA3, path, _greedy_batch, TP_POOLS)
+    for rank, result in ranks.items():
+        assert result.local_heads == (2, 1), f"rank {rank}"
+        assert result.result == expected, f"rank {rank}"
