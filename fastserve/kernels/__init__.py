@@ -28,6 +28,9 @@ Which implementation runs:
   fp16/bf16 CUDA tensors, the CuPy kernels usable, torch's varlen flash kernel present) is one
   FlashAttention-2 varlen call per layer over every prompt and chunk, a chunk's cached prefix
   gathered from the paged cache in one CuPy launch (``fastserve.kernels.varlen``).
+* A sliding window (``window``, Gemma's local layers) is honoured by the torch reference only:
+  every attention call given one runs there. Callers pass it only where it cuts some context
+  (``fastserve.worker.model.attention``), so short contexts keep the C and CUDA kernels.
 * ``context_prefill_attention`` (chunked prefill: chunks that continue a cached prefix; start 0
   is a whole prompt) on a bf16 CPU query and cache runs the C kernel in
   ``fastserve/kernels/cpu/prefill_attention_bf16.c`` (``fastserve.kernels.cpu_prefill``; flash-style, reading every
@@ -238,6 +241,7 @@ def prefill_attention(
     value: torch.Tensor,
     cu_seqlens: torch.Tensor | Sequence[int],
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Varlen causal self-attention over the new tokens of packed sequences.
 
@@ -247,9 +251,9 @@ def prefill_attention(
     cumulative starts, host-side ints (a device tensor works but costs a host sync per call).
     Token t of a sequence attends to tokens 0..t of the same sequence; scores are
     ``scale * q.k``, softmax in float32. Returns ``[num_tokens, num_heads, head_dim]`` in the
-    input dtype.
+    input dtype. With ``window``, token t attends to the last ``window`` tokens up to itself only.
     """
-    return reference.prefill_attention(query, key, value, cu_seqlens, scale)
+    return reference.prefill_attention(query, key, value, cu_seqlens, scale, window)
 
 
 def context_prefill_attention(
@@ -262,6 +266,7 @@ def context_prefill_attention(
     start_positions: Sequence[int],
     block_tables: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Prefill attention where a sequence may continue a cached prefix (chunked prefill).
 
@@ -272,15 +277,15 @@ def context_prefill_attention(
     (int32 ``[B, max_blocks]``, padded with 0). Start 0 is plain causal prefill. Returns
     ``[num_tokens, num_heads, head_dim]`` in the input dtype. The new tokens' K/V must already
     be in the cache at their positions (the C kernel reads them there; the reference from
-    ``key``/``value``).
+    ``key``/``value``). ``window``: as ``prefill_attention``'s (the reference runs).
     """
-    if prefill_reads_cache(query, key_cache):
+    if window is None and prefill_reads_cache(query, key_cache):
         from fastserve.kernels import cpu_prefill
 
         return cpu_prefill.context_prefill_attention(query, key_cache, value_cache, cu_seqlens, start_positions,
                                                      block_tables, scale)
     return reference.context_prefill_attention(query, key, value, key_cache, value_cache,
-                                               cu_seqlens, start_positions, block_tables, scale)
+                                               cu_seqlens, start_positions, block_tables, scale, window)
 
 
 def prefill_reads_cache(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
@@ -336,6 +341,7 @@ def paged_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Decode attention: one query token per sequence over its paged KV (already written).
 
@@ -344,8 +350,11 @@ def paged_attention(
     ``h // (num_heads // num_kv_heads)``, in every backend); ``block_tables``: int32 ``[B, max_blocks_per_seq]``
     (padded with 0); ``context_lens``: int32 ``[B]`` (>= 1). Sequence b attends to positions
     ``0..context_lens[b]-1``; position p lives in block ``block_tables[b, p // block_size]`` at
-    offset ``p % block_size``. Returns ``[B, num_heads, head_dim]`` in the input dtype.
+    offset ``p % block_size``. Returns ``[B, num_heads, head_dim]`` in the input dtype. With
+    ``window``, sequence b attends to its last ``window`` positions only (the reference runs).
     """
+    if window is not None:
+        return reference.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, window)
     backend = paged_attention_backend(query, key_cache)
     if backend == CPU_BACKEND:
         from fastserve.kernels import cpu_ops

@@ -7,8 +7,11 @@ public counterpart in ``fastserve/kernels/__init__.py``; see there for the contr
 Attention math follows Hugging Face OPT/LLaMA: scores and softmax in float32 whatever the input
 dtype, output cast back to the input dtype. Grouped-query attention: keys/values (and the caches)
 may have ``num_kv_heads`` heads, a divisor of the query's ``num_heads``; query head ``h`` reads KV
-head ``h // (num_heads // num_kv_heads)``. Half-precision inputs are upcast before the matmuls so the
-reference is at least as accurate as the kernels it checks (and CPU fp16/bf16 matmuls are slow).
+head ``h // (num_heads // num_kv_heads)``. A sliding window (``window``: Gemma's local layers, Mistral's)
+lets the token at position ``p`` attend only to positions ``p - window + 1 .. p``, as
+transformers' ``sliding_window_overlay`` does; None is full causal attention. Half-precision inputs
+are upcast before the matmuls so the reference is at least as accurate as the kernels it checks
+(and CPU fp16/bf16 matmuls are slow).
 """
 
 from __future__ import annotations
@@ -80,10 +83,20 @@ def _heads_first(tokens: torch.Tensor, dtype: torch.dtype, repeat: int = 1) -> t
     return out.repeat_interleave(repeat, dim=1) if repeat > 1 else out
 
 
+def _allowed(rows: int, past: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """Which keys each query row sees: a boolean ``[rows, past + rows]``; row i sits at position
+    ``past + i`` and sees keys ``0 .. past + i``, the last ``window`` of them where a window is set."""
+    query_pos = torch.arange(rows, device=device)[:, None] + past
+    key_pos = torch.arange(past + rows, device=device)[None, :]
+    allowed = key_pos <= query_pos
+    return allowed if window is None else allowed & (key_pos > query_pos - window)
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float,
-            dtype: torch.dtype) -> torch.Tensor:
+            dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
     """One sequence: q ``[L, H, D]`` at positions ``past ..``, k/v ``[past + L, KV, D]`` →
-    ``[L, H, D]``; causal with the query rows aligned to the end (lower-right)."""
+    ``[L, H, D]``; causal with the query rows aligned to the end (lower-right), within the last
+    ``window`` positions where set."""
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     # On CUDA the KV heads are repeated to the query's: GQA is not taken by every fused kernel
     # (e.g. the memory-efficient one, which fp32 needs), and the copy is [L, H, D], like q's.
@@ -91,11 +104,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale:
     repeat = num_heads // num_kv_heads if q.is_cuda else 1
     grouped = num_heads != num_kv_heads and repeat == 1
     q4, k4, v4 = _heads_first(q, dtype), _heads_first(k, dtype, repeat), _heads_first(v, dtype, repeat)
-    if past:
-        # Query row i sits at position past + i and sees keys 0 .. past + i. A boolean [L, past + L]
-        # mask, shared by every head: the fused kernels that take masks (CUDA memory-efficient,
-        # CPU flash) accept it.
-        allowed = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).tril(diagonal=past)
+    if window is not None and past + q.shape[0] <= window:
+        window = None   # every key is inside the window: plain causal attention
+    if past or window is not None:
+        # A boolean [L, past + L] mask, shared by every head: the fused kernels that take masks
+        # (CUDA memory-efficient, CPU flash) accept it.
+        allowed = _allowed(q.shape[0], past, window, q.device)
         out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=allowed, scale=scale, enable_gqa=grouped)
     else:
         out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=grouped)
@@ -108,6 +122,7 @@ def prefill_attention(
     value: torch.Tensor,
     cu_seqlens: torch.Tensor | Sequence[int],
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Varlen causal self-attention over packed sequences: q [T, H, D], k/v [T, KV, D] -> [T, H, D]."""
     out = torch.empty_like(query)
@@ -115,7 +130,8 @@ def prefill_attention(
     check_kv_heads(query.shape[1], key.shape[1])
     for start, end in _sequence_bounds(cu_seqlens):
         if end > start:
-            out[start:end] = _attend(query[start:end], key[start:end], value[start:end], 0, scale, compute_dtype)
+            out[start:end] = _attend(query[start:end], key[start:end], value[start:end], 0, scale, compute_dtype,
+                                     window)
     return out
 
 
@@ -129,6 +145,7 @@ def context_prefill_attention(
     start_positions: Sequence[int],
     block_tables: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Prefill attention of packed sequences that may continue a cached prefix (chunked
     prefill): q [T, H, D], k/v [T, KV, D] -> [T, H, D].
@@ -153,7 +170,7 @@ def context_prefill_attention(
             past_k = key_cache[blocks].reshape(-1, heads, dim)[:past].to(device=k.device, dtype=k.dtype)
             past_v = value_cache[blocks].reshape(-1, heads, dim)[:past].to(device=v.device, dtype=v.dtype)
             k, v = torch.cat([past_k, k]), torch.cat([past_v, v])
-        out[start:end] = _attend(query[start:end], k, v, past, scale, compute_dtype)
+        out[start:end] = _attend(query[start:end], k, v, past, scale, compute_dtype, window)
     return out
 
 
@@ -164,9 +181,10 @@ def paged_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query per sequence over its paged context: [B, H, D] -> [B, H, D]
-    (caches hold ``KV`` heads, a divisor of ``H``)."""
+    (caches hold ``KV`` heads, a divisor of ``H``); within the last ``window`` positions where set."""
     block_size = key_cache.shape[1]
     context_lens = context_lens.to(device=query.device, dtype=torch.long)
     # Only gather the blocks the longest context needs, not the whole padded table.
@@ -190,10 +208,13 @@ def paged_attention(
     tail = past_context[:, shortest:, None, None]
     keys[:, shortest:].masked_fill_(tail, 0.0)
     values[:, shortest:].masked_fill_(tail, 0.0)
+    hidden = past_context
+    if window is not None:   # the query sits at context_len - 1: keys before context_len - window are out
+        hidden = past_context | (position_ids[None, :] < context_lens[:, None] - window)
     out = F.scaled_dot_product_attention(
         query.to(compute_dtype).unsqueeze(2),  # [B, H, 1, D]
         keys.transpose(1, 2), values.transpose(1, 2),  # [B, KV, positions, D] views
-        attn_mask=~past_context[:, None, None, :], scale=scale, enable_gqa=num_heads != num_kv_heads,
+        attn_mask=~hidden[:, None, None, :], scale=scale, enable_gqa=num_heads != num_kv_heads,
     ).squeeze(2)
     return out.to(query.dtype)
 

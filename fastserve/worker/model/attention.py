@@ -7,7 +7,9 @@ decode attention over the decode part. A model computes q/k/v (and applies its o
 scheme, e.g. rotary embeddings, before calling) and projects the result; the batch layout and the
 cache are this function's business. Grouped-query attention is the kernels' business: ``key`` and
 ``value`` may carry fewer heads than ``query`` (a divisor of them); query head ``h`` reads KV head
-``h // (num_heads / num_kv_heads)``.
+``h // (num_heads / num_kv_heads)``. A sliding window (``window``: Gemma 3's local layers) is
+passed to the kernels only for the part of the batch whose context it cuts, so windowed layers
+take the fast kernels (which know no window) while every context fits in the window.
 """
 
 from __future__ import annotations
@@ -20,29 +22,49 @@ from fastserve.worker.model.batch import ForwardBatch
 
 def paged_self_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          layer_cache: torch.Tensor, batch: ForwardBatch,
-                         scale: float) -> torch.Tensor:
+                         scale: float, window: int | None = None) -> torch.Tensor:
     """Attention of every token of ``batch``: ``query [T, H, D]``, ``key``/``value [T, KV, D]`` →
     ``[T, H, D]``.
 
     ``layer_cache`` is one layer's view ``[num_blocks, 2, block_size, KV, D]`` of the
-    stage's block-major cache; the new K/V are written into it first.
+    stage's block-major cache; the new K/V are written into it first. ``window``: each token
+    attends to the last ``window`` positions up to itself only; None is full causal attention.
     """
     key_cache, value_cache = layer_cache[:, 0], layer_cache[:, 1]
     kernels.write_kv(key_cache, value_cache, key, value, batch.slot_mapping)
     p = batch.num_prefill_tokens
     parts = []
     if p:
-        parts.append(_prefill(query[:p], key[:p], value[:p], key_cache, value_cache, batch, scale))
+        parts.append(_prefill(query[:p], key[:p], value[:p], key_cache, value_cache, batch, scale,
+                              _prefill_window(batch, window)))
     if batch.num_decode:
         parts.append(kernels.paged_attention(query[p:], key_cache, value_cache,
                                              batch.decode_block_tables, batch.decode_context_lens,
-                                             scale))
+                                             scale, _decode_window(batch, window)))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _prefill_window(batch: ForwardBatch, window: int | None) -> int | None:
+    """``window`` where some prefill token sits at or past it (its context is cut), else None."""
+    if window is None:
+        return None
+    bounds = batch.prefill_cu_seqlens
+    starts = batch.prefill_start_pos or (0,) * (len(bounds) - 1)
+    longest = max((s + b - a for s, a, b in zip(starts, bounds[:-1], bounds[1:], strict=True)), default=0)
+    return window if longest > window else None
+
+
+def _decode_window(batch: ForwardBatch, window: int | None) -> int | None:
+    """``window`` where some decode context is longer than it, else None (a host read of the
+    lengths: one sync per windowed layer on CUDA, where the reference then runs anyway)."""
+    if window is None or not batch.num_decode:
+        return None
+    return window if int(batch.decode_context_lens.max()) > window else None
 
 
 def _prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              key_cache: torch.Tensor, value_cache: torch.Tensor, batch: ForwardBatch,
-             scale: float) -> torch.Tensor:
+             scale: float, window: int | None) -> torch.Tensor:
     tables = batch.prefill_block_tables
     if (tables is not None and batch.prefill_cu_q is not None and batch.prefill_cu_k is not None
             and kernels.varlen_prefill_supported(query, key_cache)):
@@ -53,7 +75,7 @@ def _prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     # Where the kernel reads keys and values from the cache (just written above), every prefill
     # goes through it; otherwise only chunks that continue a cached prefix need the cache.
     if tables is None or not (any(batch.prefill_start_pos) or kernels.prefill_reads_cache(query, key_cache)):
-        return kernels.prefill_attention(query, key, value, batch.prefill_cu_seqlens, scale)
+        return kernels.prefill_attention(query, key, value, batch.prefill_cu_seqlens, scale, window)
     return kernels.context_prefill_attention(query, key, value, key_cache, value_cache,
                                              batch.prefill_cu_seqlens, batch.prefill_start_pos,
-                                             tables, scale)
+                                             tables, scale, window)

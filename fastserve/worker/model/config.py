@@ -4,7 +4,8 @@
 
 Only what the forward pass needs; everything else in the JSON is ignored. Owned here so that the
 model, the weight loader, the KV store sizing, the profiler and the control plane agree on one
-definition. The LLaMA family's config lives in ``fastserve.worker.model.llama_config``. No torch here: the
+definition. The LLaMA family's config lives in ``fastserve.worker.model.llama_config``, Gemma 3's in
+``fastserve.worker.model.gemma3_config``. No torch here: the
 control plane imports this module to validate its settings.
 """
 
@@ -27,7 +28,7 @@ class ModelConfig(Protocol):
     def name(self) -> str: ...
     @property
     def architecture(self) -> str:
-        """The model family (``"opt"``, ``"llama"``): which stage class serves it."""
+        """The model family (``"opt"``, ``"llama"``, ``"gemma3"``): which stage class serves it."""
         ...
     @property
     def vocab_size(self) -> int: ...
@@ -173,6 +174,8 @@ class OPTConfig:
 #: ``model_type`` values of config.json, by the architecture that serves them.
 OPT_MODEL_TYPES = frozenset({"opt"})
 LLAMA_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+#: Gemma 3's text model (the multimodal ``gemma3`` wraps one in a vision model: not served).
+GEMMA3_MODEL_TYPES = frozenset({"gemma3_text"})
 
 
 def read_config_json(path: str | Path) -> tuple[dict[str, Any], str]:
@@ -196,7 +199,11 @@ def model_config_from_dict(raw: dict[str, Any], name: str = "model") -> ModelCon
         from fastserve.worker.model.llama_config import LlamaConfig
 
         return LlamaConfig.from_dict(raw, name=name)
-    known = sorted(OPT_MODEL_TYPES | LLAMA_MODEL_TYPES)
+    if model_type in GEMMA3_MODEL_TYPES:
+        from fastserve.worker.model.gemma3_config import Gemma3Config
+
+        return Gemma3Config.from_dict(raw, name=name)
+    known = sorted(OPT_MODEL_TYPES | LLAMA_MODEL_TYPES | GEMMA3_MODEL_TYPES)
     raise ValueError(f"unsupported model_type {model_type!r} in config {name!r}: supported are {known}")
 
 

@@ -1,0 +1,226 @@
+"""Gemma 3's text decoder, written for serving: one pipeline stage, one tensor-parallel shard, paged
+KV — the machinery of ``fastserve.worker.model.llama``, with Gemma 3's own layer.
+
+What differs from the LLaMA layer (``fastserve.worker.model.gemma3_config`` holds the settings):
+
+* the token embedding is multiplied by ``sqrt(hidden_size)`` (rounded to the weights' dtype, as
+  transformers does);
+* every RMSNorm scales by ``1 + weight`` and stays in float32 until after the scale
+  (``GemmaRMSNorm``); q and k are normed per head (QK norm) before the rotation;
+* each layer norms its attention output and its MLP output too (post-attention and
+  post-feedforward norms) before the residual adds, and norms the MLP's input apart
+  (pre-feedforward norm);
+* the MLP is ``down(gelu_tanh(gate(x)) * up(x))``;
+* sliding-window layers attend to the last ``sliding_window`` positions with the local rotary
+  base; global layers attend to every position with the global base (and its rope scaling);
+* queries are scaled by ``query_pre_attn_scalar ** -0.5``; final logits are soft-capped
+  (``cap * tanh(logits / cap)``) where ``final_logit_softcapping`` is set.
+
+Tensor parallelism splits heads and MLP columns as the LLaMA stage does (q/gate/up column-parallel,
+o/down row-parallel with an all-reduce, K/V heads split or replicated); the QK norms act per head
+and are replicated. Module names mirror transformers' ``Gemma3TextModel``, so checkpoint names map
+one-to-one. The layers run module by module (no fused C step: that run is the LLaMA layer's).
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastserve.worker.model.attention import paged_self_attention
+from fastserve.worker.model.batch import ForwardBatch
+from fastserve.worker.model.gemma3_config import FULL, SLIDING, Gemma3Config
+from fastserve.worker.model.layout import WeightLayout
+from fastserve.worker.model.linear import (
+    MergedLinear,
+    PackedWeight,
+    ServingLinear,
+    multiply_widened,
+    pack_linears,
+    pack_weight,
+    place_on_huge_pages,
+)
+from fastserve.worker.model.opt import AllReduce
+from fastserve.worker.model.rope import Rotary
+from fastserve.worker.model.shard import StageShard
+
+#: Checkpoint names: ``model.*``; the LM head is the embedding (tied), never stored apart. Norm
+#: weights are offsets from 1: a dummy model's are zeros (the identity scale).
+GEMMA3_WEIGHTS = WeightLayout(
+    prefixes=("model.",),
+    column_parallel=("self_attn.q_proj.", "mlp.gate_proj.", "mlp.up_proj."),
+    row_parallel=("self_attn.o_proj.weight", "mlp.down_proj.weight"),
+    kv_parallel=("self_attn.k_proj.", "self_attn.v_proj."),
+    skipped=("lm_head.weight",),
+    zeros=(".bias", "norm.weight", "layernorm.weight"),
+)
+
+
+def _no_reduce(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class GemmaRMSNorm(nn.Module):
+    """RMSNorm scaled by ``1 + weight``, all in float32, cast back last (transformers' Gemma 3
+    norm, bit for bit: ``F.rms_norm`` without a weight is its pow/mean/rsqrt/mul)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def _reduce_then_bias(out: torch.Tensor, layer: ServingLinear, all_reduce: AllReduce) -> torch.Tensor:
+    """A row-parallel layer's partial sums, reduced over the ranks; its bias added exactly once."""
+    out = all_reduce(out)
+    return out if layer.bias is None else out + layer.bias
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Gemma3Config, shard: StageShard, all_reduce: AllReduce, window: int | None) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads // shard.tp_size
+        self.num_kv_heads = config.kv_heads_per_rank(shard.tp_size)
+        self.scale = config.attention_scale
+        self.window = window
+        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = config.attention_bias
+        self.q_proj = ServingLinear(config.hidden_size, q_width, bias=bias)
+        self.k_proj = ServingLinear(config.hidden_size, kv_width, bias=bias)
+        self.v_proj = ServingLinear(config.hidden_size, kv_width, bias=bias)
+        self.o_proj = ServingLinear(q_width, config.hidden_size, bias=bias)
+        self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
+        self.qkv = MergedLinear(self.q_proj, self.k_proj, self.v_proj)
+        self.all_reduce = all_reduce
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, layer_cache: torch.Tensor,
+                cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x)
+        q = Rotary.apply(self.q_norm(q.view(n, self.num_heads, self.head_dim)), cos, signed_sin)
+        k = Rotary.apply(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), cos, signed_sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        attn = paged_self_attention(q, k, v, layer_cache, batch, self.scale, self.window)
+        out = self.o_proj.multiply(attn.reshape(n, -1), with_bias=False)
+        return _reduce_then_bias(out, self.o_proj, self.all_reduce)
+
+
+class MLP(nn.Module):
+    """``down(gelu_tanh(gate(x)) * up(x))``."""
+
+    def __init__(self, config: Gemma3Config, shard: StageShard, all_reduce: AllReduce) -> None:
+        super().__init__()
+        local = config.intermediate_size // shard.tp_size
+        self.gate_proj = ServingLinear(config.hidden_size, local, bias=False)
+        self.up_proj = ServingLinear(config.hidden_size, local, bias=False)
+        self.down_proj = ServingLinear(local, config.hidden_size, bias=False)
+        self.gate_up = MergedLinear(self.gate_proj, self.up_proj)
+        self.all_reduce = all_reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x)
+        return self.all_reduce(self.down_proj.multiply(F.gelu(gate, approximate="tanh") * up, with_bias=False))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Gemma3Config, shard: StageShard, all_reduce: AllReduce, layer: int) -> None:
+        super().__init__()
+        self.layer_type = config.layer_types[layer]
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(size, eps)
+        self.self_attn = Attention(config, shard, all_reduce, config.window(layer))
+        self.post_attention_layernorm = GemmaRMSNorm(size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        self.mlp = MLP(config, shard, all_reduce)
+        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, layer_cache: torch.Tensor,
+                cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(
+            self.self_attn(self.input_layernorm(x), batch, layer_cache, cos, signed_sin))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3Stage(nn.Module):
+    """One pipeline stage × one tensor-parallel rank of a Gemma 3 text model."""
+
+    #: The LM head packed for CPU GEMMs (last stage, after ``pack_linear_weights``).
+    _head_packed: PackedWeight | None = None
+
+    def __init__(self, config: Gemma3Config, shard: StageShard | None = None,
+                 all_reduce: AllReduce = _no_reduce) -> None:
+        super().__init__()
+        shard = shard or StageShard.whole(config)
+        shard.check(config)
+        if not config.tie_word_embeddings:
+            raise ValueError("Gemma 3's LM head is its embedding; tie_word_embeddings=false is not served")
+        self.config = config
+        self.shard = shard
+        self.rotary = {SLIDING: Rotary(config.head_dim, config.local_rope_theta, config.local_rope_scaling),
+                       FULL: Rotary(config.head_dim, config.global_rope_theta, config.global_rope_scaling)}
+        # The embedding's scale, as a float32 scalar rounded to the weights' dtype at use.
+        self.embed_scale = torch.tensor(config.hidden_size**0.5)
+        if shard.is_first or shard.is_last:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, shard, all_reduce, i)
+                                    for i in range(shard.layer_start, shard.layer_end))
+        if shard.is_last:
+            self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    @property
+    def num_local_heads(self) -> int:
+        return self.config.num_attention_heads // self.shard.tp_size
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """Heads of this rank's KV cache: its share of the KV heads, or the one it replicates."""
+        return self.config.kv_heads_per_rank(self.shard.tp_size)
+
+    @property
+    def weight_layout(self) -> WeightLayout:
+        return GEMMA3_WEIGHTS
+
+    def kv_rows(self) -> tuple[int, int]:
+        first = self.config.kv_head_start(self.shard.tp_rank, self.shard.tp_size)
+        return first * self.config.head_dim, self.num_local_kv_heads * self.config.head_dim
+
+    def pack_linear_weights(self) -> int:
+        """Prepack every decoder linear (q/k/v and gate/up merged) and the head for CPU GEMMs;
+        returns how many GEMM weights were packed."""
+        packed = pack_linears(self.layers)
+        if self.shard.is_last:
+            self._head_packed = pack_weight(self.embed_tokens.weight)
+            packed += self._head_packed is not None
+        place_on_huge_pages(self.layers, self._head_packed)
+        return packed
+
+    def forward(self, batch: ForwardBatch, cache: torch.Tensor,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Run this stage's layers over ``hidden`` (None on the first stage: embed the tokens).
+
+        ``cache`` is this stage's block-major KV cache; layer ``i`` of the stage uses ``cache[:, i]``.
+        """
+        if hidden is None:
+            weight = self.embed_tokens.weight
+            x = self.embed_tokens(batch.input_ids) * self.embed_scale.to(device=weight.device, dtype=weight.dtype)
+        else:
+            x = hidden
+        angles = {kind: rotary.cos_sin(batch.positions, x.dtype) for kind, rotary in self.rotary.items()}
+        for i, layer in enumerate(cast(list[DecoderLayer], self.layers)):
+            x = layer(x, batch, cache[:, i], *angles[layer.layer_type])
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm, the tied LM head and the soft cap; float32 logits for the rows given."""
+        logits = multiply_widened(self.norm(hidden), self.embed_tokens.weight, self._head_packed)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
