@@ -94,7 +94,21 @@ class AppArgs(Strict):
         self._check_sizes()
         self._check_profile()
         self._check_priority()
+        self._check_batch_invariant()
         return self
+
+    def _check_batch_invariant(self) -> None:
+        """``engine.batch_invariant`` holds only where every path a token takes is invariant: our
+        CPU kernels, and KV that is only ever computed once (a recomputed job's generated tokens
+        go through prefill attention, which sums in another order than decode's)."""
+        if not self.engine.batch_invariant:
+            return
+        if self.model.device != "cpu":
+            raise ValueError(f"engine.batch_invariant runs on our CPU kernels; model.device is {self.model.device!r}")
+        if self.kv_cache.swap_mode == "recompute":
+            raise ValueError("engine.batch_invariant with kv_cache.swap_mode 'recompute': a recomputed job's tokens "
+                             "would be prefilled where they were decoded, in another summation order; use "
+                             "'proactive' or 'reactive'")
 
     def _check_priority(self) -> None:
         """A request's ``priority`` moves its MLFQ entry level; a one-level policy would accept
@@ -175,7 +189,7 @@ class AppArgs(Strict):
         model = ModelSpec(resolve_path(m.config_path), kv.num_device_blocks, kv.num_host_blocks,
                           kv.block_size, m.dtype, m.device, m.seed, m.load_format, m.model_path,
                           self.parallel.torch_threads, m.cuda_graphs, m.cuda_graph_max_batch,
-                          m.cuda_graph_max_context)
+                          m.cuda_graph_max_context, self.engine.gemm_choice, self.engine.batch_invariant)
         return EngineSpec(model, self.parallel.spec(), self.pipeline)
 
     # ---- derived deployment settings ------------------------------------------------------

@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -95,6 +96,7 @@ def model_profile(batch_sizes: Sequence[int], context: int, model_config: str = 
     from torch.profiler import ProfilerActivity, profile
 
     from fastserve.config_model import resolve_path
+    from fastserve.kernels import cpu_step
     from fastserve.worker.executor import InProcessExecutor
     from fastserve.worker.messages import BatchEntry, BatchPlan, SamplingParams, blocks_for
     from fastserve.worker.spec import ModelSpec
@@ -114,8 +116,13 @@ def model_profile(batch_sizes: Sequence[int], context: int, model_config: str = 
                 BatchEntry(str(j), (7,), context + k, tables[j], False, greedy, k + 1) for j in range(b))))
 
         decode(0)
+        kernel_steps = []
+        with cpu_step.timed() as kernels:   # the C run's calls by family (the profiler sees none of them)
+            for k in range(steps):
+                kernel_steps.append(decode(1 + k).timings)
+        head_s = _head_seconds(ex, b, steps)
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-            timings = [decode(1 + k).timings for k in range(steps)]
+            timings = [decode(1 + steps + k).timings for k in range(steps)]
         families = {"linear": 0.0, "lm_head": 0.0, "other_ops": 0.0}
         vocab = ex.config.vocab_size
         for evt in prof.events():
@@ -136,9 +143,41 @@ def model_profile(batch_sizes: Sequence[int], context: int, model_config: str = 
         row["step_ms"] = step_ms
         # What the profiler does not see: the C decode attention (ctypes) and Python around ops.
         row["attention_and_python"] = step_ms - sum(row[k] for k in families)
+        row["c_run"] = _c_run_split(kernels, kernel_steps, head_s, steps)
         out[str(b)] = row
         ex.close()
     return out
+
+
+def _head_seconds(ex: Any, rows: int, repeats: int) -> float:
+    """The LM head alone (final norm and the vocabulary GEMM) on ``rows`` rows, median of ``repeats``."""
+    import torch
+
+    hidden = torch.randn(rows, ex.config.hidden_size).to(next(ex.model.parameters()).dtype)
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            ex.model.logits(hidden)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def _c_run_split(kernels: dict[str, float], timings: list[dict[str, float]], head_s: float,
+                 steps: int) -> dict[str, float]:
+    """A step in ms: the C run's kernel families (empty where the module path ran), the rest of
+    the forward (embedding, rotary angles, Python between the calls), the LM head and the sampler
+    (``sample`` less the head), the batch build and what is left of the step."""
+    mean = {k: statistics.fmean(t.get(k, 0.0) for t in timings) * 1e3
+            for k in ("total", "build", "forward", "sample")}
+    split = {family: seconds / steps * 1e3 for family, seconds in sorted(kernels.items())}
+    split["forward_outside_kernels"] = mean["forward"] - sum(split.values())
+    split["lm_head"] = head_s * 1e3
+    split["sampler"] = mean["sample"] - split["lm_head"]
+    split["build"] = mean["build"]
+    split["step_rest"] = mean["total"] - mean["forward"] - mean["sample"] - mean["build"]
+    split["step_total"] = mean["total"]
+    return split
 
 
 def _ms(value: float | None) -> str:
@@ -162,6 +201,8 @@ def print_tables(result: dict[str, Any]) -> None:
               f"LM head {row['lm_head']:.1f} + other ops {row['other_ops']:.1f} + "
               f"attention (C) and Python {row['attention_and_python']:.1f}")
         print("    most self time (ms/step): " + ", ".join(f"{k} {v:.2f}" for k, v in row["top_ops"].items()))
+        split = ", ".join(f"{k} {v:.2f}" for k, v in row["c_run"].items())
+        print(f"    by kernel (ms/step, unprofiled steps): {split}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,9 +1,12 @@
 """The machine's roofline and how far our decode step is from it: ``python -m fastserve.bench.roofline``.
 
-Measures this CPU's sustained GEMM FLOP/s (square ``torch.mm``; fp32, and bf16 only where
-``/proc/cpuinfo`` names native bf16 — ``fastserve.kernels.cpu_features``) and its memory bandwidth (a large
-tensor read by a reduction, and copied), then prints, for the served model (default: the demo's
-SmolLM2-135M, ``config/demo.yaml``) at batch 1 / 16 / 32, the **floor of one decode step**:
+Measures this CPU's sustained GEMM FLOP/s (square GEMMs; fp32, and bf16 only where
+``/proc/cpuinfo`` names native bf16 — ``fastserve.kernels.cpu_features``) per engine — ``torch.mm``,
+oneDNN's prepacked linear, and in bf16 our kernel on ``vdpbf16ps`` and, where the CPU has AMX
+tiles (``amx_tile``, ``amx_bf16``), on AMX: the AMX peak is the best of oneDNN's (AMX inside) and
+ours — and its memory bandwidth (a large tensor read by a reduction, and copied), then prints,
+for the served model (default: the demo's SmolLM2-135M, ``config/demo.yaml``) at batch 1 / 16 /
+32, the **floor of one decode step**:
 
     floor = max(bytes read / bandwidth, FLOPs / peak FLOP/s)
 
@@ -31,7 +34,8 @@ import torch
 from torch import nn
 
 from fastserve.bench import bench_engine
-from fastserve.kernels.cpu_features import cpu_has_bf16, cpu_name
+from fastserve.kernels import cpu_linear
+from fastserve.kernels.cpu_features import cpu_has_amx_bf16, cpu_has_bf16, cpu_name
 from fastserve.worker.executor import resolve_dtype, torch_dtype
 from fastserve.worker.model.config import ModelConfig
 from fastserve.worker.model.linear import onednn_linear_available
@@ -101,19 +105,42 @@ def _best(run: Callable[[], object], repeats: int) -> float:
     return min(bench_engine.timed_runs(run, repeats))
 
 
-def measure_gemm_flops(dtype: torch.dtype, sides: tuple[int, ...] = GEMM_SIDES, repeats: int = 3) -> float:
-    """The highest sustained FLOP/s of square GEMMs in ``dtype`` over ``sides``, by ``torch.mm``
-    and by oneDNN's prepacked linear (when this torch has it)."""
-    best = 0.0
+def measure_gemm_engines(dtype: torch.dtype, sides: tuple[int, ...] = GEMM_SIDES,
+                         repeats: int = 3) -> dict[str, float]:
+    """The highest sustained FLOP/s of square GEMMs in ``dtype`` over ``sides``, per engine:
+    ``torch.mm``, oneDNN's prepacked linear (AMX where the CPU has it), and for bf16 our kernel's
+    ``vdpbf16ps`` and AMX paths (``fastserve.kernels.cpu_linear``) where they run here."""
+    engines: dict[str, Callable[[torch.Tensor, torch.Tensor], Callable[[], object]]] = {"torch.mm": _mm}
+    if onednn_linear_available(dtype):
+        engines["onednn"] = _onednn
+    if dtype == torch.bfloat16:
+        for path in cpu_linear.paths():
+            engines[f"ours_{cpu_linear.PATH_NAMES[path]}"] = functools.partial(_ours, path)
+    best = dict.fromkeys(engines, 0.0)
     for side in sides:
         a = torch.randn(side, side).to(dtype)
         b = torch.randn(side, side).to(dtype)
-        runs: list[Callable[[], object]] = [functools.partial(torch.mm, a, b)]
-        if onednn_linear_available(dtype):
-            packed = torch.ops.mkldnn._reorder_linear_weight(b, side)
-            runs.append(functools.partial(torch.ops.mkldnn._linear_pointwise, a, packed, None, "none", [], ""))
-        best = max(best, *(2 * side**3 / _best(run, repeats) for run in runs))
+        for name, make in engines.items():
+            best[name] = max(best[name], 2 * side**3 / _best(make(a, b), repeats))
     return best
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> Callable[[], object]:
+    return functools.partial(torch.mm, a, b)
+
+
+def _onednn(a: torch.Tensor, b: torch.Tensor) -> Callable[[], object]:
+    packed = torch.ops.mkldnn._reorder_linear_weight(b, b.shape[0])
+    return functools.partial(torch.ops.mkldnn._linear_pointwise, a, packed, None, "none", [], "")
+
+
+def _ours(path: int, a: torch.Tensor, b: torch.Tensor) -> Callable[[], object]:
+    return functools.partial(cpu_linear.linear, a, cpu_linear.pack(b), None, path=path)
+
+
+def measure_gemm_flops(dtype: torch.dtype, sides: tuple[int, ...] = GEMM_SIDES, repeats: int = 3) -> float:
+    """The highest sustained FLOP/s of square GEMMs in ``dtype`` over ``sides`` and engines."""
+    return max(measure_gemm_engines(dtype, sides, repeats).values())
 
 
 def measure_bandwidth(nbytes: int = STREAM_BYTES, repeats: int = 5) -> dict[str, float]:
@@ -125,10 +152,12 @@ def measure_bandwidth(nbytes: int = STREAM_BYTES, repeats: int = 5) -> dict[str,
 
 
 def measure_machine(dtypes: list[str], repeats: int, sides: tuple[int, ...] = GEMM_SIDES,
-                    stream_bytes: int = STREAM_BYTES) -> tuple[Machine, dict[str, float]]:
-    flops = {d: measure_gemm_flops(torch_dtype(d), sides, repeats) for d in dtypes}
+                    stream_bytes: int = STREAM_BYTES) -> tuple[Machine, dict[str, float], dict[str, dict[str, float]]]:
+    """The machine (each dtype's best engine, the faster stream), the streams, and every
+    engine's GEMM peak per dtype."""
+    engines = {d: measure_gemm_engines(torch_dtype(d), sides, repeats) for d in dtypes}
     streams = measure_bandwidth(stream_bytes, repeats)
-    return Machine(flops, max(streams.values())), streams
+    return Machine({d: max(e.values()) for d, e in engines.items()}, max(streams.values())), streams, engines
 
 
 def main() -> None:
@@ -152,11 +181,13 @@ def main() -> None:
     config = bench_engine.load_bench_config(args.model)
     context = DEFAULT_CONTEXT
     sides = tuple(args.gemm_sides)
-    machine, streams = measure_machine(dtypes, args.repeats, sides, args.stream_mib << 20)
-    print(f"{cpu_name()}, {torch.get_num_threads()} torch threads")
+    machine, streams, engines = measure_machine(dtypes, args.repeats, sides, args.stream_mib << 20)
+    amx = cpu_has_amx_bf16()
+    print(f"{cpu_name()}, {torch.get_num_threads()} torch threads, AMX bf16 tiles: {'yes' if amx else 'no'}")
     for d in dtypes:
+        per_engine = ", ".join(f"{name} {flops / 1e9:.0f}" for name, flops in engines[d].items())
         print(f"  GEMM {d} (best of sides {', '.join(map(str, sides))}): "
-              f"{machine.flops[d] / 1e9:.1f} GFLOP/s")
+              f"{machine.flops[d] / 1e9:.1f} GFLOP/s  [{per_engine}]")
     print(f"  memory: read {streams['read'] / 1e9:.1f} GB/s, copy {streams['copy'] / 1e9:.1f} GB/s "
           f"(floor uses {machine.bandwidth / 1e9:.1f})")
     print(f"{config.name}, decode step at context {context}")
@@ -188,6 +219,8 @@ def main() -> None:
             ex.close()
     print(json.dumps({"cpu": cpu_name(), "torch_threads": torch.get_num_threads(), "model": config.name,
                       "context": context, "gemm_flops": {d: round(f) for d, f in machine.flops.items()},
+                      "amx_bf16": amx,
+                      "gemm_engines": {d: {n: round(f) for n, f in e.items()} for d, e in engines.items()},
                       "bandwidth": {k: round(v) for k, v in streams.items()}, "steps": rows}))
 
 

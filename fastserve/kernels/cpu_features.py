@@ -1,11 +1,12 @@
 """What this CPU can do, read from ``/proc/cpuinfo``: its name, its flags, and whether it computes
 bfloat16 natively.
 
-Owns the one answer to "does this CPU have bf16?" that the model's ``dtype: auto``, the kernels'
-bf16 paths, the roofline benchmark and the bf16 tests share. Detected from the kernel's flag list,
-never assumed from the vendor or from torch: ``avx512_bf16`` (AVX-512 BF16: Intel Cooper Lake and
-later, AMD Zen 4 and later) or ``amx_bf16`` (Intel AMX tiles). A CPU without either still runs
-bf16 tensors in torch, but by emulation, slower than fp32 — so ``auto`` picks fp32 there.
+Owns the one answer to "does this CPU have bf16?" (and AMX's bf16 tiles?) that the model's
+``dtype: auto``, the kernels' bf16 paths, the roofline benchmark and the bf16 tests share.
+Detected from the kernel's flag list, never assumed from the vendor or from torch:
+``avx512_bf16`` (AVX-512 BF16: Intel Cooper Lake and later, AMD Zen 4 and later) or
+``amx_bf16`` (AMX tiles). A CPU without either still runs bf16 tensors in torch, but by
+emulation, slower than fp32 — so ``auto`` picks fp32 there.
 
 Stdlib only; nothing here imports torch, ``app`` or ``actors``.
 """
@@ -19,6 +20,8 @@ from pathlib import Path
 CPUINFO = Path("/proc/cpuinfo")
 #: Flags that mean native bf16 arithmetic (dot products with fp32 accumulation).
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+#: Flags of AMX's bf16 tile multiply: the tiles themselves and their bf16 dot product.
+AMX_BF16_FLAGS = ("amx_tile", "amx_bf16")
 
 
 def _field(name: str, cpuinfo: str) -> str | None:
@@ -54,10 +57,10 @@ def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
     return bool(bf16_flags(cpuinfo))
 
 
-def cpu_vendor(cpuinfo: str | None = None) -> str:
-    """``vendor_id`` of the first processor (``GenuineIntel``, ``AuthenticAMD``, ...; ``""``
-    where /proc/cpuinfo has none)."""
-    return _field("vendor_id", _cpuinfo() if cpuinfo is None else cpuinfo) or ""
+def cpu_has_amx_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU names AMX tiles with their bf16 multiply (``fastserve.bench.roofline``'s AMX
+    peak; whether the OS lets a process use them is ``fastserve.kernels.cpu_linear.amx_available``)."""
+    return set(AMX_BF16_FLAGS) <= cpu_flags(cpuinfo)
 
 
 def cpu_name(cpuinfo: str | None = None) -> str:

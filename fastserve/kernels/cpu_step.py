@@ -19,8 +19,11 @@ the cost without a compiler.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -168,14 +171,27 @@ def run_layers(x: torch.Tensor, layers: Sequence[StepLayer], dims: LayerDims, ca
             num_decode, block_size, num_blocks), context_lens, block_tables.shape[1], block_size, num_blocks)
     if rows == 0:
         return x
-    linear = cpu_linear.library().linear_bf16
     elementwise = cpu_elementwise.library()
-    rms_norm, rope = elementwise.rms_norm_bf16, elementwise.rope_bf16
-    swiglu = cpu_linear.library().linear_bf16_swiglu
-    attention = getattr(attention_lib, cpu_ops.BF16_ROWS)
-    write_kv = getattr(attention_lib, cpu_ops.WRITE_KV)
-    prefill_attention = cpu_prefill.library().prefill_attention_bf16
-    silu_mul = elementwise.silu_mul_bf16
+    linear: Callable[..., Any] = cpu_linear.library().linear_bf16
+    swiglu: Callable[..., Any] = cpu_linear.library().linear_bf16_swiglu
+    rms_norm: Callable[..., Any] = elementwise.rms_norm_bf16
+    rope: Callable[..., Any] = elementwise.rope_bf16
+    silu_mul: Callable[..., Any] = elementwise.silu_mul_bf16
+    attention: Callable[..., Any] = getattr(attention_lib, cpu_ops.BF16_ROWS)
+    write_kv: Callable[..., Any] = getattr(attention_lib, cpu_ops.WRITE_KV)
+    prefill_attention: Callable[..., Any] = cpu_prefill.library().prefill_attention_bf16
+    other = _other
+    if _timings is not None:   # a profile (``timed``): each call clocked, by kernel family
+        sink = _timings
+        linear, swiglu = _clocked(linear, "gemm", sink), _clocked(swiglu, "gemm", sink)
+        rms_norm, rope, silu_mul = (_clocked(rms_norm, "norm", sink), _clocked(rope, "rotary", sink),
+                                    _clocked(silu_mul, "silu_mul", sink))
+        attention, prefill_attention = _clocked(attention, "attention", sink), _clocked(prefill_attention,
+                                                                                        "prefill_attention", sink)
+        write_kv = _clocked(write_kv, "write_kv", sink)
+
+        def other(gemm: StepGemm) -> Callable[[torch.Tensor], torch.Tensor]:
+            return _clocked(_other(gemm), "gemm_other", sink)
     threads = torch.get_num_threads()
     # Each GEMM's path for this step's row count: alike in every layer (``fits``).
     qkv_path, o_path, gate_up_path, down_path = (g.path(rows) for g in layers[0].gemms) if layers else (0,) * 4
@@ -215,7 +231,7 @@ def run_layers(x: torch.Tensor, layers: Sequence[StepLayer], dims: LayerDims, ca
                      rows, hidden, dims.rms_norm_eps, threads)
             res, res_stride = current.data_ptr(), hidden
         if qkv_path == OTHER:
-            qkv.copy_(_other(layer.qkv)(normed))
+            qkv.copy_(other(layer.qkv)(normed))
         else:
             linear(p.normed, rows, hidden, hidden, _packed(layer.qkv), qkv_width, None, p.qkv, threads, qkv_path)
         rope(p.qkv, qkv_width, heads + kv_heads, head_dim, cos_p, sin_p, p.qk_rot, rows, threads)
@@ -235,7 +251,7 @@ def run_layers(x: torch.Tensor, layers: Sequence[StepLayer], dims: LayerDims, ca
                 table_stride, lens_p, num_decode, heads, kv_heads, head_dim, block_size, dims.scale, decode_out,
                 q_width, threads))
         if o_path == OTHER:
-            o.copy_(_other(layer.o)(attn))
+            o.copy_(other(layer.o)(attn))
         else:
             linear(p.attn, rows, q_width, q_width, _packed(layer.o), hidden, None, p.o, threads, o_path)
         current = residuals[0] if current is not residuals[0] else residuals[1]
@@ -243,16 +259,45 @@ def run_layers(x: torch.Tensor, layers: Sequence[StepLayer], dims: LayerDims, ca
                  rows, hidden, dims.rms_norm_eps, threads)
         res, res_stride = current.data_ptr(), hidden
         if gate_up_path == OTHER:   # the GEMM, then silu_mul: the fused call's roundings
-            gate_up = _other(layer.gate_up)(normed)
+            gate_up = other(layer.gate_up)(normed)
             silu_mul(gate_up.data_ptr(), gate_up.stride(0), gate_up.data_ptr() + inter * BF16_BYTES,
                      gate_up.stride(0), p.act, rows, inter, threads)
         else:
             swiglu(p.normed, rows, hidden, hidden, _packed(layer.gate_up), inter, p.act, threads, gate_up_path)
         if down_path == OTHER:
-            down.copy_(_other(layer.down)(act))
+            down.copy_(other(layer.down)(act))
         else:
             linear(p.act, rows, inter, inter, _packed(layer.down), hidden, None, p.down, threads, down_path)
     return current + down if layers else x
+
+
+#: Seconds per kernel family of the runs made inside ``timed()``; None while nobody times.
+_timings: dict[str, float] | None = None
+
+
+@contextlib.contextmanager
+def timed() -> Iterator[dict[str, float]]:
+    """Seconds per kernel family (``gemm``: our kernel; ``gemm_other``: oneDNN/torch called back;
+    ``attention``, ``prefill_attention``, ``norm``, ``rotary``, ``write_kv``, ``silu_mul``) of every
+    run made inside the block, each call clocked around (``fastserve.bench.breakdown``; the rest of a
+    run is Python between the calls). Not for serving: the clocks cost ~0.2 us a call."""
+    global _timings
+    sink: dict[str, float] = {}
+    previous, _timings = _timings, sink
+    try:
+        yield sink
+    finally:
+        _timings = previous
+
+
+def _clocked(fn: Callable[..., Any], family: str, sink: dict[str, float]) -> Callable[..., Any]:
+    def call(*args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            sink[family] = sink.get(family, 0.0) + time.perf_counter() - start
+    return call
 
 
 def _packed(gemm: StepGemm) -> int:

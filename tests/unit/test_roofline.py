@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fastserve.bench.roofline import StepCost, decode_step_cost, floor_s
-from fastserve.kernels.cpu_features import bf16_flags, cpu_has_bf16, cpu_name
+from fastserve.kernels.cpu_features import bf16_flags, cpu_has_amx_bf16, cpu_has_bf16, cpu_name
 from fastserve.worker.model.llama_config import LlamaConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,6 +50,12 @@ CPUINFO_ZEN4 = ("processor\t: 0\nmodel name\t: AMD EPYC 9R14\n"
                 "flags\t\t: fpu sse2 avx2 avx512f avx512_vnni avx512_bf16\n")
 CPUINFO_AMX = "model name\t: Intel Xeon\nflags\t\t: avx512f amx_bf16 amx_tile avx512_bf16\n"
 CPUINFO_OLD = "model name\t: Intel Xeon E5\nflags\t\t: sse2 avx avx2 fma\n"
+
+
+def test_amx_bf16_is_read_from_the_flags() -> None:
+    assert cpu_has_amx_bf16(CPUINFO_AMX)
+    assert not cpu_has_amx_bf16(CPUINFO_ZEN4) and not cpu_has_amx_bf16(CPUINFO_OLD)
+    assert not cpu_has_amx_bf16("flags\t\t: amx_bf16\n")   # the multiply without its tiles
 
 
 def test_bf16_is_read_from_the_flags() -> None:

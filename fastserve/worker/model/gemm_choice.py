@@ -216,7 +216,7 @@ def choose(role: GemmRole, candidates: Candidates, policy: GemmPolicy, fixed: st
         entry["source"], entry["timings_us"] = "cache", cached.get("timings_us")
     else:
         start = time.perf_counter()
-        timings, spread = _time_candidates(role, candidates)
+        timings, spread = time_candidates(role, candidates)
         choice = _pick(timings, policy.batch_invariant)
         entry["source"], entry["measure_s"] = "measured", round(time.perf_counter() - start, 2)
         entry["spread"] = round(spread, 2)
@@ -237,12 +237,14 @@ def choose(role: GemmRole, candidates: Candidates, policy: GemmPolicy, fixed: st
     return choice
 
 
-def _time_candidates(role: GemmRole, candidates: Candidates) -> tuple[dict[int, dict[str, float]], float]:
+def time_candidates(role: GemmRole, candidates: Candidates, grid: Sequence[int] | None = None,
+                    prune_ratio: float = PRUNE_RATIO) -> tuple[dict[int, dict[str, float]], float]:
     """Seconds of one pass over the weights per candidate and row count: each call timed on its
     own, its fastest over the rounds kept, the pass their sum (a call the OS preempted in one round
     counts its undisturbed time from another); and how disturbed the machine was (the median,
     over row counts, of the winner's median pass over that sum). A candidate ``PRUNE_RATIO``
-    behind at one row count is not timed at larger ones."""
+    behind at one row count is not timed at larger ones. ``grid``: the row counts (default: the
+    role's)."""
     decode_layers = _decode_layers(role)
     calls: dict[tuple[str, int], list[Call]] = {}
     spreads: list[float] = []
@@ -252,7 +254,7 @@ def _time_candidates(role: GemmRole, candidates: Candidates) -> tuple[dict[int, 
     generator = torch.Generator().manual_seed(0)
     clock = time.perf_counter
     with torch.inference_mode():
-        for rows in role.grid():
+        for rows in grid or role.grid():
             layers = decode_layers if rows <= DECODE_ROWS[-1] else min(PREFILL_LAYERS, len(role.weights))
             rounds = DECODE_ROUNDS if rows <= DECODE_ROWS[-1] else PREFILL_ROUNDS
             x = torch.randn(rows, in_features, generator=generator).to(role.dtype)
@@ -275,7 +277,7 @@ def _time_candidates(role: GemmRole, candidates: Candidates) -> tuple[dict[int, 
             least = min(timings[rows].values())
             winner = min(timings[rows], key=timings[rows].__getitem__)
             spreads.append(statistics.median(passes[winner]) / max(least, 1e-12))
-            live = [p for p in live if timings[rows][p] <= PRUNE_RATIO * least]
+            live = [p for p in live if timings[rows][p] <= prune_ratio * least]
     return timings, statistics.median(spreads)
 
 

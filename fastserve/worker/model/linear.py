@@ -127,7 +127,7 @@ def _packed_for(weight: torch.Tensor, choice: GemmChoice | None) -> PackedWeight
     return None if choice is None else pack_weight(weight, choice)
 
 
-def _candidates(paths: Sequence[str]) -> G.Candidates:
+def candidates(paths: Sequence[str]) -> G.Candidates:
     """Each path's GEMM on each of some weights, for ``gemm_choice`` to time (packed once)."""
     def ours(path: int, weights: Sequence[torch.Tensor]) -> list[G.Call]:
         return [functools.partial(_ours_call, cpu_linear.pack(w), path) for w in weights]
@@ -169,7 +169,7 @@ def choose_for(role: GemmRole, policy: GemmPolicy) -> GemmChoice | None:
         if policy.batch_invariant and role.weights[0].device.type == "cpu":
             G.choose(role, {}, policy, "")   # raises, naming what is missing
         return None
-    return G.choose(role, _candidates(paths), policy, paths[0])
+    return G.choose(role, candidates(paths), policy, paths[0])
 
 
 class ServingLinear(nn.Linear):
