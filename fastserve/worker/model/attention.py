@@ -66,9 +66,9 @@ def _prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              key_cache: torch.Tensor, value_cache: torch.Tensor, batch: ForwardBatch,
              scale: float, window: int | None) -> torch.Tensor:
     tables = batch.prefill_block_tables
-    if (tables is not None and batch.prefill_cu_q is not None and batch.prefill_cu_k is not None
+    if (window is None and tables is not None and batch.prefill_cu_q is not None and batch.prefill_cu_k is not None
             and kernels.varlen_prefill_supported(query, key_cache)):
-        # One flash call over every prompt and chunk (a GPU with fp16/bf16).
+        # One flash call over every prompt and chunk (a GPU with fp16/bf16; it knows no window).
         return kernels.varlen_prefill_attention(query, key, value, key_cache, value_cache, batch.prefill_cu_q,
                                                 batch.prefill_cu_k, batch.prefill_max_q, batch.prefill_max_k,
                                                 batch.prefill_start_pos, tables, scale)
