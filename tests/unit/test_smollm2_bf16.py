@@ -74,6 +74,14 @@ def eps(smollm2_folder: Path, smollm2_prompts: list[list[int]], hf_fp32: transfo
     return BF16_ERROR_RATIO * delta
 
 
+@pytest.fixture(scope="module")
+def fp32_refs(smollm2_prompts: list[list[int]], hf_fp32: transformers.PreTrainedModel,
+              smollm2_llama: LlamaConfig) -> dict[str, Reference]:
+    """fp32 ``generate``'s greedy tokens for every parity prompt (jobs ``"0"``..``"7"``), made once."""
+    return {str(i): hf_greedy_reference(hf_fp32, p, MAX_NEW_TOKENS, smollm2_llama.eos_token_id)
+            for i, p in enumerate(smollm2_prompts)}
+
+
 def _hf_logits(model: transformers.PreTrainedModel, prompt: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return model(torch.tensor([prompt])).logits[0, -1].float()
@@ -138,15 +146,15 @@ def test_prefill_and_decode_logits_are_within_bf16_error_of_fp32(executor: InPro
 
 def test_greedy_leaves_fp32_generate_only_at_bf16_ties(executor: InProcessExecutor,
                                                        smollm2_prompts: list[list[int]],
-                                                       hf_fp32: transformers.PreTrainedModel,
+                                                       fp32_refs: dict[str, Reference],
                                                        smollm2_llama: LlamaConfig, smollm2_folder: Path,
                                                        eps: float) -> None:
-    _greedy_against_fp32(executor, smollm2_prompts, hf_fp32, smollm2_llama, smollm2_folder, eps)
+    _greedy_against_fp32(executor, smollm2_prompts, fp32_refs, smollm2_llama, smollm2_folder, eps)
 
 
 def test_every_gemm_path_mixed_answers_within_bf16_error(smollm2_llama: LlamaConfig, smollm2_folder: Path,
                                                          smollm2_prompts: list[list[int]],
-                                                         hf_fp32: transformers.PreTrainedModel, eps: float,
+                                                         fp32_refs: dict[str, Reference], eps: float,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """What a server's measured choice may come to (``engine.gemm_choice``; the timing itself is
     tested in test_gemm_choice and test_cpu_step): every path this CPU has, switching at row counts
@@ -167,18 +175,16 @@ def test_every_gemm_path_mixed_answers_within_bf16_error(smollm2_llama: LlamaCon
                                      load_format="auto", model_path=str(smollm2_folder)))
     try:
         assert ex.model._step_run is not None or not cpu_linear.available()
-        _greedy_against_fp32(ex, smollm2_prompts, hf_fp32, smollm2_llama, smollm2_folder, eps)
+        _greedy_against_fp32(ex, smollm2_prompts, fp32_refs, smollm2_llama, smollm2_folder, eps)
     finally:
         ex.close()
 
 
 def _greedy_against_fp32(executor: InProcessExecutor, smollm2_prompts: list[list[int]],
-                         hf_fp32: transformers.PreTrainedModel, smollm2_llama: LlamaConfig,
+                         refs: dict[str, Reference], smollm2_llama: LlamaConfig,
                          smollm2_folder: Path, eps: float) -> None:
-    """Greedy tokens against fp32 ``generate``: each job that leaves it does so where fp32's top
-    two were within ``2 * eps``, and the France prompt answers as fp32 does."""
-    refs: dict[str, Reference] = {str(i): hf_greedy_reference(hf_fp32, p, MAX_NEW_TOKENS, smollm2_llama.eos_token_id)
-                                  for i, p in enumerate(smollm2_prompts)}
+    """Greedy tokens against fp32 ``generate`` (``refs``): each job that leaves it does so where
+    fp32's top two were within ``2 * eps``, and the France prompt answers as fp32 does."""
     ours = greedy_until_stop(Driver(executor), smollm2_prompts, MAX_NEW_TOKENS, smollm2_llama.eos_token_id)
     for job, ref in refs.items():
         if ours[job] == ref.tokens:
