@@ -133,6 +133,10 @@ def main() -> None:
         print(f"  rows {r:>5}: " + ", ".join(f"{n} {v:.2f}" for n, v in sums.items()))
     steps = bench_steps(config, args.model, tuple(args.batches)) if args.steps else {}
     if steps:
+        print("paths the cached mode ran (gemm_choice's report):")
+        for entry in G.report()["shapes"].values():
+            if entry["dtype"] == "bfloat16":
+                print(f"  {entry['shape']:>10} {entry['used_by']}: {entry['choice']} [{entry['source']}]")
         print(f"decode step, context {CONTEXT}, median ms (modes interleaved):")
         for b, per in steps.items():
             print(f"  batch {b:>3}: " + ", ".join(f"{m} {v:.2f}" for m, v in per.items())
@@ -141,7 +145,8 @@ def main() -> None:
                       "layers": layers,
                       "paths_ms": {s: {str(r): {p: round(t * 1e3, 4) for p, t in ts.items()} for r, ts in v.items()}
                                    for s, v in paths.items()},
-                      "steps_ms": {str(b): {m: round(v, 3) for m, v in per.items()} for b, per in steps.items()}}))
+                      "steps_ms": {str(b): {m: round(v, 3) for m, v in per.items()} for b, per in steps.items()},
+                      "gemm_choice": G.report() if steps else None}))
 
 
 if __name__ == "__main__":
