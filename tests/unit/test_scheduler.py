@@ -216,6 +216,21 @@ def test_alpha_never_falls_while_a_job_waits_and_rises_with_the_backlog() -> Non
     assert now - 1.0 == 19.0 and b.generated     # promoted and run at the decision at 19
 
 
+def test_a_burst_does_not_turn_into_a_promotion_storm() -> None:
+    # 2,000 level-3 jobs (40-token prompts, t_init 4.0) arrive at t = 0, added one by one: the
+    # first of them saw few jobs ahead (α = max(0.3, 10 × t_dec(16) = 20, 2 rounds of the
+    # backlog then)) and come due after 20 s. At that time 2,000 jobs are ahead of each, so
+    # α reads 2 × 125 rounds × 2 s = 500 s and no job is promoted in the first 50 steps (it
+    # was: 338 of them, each job whose α had been fixed from the short backlog it saw).
+    s = make(batch=16, alpha=0.3, device=400, cache=False)
+    for i in range(2000):
+        s.add(req(f"j{i}", 40, max_tokens=64), 0.0)
+    assert {j.level for j in s.jobs().values()} == {3}
+    for k in range(50):
+        step(s, 2.0 * k, 2.0)
+    assert s.totals["promotions"] == 0 and s.totals["promotions_postponed"] > 0
+
+
 # ---- starvation ---------------------------------------------------------------------------
 def test_promotion_to_level_one_after_alpha() -> None:
     s = make(batch=1, alpha=5.0, num_levels=6, starvation_min_iterations=0.0,

@@ -15,7 +15,13 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from fastserve.bench.experiments.common import DEFAULT_SEED, RESULTS_DIR, RunOptions, jsonable
+from fastserve.bench.experiments.common import (
+    DEFAULT_NUM_SEEDS,
+    DEFAULT_SEED,
+    RESULTS_DIR,
+    RunOptions,
+    jsonable,
+)
 
 FIGURES = ("fig1", "fig8", "fig11", "fig11_chunked", "fig14", "fig15")
 
@@ -28,6 +34,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--real-only", action="store_true", help="fig11: only the real HTTP runs (no simulator)")
     parser.add_argument("--quick", action="store_true", help="a reduced run (under two minutes)")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    parser.add_argument("--seeds", type=int, default=DEFAULT_NUM_SEEDS,
+                        help="fig14, fig15: arrival seeds, from --seed on (mean, least and most)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="fig14, fig15: simulations run at once, in processes")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--base-url", default=None,
                         help="fig11 real runs: use this already running server instead of starting one")
@@ -37,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.sim and args.real_only:
         parser.error("--sim and --real-only exclude each other")
     options = RunOptions(quick=args.quick, sim_only=args.sim, real_only=args.real_only, seed=args.seed,
-                         out_dir=args.out_dir, base_url=args.base_url,
+                         out_dir=args.out_dir, base_url=args.base_url, num_seeds=args.seeds, jobs=args.jobs,
                          extra={} if args.chunk_tokens is None else {"chunk_tokens": args.chunk_tokens})
     module = importlib.import_module(f"fastserve.bench.experiments.{args.name}")
     headline = module.run(options)

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fastserve.bench import metrics as M
 from fastserve.bench import workloads as W
@@ -25,7 +26,11 @@ QUICK_SUBDIR = "quick"
 #: The paper's per-token latency SLO for Figures 11-13 (10x a decode iteration, "0.3 s").
 PAPER_SLO_S = 0.3
 DEFAULT_SEED = 0
+#: A figure that one seed could mislead reads three (Figure 14's overload ranking moved with it).
+DEFAULT_NUM_SEEDS = 3
 DATASETS = ("sharegpt", "alpaca")
+T = TypeVar("T")
+U = TypeVar("U")
 
 
 @dataclass(frozen=True)
@@ -39,10 +44,18 @@ class RunOptions:
     out_dir: Path = RESULTS_DIR
     base_url: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    #: Arrival seeds a multi-seed figure runs: ``seed`` .. ``seed + num_seeds - 1``.
+    num_seeds: int = DEFAULT_NUM_SEEDS
+    #: Simulations run at once (processes); 1 = in this process.
+    jobs: int = 1
 
     @property
     def results_dir(self) -> Path:
         return self.out_dir / QUICK_SUBDIR if self.quick else self.out_dir
+
+    @property
+    def seeds(self) -> list[int]:
+        return list(range(self.seed, self.seed + self.num_seeds))
 
 
 def dataset_pairs(name: str) -> list[W.LengthPair]:
@@ -64,12 +77,16 @@ def point_summary(result: SimResult, slo: float | None = None) -> dict[str, Any]
     return {
         "completed": s.num_completed, "requests": s.num_requests,
         "per_token_mean": s.per_token.mean, "per_token_p95": s.per_token.p95,
+        "per_token_p99": s.per_token.p99, "per_token_max": s.per_token.max,
         "ttft_mean": s.ttft.mean, "e2e_mean": s.e2e.mean,
         "queue_share": bd.queue_share, "exec_share": bd.exec_share, "swap_share": bd.swap_share,
         "slo_attainment": s.slo_attainment,
         "peak_device_blocks": result.kv.peak_device_blocks, "peak_host_blocks": result.kv.peak_host_blocks,
         "swaps_out": result.totals.get("swaps_out", 0), "swaps_in": result.totals.get("swaps_in", 0),
         "recomputes": result.totals.get("recomputes", 0), "steps": result.steps,
+        "preemptions": result.totals.get("preemptions", 0),
+        "promotions": result.totals.get("promotions", 0),
+        "pcie_busy_s": result.busy_pcie_s,
         "makespan_s": result.makespan_s, "wall_s": result.wall_s,
     }
 
@@ -78,6 +95,41 @@ def run_point(requests: Sequence[W.Request], cost: CostModel, setup: SimSetup,
               slo: float | None = None, options: SimOptions | None = None) -> tuple[SimResult, dict[str, Any]]:
     result = simulate(requests, cost, setup, options)
     return result, point_summary(result, slo)
+
+
+def parallel_map(fn: Callable[[T], U], items: Sequence[T], jobs: int) -> list[U]:
+    """``[fn(x) for x in items]``, in ``jobs`` processes when more than one (``fn`` and the
+    items must pickle: module-level functions, plain data)."""
+    if jobs <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(fn, items))
+
+
+@dataclass(frozen=True)
+class Spread:
+    """One figure over several seeds: the mean of the per-seed values, their least and most."""
+
+    mean: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Spread:
+        finite = [v for v in values if v is not None and math.isfinite(v)]
+        if not finite:
+            return cls(math.nan, math.nan, math.nan)
+        return cls(sum(finite) / len(finite), min(finite), max(finite))
+
+    def __str__(self) -> str:
+        if math.isnan(self.mean):
+            return "–"
+        if self.low == self.high:
+            return fmt(self.mean)
+        return f"{fmt(self.mean)} [{fmt(self.low)}–{fmt(self.high)}]"
+
+    def to_dict(self) -> dict[str, float]:
+        return {"mean": self.mean, "min": self.low, "max": self.high}
 
 
 def capacity_rate(pairs: Sequence[W.LengthPair], cost: CostModel, batch: int) -> float:
@@ -96,6 +148,8 @@ def capacity_rate(pairs: Sequence[W.LengthPair], cost: CostModel, batch: int) ->
 def fmt(value: Any, digits: int = 3) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "–"
+    if isinstance(value, Spread):
+        return str(value)
     if isinstance(value, float):
         return f"{value:.{digits}g}" if abs(value) < 1000 else f"{value:.0f}"
     return str(value)
