@@ -1,4 +1,4 @@
-"""Prefix caching on the real server (issue 23): ``python -m fastserve.bench.prefix_bench``.
+"""Prefix caching on the real server: ``python -m fastserve.bench.prefix_bench``.
 
 One workload whose prompts share prefixes (``--workload multi-turn | shared-system``,
 ``fastserve.bench.prefix_workloads``) sent to several servers in turn, rate by rate, the same prompts

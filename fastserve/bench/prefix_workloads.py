@@ -1,4 +1,4 @@
-"""Workloads whose prompts share prefixes (issue 23, prefix caching): multi-turn chat and a shared
+"""Workloads whose prompts share prefixes: multi-turn chat and a shared
 system prompt, from the ShareGPT prompts we ship (``fastserve/bench/data``, see its PROVENANCE).
 
 * **Multi-turn chat** (``conversations`` + ``run_conversations``): each conversation sends its turns

@@ -2,7 +2,7 @@
 
 A binary heap with lazy deletion: ``discard`` only forgets the id, and stale heap entries are
 dropped when they surface or when the heap has grown to more than twice its live size. This is
-what keeps a scheduling decision from scanning every queued job (issue 3, "Cost").
+what keeps a scheduling decision from scanning every queued job.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The parts of the CUDA path whose logic runs on a CPU (issue #25): what reaches torch's SDPA, and
+"""The parts of the CUDA path whose logic runs on a CPU: what reaches torch's SDPA, and
 that the forward never reads a device tensor back to the host.
 
 - SDPA's fused kernels take 4-D inputs only; a 3-D call falls back to the math path, which

@@ -1,4 +1,4 @@
-"""Rules of the scheduler (issue 3 "Must show"), each with hand-computed expectations.
+"""Rules of the scheduler, each with hand-computed expectations.
 
 Time is virtual: every step is charged exactly the ``total`` the test passes (or the profile's
 cost model, via ``CostModelExecutor``). Numbers are chosen binary-exact (0.5, 1, 1.5, ...) so

@@ -1,4 +1,4 @@
-"""The simulator and the real engine agree where every scheduling rule fires (issue 9).
+"""The simulator and the real engine agree where every scheduling rule fires.
 
 One deterministic workload runs twice through the skip-join MLFQ scheduler: in the simulator,
 and through the real ``Engine`` loop with the real ``InProcessExecutor`` (tiny random OPT, paged

@@ -1,4 +1,4 @@
-"""Skip-join MLFQ stays stable under overload (issue 9): starvation promotion does not become the
+"""Skip-join MLFQ stays stable under overload: starvation promotion does not become the
 schedule and does not churn the KV cache when iterations are longer than the configured α.
 
 The demo server's regime, simulated: iterations of 0.6–0.9 s (three times α = 0.3 s), ShareGPT
