@@ -32,6 +32,7 @@ from torch import nn
 
 from fastserve.worker.model.attention import paged_self_attention
 from fastserve.worker.model.batch import ForwardBatch
+from fastserve.worker.model.gemm_choice import GemmPolicy
 from fastserve.worker.model.gemma3_config import FULL, SLIDING, Gemma3Config
 from fastserve.worker.model.layout import WeightLayout
 from fastserve.worker.model.linear import (
@@ -40,7 +41,6 @@ from fastserve.worker.model.linear import (
     ServingLinear,
     multiply_widened,
     pack_linears,
-    pack_weight,
     place_on_huge_pages,
 )
 from fastserve.worker.model.opt import AllReduce
@@ -193,13 +193,12 @@ class Gemma3Stage(nn.Module):
         first = self.config.kv_head_start(self.shard.tp_rank, self.shard.tp_size)
         return first * self.config.head_dim, self.num_local_kv_heads * self.config.head_dim
 
-    def pack_linear_weights(self) -> int:
-        """Prepack every decoder linear (q/k/v and gate/up merged) and the head for CPU GEMMs;
-        returns how many GEMM weights were packed."""
-        packed = pack_linears(self.layers)
-        if self.shard.is_last:
-            self._head_packed = pack_weight(self.embed_tokens.weight)
-            packed += self._head_packed is not None
+    def pack_linear_weights(self, policy: GemmPolicy | None = None) -> int:
+        """Prepack every decoder linear (q/k/v and gate/up merged) and the tied head for CPU GEMMs,
+        each on the paths chosen for its shape (``fastserve.worker.model.linear.pack_linears``,
+        ``policy``); returns how many GEMM weights were packed."""
+        head = self.embed_tokens.weight if self.shard.is_last else None
+        packed, self._head_packed = pack_linears(self.layers, policy, head)
         place_on_huge_pages(self.layers, self._head_packed)
         return packed
 
