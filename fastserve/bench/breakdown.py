@@ -116,10 +116,11 @@ def model_profile(batch_sizes: Sequence[int], context: int, model_config: str = 
                 BatchEntry(str(j), (7,), context + k, tables[j], False, greedy, k + 1) for j in range(b))))
 
         decode(0)
-        kernel_steps = []
-        with cpu_step.timed() as kernels:   # the C run's calls by family (the profiler sees none of them)
-            for k in range(steps):
-                kernel_steps.append(decode(1 + k).timings)
+        kernel_steps: list[tuple[dict[str, float], dict[str, float]]] = []
+        for k in range(steps):   # the C run's calls by family (the profiler sees none of them)
+            with cpu_step.timed() as kernels:
+                timings = decode(1 + k).timings
+            kernel_steps.append((kernels, timings))
         head_s = _head_seconds(ex, b, steps)
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             timings = [decode(1 + steps + k).timings for k in range(steps)]
@@ -143,7 +144,7 @@ def model_profile(batch_sizes: Sequence[int], context: int, model_config: str = 
         row["step_ms"] = step_ms
         # What the profiler does not see: the C decode attention (ctypes) and Python around ops.
         row["attention_and_python"] = step_ms - sum(row[k] for k in families)
-        row["c_run"] = _c_run_split(kernels, kernel_steps, head_s, steps)
+        row["c_run"] = _c_run_split(kernel_steps, head_s)
         out[str(b)] = row
         ex.close()
     return out
@@ -163,14 +164,17 @@ def _head_seconds(ex: Any, rows: int, repeats: int) -> float:
     return statistics.median(times[1:])
 
 
-def _c_run_split(kernels: dict[str, float], timings: list[dict[str, float]], head_s: float,
-                 steps: int) -> dict[str, float]:
-    """A step in ms: the C run's kernel families (empty where the module path ran), the rest of
-    the forward (embedding, rotary angles, Python between the calls), the LM head and the sampler
+def _c_run_split(steps: list[tuple[dict[str, float], dict[str, float]]], head_s: float) -> dict[str, float]:
+    """A step in ms, each part the median over ``steps`` (kernel seconds by family, the step's
+    timings): the C run's kernel families (none where the module path ran), the rest of the
+    forward (embedding, rotary angles, Python between the calls), the LM head and the sampler
     (``sample`` less the head), the batch build and what is left of the step."""
-    mean = {k: statistics.fmean(t.get(k, 0.0) for t in timings) * 1e3
-            for k in ("total", "build", "forward", "sample")}
-    split = {family: seconds / steps * 1e3 for family, seconds in sorted(kernels.items())}
+    def median(values: list[float]) -> float:
+        return statistics.median(values) * 1e3
+
+    families = sorted({f for kernels, _ in steps for f in kernels})
+    split = {f: median([kernels.get(f, 0.0) for kernels, _ in steps]) for f in families}
+    mean = {k: median([t.get(k, 0.0) for _, t in steps]) for k in ("total", "build", "forward", "sample")}
     split["forward_outside_kernels"] = mean["forward"] - sum(split.values())
     split["lm_head"] = head_s * 1e3
     split["sampler"] = mean["sample"] - split["lm_head"]

@@ -224,7 +224,7 @@ class EngineConfig(_Strict):
     #: How each CPU linear shape's GEMM path (our bf16 kernel on vdpbf16ps or AMX, oneDNN, torch)
     #: is chosen at start (``fastserve.worker.model.gemm_choice``): ``cached`` times them once per CPU
     #: model string and reads the cache after; ``measure`` times them at every start; ``fixed``
-    #: times nothing (our kernel where it builds, else oneDNN, else torch).
+    #: times nothing (our kernel where it builds, on AMX tiles where they run, else oneDNN, else torch).
     gemm_choice: GemmChoiceMode = "cached"
     #: A request's greedy tokens do not depend on what it is batched or chunked with (vLLM's and
     #: SGLang's deterministic modes): GEMMs whose per-row sums ignore the row count. CPU bf16

@@ -92,7 +92,7 @@ def _two_linears() -> torch.nn.Sequential:
 @needs_thp
 @pytest.mark.skipif(not cpu_linear.available(), reason="the bf16 linear kernel did not build here (no AVX-512 BF16)")
 def test_packed_linears_multiply_the_same_on_huge_pages() -> None:
-    """Weights packed for our kernel (``fixed``: ``dpbf16`` where it builds), moved after
+    """Weights packed for our kernel (``fixed``: ours where it builds), moved after
     packing, give the same products, bit for bit."""
     root = _two_linears()
     assert all(m.pack(GemmPolicy(FIXED)) for m in root)

@@ -110,7 +110,7 @@ def test_auto_serves_bf16_on_the_fast_paths(executor: InProcessExecutor) -> None
     # Every one of them on our bf16 kernel where it built (the fixed choice), else on oneDNN's.
     packed = [p for p in (*(g._packed for g in merged), *(m._packed for m in alone), model._head_packed)
               if p is not None]
-    want = G.DPBF16 if cpu_linear.available() else G.ONEDNN
+    want = (G.AMX if cpu_linear.amx_available() else G.DPBF16) if cpu_linear.available() else G.ONEDNN
     assert {p.choice for p in packed} == {G.GemmChoice.single(want)}
     assert all((p.ours is not None) == cpu_linear.available() for p in packed)
     query = torch.zeros(1, 9, 64, dtype=torch.bfloat16)

@@ -17,7 +17,7 @@ of them: compute-bound there), in interleaved rounds, and keeps the fastest per 
 on (shape, layers, threads, torch, the kernel's source), and reported: the start log and
 ``report()`` (``/debug/engine``). ``engine.gemm_choice`` says how: ``cached`` (the default:
 measure once, then read), ``measure`` (every start) or ``fixed`` (no timing: our kernel where it
-builds, else oneDNN, else ``F.linear``).
+builds, on AMX tiles where they run, else oneDNN, else ``F.linear``).
 
 With ``batch_invariant`` only paths whose per-row sums do not depend on the row count run (our
 kernel's ``dpbf16_uniform`` and ``amx``), one path per shape for every row count, chosen by the
