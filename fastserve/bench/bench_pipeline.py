@@ -26,7 +26,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -104,7 +104,7 @@ def bench_in_process(config: ModelConfig, seed: int, iterations: int, warmup: in
         ex.close()
 
 
-async def bench_pipeline(config: ModelConfig, tp: int, pp: int, transport: str, seed: int,
+async def bench_pipeline(config: ModelConfig, tp: int, pp: int, transport: Literal["compiled", "actor"], seed: int,
                          iterations: int, warmup: int, threads: int) -> dict[str, float]:
     spec = EngineSpec(ModelSpec(config, NUM_BATCHES * batch_blocks(), 0, block_size=BLOCK_SIZE, seed=seed,
                                 torch_threads=threads), ParallelSpec(tp, pp, transport))

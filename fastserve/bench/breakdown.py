@@ -225,12 +225,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16])
     args = parser.parse_args(argv)
     if args.model_only:
-        result = {"cpu": cpu_model(), "model_config": args.model_config, "dtype": args.dtype,
-                  "context": args.context,
-                  "model_profile": model_profile(args.batches, args.context, args.model_config, args.dtype)}
-        print(f"CPU: {result['cpu']}; {args.model_config}, dtype {args.dtype}, context {args.context}")
-        print_tables({**result, "output_tokens": 0, "loads": {}})
-        print(json.dumps(result))
+        profile = {"cpu": cpu_model(), "model_config": args.model_config, "dtype": args.dtype,
+                   "context": args.context,
+                   "model_profile": model_profile(args.batches, args.context, args.model_config, args.dtype)}
+        print(f"CPU: {profile['cpu']}; {args.model_config}, dtype {args.dtype}, context {args.context}")
+        print_tables({**profile, "output_tokens": 0, "loads": {}})
+        print(json.dumps(profile))
         return
     base = check_base_url(args.base_url)
     result: dict[str, Any] = {"cpu": cpu_model(), "output_tokens": args.output_tokens, "loads": {}}

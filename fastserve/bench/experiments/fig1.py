@@ -36,7 +36,8 @@ def run(options: RunOptions) -> dict[str, Any]:
     cost = CostModel.from_json(PAPER_PROFILES[MODEL])
     setup = SimSetup(policy="fcfs")
     n = NUM_REQUESTS[options.quick]
-    rows, shares, data = [], {f"{int(load * 100)}% load": [] for load in LOADS}, {}
+    shares: dict[str, list[float]] = {f"{int(load * 100)}% load": [] for load in LOADS}
+    rows, data = [], {}
     for name in WORKLOADS:
         pairs = _pairs(name)
         capacity = capacity_rate(pairs, cost, cost.serving.max_batch_size or DEFAULT_BATCH)
