@@ -181,7 +181,8 @@ class ServingLinear(nn.Linear):
     def pack(self, policy: GemmPolicy | None = None) -> bool:
         """Pack this linear alone, on the paths chosen for its shape; False (it stays
         ``nn.Linear``) on another device or dtype."""
-        self._packed = _packed_for(self.weight, choose_for(GemmRole("linear", (self.weight,)), policy or GemmPolicy()))
+        choice = choose_for(GemmRole("linear", (self.weight,)), policy or GemmPolicy())
+        self._packed = _packed_for(self.weight, choice)
         return self._packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -329,20 +330,24 @@ class _Unit:
 
 
 def _units(root: nn.Module) -> list[_Unit]:
-    merged = [(name, v) for name, m in root.named_modules() for key, v in vars(m).items()
-              if isinstance(v, MergedLinear) and v.mergeable() for name in (f"{name}.{key}".strip("."),)]
-    covered = {id(member) for _, group in merged for member in group.members}
-    units = [_Unit(name, group.merged_weight(), group) for name, group in merged]
+    """Every GEMM weight under ``root``: each mergeable ``MergedLinear`` (an attribute of a module)
+    as one, every other ``ServingLinear`` alone; labelled by where it sits."""
+    units: list[_Unit] = []
+    covered: set[int] = set()
+    for name, module in root.named_modules():
+        for key, value in vars(module).items():
+            if isinstance(value, MergedLinear) and value.mergeable():
+                units.append(_Unit(f"{name}.{key}" if name else key, value.merged_weight(), value))
+                covered.update(id(member) for member in value.members)
     units += [_Unit(name, m.weight, m) for name, m in root.named_modules()
               if isinstance(m, ServingLinear) and id(m) not in covered]
     return units
 
 
 def _role_label(names: Sequence[str]) -> str:
-    """``layers.*.self_attn.qkv x30`` for the names of one shape's units."""
-    shapes = sorted({".".join("*" if part.isdigit() else part for part in n.split(".")) for n in names})
-    return ", ".join(f"{s} x{sum(1 for n in names if '.'.join('*' if q.isdigit() else q for q in n.split('.')) == s)}"
-                     for s in shapes)
+    """``*.self_attn.qkv x30`` for the names of one shape's units (layer numbers as ``*``)."""
+    patterns = [".".join("*" if part.isdigit() else part for part in name.split(".")) for name in names]
+    return ", ".join(f"{pattern} x{patterns.count(pattern)}" for pattern in sorted(set(patterns)))
 
 
 def pack_linears(root: nn.Module, policy: GemmPolicy | None = None,
