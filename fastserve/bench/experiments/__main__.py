@@ -38,6 +38,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="fig14, fig15: arrival seeds, from --seed on (mean, least and most)")
     parser.add_argument("--jobs", type=int, default=1,
                         help="fig14, fig15: simulations run at once, in processes")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="fig14, fig15: requests per point (default: the figure's)")
+    parser.add_argument("--points", type=lambda v: tuple(float(x) for x in v.split(",")), default=None,
+                        help="fig14: length ratios; fig15: loads (default: the figure's)")
+    parser.add_argument("--skip", type=lambda v: tuple(v.split(",")), default=(),
+                        help="fig14, fig15: rows (setups) not to run, comma-separated")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--base-url", default=None,
                         help="fig11 real runs: use this already running server instead of starting one")
@@ -48,7 +54,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error("--sim and --real-only exclude each other")
     options = RunOptions(quick=args.quick, sim_only=args.sim, real_only=args.real_only, seed=args.seed,
                          out_dir=args.out_dir, base_url=args.base_url, num_seeds=args.seeds, jobs=args.jobs,
-                         extra={} if args.chunk_tokens is None else {"chunk_tokens": args.chunk_tokens})
+                         extra={k: v for k, v in (("chunk_tokens", args.chunk_tokens), ("requests", args.requests),
+                                                   ("points", args.points), ("skip", args.skip)) if v})
     module = importlib.import_module(f"fastserve.bench.experiments.{args.name}")
     headline = module.run(options)
     print(json.dumps(jsonable(headline)))

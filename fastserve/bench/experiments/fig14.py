@@ -99,10 +99,10 @@ def simulate_point(task: tuple[float, float, int, int, str]) -> dict[str, Any]:
 
 
 def _ratio_rows(points: dict[tuple[float, int, str], dict[str, Any]], ratios: Sequence[float],
-                seeds: Sequence[int], key: str) -> dict[str, list[Spread]]:
+                seeds: Sequence[int], key: str, setups: Sequence[str]) -> dict[str, list[Spread]]:
     """Each setup's ``key`` ÷ FCFS's at every ratio, spread over seeds (one load's points)."""
     return {name: [Spread.of([points[(r, s, name)][key] / points[(r, s, "fcfs")][key] for s in seeds])
-                   for r in ratios] for name in SETUPS}
+                   for r in ratios] for name in setups}
 
 
 def _pair_row(points: dict[tuple[float, int, str], dict[str, Any]], ratios: Sequence[float],
@@ -113,20 +113,26 @@ def _pair_row(points: dict[tuple[float, int, str], dict[str, Any]], ratios: Sequ
 
 def run(options: RunOptions) -> dict[str, Any]:
     report = Report("fig14", options)
-    n, ratios, seeds = NUM_REQUESTS[options.quick], RATIOS[options.quick], options.seeds
-    tasks = [(load, r, s, n, name) for load in LOADS for r in ratios for s in seeds for name in SETUPS]
+    n = options.extra.get("requests") or NUM_REQUESTS[options.quick]
+    ratios = options.extra.get("points") or RATIOS[options.quick]
+    seeds = options.seeds
+    setups = [name for name in SETUPS if name not in options.extra.get("skip", ())]
+    missing = {"fcfs", "skip_join_mlfq", "srpt_oracle", "fixed_priority"} - set(setups)
+    if missing:
+        raise ValueError(f"--skip: the tables need {sorted(missing)}")
+    tasks = [(load, r, s, n, name) for load in LOADS for r in ratios for s in seeds for name in setups]
     results = dict(zip(tasks, parallel_map(simulate_point, tasks, options.jobs), strict=True))
     headline: dict[str, Any] = {"seeds": seeds,
                                 "paper_max_speedup_over": {"fcfs": 8.9, "naive_mlfq": 1.87, "fixed_priority": 13.9}}
     report.data = {"ratios": list(ratios), "seeds": seeds, "loads": {}}
     columns = [f"r={r:g}" for r in ratios]
     for load in LOADS:
-        points = {(r, s, name): results[(load, r, s, n, name)] for r in ratios for s in seeds for name in SETUPS}
-        tables = {stat: _ratio_rows(points, ratios, seeds, key) for stat, key in STATS.items()}
+        points = {(r, s, name): results[(load, r, s, n, name)] for r in ratios for s in seeds for name in setups}
+        tables = {stat: _ratio_rows(points, ratios, seeds, key, setups) for stat, key in STATS.items()}
         vs_srpt = _pair_row(points, ratios, seeds, "skip_join_mlfq", "srpt_oracle")
         fixed_vs_ours = _pair_row(points, ratios, seeds, "fixed_priority", "skip_join_mlfq")
         for stat, rows in tables.items():
-            body = [[name, *rows[name], PAPER[name] if stat == "mean" else "–"] for name in SETUPS]
+            body = [[name, *rows[name], PAPER[name] if stat == "mean" else "–"] for name in setups]
             if stat == "mean":
                 body += [["skip-join ÷ SRPT oracle", *vs_srpt, "–"],
                          ["fixed priority ÷ skip-join", *fixed_vs_ours, "–"]]

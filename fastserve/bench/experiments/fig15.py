@@ -91,7 +91,9 @@ def _ratio(points: dict[tuple[float, int, str], dict[str, Any]], load: float, se
 
 def run(options: RunOptions) -> dict[str, Any]:
     report = Report("fig15", options)
-    n, loads, seeds = NUM_REQUESTS[options.quick], LOADS[options.quick], options.seeds
+    n = options.extra.get("requests") or NUM_REQUESTS[options.quick]
+    loads = options.extra.get("points") or LOADS[options.quick]
+    seeds = options.seeds
     tasks = [(load, s, n, row) for load in loads for s in seeds for row in ROWS]
     points = {(load, s, row): p for (load, s, _, row), p in
               zip(tasks, parallel_map(simulate_point, tasks, options.jobs), strict=True)}

@@ -12,7 +12,7 @@
 #   VLLM_CPU_KVCACHE_SPACE (GiB, 4), VLLM_CPU_OMP_THREADS_BIND, EXTRA_ARGS, LOG, PIDFILE ($VLLMCPU/server.pid).
 set -u
 D=${VLLMCPU:?set VLLMCPU to the folder setup.sh installed vLLM into}
-REPO=$(cd "$(dirname "$0")/../.." && pwd)
+REPO=$(cd "$(dirname "$0")/../../.." && pwd)
 MODEL=${MODEL:-$REPO/.cache/models/smollm2-135m-instruct}
 NAME=${NAME:-smollm2-135m-instruct}
 PORT=${PORT:-8100}
