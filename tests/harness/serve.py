@@ -177,6 +177,13 @@ def serve_app(tmp: Path, config: dict[str, Any], health_path: str = "/health", m
     ready once ``model`` answers a first completion."""
     http = free_port()
     config = copy.deepcopy(config)
+    # One fixed GEMM path in every process of the app: tests compare tokens across processes, and
+    # the stage workers of a pipeline would otherwise each time the paths at once on two cores,
+    # disturbing one another (the measured choice has its own tests: test_gemm_choice).
+    for app in config["applications"]:
+        args = app.get("args", {})
+        if "model" in args:   # our AppArgs (Ray Serve LLM's apps carry theirs under llm_configs)
+            args.setdefault("engine", {}).setdefault("gemm_choice", "fixed")
     config["http_options"]["port"] = http
     config_path = tmp / "config.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
