@@ -105,8 +105,11 @@ def test_the_fastest_path_per_row_count_is_chosen_cached_and_reported(monkeypatc
     G.choose(role, _scripted(seconds, calls), GemmPolicy(G.MEASURE), G.DPBF16)
     assert calls
     calls.clear()
+    monkeypatch.setattr(G, "_CHOSEN", {})
     assert G.choose(role, _scripted(seconds, calls), GemmPolicy(G.FIXED), G.AMX) == GemmChoice.single(G.AMX)
     assert calls == []
+    # A fixed choice is no measurement: a measured policy after it in the same process times.
+    assert G.choose(role, _scripted(seconds, calls), GemmPolicy(G.MEASURE), G.AMX) == choice and calls
 
 
 def test_batch_invariant_mode_takes_one_invariant_path_for_every_row_count(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -76,6 +76,14 @@ def hf_bf16(smollm2_folder: Path) -> transformers.PreTrainedModel:
 
 
 @pytest.fixture(scope="module")
+def hf_refs(hf_bf16: transformers.PreTrainedModel, smollm2_prompts: list[list[int]],
+            smollm2_llama: LlamaConfig) -> dict[str, Reference]:
+    """HF bf16 ``generate`` on each prompt, with its top-2 gaps (made once for the module)."""
+    return {str(i): hf_greedy_reference(hf_bf16, p, MAX_NEW_TOKENS, smollm2_llama.eos_token_id)
+            for i, p in enumerate(smollm2_prompts)}
+
+
+@pytest.fixture(scope="module")
 def executor(smollm2_llama: LlamaConfig, smollm2_folder: Path) -> Iterator[InProcessExecutor]:
     ex = InProcessExecutor(ModelSpec(smollm2_llama, NUM_DEVICE_BLOCKS, 0, BLOCK_SIZE, dtype="auto",
                                      load_format="auto", model_path=str(smollm2_folder)))
@@ -137,15 +145,15 @@ def test_prefill_and_decode_logits_match_transformers_bf16(executor: InProcessEx
 
 
 def test_greedy_matches_generate_bf16_up_to_ties(executor: InProcessExecutor, smollm2_prompts: list[list[int]],
-                                                 hf_bf16: transformers.PreTrainedModel, smollm2_llama: LlamaConfig,
+                                                 hf_refs: dict[str, Reference], smollm2_llama: LlamaConfig,
                                                  smollm2_folder: Path) -> None:
-    diverged = _greedy_against_generate(executor, smollm2_prompts, hf_bf16, smollm2_llama, smollm2_folder)
+    diverged = _greedy_against_generate(executor, smollm2_prompts, hf_refs, smollm2_llama, smollm2_folder)
     assert len(diverged) <= max_tied_jobs(), diverged
 
 
 def test_every_gemm_path_mixed_answers_as_the_fixed_ones(smollm2_llama: LlamaConfig, smollm2_folder: Path,
                                                          smollm2_prompts: list[list[int]],
-                                                         hf_bf16: transformers.PreTrainedModel,
+                                                         hf_refs: dict[str, Reference],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """What a server's measured choice may come to (``engine.gemm_choice``; the timing itself is
     tested in test_gemm_choice and test_cpu_step): every path this CPU has, switching at row counts
@@ -166,18 +174,16 @@ def test_every_gemm_path_mixed_answers_as_the_fixed_ones(smollm2_llama: LlamaCon
                                      load_format="auto", model_path=str(smollm2_folder)))
     try:
         assert ex.model._step_run is not None or not cpu_linear.available()
-        _greedy_against_generate(ex, smollm2_prompts, hf_bf16, smollm2_llama, smollm2_folder)
+        _greedy_against_generate(ex, smollm2_prompts, hf_refs, smollm2_llama, smollm2_folder)
     finally:
         ex.close()
 
 
 def _greedy_against_generate(executor: InProcessExecutor, smollm2_prompts: list[list[int]],
-                             hf_bf16: transformers.PreTrainedModel, smollm2_llama: LlamaConfig,
+                             refs: dict[str, Reference], smollm2_llama: LlamaConfig,
                              smollm2_folder: Path) -> dict[str, int]:
     """Greedy tokens against HF bf16 ``generate``: each job that leaves it does so where HF was
     tied, and the France prompt answers as fp32 does; returns where each job left."""
-    refs: dict[str, Reference] = {str(i): hf_greedy_reference(hf_bf16, p, MAX_NEW_TOKENS, smollm2_llama.eos_token_id)
-                                  for i, p in enumerate(smollm2_prompts)}
     ours = greedy_until_stop(Driver(executor), smollm2_prompts, MAX_NEW_TOKENS, smollm2_llama.eos_token_id)
     diverged = {}
     for job, ref in refs.items():
