@@ -187,7 +187,8 @@ class _Report:
 
 
 _REPORT = _Report()
-#: Choices made in this process (key -> choice): every stage and executor built here agrees.
+#: Choices timed or read in this process (key -> choice): every stage built here that asks for
+#: a measured choice agrees (a ``FIXED`` one is not kept: it is no measurement).
 _CHOSEN: dict[str, GemmChoice] = {}
 
 
@@ -243,7 +244,8 @@ def choose(role: GemmRole, candidates: Candidates, policy: GemmPolicy, fixed: st
             entry["source"] = "measured on a busy machine, not cached"
             _log.warning("GEMM timing for %s %s was disturbed (passes %.1fx their fastest calls): its choice "
                          "serves this process and is not cached", entry["dtype"], entry["shape"], spread)
-    _CHOSEN[key] = choice
+    if entry["source"] != FIXED and "budget" not in entry["source"]:
+        _CHOSEN[key] = choice   # timed (or read): the process's other stages take it, untimed
     entry["choice"] = choice.describe()
     _REPORT.roles[key] = entry
     _log.info("GEMM %s %s (%s, %d layers) on %s, %d threads: %s [%s%s]", entry["dtype"], entry["shape"], role.label,
