@@ -1,16 +1,18 @@
 """A step's decoder layers (LLaMA family, bf16, CPU) as one fixed run of C calls.
 
-Owns the fast path of the steps a server runs: decode rows and prefill chunks beside them, every
-linear packed for ``fastserve.kernels.cpu_linear``, the elementwise, paged-attention and prefill-attention
-C kernels built. The model's module path (``fastserve.worker.model.llama``) makes the same kernel calls
-through per-op wrappers that check, convert and allocate on every call, ~330 of them a step; at
-batch 1 on the 2-core AMD EPYC Zen 4 (SmolLM2-135M, context 128) that Python took 11.9 ms of a
-24.5 ms step and the C kernels 12.6 (docs/engine.md). Here the checks are made once per step,
-the step's buffers are allocated once, and a layer is nine or ten ctypes calls and no
-copies. The results are the module path's bits: the same kernels in the same order on the same
-values; the MLP's residual add, which the module path does in torch, is done by the next layer's
-norm (its fused add rounds the sum to bf16 as torch's add does), and the last layer's by torch;
-the gate/up projection and silu_mul are one call (``linear_bf16_swiglu``: the same roundings).
+Owns the fast path of the steps a server runs: decode rows and prefill chunks beside them, the
+elementwise, paged-attention and prefill-attention C kernels built, and every linear on the GEMM
+path the model measured for its shape (``StepGemm``): ``fastserve.kernels.cpu_linear``'s paths as C
+calls, any other (oneDNN's, torch's) called back, its output copied into the run's buffer. The
+model's module path (``fastserve.worker.model.llama``) makes the same kernel calls through per-op
+wrappers that check, convert and allocate on every call, ~330 of them a step; at batch 1 on the
+2-core AMD EPYC Zen 4 (SmolLM2-135M, context 128) that Python took 11.9 ms of a 24.5 ms step and
+the C kernels 12.6 (docs/engine.md). Here the checks are made once per step, the step's buffers
+are allocated once, and a layer is nine or ten ctypes calls and no copies. The results are the
+module path's bits: the same kernels in the same order on the same values; the MLP's residual
+add, which the module path does in torch, is done by the next layer's norm (its fused add rounds
+the sum to bf16 as torch's add does), and the last layer's by torch; the gate/up projection and
+silu_mul are one call (``linear_bf16_swiglu``: the same roundings).
 
 Where CUDA serving replays a captured graph for the same reason, a CPU step pays for Python
 directly; vLLM's CPU build compiles its model for it. This is the smallest thing that removes

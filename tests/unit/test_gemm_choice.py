@@ -173,8 +173,9 @@ def test_an_unwritable_cache_leaves_the_choice_standing(monkeypatch: pytest.Monk
 
 def test_candidates_are_the_paths_this_cpu_runs() -> None:
     bf16 = torch.randn(64, 64).to(torch.bfloat16)
-    paths = L.candidate_paths(bf16)
-    assert paths[-1] == G.TORCH and (G.ONEDNN in paths) == L.onednn_linear_available(torch.bfloat16)
+    paths = L.candidate_paths(bf16)   # none without native bf16: F.linear alone, nothing packed
+    assert paths == [] or paths[-1] == G.TORCH
+    assert (G.ONEDNN in paths) == L.onednn_linear_available(torch.bfloat16)
     assert (G.DPBF16 in paths) == cpu_linear.available()
     assert (G.AMX in paths) == cpu_linear.amx_available()
     invariant = L.candidate_paths(bf16, batch_invariant=True)
@@ -193,8 +194,9 @@ def test_a_measured_choice_on_this_cpu_is_made_of_its_paths_and_multiplies_right
     torch.manual_seed(3)
     layer = L.ServingLinear(64, 96, bias=False).to(torch.bfloat16).requires_grad_(False)
     assert layer.pack(GemmPolicy(G.MEASURE)) == bool(L.candidate_paths(layer.weight))
-    (entry,) = G.report()["shapes"].values()
-    assert entry["source"].startswith("measured") or entry["source"] == G.FIXED   # busy or not
+    if L.candidate_paths(layer.weight):   # else (no native bf16) nothing is chosen: F.linear
+        (entry,) = G.report()["shapes"].values()
+        assert entry["source"].startswith("measured") or entry["source"] == G.FIXED   # busy or not
     for rows in (1, 3, 17, 300):
         x = torch.randn(rows, 64).to(torch.bfloat16)
         want = torch.nn.functional.linear(x, layer.weight)
