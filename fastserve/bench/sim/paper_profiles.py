@@ -28,7 +28,6 @@ GB = 1e9
 GIB = 2**30
 FP16_BYTES = 2
 
-# ---- the paper's anchors ----------------------------------------------------------------------
 #: Figure 5 (OPT-2.7B, one A100): first-iteration time at two prompt lengths, and decode time.
 ANCHOR_SMALL_MODEL = "opt-2.7b"
 ANCHOR_SMALL_T_INIT: dict[int, float] = {128: 0.010, 1024: 0.090}
@@ -45,7 +44,6 @@ ANCHOR_SWAP_SECONDS = 0.036
 #: setting with fewer GPUs than that takes cannot move a block faster than its links allow.
 PCIE4_X16_BYTES_PER_S = 31.5e9
 
-# ---- hardware and serving settings (A100 80 GB, the project's serving defaults) --------------
 GPU_MEMORY_GIB = 80.0
 #: Fraction of device memory the engine may use (vLLM's default gpu_memory_utilization).
 GPU_MEMORY_UTILIZATION = 0.9
