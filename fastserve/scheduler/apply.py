@@ -93,8 +93,7 @@ class Applier:
             out.swap_out.append(spill)
 
     def _refresh_blocked(self, wanted: Mapping[str, int], now: float) -> None:
-        """A job is blocked while a batch wants it off the device; unwanted and with no copy under
-        way, it waits in its queue like any other."""
+        """Blocked while a batch wants it off the device; unwanted, with no copy under way, it queues."""
         s = self.s
         for job_id in list(s.blocked):
             job = s.jobs.get(job_id)
@@ -191,7 +190,7 @@ class Applier:
 
     def _swap(self, decision: SwapDecision, step: int, table: EnstTable | None,
               out: Applied) -> None:
-        for job_id in decision.drop:
+        for job_id in decision.drop:   # first: a swap-in may be planned into their blocks
             self._drop(job_id, table)
         for job_id in decision.swap_in:
             job = self._predict(job_id, table)

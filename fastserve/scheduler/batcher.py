@@ -54,9 +54,9 @@ class _Walk:
         reserved = sum(c.blocks for c in self.held.values())
         releasing = self.view.kv.device_releasing
         from_release = min(reserved, releasing)
-        self.landed = min(reserved - from_release, res.free_device)
+        self.landed = min(reserved - from_release, res.free_device)   # claimed, already free
         res.free_device -= self.landed
-        self.spare_release = releasing - from_release
+        self.spare_release = releasing - from_release   # releasing, no claim holds them
 
     def full(self) -> bool:
         cfg = self.view.config

@@ -53,6 +53,7 @@ class SchedulerConfig(_Strict):
     policy: PolicyName = "skip_join_mlfq"
     #: B: jobs per iteration.
     max_batch_size: int = Field(default=16, ge=1)
+    #: Tokens one iteration feeds: a first iteration its prompt, a decode 1.
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     #: α: a job unserved this long is promoted to level 1 (paper: 300 ms).
     starvation_alpha_s: float = Field(default=0.3, gt=0)

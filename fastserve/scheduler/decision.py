@@ -1,5 +1,4 @@
-"""The values planners return and ``Applier.apply`` runs: one ``Decision`` per ``schedule``:
-which jobs run, which are evicted for them, which KV moves, and the block counts planned against."""
+"""What planners return and ``Applier.apply`` runs: one ``Decision`` (runs, evictions, swaps) per ``schedule``."""
 
 from __future__ import annotations
 

@@ -34,8 +34,7 @@ class MemoryPlanner:
 
     def plan(self, batch: BatchDecision, step: int, now: float,
              table: EnstTable | None) -> SwapDecision:
-        """Proactive: prefetch and offload by ENST around the reserve and next growth. Reactive and
-        recompute move nothing here, except FCFS's eviction for decode growth."""
+        """Proactive: prefetch and offload by ENST; otherwise only FCFS's evictions for growth."""
         view = self.view
         mode = view.kv_config.swap_mode
         policy = view.policy

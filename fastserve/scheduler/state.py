@@ -1,5 +1,4 @@
-"""``SchedulerState``: everything a scheduler holds (``Applier`` its only writer), and
-``SchedulerView``, the read-only face the planners see."""
+"""``SchedulerState``, all a scheduler holds (``Applier`` its only writer); ``SchedulerView``, its read-only face."""
 
 from __future__ import annotations
 
