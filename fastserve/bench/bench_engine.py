@@ -182,7 +182,8 @@ def build_pair(model: str, weights: str, batch_sizes: list[int], dtype: str, see
     dtype = resolve_dtype(dtype, "cpu")
     if folder is None:
         ex = InProcessExecutor(ModelSpec(config, pool, 0, BLOCK_SIZE, dtype=dtype, seed=seed, gemm_choice=gemm_choice))
-        hf = _hf_twin(ex, config, seed).to(torch_dtype(dtype))
+        hf = _hf_twin(ex, config, seed)
+        torch.nn.Module.to(hf, torch_dtype(dtype))   # in place; transformers' typed `to` hides Module's
     else:
         ex = InProcessExecutor(ModelSpec(config, pool, 0, BLOCK_SIZE, dtype=dtype, load_format="auto",
                                          model_path=str(folder), gemm_choice=gemm_choice))

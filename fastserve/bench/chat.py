@@ -8,7 +8,7 @@ import argparse
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -26,7 +26,7 @@ DEFAULT_CONTEXT_LEN = 2048
 #: What the chat template adds around the prompt, and the gap between OPT's counts and the model's.
 DEFAULT_TEMPLATE_MARGIN = 64
 _P50, _P90, _P99 = 50.0, 90.0, 99.0
-_PERCENTILE_METHOD = "linear"
+_PERCENTILE_METHOD: Final = "linear"
 
 
 @dataclass(frozen=True)
