@@ -1,5 +1,5 @@
 """Where an engine step's time goes: running sums per phase, by kind (decode-only or mixed: a prompt
-changes the cost tenfold). The loop's ``schedule``/``update``, the executor's reported phases, the
+changes the cost by an order of magnitude). The loop's ``schedule``/``update``, the executor's reported phases, the
 ``execute`` wall time and the ``cycle`` (result to result while never idle), so ``cycle - forward -
 sample`` is the per-step ``overhead``. Imports no torch, no ray.
 """
