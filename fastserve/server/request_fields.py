@@ -11,7 +11,9 @@ byte-level decode is the fast tokenizer's, which never inserts spaces), ``priori
 ``cache_salt``, ``return_token_ids``, ``include_stop_str_in_output``, ``truncate_prompt_tokens``,
 ``allowed_token_ids``, ``bad_words``, ``return_tokens_as_token_ids``,
 ``add_special_tokens`` (completions: default true; chat: on top of the template's, default
-false); chat only: ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``.
+false); chat only: ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``,
+``tools``, ``tool_choice``, ``parallel_tool_calls`` (``fastserve.server.tools``; the table below
+still answers them on completions, which has no tools).
 
 Accepted because they change no output: ``HARMLESS`` (``user``, ``metadata``, ``store``,
 ``service_tier``).
@@ -22,9 +24,10 @@ Refused with a 400 naming the field, unless the value is the one that changes no
 | field | accepted as a no-op |
 |---|---|
 | ``response_format`` | ``{"type": "text"}`` |
-| ``tools`` | ``[]`` |
-| ``tool_choice`` | ``"none"`` |
-| ``parallel_tool_calls``, ``functions``, ``function_call`` | — |
+| ``tools`` (completions) | ``[]`` |
+| ``tool_choice`` (completions) | ``"none"`` |
+| ``parallel_tool_calls`` (completions) | — |
+| ``functions``, ``function_call`` (OpenAI's deprecated forms of ``tools``) | — |
 | ``echo`` (completions) | ``false`` |
 | ``suffix`` (completions) | ``""`` |
 | ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` | — |
