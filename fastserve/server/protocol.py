@@ -32,6 +32,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from fastserve.chat_template import ChatOptions
 from fastserve.generation_config import SamplingDefaults
 from fastserve.server.request_fields import refused_field
+from fastserve.server.structured_request import (
+    ACCEPTED_BACKENDS,
+    ConstraintError,
+    ResponseFormat,
+    StructuredOutputs,
+    request_constraint,
+)
 from fastserve.server.tools import (
     NamedToolChoice,
     ToolCallMessage,
@@ -41,7 +48,7 @@ from fastserve.server.tools import (
     template_message,
     tool_plan,
 )
-from fastserve.worker.messages import SamplingParams
+from fastserve.worker.messages import OutputConstraint, SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's legacy completions default
 #: Temperatures below this are greedy (as vLLM): dividing logits by ~0 would overflow softmax.
@@ -133,6 +140,14 @@ class _GenerationRequest(BaseModel):
     return_tokens_as_token_ids: bool = False
     #: vLLM's: keep only the prompt's last k tokens (-1: the model's context).
     truncate_prompt_tokens: int | None = None
+    #: Structured outputs (``fastserve.server.structured_request``): OpenAI's, vLLM's, vLLM's older names.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -181,6 +196,21 @@ class _GenerationRequest(BaseModel):
             raise bad_request(f"truncate_prompt_tokens must be >= 1 or -1, got {self.truncate_prompt_tokens}",
                               "truncate_prompt_tokens")
         return ids[-k:]
+
+    def output_constraint(self) -> OutputConstraint | None:
+        """The one structured-output constraint the request sets (None: free text); a 400 names
+        a malformed or second one."""
+        backend = self.guided_decoding_backend
+        if backend is not None and backend not in ACCEPTED_BACKENDS:
+            raise bad_request(f"guided_decoding_backend {backend!r} is not available: this server's grammar "
+                              f"engine is llguidance (send one of {list(ACCEPTED_BACKENDS)} or leave it out)",
+                              "guided_decoding_backend")
+        guided = {"guided_json": self.guided_json, "guided_regex": self.guided_regex,
+                  "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar}
+        try:
+            return request_constraint(self.response_format, self.structured_outputs, guided)
+        except ConstraintError as exc:
+            raise bad_request(str(exc), exc.param) from None
 
     def check_unsupported(self) -> None:
         refused = refused_field(self.model_extra or {})
@@ -242,7 +272,8 @@ class _GenerationRequest(BaseModel):
                               ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, min_p=min_p,
                               presence_penalty=presence, frequency_penalty=frequency,
                               repetition_penalty=repetition, logprobs=self.logprob_count(),
-                              logit_bias=self.logit_bias_pairs(), allowed_token_ids=self.allowed_ids())
+                              logit_bias=self.logit_bias_pairs(), allowed_token_ids=self.allowed_ids(),
+                              constraint=self.output_constraint())
 
     def allowed_ids(self) -> tuple[int, ...] | None:
         if self.allowed_token_ids is None:

@@ -48,7 +48,7 @@ def body(chat: bool, **fields: Any) -> dict[str, Any]:
 
 # ---- refused ----------------------------------------------------------------------------------
 
-BAD_VALUE: dict[str, Any] = {"response_format": {"type": "json_object"}, "tools": [{"type": "function"}],
+BAD_VALUE: dict[str, Any] = {"tools": [{"type": "function"}],
                              "tool_choice": "auto", "echo": True,
                              "suffix": "end", "length_penalty": 2.0,
                              "bad_words": ["x"]}
