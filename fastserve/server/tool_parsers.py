@@ -28,7 +28,8 @@ name is known (arguments read before it are held); its ``arguments`` are the mod
 as written (brackets and strings balanced by the scanner, not re-serialized; pythonic keyword
 arguments are written as JSON one whole argument at a time); text that turns out not to be a
 call (no name, malformed before the name) is content; a call malformed after its name is kept
-as far as it got and what follows is content; whitespace next to a call is not content. With
+as far as it got and what follows is content; whitespace next to a call is not content (but
+content before and after calls stays apart by the whitespace that preceded them). With
 ``max_calls`` (``parallel_tool_calls: false``) calls past it are not returned, as vLLM.
 
 Our own parsers rather than vLLM's: theirs are bound to vLLM's request, tokenizer and delta
@@ -116,14 +117,19 @@ class ToolCallParser:
     (and ``_flush`` for what it holds at the end) through ``_outside`` (content),
     ``_open_call``, ``_call_args`` and ``_close_call``."""
 
+    #: Text the format marks calls with (the tokenizer must not drop it as a special token).
+    markers: ClassVar[tuple[str, ...]] = ()
+
     def __init__(self, max_calls: int | None = None) -> None:
         self.calls: list[ToolCall] = []
         self._max_calls = max_calls
         self._out = ParsedDelta()
         self._ws = ""                 # trailing whitespace of the content, held
-        self._ws_after_call = False   # the held whitespace follows a call: never content
+        self._ws_after_call = False   # a call came last: whitespace now is never content
+        self._gap = ""                # whitespace between content and the calls after it
         self._open = False            # a call is open (its arguments are being read)
         self._dropping = False        # the open call is past max_calls
+        self._sent_content = False
 
     def push(self, text: str) -> ParsedDelta:
         if text:
@@ -154,17 +160,21 @@ class ToolCallParser:
     def _outside(self, text: str) -> None:
         """Text outside any call: content, its trailing whitespace held until more content
         follows (dropped if a call follows)."""
+        if self._ws_after_call:
+            text = text.lstrip(_WS)
         if not text:
             return
         body = text.rstrip(_WS)
         if not body:
             self._ws += text
             return
-        self._emit_content(("" if self._ws_after_call else self._ws) + body)
-        self._ws = text[len(body):]
+        self._emit_content((self._gap if self._ws_after_call else self._ws) + body)
+        self._ws, self._gap = text[len(body):], ""
         self._ws_after_call = False
 
     def _open_call(self, name: str) -> None:
+        if self._sent_content and not self._gap:
+            self._gap = self._ws
         self._ws, self._ws_after_call = "", True
         self._open = True
         if self._max_calls is not None and len(self.calls) >= self._max_calls:
@@ -191,6 +201,7 @@ class ToolCallParser:
 
     def _emit_content(self, text: str) -> None:
         self._out.content += text
+        self._sent_content = self._sent_content or bool(text)
 
     def _take(self) -> ParsedDelta:
         out, self._out = self._out, ParsedDelta()
@@ -471,6 +482,7 @@ class Llama3JsonParser(_JsonCallsParser):
     """vLLM's ``llama3_json``: ``{"name": ..., "parameters": {...}}; {...}``."""
 
     leader = "<|python_tag|>"
+    markers = ("<|python_tag|>",)
 
     @classmethod
     def instructions(cls) -> str:
@@ -493,6 +505,7 @@ class HermesParser(ToolCallParser):
 
     OPEN = "<tool_call>"
     CLOSE = "</tool_call>"
+    markers = (OPEN, CLOSE)
     args_keys = ("arguments", "parameters")
 
     def __init__(self, max_calls: int | None = None) -> None:
