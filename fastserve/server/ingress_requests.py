@@ -33,7 +33,7 @@ from fastserve.server.protocol_output import now_s
 from fastserve.server.request_limits import RequestLimits
 from fastserve.server.structured_request import ConstraintError, constrained
 from fastserve.server.tool_parsers import PARSERS
-from fastserve.server.tools import ToolPlan, resolve_tool_call_parser
+from fastserve.server.tools import ToolPlan, chat_prompt_ids, resolve_tool_call_parser
 from fastserve.tokenizer import Tokenizer
 from fastserve.worker.messages import OutputConstraint, SamplingParams
 
@@ -174,15 +174,10 @@ class RequestPreparer:
 
     def _chat_prompt(self, req: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
         """The prompt's ids: the model's own template (its specials written by it) or the OPT
-        fallback, given the tools; a template that does not read them gets them in the
-        system message (``ToolPlan.fallback_messages``)."""
-        messages = [m.as_template_message() for m in req.messages]
-        tokenizer = self.ctx.tokenizer
-        native = tokenizer.chat_template.reads_tools
-        if not native:
-            messages = plan.fallback_messages(messages)
+        fallback, given the tools (``fastserve.server.tools.chat_prompt_ids``)."""
         try:
-            return tokenizer.encode_chat(messages, req.chat_options(), plan.template_tools() if native else None)
+            return chat_prompt_ids(self.ctx.tokenizer, [m.as_template_message() for m in req.messages],
+                                   req.chat_options(), plan)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), exc.param) from None
 

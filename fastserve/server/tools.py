@@ -24,12 +24,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fastserve.chat_template import ChatOptions
 from fastserve.server.tool_parsers import (
     PARSERS,
     ForcedArgumentsParser,
     ForcedArrayParser,
     ToolCallParser,
 )
+from fastserve.tokenizer import Tokenizer
 
 #: OpenAI's rule for a function name.
 FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
@@ -200,6 +202,16 @@ def resolve_tool_call_parser(configured: str, template_source: str) -> str | Non
     if configured != "auto":
         return configured
     return next((name for hint, name in TEMPLATE_FORMAT_HINTS if hint in template_source), DEFAULT_TOOL_FORMAT)
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]], options: ChatOptions,
+                    plan: ToolPlan) -> list[int]:
+    """A conversation's prompt ids with the plan's tools: the folder's template given them
+    natively when it reads ``tools``, else in the system message (``fallback_messages``).
+    Raises ``ChatTemplateError``."""
+    if tokenizer.chat_template.reads_tools:
+        return tokenizer.encode_chat(messages, options, plan.template_tools())
+    return tokenizer.encode_chat(plan.fallback_messages(messages), options)
 
 
 def _parameters(tool: ToolDefinition) -> dict[str, Any]:

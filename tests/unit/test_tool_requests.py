@@ -278,3 +278,14 @@ def test_tool_choice_none_reads_no_calls() -> None:
     whole = post(ScriptedBackend(script(HERMES_OUTPUT)), "/v1/chat/completions",
                  body(tools=[WEATHER], tool_choice="none")).json()["choices"][0]
     assert whole["message"] == {"role": "assistant", "content": HERMES_OUTPUT}
+
+
+def test_tokenize_renders_tools_as_the_chat_route(smollm2_folder: Path) -> None:
+    from fastserve.server.tokenize_api import tokenize_response
+
+    tok = Tokenizer.from_dir(smollm2_folder)
+    ctx = ServerContext(MODEL, tok, tok.vocab_size, 8192)
+    server = OpenAIServer(ctx, backend=None)  # type: ignore[arg-type]
+    request = {"model": MODEL, "messages": CALL_HISTORY, "tools": [WEATHER]}
+    chat_ids = server.preparer.prepare_chat(json.dumps(request).encode()).prompt_ids
+    assert tokenize_response(ctx, json.dumps(request).encode())["tokens"] == list(chat_ids)
