@@ -289,3 +289,19 @@ def test_tokenize_renders_tools_as_the_chat_route(smollm2_folder: Path) -> None:
     request = {"model": MODEL, "messages": CALL_HISTORY, "tools": [WEATHER]}
     chat_ids = server.preparer.prepare_chat(json.dumps(request).encode()).prompt_ids
     assert tokenize_response(ctx, json.dumps(request).encode())["tokens"] == list(chat_ids)
+
+
+def test_a_format_tag_that_is_a_special_token_is_kept_in_the_text(smollm2_folder: Path, tmp_path: Path) -> None:
+    """Where the tokenizer makes ``<tool_call>`` special, ``auto`` decodes with special tokens
+    kept (as vLLM's Hermes parser asks), else the parser would never see the tag."""
+    config = json.loads((smollm2_folder / "tokenizer_config.json").read_text())
+    config["additional_special_tokens"] = ["<tool_call>", "</tool_call>"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "tokenizer.json").write_bytes((smollm2_folder / "tokenizer.json").read_bytes())
+    (tmp_path / "chat_template.jinja").write_bytes((smollm2_folder / "chat_template.jinja").read_bytes())
+    tagged = Tokenizer.from_dir(tmp_path)
+    assert len(tagged.encode("<tool_call>", add_special_tokens=False)) == 1
+    for tok, kept in ((tagged, False), (Tokenizer.from_dir(smollm2_folder), True)):
+        server = OpenAIServer(ServerContext(MODEL, tok, tok.vocab_size, 8192), backend=None)  # type: ignore[arg-type]
+        prep = server.preparer.prepare_chat(json.dumps({**body(tools=[WEATHER]), "model": MODEL}).encode())
+        assert prep.req.skip_special_tokens is kept
