@@ -194,6 +194,20 @@ def _environment() -> ImmutableSandboxedEnvironment:
 _ENV = _environment()
 
 
+def _reads_key(tree: jinja2.nodes.Template, key: str) -> bool:
+    """Whether any expression reads ``key``: ``x.key``, ``x['key']`` or ``x.get('key')``."""
+    for node in tree.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem, jinja2.nodes.Call)):
+        if isinstance(node, jinja2.nodes.Getattr) and node.attr == key:
+            return True
+        if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const) \
+                and node.arg.value == key:
+            return True
+        if isinstance(node, jinja2.nodes.Call) and node.args and isinstance(node.args[0], jinja2.nodes.Const) \
+                and node.args[0].value == key:
+            return True
+    return False
+
+
 class ChatTemplate:
     """A model's chat template, compiled once; `render` is thread-safe (jinja2 templates are)."""
 
@@ -202,6 +216,9 @@ class ChatTemplate:
     add_special_tokens = False
     #: Whether the template reads the ``tools`` variable (else tools given to it go unseen).
     reads_tools = False
+    #: Whether the template may read a message's ``name``: False when no expression in it
+    #: reads a ``name`` key or attribute at all (a name given to it would go unseen).
+    may_read_names = False
 
     def __init__(self, source: str, special_tokens: Mapping[str, str], *, origin: Path | None = None) -> None:
         self.source = source
@@ -212,7 +229,9 @@ class ChatTemplate:
             where = f" in {origin}" if origin is not None else ""
             raise ValueError(f"chat template{where} does not compile: {exc.message} "
                              f"(line {exc.lineno})") from None
-        self.reads_tools = "tools" in jinja2.meta.find_undeclared_variables(_ENV.parse(source))
+        tree = _ENV.parse(source)
+        self.reads_tools = "tools" in jinja2.meta.find_undeclared_variables(tree)
+        self.may_read_names = _reads_key(tree, "name")
 
     def render(self, messages: Sequence[Mapping[str, Any]],
                options: ChatOptions = DEFAULT_CHAT_OPTIONS,

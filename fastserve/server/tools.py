@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fastserve.chat_template import ChatOptions
+from fastserve.chat_template import ChatOptions, ChatTemplateError
 from fastserve.server.tool_parsers import (
     PARSERS,
     ForcedArgumentsParser,
@@ -208,7 +208,12 @@ def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]], option
                     plan: ToolPlan) -> list[int]:
     """A conversation's prompt ids with the plan's tools: the folder's template given them
     natively when it reads ``tools``, else in the system message (``fallback_messages``).
-    Raises ``ChatTemplateError``."""
+    Raises ``ChatTemplateError``, also for a message ``name`` the template cannot show."""
+    if not tokenizer.chat_template.may_read_names:
+        named = next((i for i, m in enumerate(messages) if m.get("name") is not None), None)
+        if named is not None:
+            raise ChatTemplateError(f"messages[{named}].name: this model's chat template never reads a "
+                                    "message's name; leave it out", f"messages[{named}].name")
     if tokenizer.chat_template.reads_tools:
         return tokenizer.encode_chat(messages, options, plan.template_tools())
     return tokenizer.encode_chat(plan.fallback_messages(messages), options)

@@ -305,3 +305,17 @@ def test_a_format_tag_that_is_a_special_token_is_kept_in_the_text(smollm2_folder
         server = OpenAIServer(ServerContext(MODEL, tok, tok.vocab_size, 8192), backend=None)  # type: ignore[arg-type]
         prep = server.preparer.prepare_chat(json.dumps({**body(tools=[WEATHER]), "model": MODEL}).encode())
         assert prep.req.skip_special_tokens is kept
+
+
+def test_a_message_name_the_template_never_reads_is_refused(smollm2_folder: Path, tmp_path: Path) -> None:
+    tok = Tokenizer.from_dir(smollm2_folder)
+    server = OpenAIServer(ServerContext(MODEL, tok, tok.vocab_size, 8192), backend=None)  # type: ignore[arg-type]
+    request = {"model": MODEL, "messages": [*USER, {"role": "user", "content": "hi", "name": "ann"}]}
+    with pytest.raises(APIError) as refused:
+        server.preparer.prepare_chat(json.dumps(request).encode())
+    assert (refused.value.param, refused.value.message) == (
+        "messages[1].name", "messages[1].name: this model's chat template never reads a message's name; leave it out")
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m.name }}: {{ m.content }}\n{% endfor %}")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((smollm2_folder / name).read_bytes())
+    assert prepared_prompt(Tokenizer.from_dir(tmp_path), request) == ": Weather in Paris?\nann: hi\n"
