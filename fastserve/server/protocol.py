@@ -208,9 +208,14 @@ class _GenerationRequest(BaseModel):
         guided = {"guided_json": self.guided_json, "guided_regex": self.guided_regex,
                   "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar}
         try:
-            return request_constraint(self.response_format, self.structured_outputs, guided)
+            constraint = request_constraint(self.response_format, self.structured_outputs, guided)
         except ConstraintError as exc:
             raise bad_request(str(exc), exc.param) from None
+        if constraint is not None and self.min_tokens:
+            # EOS would be masked while the grammar allows nothing else: the job could only fail.
+            raise bad_request("min_tokens cannot be honoured with structured outputs: the grammar decides where "
+                              "the output ends", "min_tokens")
+        return constraint
 
     def check_unsupported(self) -> None:
         refused = refused_field(self.model_extra or {})

@@ -7,8 +7,9 @@ Owns the request models of OpenAI's ``response_format`` (``text``, ``json_object
 options) and vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
 ``guided_grammar`` fields, and ``request_constraint``: at most one of them may constrain a request
 (two are a 400 naming the second, even when they agree: a client that sends both has a bug to know of).
-Whether the engine can compile the payload is checked where the grammar engine lives
-(``fastserve.structured``), at the ingress before admission.
+Whether the grammar engine can compile the payload is checked here too (``fastserve.structured``'s
+``check_constraint``, without the model's tokenizer): a 400 with the engine's message, before
+the request reaches an engine.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fastserve.structured import GrammarError, check_constraint
 from fastserve.worker.messages import OutputConstraint, SamplingParams
 
 #: ``guided_decoding_backend`` values we accept: there is one engine, and "auto" picks it.
@@ -89,7 +91,8 @@ def request_constraint(response_format: ResponseFormat | None, structured: Struc
     name, constraint = found[0]
     try:
         constraint.validate()
-    except ValueError as exc:
+        check_constraint(constraint)
+    except (ValueError, GrammarError) as exc:
         raise ConstraintError(str(exc), name) from None
     return constraint
 

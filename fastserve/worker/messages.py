@@ -263,6 +263,11 @@ class BatchEntry:
     samples: bool = True
     #: Penalty history and masked tokens, only for an entry whose sampling needs them.
     context: SamplingContext | None = None
+    #: Structured outputs: the tokens the job's grammar allows next, one bit per token id
+    #: (little-endian 32-bit words, bit ``t % 32`` of word ``t // 32``); every other token is
+    #: masked before sampling and logprobs. Set by the engine (``fastserve.structured``) on a
+    #: sampling entry of a constrained job; None = no grammar.
+    token_mask: bytes | None = None
 
     @property
     def context_len(self) -> int:

@@ -88,6 +88,12 @@ def test_disable_additional_properties_closes_every_listed_object() -> None:
     ({"guided_json": "{not json"}, "guided_json",
      "guided_json is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
     ({"guided_json": "[1]"}, "guided_json", "guided_json must be a JSON schema (an object), got list"),
+    ({"guided_grammar": "start: foo"}, "guided_grammar",
+     'the grammar cannot be compiled: at 1(8): unknown name: "foo"\n   1 | start: foo\n              ^\n'),
+    ({"structured_outputs": {"json": {"type": "frob"}}}, "structured_outputs.json",
+     "the json_schema cannot be compiled: Invalid type: frob"),
+    ({"guided_regex": "a+", "min_tokens": 2}, "min_tokens",
+     "min_tokens cannot be honoured with structured outputs: the grammar decides where the output ends"),
     ({"guided_decoding_backend": "xgrammar", "guided_regex": "a"}, "guided_decoding_backend",
      "guided_decoding_backend 'xgrammar' is not available: this server's grammar engine is llguidance "
      "(send one of ['auto', 'guidance', 'llguidance'] or leave it out)"),
