@@ -34,6 +34,7 @@ from fastserve.server.request_limits import RequestLimits
 from fastserve.server.structured_request import ConstraintError, constrained
 from fastserve.server.tool_parsers import PARSERS
 from fastserve.server.tools import ToolPlan, chat_prompt_ids, resolve_tool_call_parser
+from fastserve.structured import GrammarError, check_constraint
 from fastserve.tokenizer import Tokenizer
 from fastserve.worker.messages import OutputConstraint, SamplingParams
 
@@ -158,19 +159,32 @@ class RequestPreparer:
             raise bad_request(
                 f"messages of {len(ids)} tokens leave no room to generate within the model's "
                 f"context of {self.ctx.context_len} tokens", "messages", "context_length_exceeded")
-        sampling = req.to_sampling(room, self.ctx.sampling_defaults)
-        schema = plan.forced_schema()
-        if schema is not None:   # tool_choice required / named: the grammar writes the call
-            try:
-                sampling = constrained(sampling, OutputConstraint.json_schema(schema), "tool_choice")
-            except ConstraintError as exc:
-                raise bad_request(str(exc), exc.param) from None
+        sampling = self._forced(req, plan, req.to_sampling(room, self.ctx.sampling_defaults))
         if plan.parses and self._markers_are_special(plan):
             # As vLLM's Hermes parser: the markers must reach the parser even where the
             # tokenizer calls them special.
             req = req.model_copy(update={"skip_special_tokens": False})
         return self._prepared(req, f"chatcmpl-{uuid.uuid4().hex}", ids, sampling, True,
                               plan if plan.parses else None)
+
+    @staticmethod
+    def _forced(req: ChatCompletionRequest, plan: ToolPlan, sampling: SamplingParams) -> SamplingParams:
+        """``sampling`` held to the schema ``tool_choice`` required / named force (the grammar
+        writes the call); checked with the grammar engine here, a 400 naming the field."""
+        schema = plan.forced_schema()
+        if schema is None:
+            return sampling
+        if req.min_tokens:
+            raise bad_request("min_tokens cannot be honoured with a forced tool_choice: the grammar decides "
+                              "where the call ends", "min_tokens")
+        constraint = OutputConstraint.json_schema(schema)
+        try:
+            check_constraint(constraint)
+            return constrained(sampling, constraint, "tool_choice")
+        except GrammarError as exc:
+            raise bad_request(f"the tools' parameters cannot be forced: {exc}", "tools") from None
+        except ConstraintError as exc:
+            raise bad_request(str(exc), exc.param) from None
 
     def _chat_prompt(self, req: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
         """The prompt's ids: the model's own template (its specials written by it) or the OPT

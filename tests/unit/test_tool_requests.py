@@ -319,3 +319,17 @@ def test_a_message_name_the_template_never_reads_is_refused(smollm2_folder: Path
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes((smollm2_folder / name).read_bytes())
     assert prepared_prompt(Tokenizer.from_dir(tmp_path), request) == ": Weather in Paris?\nann: hi\n"
+
+
+def test_a_forced_choice_refuses_what_the_grammar_cannot_honour() -> None:
+    broken = {"type": "function", "function": {"name": "f", "parameters": {"type": "frobnicate"}}}
+    assert refusal(body(tools=[broken], tool_choice="required")) == (
+        400, "tools", "the tools' parameters cannot be forced: the json_schema cannot be compiled: "
+                      "Invalid type: frobnicate")
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert refusal(body(tools=[WEATHER], tool_choice=named, min_tokens=2)) == (
+        400, "min_tokens", "min_tokens cannot be honoured with a forced tool_choice: the grammar decides where "
+                           "the call ends")
+    assert refusal(body(tools=[WEATHER], tool_choice=named, response_format={"type": "json_object"})) == (
+        400, "tool_choice", "tool_choice constrains the output, and so does another field (json_object); "
+                            "send one of them")
