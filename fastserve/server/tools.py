@@ -121,10 +121,6 @@ class ToolPlan:
     def parses(self) -> bool:
         return self.mode != "none"
 
-    @property
-    def forced(self) -> bool:
-        return self.mode in ("required", "named")
-
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The ``tools`` the chat template receives (OpenAI's dicts, as transformers and vLLM
         pass them), or None without tools."""
