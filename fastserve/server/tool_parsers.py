@@ -643,49 +643,67 @@ def _keyword(segment: str) -> tuple[str, Any] | None:
     return call.keywords[0].arg, _literal(call.keywords[0].value)
 
 
-def _argument_end(text: str) -> int | None:
-    """Index of the ``,`` or ``)`` that ends the first argument in ``text`` (outside strings
-    and brackets); None when it has not come yet."""
-    i, nest, n = 0, 0, len(text)
-    while i < n:
-        ch = text[i]
-        if ch in "'\"":
-            end = _string_end(text, i)
-            if end is None:
-                return None
-            i = end
-            continue
-        if ch in "([{":
-            nest += 1
-        elif ch in ")]}":
-            if nest == 0:
+class _ArgumentScanner:
+    """Finds the ``,`` or ``)`` that ends a call's next argument, outside Python strings and
+    brackets, in text that arrives in pieces; it resumes where it stopped, so a long argument
+    is scanned once, not once per piece."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self._pos = 0
+        self._nest = 0
+        self._quote = ""    # the open string's quote ('' outside strings)
+
+    def end(self) -> int | None:
+        """Index in ``text`` of the argument's end; None until it has come."""
+        t, i = self.text, self._pos
+        while i < len(t):
+            ch = t[i]
+            if self._quote:
+                if ch == "\\":
+                    if i + 1 == len(t):
+                        break
+                    i += 2
+                elif t.startswith(self._quote, i):
+                    i += len(self._quote)
+                    self._quote = ""
+                elif self._quote.startswith(t[i:]):   # maybe the start of a closing triple quote
+                    break
+                else:
+                    i += 1
+                continue
+            if ch in "'\"":
+                if t.startswith(ch * 3, i):
+                    self._quote = ch * 3
+                elif (ch * 3).startswith(t[i:]):   # one or two quotes so far: "" or """?
+                    break
+                else:
+                    self._quote = ch
+                i += len(self._quote)
+                continue
+            if ch in ")]}" and self._nest == 0:
                 if ch != ")":
                     raise _PythonicError(f"unbalanced {ch!r}")
+                self._pos = i
                 return i
-            nest -= 1
-        elif ch == "," and nest == 0:
-            return i
-        i += 1
-    return None
-
-
-def _string_end(text: str, i: int) -> int | None:
-    """Index after the Python string literal opening at ``i``; None if it is not closed yet
-    (or its quotes cannot be told from a triple quote yet)."""
-    q = text[i]
-    if text.startswith(q * 3, i):
-        q *= 3
-    elif (q * 3).startswith(text[i:]):
+            if ch == "," and self._nest == 0:
+                self._pos = i
+                return i
+            self._nest += 1 if ch in "([{" else -1 if ch in ")]}" else 0
+            i += 1
+        self._pos = i
         return None
-    j = i + len(q)
-    while j < len(text):
-        if text[j] == "\\":
-            j += 2
-        elif text.startswith(q, j):
-            return j + len(q)
-        else:
-            j += 1
-    return None
+
+    def cut(self, end: int) -> None:
+        """Drop the argument before ``end`` and its terminator: scan the next one."""
+        self.text = self.text[end + 1:]
+        self._pos, self._nest, self._quote = 0, 0, ""
+
+    def take(self) -> str:
+        """What is left, and start afresh."""
+        rest = self.text
+        self.cut(len(rest))
+        return rest
 
 
 def _is_function_name(name: str) -> bool:
@@ -699,8 +717,9 @@ class PythonicParser(ToolCallParser):
     def __init__(self, max_calls: int | None = None) -> None:
         super().__init__(max_calls)
         self._state = "lead"
-        self._held = ""     # raw text not yet known to be calls, or the open argument's text
+        self._held = ""     # raw text not yet known to be calls
         self._name = ""
+        self._scanner = _ArgumentScanner()
         self._args = 0      # keyword arguments sent for the open call
 
     def _feed(self, text: str) -> None:
@@ -749,32 +768,30 @@ class PythonicParser(ToolCallParser):
 
     def _in_args(self, buf: str, i: int) -> int:
         """Keyword arguments, each sent once whole, up to the call's ``)``."""
-        text, base = self._held + buf[i:], i - len(self._held)
-        self._held = ""
-        p = 0
+        scan = self._scanner
+        scan.text += buf[i:]
         while True:
             try:
-                end = _argument_end(text[p:])
+                end = scan.end()
                 if end is None:
-                    self._held = text[p:]
                     return len(buf)
-                end += p
-                kw = _keyword(text[p:end])
-            except _PythonicError:
+                kw = _keyword(scan.text[:end])
+            except _PythonicError:   # the call ends with its whole arguments; the rest is content
                 self._close_open_call()
                 self._state = "plain"
-                self._outside(text[p:])
+                self._outside(scan.take())
                 return len(buf)
+            closing = scan.text[end] == ")"
+            scan.cut(end)
             if kw is not None:
                 sep = "{" if self._args == 0 else ", "
                 self._call_args(sep + json.dumps(kw[0], ensure_ascii=False) + ": "
                                 + json.dumps(kw[1], ensure_ascii=False))
                 self._args += 1
-            p = end + 1
-            if text[end] == ")":
+            if closing:
                 self._close_open_call()
                 self._state = "between"
-                return base + p
+                return len(buf) - len(scan.take())
 
     def _close_open_call(self) -> None:
         self._call_args("}" if self._args else "{}")
@@ -795,6 +812,7 @@ class PythonicParser(ToolCallParser):
     def _flush(self) -> None:
         if self._state == "args" and self._open:
             self._close_open_call()   # the output ended inside a call: keep its whole arguments
+            self._scanner.take()
         elif self._state in ("lead", "name"):
             self._outside(self._held)
         self._held = ""

@@ -27,6 +27,9 @@ HERMES_TWO = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": 
               '"days": [1, 2, {"q": "}\\"<"}]}}\n</tool_call>\n<tool_call>{"arguments": {}, "name": "now"}'
               '</tool_call>')
 
+#: Python's string forms: empty, escaped quotes, triple quotes holding quotes, commas and parentheses.
+PYTHON_STRINGS = "[f(a='', b=\"\", c='it\\'s', d=\"\"\"say \"hi\", ok\"\"\", e='''x''''', g=')(')]"
+
 #: (parser class, output, content, [(name, arguments)]): the expected reading of whole outputs.
 WHOLE: list[tuple[type[ToolCallParser], str, str, Calls]] = [
     (HermesParser, HERMES_TWO, "Let me check.",
@@ -48,6 +51,8 @@ WHOLE: list[tuple[type[ToolCallParser], str, str, Calls]] = [
                      "s='''a,)b''', t=true, m=-2)]", "",
      [("get_weather", '{"city": "Paris", "days": 3}'), ("now", "{}"),
       ("g", '{"x": [1, [2, 3]], "y": {"k": null}, "s": "a,)b", "t": true, "m": -2}')]),
+    (PythonicParser, PYTHON_STRINGS, "",
+     [("f", '{"a": "", "b": "", "c": "it\'s", "d": "say \\"hi\\", ok", "e": "x", "g": ")("}')]),
     (PythonicParser, "[1, 2, 3] are numbers", "[1, 2, 3] are numbers", []),
     (PythonicParser, "Sure: [f(a=1)]", "Sure: [f(a=1)]", []),
     (PythonicParser, "[f(a=1, b=open('x'))]", "b=open('x'))]", [("f", '{"a": 1}')]),
