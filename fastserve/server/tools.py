@@ -38,6 +38,8 @@ FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 #: vLLM's schema for a function that declares no parameters.
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 ToolMode = Literal["none", "auto", "required", "named"]
+#: How a tool's result is shown to a model whose template knows no tools (the Hermes convention).
+TOOL_RESPONSE = ("<tool_response>", "</tool_response>")
 
 
 class FunctionDefinition(BaseModel):
@@ -158,17 +160,28 @@ class ToolPlan:
     def fallback_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``messages`` for a template that does not read ``tools``: the tools and how to call
         them in the system message (added first when there is none), earlier calls written
-        into their assistant message's text in the configured format."""
+        into their assistant message's text in the configured format, and tool results as a
+        user message (consecutive results in one), each in ``<tool_response>`` tags: a template
+        that knows no tools knows no ``tool`` role either (Gemma 3's refuses it)."""
         fmt = PARSERS[self.parser_name]
-        out = []
+        out: list[dict[str, Any]] = []
+        after_result = False
         for m in messages:
+            is_result = m.get("role") == "tool"
             calls = m.get("tool_calls")
             if calls:
                 written = fmt.render_calls([c["function"] for c in calls])
                 text = m.get("content") or ""
                 m = {k: v for k, v in m.items() if k != "tool_calls"}
                 m["content"] = f"{text}\n{written}" if text else written
+            if is_result:
+                result = f"{TOOL_RESPONSE[0]}\n{m.get('content') or ''}\n{TOOL_RESPONSE[1]}"
+                if after_result:
+                    out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n{result}"}
+                    continue
+                m = {"role": "user", "content": result}
             out.append(m)
+            after_result = is_result
         if not self.tools:
             return out
         listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in self.template_tools() or [])

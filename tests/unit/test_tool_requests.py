@@ -166,7 +166,29 @@ def test_a_template_without_tools_gets_them_in_the_system_message(smollm2_folder
         'call, holding {"name": <function name>, "arguments": <arguments object>}.<|im_end|>\n'
         "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
         '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-        "</tool_call><|im_end|>\n<|im_start|>tool\n22 C, sunny<|im_end|>\n<|im_start|>assistant\n")
+        "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n22 C, sunny\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n")
+
+
+def test_gemma3_gets_tool_results_as_a_user_turn() -> None:
+    """Gemma 3's template refuses any role but alternating user/model: the results of two
+    parallel calls become one user turn."""
+    gemma = ChatTemplate((Path(__file__).resolve().parents[2] / "config" / "chat_templates" / "gemma3.jinja")
+                         .read_text(), {"bos_token": "<bos>"})
+    two_calls = [*USER, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+        {"id": "b", "type": "function", "function": {"name": "now", "arguments": {}}}]},
+        {"role": "tool", "tool_call_id": "a", "content": "22 C"},
+        {"role": "tool", "tool_call_id": "b", "content": "9:00"}]
+    plan = tool_plan([ToolDefinition.model_validate(NOW)], None, None, "hermes")
+    assert gemma.render(plan.fallback_messages(two_calls)) == (
+        "<bos><start_of_turn>user\nYou can call these functions (JSON schemas):\n<tools>\n" + json.dumps(NOW)
+        + "\n</tools>\nTo call a function, answer with one <tool_call>...</tool_call> block per call, holding "
+        '{"name": <function name>, "arguments": <arguments object>}.\n\nWeather in Paris?<end_of_turn>\n'
+        '<start_of_turn>model\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call><end_of_turn>\n'
+        "<start_of_turn>user\n<tool_response>\n22 C\n</tool_response>\n<tool_response>\n9:00\n</tool_response>"
+        "<end_of_turn>\n<start_of_turn>model\n")
 
 
 #: A template that reads tools and tool calls, written for this test in the Hermes convention.
