@@ -53,13 +53,17 @@ def client(server: Server) -> Any:
 
 
 def ask(client: Any, **fields: Any) -> tuple[Any, Any]:
-    """The same request whole and streamed (folded by the client's own accumulator)."""
+    """The same request whole and streamed, the stream folded by the client's own accumulator
+    (its snapshot: ``.stream().get_final_completion()`` refuses an answer cut by length)."""
+    from openai.lib.streaming.chat._completions import ChatCompletionStreamState
+
     request = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": MAX_TOKENS, "temperature": 0,
                **fields}
     whole = client.chat.completions.create(**request)
-    with client.chat.completions.stream(**request) as stream:
-        streamed = stream.get_final_completion()
-    return whole.choices[0], streamed.choices[0]
+    state: ChatCompletionStreamState[Any] = ChatCompletionStreamState()
+    for chunk in client.chat.completions.create(**request, stream=True):
+        list(state.handle_chunk(chunk))
+    return whole.choices[0], state.current_completion_snapshot.choices[0]
 
 
 def calls_of(choice: Any) -> list[tuple[str, Any]]:
@@ -88,13 +92,27 @@ def test_auto_answers_text_or_parsed_calls_and_streams_the_same(client: Any) -> 
 
 
 def test_required_gives_valid_calls_whole_and_streamed(client: Any) -> None:
-    whole, streamed = ask(client, tool_choice="required")
+    """One call (``parallel_tool_calls: false`` bounds the forced array to one item, so the
+    grammar closes it): valid, and the stream adds up to it."""
+    whole, streamed = ask(client, tool_choice="required", parallel_tool_calls=False)
     assert whole.finish_reason == "tool_calls"
     calls = calls_of(whole)
-    assert calls
-    for name, arguments in calls:
-        assert_valid_call(name, arguments)
+    assert len(calls) == 1
+    assert_valid_call(*calls[0])
     assert (calls_of(streamed), streamed.finish_reason) == (calls, "tool_calls")
+
+
+def test_required_with_parallel_calls_gives_valid_calls_until_the_length_cut(client: Any) -> None:
+    """Without the bound SmolLM2-135M keeps adding calls to the array (measured: it repeats
+    get_weather until max_tokens); every call it finished is valid, the one cut is the last."""
+    whole, streamed = ask(client, tool_choice="required")
+    calls = whole.message.tool_calls
+    assert calls and whole.finish_reason in ("tool_calls", "length")
+    finished = calls if whole.finish_reason == "tool_calls" else calls[:-1]
+    for call in finished:
+        assert_valid_call(call.function.name, json.loads(call.function.arguments))
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in calls]
 
 
 def test_a_named_function_is_called_with_valid_arguments(client: Any) -> None:
