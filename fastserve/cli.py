@@ -36,6 +36,8 @@ FOLDER_OPTIONS: tuple[tuple[tuple[str, ...], str, Callable[[str], Any], str], ..
     (("--kv-cache-space-gib",), "kv_cache_space_gib", float, "CPU: GiB of KV cache (default 4, as vLLM's CPU build)"),
     (("--swap-space-gib",), "swap_space_gib", float, "GiB of host KV to swap to (default 4, as vLLM)"),
     (("--gpu-memory-utilization",), "gpu_memory_utilization", float, "GPU: fraction of memory to use (default 0.9)"),
+    (("--tool-call-parser",), "tool_call_parser", str,
+     "auto | hermes | llama3_json | pythonic | none: how tool calls are read (default auto: from the template)"),
 )
 #: Environment a local serving cluster gets unless the caller set it (as ``make serve`` sets it):
 #: Ray's own cluster on 127.0.0.1 without token auth, the model's replica at normal priority
