@@ -1,41 +1,19 @@
-"""Tool-call parsers: a model's generated text split into content and OpenAI ``tool_calls``,
-whole or while it streams.
+"""Tool-call parsers: a model's output split into content and OpenAI ``tool_calls``, whole or
+while it streams.
 
-Owns ``ToolCallParser`` and its formats, one parser per choice: ``push(text)`` takes the next
-piece of detokenized text and returns what may be sent now (a ``ParsedDelta``: content text and
-tool-call deltas as the official ``openai`` client accumulates them: a call's first delta has its
-index, id, type and function name, later ones fragments of its ``arguments`` string);
-``finish()`` releases what was held back. ``parse`` is the same parser fed at once, so a
-non-streamed response is, by construction, what the streamed deltas add up to in any chunking.
-
-Formats, by vLLM's ``--tool-call-parser`` names (``PARSERS``):
-
-* ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number, text
-  around them is content;
-* ``llama3_json``: the output is ``{"name": ..., "parameters"|"arguments": {...}}`` objects
-  separated by ``;`` (after an optional ``<|python_tag|>``); an output that does not start
-  with ``{`` is content;
-* ``pythonic``: the output is ``[f(a=1), g(b="x")]``, read with ``ast`` (parsed, never
-  evaluated: only literals are accepted); an output that does not start with ``[name(`` is
-  content.
-
-And the two shapes the grammar forces for ``tool_choice`` (as vLLM forces them): ``required``,
-a JSON array of ``{"name", "parameters"}`` (``ForcedArrayParser``), and a named function, the
-arguments object alone (``ForcedArgumentsParser``).
-
-Rules every format keeps, so the stream never retracts what it sent: a call is sent once its
-name is known (arguments read before it are held); its ``arguments`` are the model's JSON text
-as written (brackets and strings balanced by the scanner, not re-serialized; pythonic keyword
-arguments are written as JSON one whole argument at a time); text that turns out not to be a
-call (no name, malformed before the name) is content; a call malformed after its name is kept
-as far as it got and what follows is content; whitespace next to a call is not content (but
-content before and after calls stays apart by the whitespace that preceded them). With
-``max_calls`` (``parallel_tool_calls: false``) calls past it are not returned, as vLLM.
+Owns ``ToolCallParser`` (one per choice: ``push(text)`` returns the content and call deltas that
+may be sent now, ``finish()`` what it held) and its formats, by vLLM's ``--tool-call-parser``
+names (``PARSERS``): ``hermes`` (``<tool_call>{json}</tool_call>``), ``llama3_json``
+(``{"name", "parameters"}`` objects joined by ``;``), ``pythonic`` (``[f(a=1)]``, read with
+``ast``, never evaluated); and the shapes the grammar forces for ``tool_choice`` required
+(``ForcedArrayParser``) and named (``ForcedArgumentsParser``). ``parse`` is a parser fed at
+once, so the whole answer is by construction what the streamed deltas add up to. What counts
+as content and how a broken call reads: docs/configs.md, "Tool calling".
 
 Our own parsers rather than vLLM's: theirs are bound to vLLM's request, tokenizer and delta
-classes, re-parse the whole text with ``partial_json_parser`` at every token, and run separate
-code for streamed and whole outputs, which can disagree; here one character-level scanner
-serves both.
+classes, re-parse the whole text at every token, and run separate code for streamed and whole
+outputs, which can disagree; here one character-level scanner serves both and never retracts
+what it sent.
 """
 
 from __future__ import annotations
@@ -113,9 +91,12 @@ class ParsedDelta:
 # ---- the base: content, calls, whitespace ---------------------------------------------------
 
 class ToolCallParser:
-    """Content and calls of one choice's output, fed in pieces. A format implements ``_feed``
-    (and ``_flush`` for what it holds at the end) through ``_outside`` (content),
-    ``_open_call``, ``_call_args`` and ``_close_call``."""
+    """Content and calls of one choice's output, fed in pieces. A call is sent once its name is
+    whole (arguments read before it wait for it); its arguments are the JSON text as written;
+    whitespace next to a call is not content; calls past ``max_calls`` are not returned
+    (``parallel_tool_calls: false``, as vLLM). A format implements ``_feed`` (and ``_flush``
+    for what it holds at the end) through ``_outside`` (content), ``_open_call``,
+    ``_call_args`` and ``_close_call``."""
 
     #: Text the format marks calls with (the tokenizer must not drop it as a special token).
     markers: ClassVar[tuple[str, ...]] = ()
