@@ -7,9 +7,11 @@ This module owns:
   jinja2 ``ImmutableSandboxedEnvironment`` with ``trim_blocks`` and ``lstrip_blocks``, the
   ``loopcontrols`` extension and the ``{% generation %}`` tag, a ``tojson`` filter that does not
   escape HTML, and the globals ``raise_exception``, ``strftime_now``, ``dict`` and
-  ``namespace``. It renders with ``messages`` (``None``-valued keys dropped), ``tools=None``,
-  ``documents=None``, ``add_generation_prompt`` and the tokenizer's named special tokens
-  (``bos_token`` ...), as ``apply_chat_template`` passes them. The rendered text already holds
+  ``namespace``. It renders with ``messages`` (``None``-valued keys dropped), ``tools`` (the
+  request's function definitions as OpenAI dicts, or None), ``documents=None``,
+  ``add_generation_prompt`` and the tokenizer's named special tokens (``bos_token`` ...), as
+  ``apply_chat_template`` passes them; ``reads_tools`` says whether the template uses ``tools``
+  at all (read from its syntax tree). The rendered text already holds
   the template's special tokens, so it is tokenized without adding specials again (vLLM does
   the same).
 * `OPT_FALLBACK`: the project's plain format for models that ship no template (OPT): one
@@ -37,6 +39,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -191,12 +194,31 @@ def _environment() -> ImmutableSandboxedEnvironment:
 _ENV = _environment()
 
 
+def _reads_key(tree: jinja2.nodes.Template, key: str) -> bool:
+    """Whether any expression reads ``key``: ``x.key``, ``x['key']`` or ``x.get('key')``."""
+    for node in tree.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem, jinja2.nodes.Call)):
+        if isinstance(node, jinja2.nodes.Getattr) and node.attr == key:
+            return True
+        if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const) \
+                and node.arg.value == key:
+            return True
+        if isinstance(node, jinja2.nodes.Call) and node.args and isinstance(node.args[0], jinja2.nodes.Const) \
+                and node.args[0].value == key:
+            return True
+    return False
+
+
 class ChatTemplate:
     """A model's chat template, compiled once; `render` is thread-safe (jinja2 templates are)."""
 
     #: Whether the rendered prompt is encoded with the tokenizer's specials (False: the
     #: template wrote them itself).
     add_special_tokens = False
+    #: Whether the template reads the ``tools`` variable (else tools given to it go unseen).
+    reads_tools = False
+    #: Whether the template may read a message's ``name``: False when no expression in it
+    #: reads a ``name`` key or attribute at all (a name given to it would go unseen).
+    may_read_names = False
 
     def __init__(self, source: str, special_tokens: Mapping[str, str], *, origin: Path | None = None) -> None:
         self.source = source
@@ -207,16 +229,20 @@ class ChatTemplate:
             where = f" in {origin}" if origin is not None else ""
             raise ValueError(f"chat template{where} does not compile: {exc.message} "
                              f"(line {exc.lineno})") from None
+        tree = _ENV.parse(source)
+        self.reads_tools = "tools" in jinja2.meta.find_undeclared_variables(tree)
+        self.may_read_names = _reads_key(tree, "name")
 
     def render(self, messages: Sequence[Mapping[str, Any]],
-               options: ChatOptions = DEFAULT_CHAT_OPTIONS) -> str:
-        """The prompt text ``apply_chat_template(messages, add_generation_prompt,
+               options: ChatOptions = DEFAULT_CHAT_OPTIONS,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The prompt text ``apply_chat_template(messages, tools=tools, add_generation_prompt,
         continue_final_message, tokenize=False, **chat_template_kwargs)`` gives. Raises
         `ChatTemplateError` naming why the options or the template refused the conversation."""
         options.check(self._special_tokens)
         chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
-            text = self._template.render(messages=chat, tools=None, documents=None,
+            text = self._template.render(messages=chat, tools=list(tools) if tools else None, documents=None,
                                          add_generation_prompt=options.add_generation_prompt,
                                          **self._special_tokens, **options.template_kwargs)
         except _RENDER_ERRORS as exc:
@@ -276,7 +302,8 @@ class _FallbackTemplate(ChatTemplate):
         self._special_tokens = {}
 
     def render(self, messages: Sequence[Mapping[str, Any]],
-               options: ChatOptions = DEFAULT_CHAT_OPTIONS) -> str:
+               options: ChatOptions = DEFAULT_CHAT_OPTIONS,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         options.check(self._special_tokens)
         text = apply_chat_template(messages, options.add_generation_prompt)
         return continue_final_message(text, messages) if options.continue_final_message else text

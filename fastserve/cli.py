@@ -32,6 +32,8 @@ FOLDER_OPTIONS: tuple[tuple[tuple[str, ...], str, Callable[[str], Any], str], ..
     (("--kv-cache-space-gib",), "kv_cache_space_gib", float, "CPU: GiB of KV cache (default 4, as vLLM's CPU build)"),
     (("--swap-space-gib",), "swap_space_gib", float, "GiB of host KV to swap to (default 4, as vLLM)"),
     (("--gpu-memory-utilization",), "gpu_memory_utilization", float, "GPU: fraction of memory to use (default 0.9)"),
+    (("--tool-call-parser",), "tool_call_parser", str,
+     "auto | hermes | llama3_json | pythonic | none: how tool calls are read (default auto: from the template)"),
 )
 #: A local cluster's defaults: no token auth on 127.0.0.1, workers at normal priority (Ray's nice 15
 #: slows the model), no tokenizer thread pool beside torch's.

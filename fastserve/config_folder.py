@@ -24,6 +24,7 @@ from pydantic import Field, field_validator
 
 from fastserve.config import GIB
 from fastserve.config_model import Device, DType, Strict
+from fastserve.config_server import ToolCallParserName
 from fastserve.generation_config import CONFIG_FILE
 from fastserve.scheduler.config import SchedulerConfig
 from fastserve.worker.messages import DEFAULT_BLOCK_SIZE
@@ -65,6 +66,8 @@ class FolderServeArgs(Strict):
     profile_prompt_lens: tuple[int, ...] = (1, 16, 64, 256, 1024)
     profile_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     profile_repeats: int = Field(default=2, ge=1)
+    #: vLLM's ``--tool-call-parser`` (``server.tool_call_parser``).
+    tool_call_parser: ToolCallParserName = "auto"
 
     @field_validator("model_dir")
     @classmethod
@@ -176,8 +179,13 @@ def app_args(args: FolderServeArgs, profile_path: Path, torch_threads: int | Non
         kv["num_device_blocks"] = num_device_blocks
     app: dict[str, Any] = {"model": model, "parallel": parallel, "profile": {"path": str(profile_path)},
                            "scheduler": scheduler_settings(args), "kv_cache": kv}
+    server: dict[str, Any] = {}
     if not is_loopback(args.host):   # reachable from other machines: refuse to start open
-        app["server"] = {"require_api_key": True}
+        server["require_api_key"] = True
+    if args.tool_call_parser != "auto":
+        server["tool_call_parser"] = args.tool_call_parser
+    if server:
+        app["server"] = server
     return app
 
 

@@ -8,6 +8,7 @@ the delivery channels. The ingress reads it through ``fastserve.server.ingress_r
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 from pydantic import Field
 
@@ -15,6 +16,10 @@ from fastserve.config_model import Strict
 
 #: Environment variable that supplies (or overrides) the API key.
 API_KEY_ENV = "FASTSERVE_API_KEY"
+#: The format a model writes tool calls in, by vLLM's ``--tool-call-parser`` names; ``auto``
+#: reads it off the folder's chat template (``fastserve.server.tools.resolve_tool_call_parser``),
+#: ``none`` refuses ``tool_choice: auto`` (vLLM without ``--enable-auto-tool-choice``).
+ToolCallParserName = Literal["auto", "hermes", "llama3_json", "pythonic", "none"]
 
 
 class ServerArgs(Strict):
@@ -57,6 +62,8 @@ class ServerArgs(Strict):
     #: How often each engine replica logs one stats line (running, waiting, swapped, KV use,
     #: prefix-cache hit rate, prompt and generation tokens/s), as vLLM logs every 5 s; 0: never.
     stats_log_interval_s: float = Field(default=5.0, ge=0)
+    #: How ``tool_choice: auto`` outputs are read for calls (``ToolCallParserName``).
+    tool_call_parser: ToolCallParserName = "auto"
     #: Deliver tokens on one channel per ingress replica and engine replica, one message per
     #: step (``fastserve.engine.delivery``), instead of on each job's own stream (one message per job per step).
     delivery_channels: bool = True

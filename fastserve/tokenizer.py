@@ -304,11 +304,12 @@ class Tokenizer:
         return str(self._rust.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]],
-                    options: ChatOptions = DEFAULT_CHAT_OPTIONS) -> list[int]:
+                    options: ChatOptions = DEFAULT_CHAT_OPTIONS,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """The ids of a chat prompt: the folder's template (or the fallback format), as
-        transformers' ``apply_chat_template(messages, tokenize=True)`` with ``options`` (by
-        default the generation prompt). Raises ``ChatTemplateError``."""
-        text = self.chat_template.render(messages, options)
+        transformers' ``apply_chat_template(messages, tools=tools, tokenize=True)`` with
+        ``options`` (by default the generation prompt). Raises ``ChatTemplateError``."""
+        text = self.chat_template.render(messages, options, tools)
         return self.encode(text, add_special_tokens=self.chat_template.add_special_tokens or options.add_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:

@@ -24,10 +24,11 @@ from typing import Protocol
 from fastserve.engine.core import Clock, EngineCore, SyncExecutor
 from fastserve.engine.request_timing import RequestTimer
 from fastserve.engine.step_stats import StepKind, StepStats
-from fastserve.errors import AdmissionQueueFull, EngineUnavailable
+from fastserve.errors import AdmissionQueueFull, EngineUnavailable, InvalidRequest
 from fastserve.scheduler.config import EngineConfig
 from fastserve.scheduler.job import JobRequest, TokenDelta
 from fastserve.scheduler.scheduler import Scheduler
+from fastserve.structured import GrammarError, JobGrammars
 from fastserve.worker.messages import BatchPlan, SamplingParams, StepOutput
 
 log = logging.getLogger(__name__)
@@ -136,8 +137,11 @@ class AsyncEngine:
     def __init__(self, scheduler: Scheduler, executor: Executor,
                  clock: Clock = time.monotonic,
                  config: EngineConfig | None = None,
-                 rebuild: ExecutorFactory | None = None) -> None:
-        self.core = EngineCore(scheduler, clock)
+                 rebuild: ExecutorFactory | None = None,
+                 grammars: JobGrammars | None = None) -> None:
+        self.core = EngineCore(scheduler, clock, grammars=grammars)
+        #: Compiles structured-output constraints off the loop, one at a time.
+        self._compile_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         self.executor = executor
         self._rebuild = rebuild
         self._lost: list[BatchPlan] = []             # plans of a lost executor, not yet requeued
@@ -213,6 +217,7 @@ class AsyncEngine:
             self._inflight.clear()
         for job_id in list(self._sinks):
             self.abort(job_id)
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)
         await self.executor.shutdown()
 
     def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams,
@@ -221,6 +226,26 @@ class AsyncEngine:
         """``submit`` a ``JobRequest`` built from these (offline runs and tests)."""
         job_id = job_id if job_id is not None else f"job-{next(self._ids)}"
         return self.submit(JobRequest(job_id, tuple(prompt_ids), sampling, arrival, priority))
+
+    async def prepare(self, req: JobRequest) -> None:
+        """Compile the request's structured-output constraint before ``submit``, on a worker
+        thread (the loop keeps stepping), waiting at most ``structured_outputs.compile_timeout_s``;
+        one that does not compile in time or at all is an ``InvalidRequest`` naming why. Nothing
+        to do for a request without one, or one already compiled."""
+        constraint = req.sampling.constraint
+        grammars = self.core.grammars
+        if constraint is None or grammars is None or grammars.compiler.cached(constraint):
+            return
+        timeout = self.config.structured_outputs.compile_timeout_s
+        compiling = asyncio.get_running_loop().run_in_executor(self._compile_pool, grammars.compiler.compile,
+                                                                 constraint)
+        try:
+            await asyncio.wait_for(compiling, timeout)
+        except TimeoutError:
+            raise InvalidRequest(f"the {constraint.kind} did not compile within {timeout:g} s "
+                                 "(engine.structured_outputs.compile_timeout_s)") from None
+        except GrammarError as exc:
+            raise InvalidRequest(str(exc)) from None
 
     def submit(self, req: JobRequest) -> RequestStream:
         """Queue a request; returns its event stream. Raises a ``RequestError`` at once

@@ -10,6 +10,12 @@ each result means for its jobs) and the clock the step reads. Every caller drive
   ``AsyncEngine`` (it awaits an executor that may be a P-stage pipeline) and the simulator (it
   prices plans on simulated stages).
 
+Structured outputs (``fastserve.structured``): the core holds each constrained job's grammar
+state (``JobGrammars``), as vLLM v1's engine core holds its ``StructuredOutputManager``: a job's
+state is made when it is added, each plan leaves ``schedule`` with the grammar mask of every
+constrained row that samples, every token ``update`` gives a job advances its state, and a job
+that ends (finished, failed, aborted) drops it.
+
 What wraps the step lives with those callers, not here: the server's delivery, watchdog, step
 statistics and recovery (``fastserve.engine.async_engine``), the simulator's observations. As vLLM's
 ``EngineCore.step`` and nano-vllm's ``LLMEngine.step`` are, it is the one place where a plan's
@@ -23,8 +29,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from fastserve.errors import InvalidRequest
 from fastserve.scheduler.job import Job, JobRequest, TokenDelta
 from fastserve.scheduler.scheduler import Scheduler
+from fastserve.structured import GrammarError, JobGrammars
 from fastserve.worker.messages import BatchPlan, StepOutput
 
 #: Seconds, monotonic: wall time in the server, simulated time in the simulator and the tests.
@@ -64,20 +72,42 @@ class VirtualClock:
 
 class EngineCore:
     def __init__(self, scheduler: Scheduler, clock: Clock = time.monotonic, *,
-                 check_invariants: bool = False) -> None:
+                 check_invariants: bool = False, grammars: JobGrammars | None = None) -> None:
         """``check_invariants``: verify the scheduler's and KV manager's state after each half
-        of every step (tests and simulator checks; costs O(blocks) a step)."""
+        of every step (tests and simulator checks; costs O(blocks) a step). ``grammars``: the
+        constrained jobs' grammar state (None: a request with a constraint is refused)."""
         self.scheduler = scheduler
         self.clock = clock
         self.check_invariants = check_invariants
+        self.grammars = grammars
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, req: JobRequest) -> Job:
-        """Queue a request (raises ``InvalidRequest`` or ``AdmissionQueueFull`` at once)."""
-        return self.scheduler.add(req, self.clock())
+        """Queue a request (raises ``InvalidRequest`` or ``AdmissionQueueFull`` at once). A
+        constraint not compiled yet is compiled here, on the caller's thread (the server's
+        engine compiles it beforehand, off its loop: ``AsyncEngine.prepare``)."""
+        constraint = req.sampling.constraint
+        if constraint is not None:
+            if self.grammars is None:
+                raise InvalidRequest(f"job {req.job_id}: structured outputs are not available on this engine "
+                                     "(it was built without the model's tokenizer)")
+            if req.job_id in self.grammars:
+                raise InvalidRequest(f"job id {req.job_id!r} is already queued")
+            try:
+                self.grammars.add(req.job_id, constraint)
+            except GrammarError as exc:
+                raise InvalidRequest(str(exc)) from None
+        try:
+            return self.scheduler.add(req, self.clock())
+        except Exception:
+            if constraint is not None and self.grammars is not None:
+                self.grammars.drop(req.job_id)
+            raise
 
     def abort(self, job_id: str) -> None:
         self.scheduler.abort(job_id, self.clock())
+        if self.grammars is not None:
+            self.grammars.drop(job_id)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -103,21 +133,35 @@ class EngineCore:
     def schedule(self) -> BatchPlan | None:
         """The step's first half: the next plan, or None when nothing can run now."""
         plan = self.scheduler.schedule(self.clock())
-        if plan is not None:
-            self._check()
-        return plan
+        if plan is None:
+            return None
+        self._check()
+        return plan if self.grammars is None else self.grammars.with_masks(plan)
 
     def update(self, plan: BatchPlan, output: StepOutput) -> StepResult:
         """The step's second half: ``plan``'s output applied (tokens, finishes, quanta)."""
         result = StepResult(plan, output, self.scheduler.update(plan, output, self.clock()))
+        self._advance_grammars(result.deltas)
         self._check()
         return result
 
     def fail(self, plan: BatchPlan) -> StepResult:
         """The second half of a step whose execution failed: its jobs end with ``error``."""
         result = StepResult(plan, None, self.scheduler.fail(plan, self.clock()))
+        self._advance_grammars(result.deltas)
         self._check()
         return result
+
+    def _advance_grammars(self, deltas: Sequence[TokenDelta]) -> None:
+        """Each constrained job's grammar takes the tokens it was given; an ended job's goes."""
+        grammars = self.grammars
+        if grammars is None or not len(grammars):
+            return
+        for delta in deltas:
+            if delta.finished:
+                grammars.drop(delta.job_id)
+            elif delta.token_ids:
+                grammars.advance(delta.job_id, delta.token_ids)
 
     # ---- a lost data plane ---------------------------------------------------------------
     def lose_all_kv(self, plans: Sequence[BatchPlan]) -> None:
@@ -126,6 +170,8 @@ class EngineCore:
 
     def fail_all(self) -> list[TokenDelta]:
         """End every job with ``error`` (the data plane could not be rebuilt)."""
+        if self.grammars is not None:
+            self.grammars.clear()
         return self.scheduler.fail_all(self.clock())
 
     def _check(self) -> None:

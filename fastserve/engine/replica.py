@@ -42,6 +42,7 @@ from fastserve.logs import join_serve_logs
 from fastserve.scheduler.job import JobRequest, TokenDelta
 from fastserve.scheduler.profile import Profile
 from fastserve.scheduler.scheduler import Scheduler
+from fastserve.structured import GrammarCompiler, JobGrammars, TokenSpace
 from fastserve.worker.spec import OMP_WAIT_POLICY_ENV, EngineSpec
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,14 @@ def build_scheduler(args: AppArgs) -> Scheduler:
     return Scheduler(args.scheduler, args.kv_cache, profile, eos_token_ids=args.model.eos_token_ids())
 
 
+def build_grammars(args: AppArgs) -> JobGrammars:
+    """Structured outputs' grammar state for this model's tokenizer (its token index is built
+    at the first constrained request)."""
+    model = args.model
+    space = TokenSpace(model.tokenizer(), model.hf_config().vocab_size, model.eos_token_ids())
+    return JobGrammars(GrammarCompiler(space, args.engine.structured_outputs.compile_cache_size))
+
+
 def warn_if_profile_dtype_differs(profile: Profile, path: str, dtype: str) -> None:
     """Skip-join places a job by its profiled first-iteration time in units of a decode step,
     and that ratio moves with the dtype (SmolLM2 on the 2-core AMD EPYC Zen 4: a 128-token
@@ -114,7 +123,8 @@ class EngineReplica:
         executor = await build_executor(self.spec)
         # A lost pipeline (a stage worker died) is rebuilt in this replica's placement group.
         rebuild = (lambda: build_executor(self.spec)) if self.spec.parallel.uses_pipeline else None
-        self.engine = AsyncEngine(build_scheduler(self.args), executor, config=self.args.engine, rebuild=rebuild)
+        self.engine = AsyncEngine(build_scheduler(self.args), executor, config=self.args.engine, rebuild=rebuild,
+                                  grammars=build_grammars(self.args))
         await self.engine.start()
         self._channels: dict[str, Channel] = {}   # ingress replica id → its delivery channel here
         self.stats_log = StatsLog(self.args.server.stats_log_interval_s, time.monotonic())
@@ -160,6 +170,7 @@ class EngineReplica:
         if channel is not None and channel.closed:   # ended idle; its subscribe call is returning
             channel = None
         try:
+            await self.engine.prepare(req)
             if channel is not None:
                 channel.open(req.job_id)
                 self.engine.submit_to(req, channel)

@@ -139,6 +139,20 @@ class KVCacheConfig(_Strict):
         return self
 
 
+class StructuredOutputsConfig(_Strict):
+    """Structured outputs' grammar engine (``fastserve.structured``, llguidance)."""
+
+    #: How long the engine waits for one constraint to compile (on a worker thread, off its
+    #: loop) before refusing the request with a 400. llguidance's own limits bound the work
+    #: (its lexer fuel and grammar size: a typical JSON schema compiles in about a millisecond);
+    #: this bounds the wait on a busy machine. vLLM has no such bound (its compile future is
+    #: awaited while the request waits); ours is generous, far above any schema a client sends.
+    compile_timeout_s: float = Field(default=10.0, gt=0)
+    #: Distinct compiled constraints kept (least recently used goes first): a client sending the
+    #: same schema again pays no compile. Each holds a pristine matcher (kilobytes).
+    compile_cache_size: int = Field(default=256, ge=1)
+
+
 class EngineConfig(_Strict):
     """The asyncio engine loop."""
 
@@ -157,3 +171,4 @@ class EngineConfig(_Strict):
     gemm_choice: GemmChoiceMode = "cached"
     #: Greedy tokens independent of batching (GEMMs whose row sums ignore the row count); CPU bf16 only.
     batch_invariant: bool = False
+    structured_outputs: StructuredOutputsConfig = Field(default_factory=StructuredOutputsConfig)

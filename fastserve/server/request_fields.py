@@ -11,7 +11,12 @@ byte-level decode is the fast tokenizer's, which never inserts spaces), ``priori
 ``cache_salt``, ``return_token_ids``, ``include_stop_str_in_output``, ``truncate_prompt_tokens``,
 ``allowed_token_ids``, ``bad_words``, ``return_tokens_as_token_ids``,
 ``add_special_tokens`` (completions: default true; chat: on top of the template's, default
-false); chat only: ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``.
+false); structured outputs (``response_format``, ``structured_outputs``, ``guided_json``,
+``guided_regex``, ``guided_choice``, ``guided_grammar``, ``guided_decoding_backend``:
+``fastserve.server.structured_request``); chat only: ``add_generation_prompt``,
+``continue_final_message``, ``chat_template_kwargs``, ``tools``, ``tool_choice``,
+``parallel_tool_calls`` (``fastserve.server.tools``; the table below still answers them on
+completions, which has no tools).
 
 Accepted because they change no output: ``HARMLESS`` (``user``, ``metadata``, ``store``,
 ``service_tier``).
@@ -21,15 +26,13 @@ Refused with a 400 naming the field, unless the value is the one that changes no
 
 | field | accepted as a no-op |
 |---|---|
-| ``response_format`` | ``{"type": "text"}`` |
-| ``tools`` | ``[]`` |
-| ``tool_choice`` | ``"none"`` |
-| ``parallel_tool_calls``, ``functions``, ``function_call`` | — |
+| ``tools`` (completions) | ``[]`` |
+| ``tool_choice`` (completions) | ``"none"`` |
+| ``parallel_tool_calls`` (completions) | — |
+| ``functions``, ``function_call`` (OpenAI's deprecated forms of ``tools``) | — |
 | ``echo`` (completions) | ``false`` |
 | ``suffix`` (completions) | ``""`` |
-| ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` | — |
-| ``guided_decoding_backend``, ``guided_whitespace_pattern``, ``structural_tag`` | — |
-| ``structured_outputs`` | — |
+| ``guided_whitespace_pattern``, ``structural_tag`` | — |
 | ``prompt_logprobs`` | — |
 | ``logits_processors``, ``vllm_xargs``, ``kv_transfer_params``, ``request_id``, ``prompt_embeds`` | — |
 | ``use_beam_search`` | ``false`` |
@@ -54,15 +57,12 @@ _FALSE: tuple[Any, ...] = (False,)
 
 #: field → values (besides null) that change nothing and are therefore accepted.
 REFUSED: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none",),
     "parallel_tool_calls": _NONE, "functions": _NONE, "function_call": _NONE,
     "echo": _FALSE,
     "suffix": ("",),
-    **{name: _NONE for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                                "guided_decoding_backend", "guided_whitespace_pattern",
-                                "structural_tag", "structured_outputs")},
+    **{name: _NONE for name in ("guided_whitespace_pattern", "structural_tag")},
     **{name: _NONE for name in ("prompt_logprobs", "logits_processors", "vllm_xargs",
                                 "kv_transfer_params", "request_id", "prompt_embeds")},
     "use_beam_search": _FALSE,

@@ -9,10 +9,11 @@ for its own layers and heads, so one plan addresses the whole pipeline.
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 #: Why a job stopped. ``stop`` = EOS or a stop token/string, ``length`` = ``max_tokens`` reached,
 #: ``abort`` = the client went away or the job was cancelled, ``error`` = the engine failed it.
@@ -27,6 +28,68 @@ DEFAULT_BLOCK_SIZE = 16
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """KV blocks of ``block_size`` tokens that hold ``num_tokens`` positions (ceiling division)."""
     return -(-num_tokens // block_size)
+
+
+#: What an ``OutputConstraint`` holds the output to (vLLM's ``structured_outputs`` kinds).
+ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    """What the generated text must match (structured outputs): one kind and its payload.
+
+    ``json_schema``: ``spec`` is the schema as canonical JSON text (``OutputConstraint.json_schema``
+    writes it with sorted keys, so equal schemas are equal constraints); ``json_object``: any JSON
+    object, ``spec`` empty; ``regex``: the whole output matches the pattern ``spec``; ``choice``:
+    the output is exactly one of ``choices``; ``grammar``: ``spec`` is a context-free grammar in
+    Lark syntax (llguidance's, which may embed a JSON schema as ``%json{...}``) or GBNF (``::=``
+    rules, llama.cpp's / vLLM's EBNF). ``any_whitespace`` (JSON kinds): whether the JSON may hold
+    whitespace beyond single separators (vLLM's ``disable_any_whitespace`` turns it off).
+
+    A value, hashable: the engine compiles each distinct constraint once and caches it by value.
+    The payload is not checked here; the grammar engine (``fastserve.structured``) compiles it,
+    and a constraint it cannot compile fails its request with the engine's message.
+    """
+
+    kind: ConstraintKind
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+    any_whitespace: bool = True
+
+    @classmethod
+    def json_schema(cls, schema: Mapping[str, Any] | bool, any_whitespace: bool = True) -> OutputConstraint:
+        """A JSON-schema constraint from the parsed schema (a dict, or ``true``/``false``)."""
+        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")),
+                   any_whitespace=any_whitespace)
+
+    @classmethod
+    def json_object(cls, any_whitespace: bool = True) -> OutputConstraint:
+        return cls("json_object", any_whitespace=any_whitespace)
+
+    @classmethod
+    def regex(cls, pattern: str) -> OutputConstraint:
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, choices: Sequence[str]) -> OutputConstraint:
+        return cls("choice", choices=tuple(choices))
+
+    @classmethod
+    def grammar(cls, text: str) -> OutputConstraint:
+        return cls("grammar", text)
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming what is malformed before any compile."""
+        if self.kind in ("json_schema", "regex", "grammar") and not self.spec:
+            raise ValueError(f"a {self.kind} constraint needs a non-empty {self.kind}")
+        if self.kind == "choice" and (not self.choices or any(not c for c in self.choices)):
+            raise ValueError(f"a choice constraint needs a non-empty list of non-empty strings, "
+                             f"got {list(self.choices)}")
+
+    def describe(self) -> str:
+        """A short name for logs and errors (the payload's first characters)."""
+        body = repr(list(self.choices)) if self.kind == "choice" else self.spec
+        return f"{self.kind} {body[:80]!r}" if body else self.kind
 
 
 @dataclass(frozen=True)
@@ -50,6 +113,9 @@ class SamplingParams:
     ``allowed_token_ids`` (vLLM's; None = all) keeps only those tokens sampleable;
     ``bad_words_ids`` (vLLM's ``bad_words``, tokenized at the ingress) bans a word's last token
     whenever the tokens generated last are the rest of it (a one-token word: always).
+    ``constraint`` (structured outputs; None = free text) holds the output to a JSON schema,
+    regex, choice or grammar: the engine keeps each job's grammar state and sends a per-row
+    token mask with each step's plan.
     """
 
     max_tokens: int = 16
@@ -68,9 +134,12 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    constraint: OutputConstraint | None = None
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the offending value."""
+        if self.constraint is not None:
+            self.constraint.validate()
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not self.temperature >= 0.0:
@@ -194,6 +263,11 @@ class BatchEntry:
     samples: bool = True
     #: Penalty history and masked tokens, only for an entry whose sampling needs them.
     context: SamplingContext | None = None
+    #: Structured outputs: the tokens the job's grammar allows next, one bit per token id
+    #: (little-endian 32-bit words, bit ``t % 32`` of word ``t // 32``); every other token is
+    #: masked before sampling and logprobs. Set by the engine (``fastserve.structured``) on a
+    #: sampling entry of a constrained job; None = no grammar.
+    token_mask: bytes | None = None
 
     @property
     def context_len(self) -> int:

@@ -1,8 +1,10 @@
-"""Token sampling for one batch: penalties, min_tokens masking, greedy, temperature, min-p,
-top-k, top-p, per-request seeds, and logprobs.
+"""Token sampling for one batch: grammar masks, penalties, min_tokens masking, greedy,
+temperature, min-p, top-k, top-p, per-request seeds, and logprobs.
 
-In vLLM's order: the logprobs a row asked for are taken from the raw logits (``log_softmax``
-before anything below changes them); then a row's ``allowed_token_ids`` leave only those tokens
+In vLLM's order: a row with a grammar mask (structured outputs, ``BatchEntry.token_mask``) has
+every token its grammar does not allow set to -inf first, as vLLM applies its grammar bitmask
+to the logits before its sampler; the logprobs a row asked for are taken from those logits
+(``log_softmax`` before anything below changes them); then a row's ``allowed_token_ids`` leave only those tokens
 and its ``logit_bias`` is added; then a row with a
 ``SamplingContext`` gets its repetition,
 frequency and presence penalties and its ``min_tokens`` mask (EOS and stop ids at -inf); then
@@ -29,6 +31,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from fastserve.kernels import cpu_greedy
@@ -50,20 +53,25 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                step_indices: Sequence[int],
-               contexts: Sequence[SamplingContext | None] | None = None) -> list[int | None]:
+               contexts: Sequence[SamplingContext | None] | None = None,
+               token_masks: Sequence[bytes | None] | None = None) -> list[int | None]:
         """One token per row of ``logits`` ([batch, vocab], float32); ``None`` for a row that
         could not be sampled (its job alone fails)."""
-        return self.sample_with_logprobs(logits, params, step_indices, contexts)[0]
+        return self.sample_with_logprobs(logits, params, step_indices, contexts, token_masks)[0]
 
     def sample_with_logprobs(
         self, logits: torch.Tensor, params: Sequence[SamplingParams], step_indices: Sequence[int],
         contexts: Sequence[SamplingContext | None] | None = None,
+        token_masks: Sequence[bytes | None] | None = None,
     ) -> tuple[list[int | None], dict[int, TokenLogprobs]]:
-        """``sample``, plus the logprobs of the rows whose params ask for them, by row index."""
+        """``sample``, plus the logprobs of the rows whose params ask for them, by row index.
+        ``token_masks`` (None: no row has one) holds each row's packed grammar mask or None."""
         if logits.shape[0] != len(params):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(params)} requests")
         if contexts is not None and len(contexts) != len(params):
             raise ValueError(f"{len(contexts)} sampling contexts for {len(params)} requests")
+        if token_masks is not None and len(token_masks) != len(params):
+            raise ValueError(f"{len(token_masks)} token masks for {len(params)} requests")
         raw = logits
         greedy: list[int] | None = None
         if cpu_greedy.fits(logits):   # argmax and the finiteness check in one C pass a row
@@ -72,6 +80,8 @@ class Sampler:
             # A row holds a NaN or an infinity exactly when its float64 sum is not finite (float32
             # values cannot overflow a float64 sum); one reduction instead of a mask over the vocabulary.
             finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float64)).tolist()
+        if token_masks is not None:
+            logits = apply_token_masks(logits, token_masks, finite)
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None and finite[i]]
         raw_logprobs = torch.log_softmax(logits[lp_rows].float(), dim=-1) if lp_rows else None
         logits = steer_logits(logits, params, finite)
@@ -191,6 +201,29 @@ def steer_logits(logits: torch.Tensor, params: Sequence[SamplingParams], finite:
         if p.logit_bias:
             out[i, [t for t, _ in p.logit_bias]] += torch.tensor([b for _, b in p.logit_bias], dtype=out.dtype,
                                                                    device=out.device)
+    return out
+
+
+def apply_token_masks(logits: torch.Tensor, masks: Sequence[bytes | None], finite: list[bool]) -> torch.Tensor:
+    """``logits`` with each masked row's disallowed tokens at -inf (a copy; the same tensor when
+    no row has a mask). A mask is one bit per token id, little-endian 32-bit words; a token past
+    its bits is disallowed, bits past the logits' width are ignored. A row whose mask leaves no
+    token is marked not ``finite``: its job alone fails (its grammar failed)."""
+    rows = [i for i, m in enumerate(masks) if m is not None and finite[i]]
+    if not rows:
+        return logits
+    vocab = logits.shape[-1]
+    packed = np.frombuffer(b"".join(masks[i] for i in rows), dtype=np.uint8).reshape(len(rows), -1)
+    bits = np.unpackbits(packed, axis=1, count=min(vocab, 8 * packed.shape[1]), bitorder="little")
+    allowed = torch.zeros((len(rows), vocab), dtype=torch.bool)
+    allowed[:, : bits.shape[1]] = torch.from_numpy(bits).bool()
+    allowed = allowed.to(logits.device)
+    out = logits.clone()
+    out[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    for i, some in zip(rows, allowed.any(dim=-1).tolist(), strict=True):
+        if not some:
+            log.warning("a grammar mask allows no token: its request fails")
+            finite[i] = False
     return out
 
 

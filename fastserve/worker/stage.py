@@ -49,11 +49,11 @@ class StageOutput:
 
 
 def plain_greedy(entry: BatchEntry) -> bool:
-    """Whether an entry's token is the argmax of its raw logits (no steering, penalties, masks or
-    logprobs): what the device computes without the sampler."""
+    """Whether an entry's token is the argmax of its raw logits (no steering, penalties, masks,
+    grammar or logprobs): what the device computes without the sampler."""
     p = entry.sampling
     return (p.greedy and p.logprobs is None and not p.logit_bias and p.allowed_token_ids is None
-            and entry.context is None)
+            and entry.context is None and entry.token_mask is None)
 
 
 @dataclass
@@ -201,9 +201,11 @@ class StageRunner:
     def _sampler_tokens(self, entries: list[BatchEntry], logits: torch.Tensor
                         ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
         contexts = [e.context for e in entries]
+        masks = [e.token_mask for e in entries]
         tokens, by_row = self.sampler.sample_with_logprobs(
             logits, [e.sampling for e in entries], [e.step_index for e in entries],
-            contexts if any(c is not None for c in contexts) else None)
+            contexts if any(c is not None for c in contexts) else None,
+            masks if any(m is not None for m in masks) else None)
         # A row that could not be sampled is left out: the scheduler fails that job alone.
         return ({e.job_id: t for e, t in zip(entries, tokens, strict=True) if t is not None},
                 {entries[row].job_id: lp for row, lp in by_row.items()})

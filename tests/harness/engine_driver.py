@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from fastserve.engine.core import EngineCore, SyncExecutor, VirtualClock
 from fastserve.scheduler.job import Job, JobRequest, TokenDelta
 from fastserve.scheduler.scheduler import Scheduler
+from fastserve.structured import JobGrammars
 from fastserve.worker.messages import BatchEntry, BatchPlan, SamplingParams, StepOutput, SwapCommand, blocks_for
 
 if TYPE_CHECKING:
@@ -55,12 +56,12 @@ class CoreDriver:
     ``deltas``; every plan in ``plans``; the scheduler's invariants are checked after each half."""
 
     def __init__(self, scheduler: Scheduler, executor: SyncExecutor, *, step_s: float | None = 0.01,
-                 now: float = 0.0) -> None:
+                 now: float = 0.0, grammars: JobGrammars | None = None) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.step_s = step_s
         self.clock = VirtualClock(now)
-        self.core = EngineCore(scheduler, self.clock, check_invariants=True)
+        self.core = EngineCore(scheduler, self.clock, check_invariants=True, grammars=grammars)
         self.inflight: deque[BatchPlan] = deque()
         self.plans: list[BatchPlan] = []
         self.deltas: dict[str, list[TokenDelta]] = {}

@@ -1,0 +1,228 @@
+"""Structured outputs' grammar engine: each job's grammar state and its next-token mask.
+
+Owns, over llguidance (``docs/api.md`` says why that engine):
+
+* ``grammar_of``: an ``OutputConstraint`` as llguidance's grammar (JSON schema, any JSON object,
+  regex, choice, Lark or GBNF), and ``check_constraint``, the ingress's check of one without a
+  tokenizer (a payload it cannot compile is refused with the engine's message, a 400);
+* ``GrammarCompiler``: the model's token index (built once, on first use) and the compiled
+  constraints, each compiled once and cached by value (a pristine matcher that jobs copy);
+* ``JobGrammars``: the grammar state of every constrained job, by job id (vLLM v1's
+  ``StructuredOutputManager``): created when the job is added, advanced by every token the
+  job is given, dropped when it ends. It gives each sampling entry of a plan its packed
+  token bitmask (``BatchEntry.token_mask``), which the sampler applies to that row.
+
+The state belongs to the job, not to its KV: preemption, swaps, recompute and prefix caching
+move KV and never the tokens a job has, so they leave it as it is. A token reaches a job's
+matcher only once the scheduler has given it to the job (a naive-MLFQ cut discards its token
+and never shows it here), and a job is in at most one plan in flight, so its mask is computed
+after its previous token arrived. When the grammar is complete the mask allows only EOS; a
+matcher that fails (a token it rejects) gets an empty mask, so the sampler finds no token and
+the scheduler fails that job alone. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+import llguidance
+
+from fastserve.tokenizer import Tokenizer
+from fastserve.worker.messages import BatchEntry, BatchPlan, OutputConstraint
+
+log = logging.getLogger(__name__)
+
+#: llguidance's log level for matchers: 0 = silent (errors are read with ``get_error``).
+_SILENT = 0
+#: llguidance's default limits, but a job's matcher error names the problem without the parser
+#: state and the whole grammar (they would put a client's schema into the server log).
+_QUIET_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+
+
+class GrammarError(ValueError):
+    """A constraint the grammar engine cannot compile; the message names the problem."""
+
+
+def grammar_of(constraint: OutputConstraint) -> str:
+    """``constraint`` as llguidance's grammar; raises ``GrammarError`` for a payload that is not
+    even well formed (a schema that is not JSON, a GBNF grammar that does not convert)."""
+    options = {"whitespace_flexible": constraint.any_whitespace}
+    kind = constraint.kind
+    try:
+        if kind == "json_schema":
+            return llguidance.LLMatcher.grammar_from_json_schema(constraint.spec, defaults=options)
+        if kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=options)
+        if kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(constraint.spec)
+        if kind == "choice":
+            return llguidance.grammar_from("choice", json.dumps(list(constraint.choices)))
+        return llguidance.grammar_from("grammar", constraint.spec)   # Lark, or GBNF converted to it
+    except ValueError as exc:
+        raise GrammarError(f"the {kind} cannot be compiled: {exc}") from None
+
+
+def check_constraint(constraint: OutputConstraint) -> None:
+    """Raise ``GrammarError`` with the engine's message when ``constraint`` does not compile
+    (checked without the model's tokenizer: the ingress has no token index)."""
+    message = llguidance.LLMatcher.validate_grammar(grammar_of(constraint))
+    if message:
+        raise GrammarError(f"the {constraint.kind} cannot be compiled: {message}")
+
+
+@dataclass(frozen=True)
+class TokenSpace:
+    """The vocabulary a mask covers: the model's rows of logits (at least the tokenizer's ids)
+    and its EOS ids (any of them ends a complete output)."""
+
+    tokenizer: Tokenizer
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+
+    @property
+    def mask_vocab(self) -> int:
+        """Tokens a mask has a bit for: the model's rows, or the tokenizer's ids if more."""
+        return max(self.vocab_size, len(self.tokenizer))
+
+
+class GrammarCompiler:
+    """Compiles constraints for one model's tokenizer, once each (a bounded LRU by value).
+    Thread-safe: the engine compiles on a worker thread while its loop copies cached ones."""
+
+    def __init__(self, space: TokenSpace, cache_size: int) -> None:
+        self.space = space
+        self.cache_size = cache_size
+        self._lock = threading.Lock()
+        self._index: llguidance.LLTokenizer | None = None
+        #: Bytes of one packed mask (llguidance's size for this index: whole 32-bit words).
+        self.mask_bytes = 0
+        self._compiled: OrderedDict[OutputConstraint, llguidance.LLMatcher] = OrderedDict()
+        self.compiles = 0
+
+    def index(self) -> llguidance.LLTokenizer:
+        """The model's token index (built on first use: about a second for a 49K vocabulary)."""
+        with self._lock:
+            if self._index is None:
+                space = self.space
+                index = llguidance.LLTokenizer(space.tokenizer.backend.to_str(), n_vocab=space.mask_vocab,
+                                               eos_token=sorted(space.eos_token_ids) or None)
+                probe = llguidance.LLMatcher(index, llguidance.LLMatcher.grammar_from_regex("a"), log_level=_SILENT)
+                self.mask_bytes = len(probe.compute_bitmask())
+                self._index = index
+            return self._index
+
+    def cached(self, constraint: OutputConstraint) -> bool:
+        with self._lock:
+            return constraint in self._compiled
+
+    def compile(self, constraint: OutputConstraint) -> None:
+        """Compile ``constraint`` into the cache (nothing if it is there); ``GrammarError`` if it
+        cannot be compiled. Runs off the event loop (llguidance drops the GIL meanwhile)."""
+        if self.cached(constraint):
+            return
+        grammar = grammar_of(constraint)
+        matcher = llguidance.LLMatcher(self.index(), grammar, log_level=_SILENT, limits=_QUIET_LIMITS)
+        if matcher.is_error():
+            raise GrammarError(f"the {constraint.kind} cannot be compiled: {matcher.get_error()}")
+        with self._lock:
+            self.compiles += 1
+            self._compiled[constraint] = matcher
+            while len(self._compiled) > self.cache_size:
+                self._compiled.popitem(last=False)
+
+    def matcher(self, constraint: OutputConstraint) -> llguidance.LLMatcher:
+        """A fresh matcher for one job (compiled first when not cached)."""
+        with self._lock:
+            pristine = self._compiled.get(constraint)
+            if pristine is not None:
+                self._compiled.move_to_end(constraint)
+        if pristine is None:
+            self.compile(constraint)
+            return self.matcher(constraint)
+        return pristine.deep_copy()
+
+
+@dataclass
+class JobGrammar:
+    """One job's grammar state: its matcher, the tokens it consumed, and the mask computed for
+    that many tokens (a job scheduled again before its next token reuses it)."""
+
+    constraint: OutputConstraint
+    matcher: llguidance.LLMatcher
+    consumed: int = 0
+    mask: bytes | None = None
+    mask_at: int = -1
+    failed: str = ""
+
+
+class JobGrammars:
+    """The grammar state of every constrained job (one owner: the engine core drives it)."""
+
+    def __init__(self, compiler: GrammarCompiler) -> None:
+        self.compiler = compiler
+        self._jobs: dict[str, JobGrammar] = {}
+
+    def __contains__(self, job_id: str) -> bool:
+        return job_id in self._jobs
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def add(self, job_id: str, constraint: OutputConstraint) -> None:
+        """A new job's grammar state, at its start (``GrammarError`` if it does not compile)."""
+        self._jobs[job_id] = JobGrammar(constraint, self.compiler.matcher(constraint))
+
+    def drop(self, job_id: str) -> None:
+        self._jobs.pop(job_id, None)
+
+    def clear(self) -> None:
+        self._jobs.clear()
+
+    def state(self, job_id: str) -> JobGrammar:
+        return self._jobs[job_id]
+
+    def advance(self, job_id: str, tokens: Iterable[int]) -> None:
+        """The tokens the job was given, in order. A token the grammar rejects (the mask was
+        not applied) leaves the matcher failed: its next mask is empty and the job fails."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            return
+        for token in tokens:
+            job.consumed += 1
+            if job.failed or job.matcher.is_stopped():
+                continue   # the EOS that ends a complete output, or nothing more to check
+            if not job.matcher.consume_token(token):
+                job.failed = job.matcher.get_error() or f"token {token} is not allowed by the grammar"
+                log.warning("job %s: its %s rejected token %d: %s", job_id, job.constraint.describe(),
+                            token, job.failed)
+
+    def mask(self, job_id: str) -> bytes:
+        """The job's packed next-token mask (empty once its matcher failed)."""
+        job = self._jobs[job_id]
+        if job.mask_at != job.consumed:
+            job.mask = None if job.failed else job.matcher.compute_bitmask()
+            if not job.failed and job.matcher.is_error():
+                job.failed = job.matcher.get_error()
+                log.warning("job %s: its %s failed: %s", job_id, job.constraint.describe(), job.failed)
+            if job.failed:
+                job.mask = bytes(self.compiler.mask_bytes)
+            job.mask_at = job.consumed
+        assert job.mask is not None
+        return job.mask
+
+    def with_masks(self, plan: BatchPlan) -> BatchPlan:
+        """``plan`` with a mask on each sampling entry of a constrained job (the same plan when
+        it has none)."""
+        if not self._jobs or not any(e.samples and e.job_id in self._jobs for e in plan.entries):
+            return plan
+        return replace(plan, entries=tuple(self._masked(e) for e in plan.entries))
+
+    def _masked(self, entry: BatchEntry) -> BatchEntry:
+        if not entry.samples or entry.job_id not in self._jobs:
+            return entry
+        return replace(entry, token_mask=self.mask(entry.job_id))
