@@ -57,6 +57,7 @@ class ParallelArgs(ParallelSpec):
     gpu_kind: str | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not any(v > 0 for v in self.replica_bundle.values()):
             raise ValueError(f"replica_bundle {self.replica_bundle} must reserve some resource")
 

@@ -28,6 +28,8 @@ from fastserve.worker.parallel import layer_ranges
 #: The variable OpenMP (libgomp, as torch's CPU wheels ship it) reads its wait policy from, once,
 #: as torch loads: a process that runs the model must have it in its environment from the start.
 OMP_WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
+#: Resources a stage bundle's size already says (``ParallelSpec.stage_bundles``), or Ray's own.
+DERIVED_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,29 @@ class ParallelSpec:
     worker_cpus: Annotated[float, Gt(0)] = 0.01
     #: Run stage-worker actors (the Ray pipeline) even for TP·PP = 1.
     use_ray_pipeline: bool = False
+    #: Extra resources each stage's bundle reserves, one mapping per stage (empty: none): a custom
+    #: resource a node advertises (``ray start --resources '{"gpu_node_a": 1}'``) pins a stage to
+    #: it, e.g. ``[{gpu_node_a: 0.001}, {gpu_node_b: 0.001}]`` for one stage per node. CPUs and
+    #: GPUs come from ``worker_cpus`` and the TP size, never from here.
+    stage_resources: list[dict[str, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        """Refuse ``stage_resources`` the stage bundles could not honour as written."""
+        extra, p = self.stage_resources, self.pipeline_parallel_size
+        if extra and len(extra) != p:
+            raise ValueError(f"stage_resources has {len(extra)} entries; it needs one per pipeline stage "
+                             f"(pipeline_parallel_size={p}), got {extra}")
+        if extra and not self.uses_pipeline:
+            raise ValueError("stage_resources place stage workers, but with TP·PP = 1 and use_ray_pipeline off "
+                             "the model runs inside the Engine replica: pin it with replica_bundle instead")
+        for s, resources in enumerate(extra):
+            derived = sorted(set(resources) & DERIVED_RESOURCES)
+            if derived:
+                raise ValueError(f"stage_resources[{s}] names {derived}: a stage's CPUs and GPUs come from "
+                                 f"worker_cpus and the TP size; name only custom resources there")
+            for name, amount in resources.items():
+                if not amount > 0:
+                    raise ValueError(f"stage_resources[{s}][{name!r}] must be > 0, got {amount}")
 
     @property
     def world_size(self) -> int:
@@ -105,14 +130,16 @@ class ParallelSpec:
 
     def stage_bundles(self, device: str) -> list[dict[str, float]]:
         """One placement-group bundle per stage, holding that stage's TP ranks (a bundle lives on
-        one node): ``worker_cpus`` CPUs and, on cuda, one GPU per rank."""
+        one node): ``worker_cpus`` CPUs and, on cuda, one GPU per rank; plus the stage's
+        ``stage_resources``."""
         t = self.tensor_parallel_size
         bundle: dict[str, float] = {}
         if self.worker_cpus > 0:
             bundle["CPU"] = self.worker_cpus * t
         if device == "cuda":
             bundle["GPU"] = float(t)
-        return [dict(bundle) for _ in range(self.pipeline_parallel_size)]
+        extra = self.stage_resources or [{} for _ in range(self.pipeline_parallel_size)]
+        return [{**bundle, **resources} for resources in extra]
 
 
 #: Compiled-graph channel size set in the workers: above the largest activation message, or
