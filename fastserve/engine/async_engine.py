@@ -180,12 +180,17 @@ class AsyncEngine:
         """The loop task exists and has not ended (health checks)."""
         return self._task is not None and not self._task.done()
 
+    @property
+    def recovering(self) -> bool:
+        """A lost executor is being rebuilt (bounded by ``rebuild_deadline_s``)."""
+        return self._recovering_since is not None
+
     def health(self) -> str | None:
         """None when healthy, else why not: the loop is not running, or work is pending and no
         step has finished for ``watchdog_s`` (a stuck step)."""
         if not self.running:
             return "the engine loop is not running"
-        if self._recovering_since is not None:   # rebuilding: bounded by rebuild_deadline_s
+        if self.recovering:   # bounded by rebuild_deadline_s
             return None
         stalled = time.perf_counter() - self._last_progress
         if (self._inflight or self.core.has_work()) and stalled > self.config.watchdog_s:

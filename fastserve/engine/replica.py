@@ -291,7 +291,9 @@ class EngineReplica:
             raise RuntimeError(problem)
 
     def health_problem(self) -> str | None:
-        if getattr(self.engine.executor, "closed", False):   # a stage worker died (PipelineExecutor)
+        # A stage worker died (PipelineExecutor). While the engine rebuilds the pipeline its jobs
+        # wait to resume on the new one: replacing the replica then would fail them all.
+        if getattr(self.engine.executor, "closed", False) and not self.engine.recovering:
             return "the executor is closed"
         return self.engine.health()
 
