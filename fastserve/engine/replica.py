@@ -61,8 +61,9 @@ async def in_process_executor(spec: EngineSpec) -> Executor:
     """The model in this process, loaded on the one thread that will run its steps."""
     def build() -> SyncExecutor:
         from fastserve.worker.executor import InProcessExecutor  # imports torch: only where the model lives
+        from fastserve.worker.worker import assigned_device_index
 
-        return InProcessExecutor(spec.model)
+        return InProcessExecutor(spec.model, assigned_device_index(spec.model.device))
 
     return await ThreadedExecutor.on_its_thread(build)
 

@@ -197,7 +197,10 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        # Captured on a stream of this device: torch's default capture stream is made once per
+        # process, on whichever device was current then.
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, stream=side,
+                                                      capture_error_mode="thread_local"):
             hidden, logits, greedy = body()
         self._pool = graph.pool()
         return _Captured(graph, hidden, logits, greedy)

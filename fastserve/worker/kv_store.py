@@ -36,6 +36,7 @@ import torch
 from fastserve import kernels
 from fastserve.kernels import huge_pages
 from fastserve.worker.messages import SwapCommand
+from fastserve.worker.parallel import explicit_device
 
 #: cudaHostRegisterDefault: page-locked, usable by the current device's copies.
 CUDA_HOST_REGISTER_DEFAULT = 0
@@ -150,7 +151,7 @@ class KVStore:
         if num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
         self.block_size = block_size
-        self.device = torch.device(device)
+        self.device = explicit_device(device)
         shape = (num_layers, 2, block_size, num_heads, head_dim)
         # On a CPU the device pool is what every decode step's attention reads: on huge pages
         # (fastserve.kernels.huge_pages). The host pool is only copied from and to, a block at a time.

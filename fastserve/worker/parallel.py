@@ -1,10 +1,12 @@
 """How a model is cut for serving: layer ranges per pipeline stage, and one stage's TP group.
 
 ``layer_ranges`` splits the decoder layers evenly over the pipeline stages (the first stages take
-one more layer when the split is uneven). ``TensorParallelGroup`` wraps the ``torch.distributed``
-process group that the tensor-parallel ranks of one stage share — gloo on CPU, NCCL on GPU — and
-hands the model the all-reduce its row-parallel layers need. Each stage worker is its own process,
-so a stage's group is that process's default group.
+one more layer when the split is uneven); ``device_name``, ``explicit_device`` and
+``cuda_device_index`` say which device a worker's tensors, streams and pools live on.
+``TensorParallelGroup`` wraps the ``torch.distributed`` process group that the tensor-parallel
+ranks of one stage share — gloo on CPU, NCCL on GPU — and hands the model the all-reduce its
+row-parallel layers need. Each stage worker is its own process, so a stage's group is that
+process's default group.
 
 torch is imported lazily: the pipeline's driver side imports this module for ``layer_ranges`` and
 must not pay for torch.
@@ -36,6 +38,28 @@ def layer_ranges(num_layers: int, pipeline_parallel_size: int) -> list[tuple[int
         ranges.append((start, end))
         start = end
     return ranges
+
+
+def device_name(kind: str, index: int) -> str:
+    """The torch device a worker makes its tensors, streams and pools on: ``cuda:{index}`` on a
+    GPU, never the bare ``cuda``, which means whichever device is current on the calling thread
+    (Ray runs compiled-graph steps on a thread of its own, where none was set); ``cpu`` on a CPU."""
+    if kind not in BACKENDS:
+        raise ValueError(f"device must be one of {sorted(BACKENDS)}, got {kind!r}")
+    if index < 0:
+        raise ValueError(f"device index must be >= 0, got {index}")
+    return f"cuda:{index}" if kind == "cuda" else "cpu"
+
+
+def explicit_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index: a bare ``cuda`` becomes the device current on this thread now,
+    so that what is made for it later (streams, buffers) stays there, whichever thread makes it."""
+    import torch
+
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return resolved
 
 
 def cuda_device_index(gpu_ids: Sequence[int | str], visible_devices: str | None) -> int:

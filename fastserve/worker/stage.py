@@ -93,6 +93,10 @@ class StageRunner:
         ``hidden`` (None on the first stage), sample when ``sample``, settle the swaps — even when
         the forward fails, so no copy lands in a block the control plane reuses."""
         start = time.perf_counter()
+        if self.device.type == "cuda":
+            # CUDA's current device is per thread, and a step may run on any (Ray runs compiled-
+            # graph steps on its own thread): what torch makes without a device goes to ours.
+            torch.cuda.set_device(self.device)
         timings: dict[str, float] = {}
         handles = self.begin_swaps(plan)
         tokens: dict[str, int] = {}

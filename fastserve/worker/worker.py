@@ -98,10 +98,15 @@ def _add_timings(upstream: dict[str, float], own: dict[str, float]) -> dict[str,
     return summed
 
 
-def _device_index(device: str) -> int:
-    """The CUDA index of the GPU Ray assigned this worker (0 on CPU)."""
+def assigned_device_index(device: str) -> int:
+    """The CUDA index of the GPU Ray assigned this process (a stage worker, or an Engine replica
+    that runs its model in process); outside Ray, the current device; 0 on CPU."""
     if device != "cuda":
         return 0
+    if not ray.is_initialized():
+        import torch
+
+        return int(torch.cuda.current_device())
     return cuda_device_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
@@ -111,7 +116,7 @@ def _build_runner(spec: WorkerSpec, tp: TensorParallelGroup) -> StageRunner:
 
     shard = StageShard(spec.layer_start, spec.layer_end, spec.config.num_hidden_layers,
                        spec.tp_rank, spec.tp_size)
-    return build_runner(spec.model, spec.config, shard, all_reduce=tp.all_reduce())
+    return build_runner(spec.model, spec.config, shard, all_reduce=tp.all_reduce(), device_index=tp.device_index)
 
 
 @ray.remote(concurrency_groups={CONTROL_GROUP: 1})  # type: ignore[call-overload]
@@ -120,7 +125,7 @@ class StageWorker:
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
-        self.tp = TensorParallelGroup(spec.model.device, _device_index(spec.model.device))
+        self.tp = TensorParallelGroup(spec.model.device, assigned_device_index(spec.model.device))
         self.runner = _build_runner(spec, self.tp)
         self._steps = 0
         self._timeline: deque[StepRecord] = deque(maxlen=TIMELINE_CAPACITY)

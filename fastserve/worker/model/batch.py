@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from fastserve.worker.messages import BatchEntry, blocks_for
+from fastserve.worker.parallel import explicit_device
 
 
 @dataclass
@@ -199,7 +200,7 @@ class StepBuffers:
     buffer, grown as needed. The host waits only for the copy out of the same slot two steps ago."""
 
     def __init__(self, device: torch.device | str) -> None:
-        self.device = torch.device(device)
+        self.device = explicit_device(device)
         self._host = [torch.empty(0, dtype=torch.uint8) for _ in range(STAGING_SLOTS)]
         self._copied: list[torch.cuda.Event | None] = [None] * STAGING_SLOTS
         self._turn = 0
