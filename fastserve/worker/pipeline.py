@@ -47,7 +47,7 @@ from fastserve.worker.placement import (
     worker_specs,
 )
 from fastserve.worker.spec import EngineSpec
-from fastserve.worker.transport import Transport, check_nccl_binding, make_transport, uses_nccl_channels
+from fastserve.worker.transport import Transport, make_transport
 from fastserve.worker.worker import StageInput, StepRecord
 
 log = logging.getLogger(__name__)
@@ -74,8 +74,6 @@ class PipelineExecutor:
         self.timeouts = spec.timeouts
         self.config = spec.model.load_config()
         check_layout(spec, self.config)
-        if uses_nccl_channels(spec.parallel.transport, spec.model.device, spec.parallel.pipeline_parallel_size):
-            check_nccl_binding()   # before any worker is placed or any weight loaded
         self._given_pg = placement_group
         self._bundle_offset = bundle_offset
         self._specs = worker_specs(spec, self.config)

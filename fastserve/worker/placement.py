@@ -18,6 +18,7 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from fastserve.worker.model.config import ModelConfig
+from fastserve.worker.nccl import uses_nccl_channels
 from fastserve.worker.parallel import BACKENDS, layer_ranges
 from fastserve.worker.spec import OMP_WAIT_POLICY_ENV, EngineSpec, PipelineTimeouts
 from fastserve.worker.transport import TRANSPORTS
@@ -49,7 +50,8 @@ def check_layout(spec: EngineSpec, config: ModelConfig) -> None:
 def worker_specs(spec: EngineSpec, config: ModelConfig) -> list[list[WorkerSpec]]:
     """``[stage][tp_rank]`` → the worker's spec."""
     p, t = spec.parallel.pipeline_parallel_size, spec.parallel.tensor_parallel_size
-    return [[WorkerSpec(spec.model, config, s, p, lo, hi, r, t) for r in range(t)]
+    nccl = uses_nccl_channels(spec.parallel.transport, spec.model.device, p)
+    return [[WorkerSpec(spec.model, config, s, p, lo, hi, r, t, nccl) for r in range(t)]
             for s, (lo, hi) in enumerate(layer_ranges(config.num_hidden_layers, p))]
 
 

@@ -11,8 +11,8 @@ Two implementations behind one interface:
   with ``execute_async`` from the caller's event loop, up to ``max_inflight`` executions in flight
   (the pipeline depth). On GPU the activations between stages go over NCCL channels
   (``with_tensor_transport``); that path cannot run on a CPU-only machine and is untested here.
-  Ray builds those channels' communicator with CuPy's NCCL binding (``cupy.cuda.nccl``), so a
-  pipeline that needs them checks for it first (``check_nccl_binding``).
+  Ray builds those channels' communicator with CuPy's NCCL binding (``cupy.cuda.nccl``), so each
+  worker of a pipeline that needs them checks for it as it starts (``fastserve.worker.nccl``).
 - ``ActorCallTransport`` (``transport: actor``): plain chained ``.remote()`` calls, one per
   worker per plan, passing object refs along. Slower; for debugging and platforms where compiled
   graphs misbehave. Ray runs one submitter's calls to an actor in submission order, so plans stay
@@ -25,7 +25,6 @@ hands back an awaitable of the last stage's outputs.
 from __future__ import annotations
 
 import asyncio
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Sequence
 from typing import Any, Literal
@@ -33,6 +32,7 @@ from typing import Any, Literal
 import ray
 from ray.actor import ActorHandle
 
+from fastserve.worker.nccl import uses_nccl_channels
 from fastserve.worker.worker import StageInput
 
 TransportKind = Literal["compiled", "actor"]
@@ -40,36 +40,6 @@ TRANSPORTS: tuple[TransportKind, ...] = ("compiled", "actor")
 Grid = Sequence[Sequence[ActorHandle]]
 #: Ray's tensor transport for activations between GPU stages ("accelerator" is its newer alias).
 GPU_TENSOR_TRANSPORT = "nccl"
-#: The module Ray's NCCL channels import (``ray.experimental.channel.nccl_group``,
-#: ``ray.util.collective``'s ``nccl_util``): CuPy's binding of libnccl.
-NCCL_BINDING = "cupy.cuda.nccl"
-
-
-def uses_nccl_channels(kind: str, device: str, num_stages: int) -> bool:
-    """Whether a ``kind`` transport over ``num_stages`` stages on ``device`` sends activations
-    over Ray's NCCL channels (a compiled graph between GPU stages)."""
-    return kind == "compiled" and device == "cuda" and num_stages > 1
-
-
-def check_nccl_binding() -> None:
-    """Fail now, naming what is missing, if Ray's NCCL channels could not be built here: Ray
-    imports ``cupy.cuda.nccl`` only when it compiles the graph, and its error then says neither
-    which module nor how to get it. CuPy's module imports even without libnccl, with
-    ``available`` false and none of the functions Ray calls."""
-    fix = ("install the gpu extra (pip install -e '.[gpu]', which brings cupy-cuda13x) in every "
-           "node's image, or set parallel.transport: actor (plain actor calls, no NCCL channels)")
-    try:
-        nccl = importlib.import_module(NCCL_BINDING)
-    except ImportError as exc:
-        raise RuntimeError(f"a GPU pipeline's compiled graph sends activations over Ray's NCCL channels, "
-                           f"which need {NCCL_BINDING} (CuPy's NCCL binding); importing it failed: {exc}. "
-                           f"Fix: {fix}") from exc
-    if not getattr(nccl, "available", False) or not hasattr(nccl, "get_unique_id"):
-        raise RuntimeError(f"{NCCL_BINDING} is installed but could not load libnccl (its `available` is "
-                           "false), and Ray's NCCL channels need it: install NCCL for CUDA 13 on the node "
-                           "(e.g. the nvidia-nccl-cu13 wheel torch ships with, or "
-                           "`python -m cupyx.tools.install_library --library nccl --cuda 13.x`), "
-                           "or set parallel.transport: actor")
 
 
 class Transport(ABC):

@@ -27,6 +27,7 @@ import ray
 
 from fastserve.worker.messages import BatchPlan, StepOutput
 from fastserve.worker.model.config import ModelConfig
+from fastserve.worker.nccl import check_worker_can_use_nccl_channels
 from fastserve.worker.parallel import TensorParallelGroup, cuda_device_index
 from fastserve.worker.ports import free_port
 from fastserve.worker.spec import ModelSpec
@@ -76,6 +77,8 @@ class WorkerSpec:
     layer_end: int
     tp_rank: int
     tp_size: int
+    #: Whether this worker's activations travel over Ray's NCCL channels (``fastserve.worker.nccl``).
+    nccl_channels: bool = False
 
     @property
     def is_last(self) -> bool:
@@ -124,6 +127,7 @@ class StageWorker:
     """One stage × one TP rank. Create through ``fastserve.worker.pipeline``, which places and wires it."""
 
     def __init__(self, spec: WorkerSpec) -> None:
+        check_worker_can_use_nccl_channels(spec.nccl_channels)   # before any weight is read
         self.spec = spec
         self.tp = TensorParallelGroup(spec.model.device, assigned_device_index(spec.model.device))
         self.runner = _build_runner(spec, self.tp)
