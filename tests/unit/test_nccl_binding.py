@@ -12,10 +12,10 @@ import types
 import pytest
 
 from fastserve.config import AppArgs
-from fastserve.worker.pipeline import PipelineExecutor
-from fastserve.worker.spec import EngineSpec
 from fastserve.worker.nccl import NCCL_BINDING, check_nccl_binding, uses_nccl_channels
+from fastserve.worker.pipeline import PipelineExecutor
 from fastserve.worker.placement import worker_specs
+from fastserve.worker.spec import EngineSpec
 from fastserve.worker.worker import StageWorker, WorkerSpec
 from tests.harness.app_config import demo_args
 
