@@ -5,7 +5,8 @@ one more layer when the split is uneven); ``device_name``, ``explicit_device`` a
 ``cuda_device_index`` say which device a worker's tensors, streams and pools live on.
 ``TensorParallelGroup`` wraps the ``torch.distributed`` process group that the tensor-parallel
 ranks of one stage share — gloo on CPU, NCCL on GPU — and hands the model the all-reduce its
-row-parallel layers need. Each stage worker is its own process, so a stage's group is that
+row-parallel layers need, and the stage worker the all-gather that rebuilds the hidden states it
+receives in 1/TP parts. Each stage worker is its own process, so a stage's group is that
 process's default group.
 
 torch is imported lazily: the pipeline's driver side imports this module for ``layer_ranges`` and
@@ -129,6 +130,18 @@ class TensorParallelGroup:
         dist.init_process_group(self.backend, init_method=f"tcp://{master_addr}:{port}",
                                 world_size=world_size, rank=rank, timeout=timedelta(seconds=timeout_s),
                                 **self.process_group_options())
+
+    def all_gather(self, part: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``part`` (same shape on each) concatenated along dim 0 in rank order, on
+        every rank."""
+        import torch
+        import torch.distributed as dist
+
+        if self.world_size == 1:
+            return part
+        out = torch.empty((self.world_size * part.shape[0], *part.shape[1:]), dtype=part.dtype, device=part.device)
+        dist.all_gather_into_tensor(out, part)
+        return out
 
     def all_reduce(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """The callable the model's row-parallel layers use: sum in place over the group."""

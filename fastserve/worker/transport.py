@@ -1,9 +1,10 @@
 """How a ``StageInput`` travels through the grid of stage workers: the transport interface.
 
 The grid is ``grid[stage][tp_rank]``. Every rank of stage 0 receives ``(plan, None)``; rank ``r``
-of stage ``s + 1`` consumes rank ``r``'s output of stage ``s`` (all TP ranks hold the same
-all-reduced hidden states, and every output must be consumed); the last stage's outputs are
-collected, rank 0's is the ``StepOutput``.
+of stage ``s + 1`` consumes rank ``r``'s output of stage ``s`` (every output must be consumed):
+all TP ranks hold the same all-reduced hidden states, so each sends its 1/TP part of them and the
+next stage's ranks all-gather the parts (``fastserve.worker.worker.hidden_part``), on either
+transport; the last stage's outputs are collected, rank 0's is the ``StepOutput``.
 
 Two implementations behind one interface:
 
