@@ -140,7 +140,7 @@ class TensorParallelGroup:
         if self.world_size == 1:
             return part
         out = torch.empty((self.world_size * part.shape[0], *part.shape[1:]), dtype=part.dtype, device=part.device)
-        dist.all_gather_into_tensor(out, part)
+        dist.all_gather_single(out, part)
         return out
 
     def all_reduce(self) -> Callable[[torch.Tensor], torch.Tensor]:
