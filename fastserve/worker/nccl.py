@@ -1,12 +1,7 @@
 """Whether a pipeline's activations travel over Ray's NCCL channels, and whether this process can
-build them.
-
-Ray builds those channels' communicator with CuPy's NCCL binding (``cupy.cuda.nccl``), imported
-only when the graph is compiled, and its error then says neither which module nor how to get it.
-Each stage worker of such a pipeline checks for the binding as it starts, before loading a weight
-and after importing torch: CuPy finds libnccl only once torch, whose wheel ships it, is loaded in
-the process. (The Engine replica that builds the pipeline holds no GPU and has not loaded torch:
-the same check there could refuse a pipeline whose workers are fine.)
+build them: CuPy's NCCL binding, checked in each stage worker as it starts, after torch (whose
+wheel ships the libnccl CuPy finds) and before any weight (docs/engine.md says why not in the
+Engine replica).
 """
 
 from __future__ import annotations
