@@ -1,18 +1,7 @@
-"""A chat request's tools: their definitions on the wire, ``tool_choice``, and the ``ToolPlan``
-that says what the prompt shows and how the output is read.
-
-Owns the OpenAI shapes ``ToolDefinition`` / ``NamedToolChoice`` / the assistant's
-``ToolCallMessage``, the checks vLLM makes on them (each a 400 naming the field), and
-``ToolPlan``: the mode (``none`` / ``auto`` / ``required`` / ``named``), the tools as the chat
-template receives them, the JSON schema a forced mode constrains the output to (vLLM's: for
-``required`` an array of ``{"name", "parameters"}`` with one item at most when
-``parallel_tool_calls`` is false, for a named function its parameters object), and one
-``ToolCallParser`` per choice.
-
-A template that does not read ``tools`` (SmolLM2's, Gemma 3's) would leave the model blind to
-them, as vLLM does; here the plan writes them into the system message instead, with the
-configured format's instructions (``fallback_messages``), and assistant messages' earlier calls
-into their text in that format, so what the request says reaches the model.
+"""A chat request's tools: their OpenAI shapes, ``tool_choice``, and the ``ToolPlan`` that says
+what the prompt shows (natively, or written into the system message for a template that does not
+read ``tools``) and how the output is read (the forced JSON schema, one parser per choice). Each
+check vLLM makes is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -77,7 +66,6 @@ class FunctionCallMessage(BaseModel):
 
 
 class ToolCallMessage(BaseModel):
-    """A call in an earlier assistant message."""
 
     model_config = ConfigDict(extra="forbid")
     id: str
@@ -85,8 +73,7 @@ class ToolCallMessage(BaseModel):
     function: FunctionCallMessage
 
     def template_call(self) -> dict[str, Any]:
-        """The call as chat templates read it: its arguments a dict, not a string (transformers'
-        convention, as vLLM passes them; an empty string is ``{}``)."""
+        """The call as chat templates read it: arguments a dict (transformers' convention)."""
         return {"id": self.id, "type": "function",
                 "function": {"name": self.function.name, "arguments": self.arguments()}}
 
@@ -110,11 +97,9 @@ class ToolRequestError(ValueError):
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """What a request's tools mean for its prompt and its output."""
 
     mode: ToolMode
     tools: tuple[ToolDefinition, ...]
-    #: The configured format (a ``PARSERS`` key) the model writes calls in under ``auto``.
     parser_name: str
     named: str | None = None
     parallel: bool = True
@@ -124,12 +109,11 @@ class ToolPlan:
         return self.mode != "none"
 
     def template_tools(self) -> list[dict[str, Any]] | None:
-        """The ``tools`` the chat template receives (OpenAI's dicts, as transformers and vLLM
-        pass them), or None without tools."""
+        """The ``tools`` the chat template receives (OpenAI's dicts), or None."""
         return [t.model_dump(exclude_none=True) for t in self.tools] or None
 
     def parser(self) -> ToolCallParser | None:
-        """A fresh parser for one choice's output (None: the output is plain content)."""
+        """A fresh parser for one choice's output; None for plain content."""
         max_calls = None if self.parallel else 1
         if self.mode == "named":
             assert self.named is not None
@@ -158,11 +142,9 @@ class ToolPlan:
         return schema
 
     def fallback_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """``messages`` for a template that does not read ``tools``: the tools and how to call
-        them in the system message (added first when there is none), earlier calls written
-        into their assistant message's text in the configured format, and tool results as a
-        user message (consecutive results in one), each in ``<tool_response>`` tags: a template
-        that knows no tools knows no ``tool`` role either (Gemma 3's refuses it)."""
+        """``messages`` for a template that does not read ``tools``: tools in the system message,
+        calls in assistant text, results as a user turn in ``<tool_response>`` tags (such a
+        template knows no ``tool`` role either)."""
         fmt = PARSERS[self.parser_name]
         out: list[dict[str, Any]] = []
         after_result = False
@@ -194,18 +176,15 @@ class ToolPlan:
         return out
 
 
-#: Text in a chat template that tells which format its model calls tools in, first match wins
-#: (the pythonic example in vLLM's Llama 3.2/4 templates, Hermes/Qwen's tag, Llama 3.1's tag).
+#: Text in a chat template that tells its tool-call format; first match wins.
 TEMPLATE_FORMAT_HINTS = (("[func_name1(", "pythonic"), ("<tool_call>", "hermes"),
                          ("<|python_tag|>", "llama3_json"))
-#: The format when the template says nothing: Hermes's tags, which SmolLM2's larger models,
-#: Qwen 2.5/3 and Hermes write.
+#: When the template says nothing: Hermes's tags (Qwen 2.5/3, Hermes, SmolLM2 write them).
 DEFAULT_TOOL_FORMAT = "hermes"
 
 
 def resolve_tool_call_parser(configured: str, template_source: str) -> str | None:
-    """The server's tool-call format: the configured one, or (``auto``) the one the chat
-    template shows; None for ``none``."""
+    """The configured tool-call format, or (``auto``) the template's; None for ``none``."""
     if configured == "none":
         return None
     if configured != "auto":
@@ -215,9 +194,8 @@ def resolve_tool_call_parser(configured: str, template_source: str) -> str | Non
 
 def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]], options: ChatOptions,
                     plan: ToolPlan) -> list[int]:
-    """A conversation's prompt ids with the plan's tools: the folder's template given them
-    natively when it reads ``tools``, else in the system message (``fallback_messages``).
-    Raises ``ChatTemplateError``, also for a message ``name`` the template cannot show."""
+    """A conversation's prompt ids with the plan's tools; ``ChatTemplateError`` also for a
+    message ``name`` the template cannot show."""
     if not tokenizer.chat_template.may_read_names:
         named = next((i for i, m in enumerate(messages) if m.get("name") is not None), None)
         if named is not None:
@@ -233,8 +211,7 @@ def _parameters(tool: ToolDefinition) -> dict[str, Any]:
 
 
 def _call_schema(tool: ToolDefinition, defs: dict[str, Any]) -> dict[str, Any]:
-    """One item of ``required``'s array; the parameters' ``$defs`` move to the top (one
-    definition per name across tools, as vLLM)."""
+    """One item of ``required``'s array; ``$defs`` move to the top, as vLLM."""
     params = _parameters(tool)
     for name, schema in params.pop("$defs", {}).items():
         if defs.get(name, schema) != schema:
@@ -247,8 +224,7 @@ def _call_schema(tool: ToolDefinition, defs: dict[str, Any]) -> dict[str, Any]:
 def tool_plan(tools: Sequence[ToolDefinition] | None,
               tool_choice: str | NamedToolChoice | None,
               parallel_tool_calls: bool | None, parser_name: str | None) -> ToolPlan:
-    """The request's ``ToolPlan``; ``parser_name`` is the server's (None: tool calls are not
-    parsed on this server). Raises ``ToolRequestError`` naming the field, as vLLM refuses."""
+    """The request's ``ToolPlan`` (``parser_name`` None: calls not parsed); ``ToolRequestError``."""
     tools = tuple(tools or ())
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
@@ -280,8 +256,7 @@ def _shown(choice: str | NamedToolChoice) -> str:
 def template_message(role: str, content: str, name: str | None,
                      tool_calls: Sequence[ToolCallMessage] | None,
                      tool_call_id: str | None) -> dict[str, Any]:
-    """A message as chat templates read it (``name``, ``tool_calls``, ``tool_call_id`` only
-    when given)."""
+    """A message as chat templates read it, optional keys only when given."""
     out: dict[str, Any] = {"role": role, "content": content}
     extra: Mapping[str, Any] = {"name": name, "tool_call_id": tool_call_id,
                                 "tool_calls": [c.template_call() for c in tool_calls] if tool_calls else None}
