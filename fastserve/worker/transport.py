@@ -1,26 +1,10 @@
-"""How a ``StageInput`` travels through the grid of stage workers: the transport interface.
+"""How a ``StageInput`` travels through the grid ``grid[stage][tp_rank]`` of stage workers.
 
-The grid is ``grid[stage][tp_rank]``. Every rank of stage 0 receives ``(plan, None)``; rank ``r``
-of stage ``s + 1`` consumes rank ``r``'s output of stage ``s`` (every output must be consumed):
-all TP ranks hold the same all-reduced hidden states, so each sends its 1/TP part of them and the
-next stage's ranks all-gather the parts (``fastserve.worker.worker.hidden_part``), on either
-transport; the last stage's outputs are collected, rank 0's is the ``StepOutput``.
-
-Two implementations behind one interface:
-
-- ``CompiledGraphTransport`` (default): a Ray compiled graph, compiled once at ``start`` and run
-  with ``execute_async`` from the caller's event loop, up to ``max_inflight`` executions in flight
-  (the pipeline depth). On GPU the activations between stages go over NCCL channels
-  (``with_tensor_transport``); that path cannot run on a CPU-only machine and is untested here.
-  Ray builds those channels' communicator with CuPy's NCCL binding (``cupy.cuda.nccl``), so each
-  worker of a pipeline that needs them checks for it as it starts (``fastserve.worker.nccl``).
-- ``ActorCallTransport`` (``transport: actor``): plain chained ``.remote()`` calls, one per
-  worker per plan, passing object refs along. Slower; for debugging and platforms where compiled
-  graphs misbehave. Ray runs one submitter's calls to an actor in submission order, so plans stay
-  ordered on every worker.
-
-``submit`` returns once the plan is enqueued (so the order of plans is fixed when it returns) and
-hands back an awaitable of the last stage's outputs.
+Stage 0's ranks receive ``(plan, None)``; rank ``r`` of stage ``s + 1`` consumes rank ``r``'s output
+of stage ``s`` (its 1/TP part of the hidden states); rank 0's last output is the ``StepOutput``.
+``CompiledGraphTransport`` (default) runs a Ray compiled graph ``max_inflight`` deep, over NCCL
+channels on GPU; ``ActorCallTransport`` chains plain actor calls (Ray keeps one submitter's calls
+in order). ``submit`` returns once the plan's order is fixed.
 """
 
 from __future__ import annotations
@@ -39,12 +23,10 @@ from fastserve.worker.worker import StageInput
 TransportKind = Literal["compiled", "actor"]
 TRANSPORTS: tuple[TransportKind, ...] = ("compiled", "actor")
 Grid = Sequence[Sequence[ActorHandle]]
-#: Ray's tensor transport for activations between GPU stages ("accelerator" is its newer alias).
 GPU_TENSOR_TRANSPORT = "nccl"
 
 
 class Transport(ABC):
-    """Carries plans (and activations) through the worker grid."""
 
     def __init__(self, grid: Grid) -> None:
         if not grid or not grid[0]:
@@ -55,7 +37,7 @@ class Transport(ABC):
 
     @abstractmethod
     async def start(self) -> None:
-        """Prepare to carry plans (compile, ...); the workers exist and their TP groups are up."""
+        """Prepare to carry plans; the workers and their TP groups are up."""
 
     @abstractmethod
     async def submit(self, msg: StageInput) -> Awaitable[list[Any]]:
@@ -63,11 +45,10 @@ class Transport(ABC):
 
     @abstractmethod
     async def close(self, kill_actors: bool) -> None:
-        """Stop carrying plans; may block (callers bound it with a timeout)."""
+        """Stop carrying plans; may block (callers bound it)."""
 
 
 class CompiledGraphTransport(Transport):
-    """A Ray compiled graph over the grid, executed asynchronously, ``max_inflight`` deep."""
 
     def __init__(self, grid: Grid, max_inflight: int, tensor_transport: str | None = None) -> None:
         super().__init__(grid)
@@ -102,15 +83,13 @@ class CompiledGraphTransport(Transport):
         if dag is None:
             return
         await asyncio.to_thread(dag.teardown, kill_actors=kill_actors)
-        # The graph's driver-side proxy actor lives until the graph object is collected, which a
-        # reference cycle can delay; end it now so a shutdown leaves no actor behind.
+        # Its proxy actor lives until the graph is collected (a cycle can delay that): end it now.
         proxy = getattr(dag, "_proxy_actor", None)
         if proxy is not None:
             ray.kill(proxy)
 
 
 class ActorCallTransport(Transport):
-    """Plain chained actor calls: each worker's output ref is the next stage's argument."""
 
     async def start(self) -> None:
         return None
@@ -122,7 +101,7 @@ class ActorCallTransport(Transport):
         return _await_in_order(upstream)
 
     async def close(self, kill_actors: bool) -> None:
-        return None  # nothing of its own to release; the pipeline kills the workers
+        return None
 
 
 async def _await_in_order(awaitables: Sequence[Awaitable[Any]]) -> list[Any]:
@@ -131,7 +110,6 @@ async def _await_in_order(awaitables: Sequence[Awaitable[Any]]) -> list[Any]:
 
 
 def make_transport(kind: str, grid: Grid, max_inflight: int, device: str) -> Transport:
-    """The transport named ``kind`` (``compiled`` or ``actor``) for a grid on ``device``."""
     if kind == "compiled":
         tensor = GPU_TENSOR_TRANSPORT if uses_nccl_channels(kind, device, len(grid)) else None
         return CompiledGraphTransport(grid, max_inflight, tensor)
