@@ -1,19 +1,7 @@
-"""vLLM's ``/tokenize`` and ``/detokenize``, and OpenAI's ``/v1/models`` and ``/v1/models/{id}``.
-
-Owns the routes that answer from the served model's identity and tokenizer alone (no scheduler):
-their request models, their answers, and their refusals (400 with an OpenAI error body naming
-the field; 404 for a model this server does not serve). Shapes are vLLM's
-(``vllm/entrypoints/serve/tokenize/protocol.py``):
-
-- ``POST /tokenize`` with ``prompt`` (``add_special_tokens`` default true) or with ``messages``
-  (rendered by the model's chat template exactly as ``/v1/chat/completions`` renders them;
-  ``add_special_tokens`` default false adds the tokenizer's specials on top), either with
-  ``return_token_strs``: ``{"count", "max_model_len", "tokens", "token_strs"}``.
-- ``POST /detokenize`` with ``tokens``: ``{"prompt"}`` (special tokens kept, as vLLM).
-
-Every field has to be one we honour: ``chat_template`` and the other fields of vLLM's chat
-tokenize request we do not have are refused by name; ``tools`` render as on the chat route. ``tokenize_response`` and
-``detokenize_response`` are shared with the Ray Serve LLM adapter (``fastserve.server.llm_server``).
+"""vLLM's ``/tokenize`` and ``/detokenize``, and OpenAI's ``/v1/models`` and ``/v1/models/{id}``:
+the routes that answer from the served model's identity and tokenizer alone, in vLLM's shapes,
+refusing by name every field we do not honour (docs/operations.md). ``tokenize_response`` and
+``detokenize_response`` are shared with the Ray Serve LLM adapter.
 """
 
 from __future__ import annotations
@@ -137,8 +125,7 @@ def model_or_404(ctx: ServerContext, model_id: str) -> dict[str, Any]:
 
 
 def add_routes(api: FastAPI, server: OpenAIServer) -> None:
-    """``/v1/models``, ``/v1/models/{id}``, ``/tokenize`` and ``/detokenize`` on ``api`` (API key
-    checked as on the generation routes; tokenization runs off the event loop)."""
+    """These routes on ``api``, API key checked; tokenization runs off the event loop."""
     ctx = server.ctx
 
     @api.get("/v1/models")
