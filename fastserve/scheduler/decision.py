@@ -53,15 +53,15 @@ class Claim:
 @dataclass
 class BatchDecision:
     actions: list[Run | Evict | Fetch] = field(default_factory=list)
-    waiting_needs: dict[str, int] = field(default_factory=dict)  # admission not possible
-    growth_needs: dict[str, int] = field(default_factory=dict)   # decode growth not possible
+    waiting_needs: dict[str, int] = field(default_factory=dict)
+    growth_needs: dict[str, int] = field(default_factory=dict)
     wanted_host: dict[str, int] = field(default_factory=dict)    # would run, KV on the host
     next_growth: int = 0          # blocks the selected jobs need for their next decode
     focus: str | None = None      # highest-priority job deferred for memory (stall breaker)
     free_device: int = 0          # device blocks free once the runs (and claims) have theirs
     free_host: int = 0            # host blocks free once evictions have theirs
     unclaimed_release: int = 0    # blocks being released that no claim holds
-    claims: dict[str, Claim] = field(default_factory=dict)   # every claim after this decision
+    claims: dict[str, Claim] = field(default_factory=dict)
     #: Cached blocks admitted jobs share with a holder: evicting the holder leaves them.
     shared_hits: set[int] = field(default_factory=set)
 

@@ -1,29 +1,23 @@
 """Whether a pipeline's activations travel over Ray's NCCL channels, and whether this process can
-build them: CuPy's NCCL binding, checked in each stage worker as it starts, after torch (whose
-wheel ships the libnccl CuPy finds) and before any weight (docs/engine.md says why not in the
-Engine replica).
+build them (CuPy's NCCL binding, checked in each stage worker after torch, before any weight).
 """
 
 from __future__ import annotations
 
 import importlib
 
-#: The module Ray's NCCL channels import (``ray.experimental.channel.nccl_group``,
-#: ``ray.util.collective``'s ``nccl_util``): CuPy's binding of libnccl.
+#: CuPy's binding of libnccl, which Ray's NCCL channels import.
 NCCL_BINDING = "cupy.cuda.nccl"
 
 
 def uses_nccl_channels(kind: str, device: str, num_stages: int) -> bool:
-    """Whether a ``kind`` transport over ``num_stages`` stages on ``device`` sends activations
-    over Ray's NCCL channels (a compiled graph between GPU stages)."""
+    """Whether activations go over Ray's NCCL channels: a compiled graph between GPU stages."""
     return kind == "compiled" and device == "cuda" and num_stages > 1
 
 
 def check_nccl_binding() -> None:
-    """Fail now, naming what is missing, if Ray's NCCL channels could not be built here: Ray
-    imports ``cupy.cuda.nccl`` only when it compiles the graph, and its error then says neither
-    which module nor how to get it. CuPy's module imports even without libnccl, with
-    ``available`` false and none of the functions Ray calls."""
+    """Fail now, naming what is missing: Ray's own error at compile time names neither. CuPy's
+    module imports even without libnccl, with ``available`` false."""
     fix = ("install the gpu extra (pip install -e '.[gpu]', which brings cupy-cuda13x) in every "
            "node's image, or set parallel.transport: actor (plain actor calls, no NCCL channels)")
     try:
@@ -41,9 +35,7 @@ def check_nccl_binding() -> None:
 
 
 def check_worker_can_use_nccl_channels(needed: bool) -> None:
-    """In a stage worker as it starts, when its pipeline sends activations over NCCL channels:
-    torch is loaded first (the libnccl its wheel ships is what CuPy's binding finds), then the
-    binding is checked (``check_nccl_binding``)."""
+    """Load torch first (CuPy finds the libnccl its wheel ships), then ``check_nccl_binding``."""
     if not needed:
         return
     import torch  # noqa: F401
