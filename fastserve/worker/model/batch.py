@@ -1,7 +1,6 @@
 """The tensor layout of one mixed iteration: every job's new tokens in one flat sequence, prefill
-entries (whole runs or chunks starting at ``start_pos > 0``) first, then decodes, one token each;
-``sample_index[i]`` is where entry ``i``'s last token sits. On a GPU ``StepBuffers`` packs the
-index arrays into pinned staging and sends them in one non-blocking copy."""
+entries first, then decodes; ``sample_index[i]`` is where entry ``i``'s last token sits. On a GPU
+``StepBuffers`` stages the index arrays and sends them in one non-blocking copy."""
 
 from __future__ import annotations
 
@@ -165,7 +164,6 @@ def _aligned(nbytes: int) -> int:
 
 
 class Packing:
-    """Byte offsets of named arrays in one flat buffer, in order; each start aligned."""
 
     def __init__(self, fields: Sequence[tuple[str, Any, tuple[int, ...]]]) -> None:
         self.fields: dict[str, tuple[int, np.dtype, tuple[int, ...]]] = {}
@@ -176,7 +174,6 @@ class Packing:
         self.nbytes = offset
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Typed views of ``flat`` (uint8, at least ``nbytes``), one per field."""
         out = {}
         for name, (offset, dtype, shape) in self.fields.items():
             count = int(np.prod(shape, dtype=np.int64))
@@ -225,7 +222,6 @@ class StepBuffers:
         return self._host[slot], slot
 
     def send(self, host: torch.Tensor, slot: int, device_flat: torch.Tensor, nbytes: int) -> None:
-        """Copy ``host[:nbytes]`` to ``device_flat[:nbytes]`` without blocking the host."""
         device_flat[:nbytes].copy_(host[:nbytes], non_blocking=True)
         if not self._on_cuda:
             return
@@ -251,7 +247,6 @@ class StepBuffers:
 
 
 def _grown(nbytes: int) -> int:
-    """The next power of two (a buffer regrows rarely)."""
     return 1 << max(nbytes - 1, 0).bit_length()
 
 

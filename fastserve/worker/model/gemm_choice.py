@@ -1,8 +1,6 @@
 """Which GEMM runs each of a model's linear shapes on this CPU, chosen by timing, never by vendor:
-our bf16 kernel (``vdpbf16ps`` or AMX), oneDNN's prepacked GEMM, or ``F.linear``. ``choose`` times the
-candidates on the model's own weights per row count, keeps the fastest per count, caches the result
-per CPU (keyed by all the timing depends on) and reports it (``/debug/engine``). Candidates are given
-by the caller, so this module knows paths only by name; docs/engine.md has the method and figures.
+``choose`` times the caller's candidates on the model's own weights per row count, keeps the fastest
+per count and caches it per CPU. Method and figures: docs/engine.md.
 """
 
 from __future__ import annotations
@@ -46,8 +44,7 @@ DECODE_ROUNDS = 5
 PREFILL_ROUNDS = 3
 #: A candidate this many times slower than the best at a row count is not timed at larger ones.
 PRUNE_RATIO = 4.0
-#: Median pass over its fastest calls' sum above this: disturbed; timed once more, and if still
-#: so, not cached.
+#: Median pass over its fastest calls' sum above this: disturbed, timed again, else not cached.
 BUSY_SPREAD = 1.5
 #: Seconds of timing one process spends at most; shapes left after it take the ``FIXED`` path.
 MEASURE_BUDGET_S = 180.0
@@ -112,7 +109,6 @@ class GemmChoice:
         return frozenset(p for _, p in self.ranges)
 
     def describe(self) -> str:
-        """``"1-4 dpbf16, 5-64 amx, 65+ onednn"``."""
         parts, low = [], 1
         for max_rows, path in self.ranges:
             parts.append(f"{low}+ {path}" if max_rows == UNBOUNDED else f"{low}-{max_rows} {path}")
@@ -169,8 +165,7 @@ def report() -> dict[str, Any]:
 
 
 def choose(role: GemmRole, candidates: Candidates, policy: GemmPolicy, fixed: str) -> GemmChoice:
-    """The path per row count for ``role`` among ``candidates`` (paths that run here); ``fixed`` is
-    ``FIXED`` mode's."""
+    """The path per row count for ``role`` among ``candidates``; ``fixed`` is ``FIXED`` mode's."""
     _REPORT.mode, _REPORT.batch_invariant = policy.mode, policy.batch_invariant
     if policy.batch_invariant:
         candidates = {p: c for p, c in candidates.items() if p in BATCH_INVARIANT_PATHS}

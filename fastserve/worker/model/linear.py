@@ -1,9 +1,7 @@
 """``ServingLinear``: an ``nn.Linear`` whose CPU GEMMs run on the path measured fastest for its shape.
-After loading, ``pack_linears`` groups the GEMM weights by shape, has ``gemm_choice`` pick a path per
-row count, and packs each weight once (MKL's per-call packing dominates decode's few-row GEMMs) for
-the layouts its choice uses (``PackedWeight``): our bf16
-kernel (``dpbf16``/``dpbf16_uniform``/``amx``), oneDNN's prepacked GEMM, or ``F.linear``. Values
-equal ``F.linear``'s to the dtype's rounding; unpacked (or off CPU) it is exactly ``nn.Linear``.
+``pack_linears`` has ``gemm_choice`` pick a path per row count and packs each weight once for it
+(MKL's per-call packing dominates decode's few-row GEMMs). Values equal ``F.linear``'s to the
+dtype's rounding; unpacked (or off CPU) it is exactly ``nn.Linear``.
 """
 
 from __future__ import annotations
@@ -206,12 +204,10 @@ class MergedLinear:
         self._fused: torch.Tensor | None = None
 
     def mergeable(self) -> bool:
-        """All members with a bias or all without."""
         with_bias = [m.bias is not None for m in self.members]
         return all(with_bias) or not any(with_bias)
 
     def merged_weight(self) -> torch.Tensor:
-        """The members' weights concatenated (a copy)."""
         return torch.cat([m.weight.detach() for m in self.members])
 
     def pack(self, policy: GemmPolicy | None = None) -> bool:
