@@ -249,7 +249,6 @@ def apply_chat_template(messages: Sequence[Mapping[str, str]], add_generation_pr
 
 
 class _FallbackTemplate(ChatTemplate):
-
     add_special_tokens = True
 
     def __init__(self) -> None:

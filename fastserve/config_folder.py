@@ -28,7 +28,6 @@ APP_IMPORT = "fastserve.main:build_app"
 
 
 class FolderServeArgs(Strict):
-
     model_dir: Path
     name: str | None = Field(default=None, min_length=1)
     dtype: DType = "auto"

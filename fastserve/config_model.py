@@ -28,7 +28,8 @@ GenerationConfigSource = Literal["auto", "vllm"]
 
 
 def cpu_has_bf16() -> bool:
-    from fastserve.kernels.cpu_features import cpu_has_bf16 as detect   # late: kernels load torch
+    """Imported late: the kernels package loads torch."""
+    from fastserve.kernels.cpu_features import cpu_has_bf16 as detect
 
     return detect()
 
@@ -45,7 +46,6 @@ class Strict(BaseModel):
 
 
 class ModelArgs(Strict):
-
     name: str = Field(min_length=1)
     config_path: str
     tokenizer_path: str = "config/tokenizers/opt"

@@ -54,7 +54,6 @@ _UTF8 = "utf-8"
 
 
 class TokenizerLoadError(ValueError):
-
     def __init__(self, path: Path, reason: str) -> None:
         super().__init__(f"cannot load the tokenizer at {path}: {reason}")
         self.path = path
@@ -63,7 +62,6 @@ class TokenizerLoadError(ValueError):
 
 @dataclass(frozen=True)
 class _Settings:
-
     named: dict[str, AddedToken]
     extra: tuple[AddedToken, ...]
     add_bos: bool | None                  # None: the config does not say

@@ -75,7 +75,6 @@ class ThreadedExecutor:
 
 
 class DeltaSink(Protocol):
-
     def put_nowait(self, delta: TokenDelta) -> None: ...
 
 
@@ -109,7 +108,6 @@ class RequestStream:
 
 @dataclass(frozen=True)
 class _Submitted:
-
     plan: BatchPlan
     at: float                    # perf_counter at submission
     schedule_s: float

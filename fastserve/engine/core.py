@@ -24,7 +24,6 @@ Clock = Callable[[], float]
 
 
 class SyncExecutor(Protocol):
-
     def execute(self, plan: BatchPlan) -> StepOutput: ...
 
 
@@ -38,7 +37,6 @@ class StepResult:
 
 
 class VirtualClock:
-
     def __init__(self, now: float = 0.0) -> None:
         self.now = now
 

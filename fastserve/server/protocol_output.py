@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+
 class StopStringMatcher:
     """Finds OpenAI stop strings in streamed text and trims them off. ``push`` holds back the last
     ``len(longest stop) - 1`` characters, which could begin one; the earliest match wins."""

@@ -66,7 +66,6 @@ class FunctionCallMessage(BaseModel):
 
 
 class ToolCallMessage(BaseModel):
-
     model_config = ConfigDict(extra="forbid")
     id: str
     type: Literal["function"]
@@ -97,7 +96,6 @@ class ToolRequestError(ValueError):
 
 @dataclass(frozen=True)
 class ToolPlan:
-
     mode: ToolMode
     tools: tuple[ToolDefinition, ...]
     parser_name: str

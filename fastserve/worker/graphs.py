@@ -76,7 +76,6 @@ def greedy_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 class DecodeGraphs:
-
     def __init__(self, model: Stage, cache: torch.Tensor, block_size: int, settings: GraphSettings,
                  hidden_size: int, samples: bool) -> None:
         self.model = model

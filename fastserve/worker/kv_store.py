@@ -77,7 +77,6 @@ class SwapHandle:
 
 
 class TimingEvent(Protocol):
-
     def query(self) -> bool: ...
 
     def elapsed_time(self, end_event: Any) -> float: ...

@@ -146,7 +146,6 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "auto": 4}
 
 @dataclass(frozen=True)
 class EngineSpec:
-
     model: ModelSpec
     parallel: ParallelSpec = field(default_factory=ParallelSpec)
     timeouts: PipelineTimeouts = field(default_factory=PipelineTimeouts)

@@ -27,7 +27,6 @@ GPU_TENSOR_TRANSPORT = "nccl"
 
 
 class Transport(ABC):
-
     def __init__(self, grid: Grid) -> None:
         if not grid or not grid[0]:
             raise ValueError("a transport needs at least one stage with one worker")
@@ -49,7 +48,6 @@ class Transport(ABC):
 
 
 class CompiledGraphTransport(Transport):
-
     def __init__(self, grid: Grid, max_inflight: int, tensor_transport: str | None = None) -> None:
         super().__init__(grid)
         self.max_inflight = max_inflight
@@ -90,7 +88,6 @@ class CompiledGraphTransport(Transport):
 
 
 class ActorCallTransport(Transport):
-
     async def start(self) -> None:
         return None
 

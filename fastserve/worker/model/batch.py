@@ -164,7 +164,6 @@ def _aligned(nbytes: int) -> int:
 
 
 class Packing:
-
     def __init__(self, fields: Sequence[tuple[str, Any, tuple[int, ...]]]) -> None:
         self.fields: dict[str, tuple[int, np.dtype, tuple[int, ...]]] = {}
         offset = 0
