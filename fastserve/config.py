@@ -127,7 +127,7 @@ class AppArgs(Strict):
         if par.gpu_kind is not None:
             if model.device != "cuda":
                 raise ValueError(f"parallel.gpu_kind={par.gpu_kind!r} but model.device is {model.device!r}")
-            load_gpu_table().kind(par.gpu_kind)   # an unknown kind is refused, naming the table's
+            load_gpu_table().kind(par.gpu_kind)   # refuses an unknown kind
         par.spec().check(model.hf_config())
 
     def _check_sizes(self) -> None:
@@ -161,7 +161,6 @@ class AppArgs(Strict):
             )
 
     def engine_spec(self) -> EngineSpec:
-        """The one spec of this model copy, given whole to executors and stage workers."""
         m, kv = self.model, self.kv_cache
         model = ModelSpec(resolve_path(m.config_path), kv.num_device_blocks, kv.num_host_blocks,
                           kv.block_size, m.dtype, m.device, m.seed, m.load_format, m.model_path,
@@ -170,7 +169,6 @@ class AppArgs(Strict):
         return EngineSpec(model, self.parallel.spec(), self.pipeline)
 
     def placement_group_bundles(self) -> list[dict[str, float]]:
-        """The engine replica's bundle, then the pipeline's stage bundles."""
         par = self.parallel
         replica = dict(par.replica_bundle)
         if not par.uses_pipeline:

@@ -52,8 +52,7 @@ def explicit_device(device: torch.device | str) -> torch.device:
 
 
 def cuda_device_index(gpu_ids: Sequence[int | str], visible_devices: str | None) -> int:
-    """The CUDA index of Ray's first assigned GPU: its place in ``CUDA_VISIBLE_DEVICES``, or the
-    id itself when that is unset."""
+    """Ray's first assigned GPU's place in ``CUDA_VISIBLE_DEVICES`` (the id itself if unset)."""
     if not gpu_ids:
         raise ValueError("no GPU is assigned to this process (ray.get_gpu_ids() is empty)")
     first = str(gpu_ids[0])
@@ -122,7 +121,7 @@ class TensorParallelGroup:
         return out
 
     def all_reduce(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The callable the model's row-parallel layers use: sum in place over the group."""
+        """For the row-parallel layers: sum in place over the group."""
 
         def reduce(x: torch.Tensor) -> torch.Tensor:
             import torch.distributed as dist

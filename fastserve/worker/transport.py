@@ -40,11 +40,11 @@ class Transport(ABC):
 
     @abstractmethod
     async def submit(self, msg: StageInput) -> Awaitable[list[Any]]:
-        """Enqueue one plan; the awaitable yields the last stage's outputs, rank by rank."""
+        """Enqueue one plan; the awaitable yields the last stage's outputs."""
 
     @abstractmethod
     async def close(self, kill_actors: bool) -> None:
-        """Stop carrying plans; may block (callers bound it)."""
+        """May block: callers bound it."""
 
 
 class CompiledGraphTransport(Transport):
