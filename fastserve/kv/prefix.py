@@ -11,7 +11,10 @@ fully cached prompt still computes its last position (to sample), as vLLM does.
 **The cache over both tiers** (``PrefixCache``): each job's chain of block hashes (rooted in the
 model's key, or in its cache salt) and the longest prefix of a job's tokens cached on the device
 or, failing that, the host. It reads the tiers' hash maps (``fastserve.kv.blocks.TierBlocks``);
-what is cached, evicted or copied is the manager's to decide.
+what is cached, evicted or copied is the manager's to decide. A job that asks for prompt
+logprobs reads no cached block (``never_read``): each prompt position's logits exist only while
+its KV is computed, so its prompt runs whole, as vLLM v1 skips cache hits for such requests; its
+blocks are cached for the jobs after it all the same.
 """
 
 from __future__ import annotations
@@ -97,6 +100,9 @@ class PrefixCache:
         self._root = root_hash(key)
         self._chains: dict[str, list[BlockHash]] = {}
         self._salted_roots: dict[str, BlockHash] = {}   # jobs with a cache salt: their chain's root
+        #: Jobs that read no cached block (they need every prompt position computed); their own
+        #: blocks are still cached for others.
+        self._no_reads: set[str] = set()
 
     def salt(self, job_id: str, salt: str) -> None:
         """Only jobs with this salt share cached blocks with ``job_id`` (vLLM's ``cache_salt``);
@@ -104,6 +110,11 @@ class PrefixCache:
         if job_id in self._chains:
             raise ValueError(f"job {job_id}: salted after its blocks were hashed")
         self._salted_roots[job_id] = salted_root(self._root, salt)
+
+    def never_read(self, job_id: str) -> None:
+        """``job_id`` finds no cached prefix (``lookup`` is empty for it) until it is forgotten:
+        a job whose every prompt position must run the model (prompt logprobs)."""
+        self._no_reads.add(job_id)
 
     def hashes(self, job_id: str, n: int, tokens: Callable[[], Sequence[int]]) -> list[BlockHash]:
         """The hashes of the job's first ``n`` full blocks (computed once, then extended)."""
@@ -118,7 +129,7 @@ class PrefixCache:
         """The longest cached prefix of the job's first ``num_tokens`` positions, in full blocks,
         leaving at least its last position to compute (it is sampled). Each block is found on
         the device or, failing that, on the host (host tier on; at most ``max_host`` blocks)."""
-        if not self.enabled:
+        if not self.enabled or job_id in self._no_reads:
             return PrefixHit(block_size=self.block_size)
         device: list[int | None] = []
         host: list[int | None] = []
@@ -145,6 +156,7 @@ class PrefixCache:
         """The job is gone: its hashes and its salt."""
         self._chains.pop(job_id, None)
         self._salted_roots.pop(job_id, None)
+        self._no_reads.discard(job_id)
 
     def reset(self) -> int:
         """Uncache every block of both tiers; returns how many were cached."""

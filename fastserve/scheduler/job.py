@@ -44,7 +44,8 @@ class TokenDelta:
 
     ``token_ids`` are the tokens since the previous delta: one per step out of the scheduler,
     several once a lagging reader's deltas are merged (``merge``); ``logprobs`` (only for a job
-    that asked) has one entry per token and merges the same way. The job's last delta carries
+    that asked) has one entry per token and merges the same way. ``prompt_logprobs`` (only for a
+    job that asked, on its first token's delta) has one entry per prompt token but the first. The job's last delta carries
     its ``finish`` (with or without tokens). ``emitted_at`` (wall clock, set where it leaves the
     engine replica) lets the reader measure the delivery delay.
     """
@@ -54,11 +55,14 @@ class TokenDelta:
     finish: Finish | None = None
     logprobs: tuple[TokenLogprobs, ...] = ()
     emitted_at: float = 0.0
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
     @classmethod
     def token(cls, job_id: str, token_id: int, finish: Finish | None = None,
-              logprobs: TokenLogprobs | None = None) -> TokenDelta:
-        return cls(job_id, (token_id,), finish, () if logprobs is None else (logprobs,))
+              logprobs: TokenLogprobs | None = None,
+              prompt_logprobs: tuple[TokenLogprobs, ...] | None = None) -> TokenDelta:
+        return cls(job_id, (token_id,), finish, () if logprobs is None else (logprobs,),
+                   prompt_logprobs=prompt_logprobs)
 
     @classmethod
     def ended(cls, job_id: str, reason: FinishReason, stats: JobStats | None = None) -> TokenDelta:
@@ -85,8 +89,9 @@ class TokenDelta:
         last = deltas[-1]
         if len(deltas) == 1:
             return last
+        prompt = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
         return replace(last, token_ids=tuple(t for d in deltas for t in d.token_ids),
-                       logprobs=tuple(lp for d in deltas for lp in d.logprobs))
+                       logprobs=tuple(lp for d in deltas for lp in d.logprobs), prompt_logprobs=prompt)
 
 
 @dataclass(frozen=True)
@@ -204,6 +209,9 @@ class Job:
     predictions: list[tuple[float, float]] = field(default_factory=list)  # (made at, ENST)
     #: Prompt positions the prefix cache held when it arrived (skip-join places it by the rest).
     cached_at_arrival: int = 0
+    #: Prompt logprobs so far (``SamplingParams.prompt_logprobs``): entry ``p`` scores prompt
+    #: token ``p + 1``; filled chunk by chunk, sent with its first token.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     stats: JobStats = field(init=False)
 
     def __post_init__(self) -> None:
@@ -214,6 +222,14 @@ class Job:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    def prompt_targets(self, start: int, end: int) -> tuple[int, ...]:
+        """The prompt tokens a run over positions ``start .. end`` scores for its prompt
+        logprobs: those its rows predict, while its first token is still to come (a recompute
+        after it has nothing to send); empty unless its sampling asks."""
+        if self.sampling.prompt_logprobs is None or self.generated:
+            return ()
+        return self.prompt_ids[start + 1: end + 1]
 
     @property
     def prefill_len(self) -> int:

@@ -45,6 +45,9 @@ class SamplingParams:
     over prompt and generated tokens) divides positive logits by it and multiplies negative ones.
     ``logprobs`` (None = not asked) returns the sampled token's log-probability and that many
     most likely alternatives, of the model's raw distribution (before penalties and temperature).
+    ``prompt_logprobs`` (vLLM's; None = not asked) returns, for every prompt token but the first,
+    its log-probability given the tokens before it, its rank, and that many most likely
+    alternatives (raw distribution too): what evaluation harnesses score a continuation by.
     ``logit_bias`` (OpenAI's, as (token id, bias) pairs by id) is added to those tokens' logits
     before penalties, masks and temperature, so it steers greedy decoding too;
     ``allowed_token_ids`` (vLLM's; None = all) keeps only those tokens sampleable;
@@ -68,6 +71,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the offending value."""
@@ -89,6 +93,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
         if self.allowed_token_ids is not None and (not self.allowed_token_ids or min(self.allowed_token_ids) < 0):
             raise ValueError(f"allowed_token_ids must be a non-empty list of token ids >= 0, got "
                              f"{list(self.allowed_token_ids)}")
@@ -161,11 +167,14 @@ class SamplingContext:
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """The sampled token's log-probability and the ``top`` most likely ``(token id, logprob)``
-    pairs, most likely first (of the raw model distribution; see ``SamplingParams.logprobs``)."""
+    """A token's log-probability and the ``top`` most likely ``(token id, logprob)`` pairs, most
+    likely first (of the raw model distribution; see ``SamplingParams.logprobs``): the sampled
+    token's, or a prompt token's (``SamplingParams.prompt_logprobs``), which also has its
+    ``rank`` in that distribution (1 = the most likely; None where not computed)."""
 
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -194,6 +203,10 @@ class BatchEntry:
     samples: bool = True
     #: Penalty history and masked tokens, only for an entry whose sampling needs them.
     context: SamplingContext | None = None
+    #: Prompt logprobs (``SamplingParams.prompt_logprobs``): the prompt tokens this entry's first
+    #: rows predict, row ``r``'s logits scoring ``prompt_targets[r]`` (the prompt token at
+    #: position ``start_pos + r + 1``). Empty for an entry that asks none: it pays nothing.
+    prompt_targets: tuple[int, ...] = ()
 
     @property
     def context_len(self) -> int:
@@ -252,7 +265,8 @@ class StepOutput:
 
     ``timings`` holds seconds by phase: ``swap_wait`` (forward blocked on a swap touching its
     blocks), ``forward``, ``sample``, ``swap_tail`` (waiting for swaps after the forward), ``total``.
-    ``logprobs`` holds the sampled tokens' log-probabilities for the jobs that asked.
+    ``logprobs`` holds the sampled tokens' log-probabilities for the jobs that asked;
+    ``prompt_logprobs`` each prompt-logprob entry's rows (``BatchEntry.prompt_targets``), in order.
     """
 
     step_id: int
@@ -260,4 +274,6 @@ class StepOutput:
     timings: dict[str, float] = field(default_factory=dict)
     #: Only for the jobs whose sampling asked for logprobs (``SamplingParams.logprobs``).
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    #: Only for the entries with ``prompt_targets``: one per target, in order.
+    prompt_logprobs: dict[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
 

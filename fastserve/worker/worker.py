@@ -156,7 +156,8 @@ class StageWorker:
         summed = _add_timings(upstream or {}, result.timings)
         if not self.spec.is_last:
             return StageInput(plan, result.hidden, summed)
-        return StepOutput(plan.step_id, result.tokens, summed, result.logprobs) if self.spec.samples else None
+        return (StepOutput(plan.step_id, result.tokens, summed, result.logprobs, result.prompt_logprobs)
+                if self.spec.samples else None)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def ping(self) -> str:
