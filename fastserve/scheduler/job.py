@@ -45,9 +45,9 @@ class TokenDelta:
     ``token_ids`` are the tokens since the previous delta: one per step out of the scheduler,
     several once a lagging reader's deltas are merged (``merge``); ``logprobs`` (only for a job
     that asked) has one entry per token and merges the same way. ``prompt_logprobs`` (only for a
-    job that asked, on its first token's delta) has one entry per prompt token but the first. The job's last delta carries
-    its ``finish`` (with or without tokens). ``emitted_at`` (wall clock, set where it leaves the
-    engine replica) lets the reader measure the delivery delay.
+    job that asked, on its first token's delta) has one entry per prompt token but the first.
+    The job's last delta carries its ``finish`` (with or without tokens). ``emitted_at`` (wall
+    clock, set where it leaves the engine replica) lets the reader measure the delivery delay.
     """
 
     job_id: str
