@@ -63,9 +63,9 @@ def question(record: dict[str, str]) -> str:
     return record["instruction"] + (f"\n{record['input']}" if record.get("input") else "")
 
 
-def build_items(n: int, path: Path = ALPACA_JSON) -> Items:
-    """``n`` multiple-choice and ``n`` generation items from the Alpaca records (see the module
-    docstring); the same ``n`` gives the same items."""
+def build_items(n: int, n_gen: int | None = None, path: Path = ALPACA_JSON) -> Items:
+    """``n`` multiple-choice and ``n_gen`` (default ``n``) generation items from the Alpaca
+    records (see the module docstring); the same counts give the same items."""
     records = json.loads(path.read_text(encoding="utf-8"))
     fit = [r for r in records if len(question(r)) <= MAX_QUESTION_CHARS
            and 0 < len(r["output"].strip()) <= MAX_ANSWER_CHARS and "\n" not in r["output"]]
@@ -77,7 +77,7 @@ def build_items(n: int, path: Path = ALPACA_JSON) -> Items:
         gold = i % CHOICES
         choices = others[:gold] + [record["output"].strip()] + others[gold:]
         mc.append({"question": question(record), "choices": choices, "gold": gold})
-    gen = [{"question": question(r), "answer": r["output"].strip()} for r in fit[:n]]
+    gen = [{"question": question(r), "answer": r["output"].strip()} for r in fit[:n if n_gen is None else n_gen]]
     return Items(mc, gen)
 
 
@@ -103,10 +103,15 @@ def task_configs(items: Items, folder: Path) -> list[dict[str, Any]]:
     return [mc, gen]
 
 
-def server_model_args(base_url: str, model: str, folder: Path) -> dict[str, Any]:
-    """``local-completions`` on our server, tokenizing with the folder's own tokenizer."""
-    return {"base_url": f"{base_url}/v1/completions", "model": model, "tokenizer": str(folder),
-            "tokenizer_backend": "huggingface", "num_concurrent": 1, "max_retries": 1}
+def server_model_args(base_url: str, model: str, folder: Path, api_key: str | None = None,
+                      concurrent: int = 1) -> dict[str, Any]:
+    """``local-completions`` on our server, tokenizing with the folder's own tokenizer;
+    ``concurrent`` requests in flight (the server batches them; each is still one prompt)."""
+    args: dict[str, Any] = {"base_url": f"{base_url}/v1/completions", "model": model, "tokenizer": str(folder),
+                            "tokenizer_backend": "huggingface", "num_concurrent": concurrent, "max_retries": 1}
+    if api_key is not None:
+        args["header"] = {"Authorization": f"Bearer {api_key}"}
+    return args
 
 
 def hf_model_args(folder: Path) -> dict[str, Any]:
@@ -191,12 +196,14 @@ def token_counter(folder: Path) -> Any:
     return count
 
 
-def run(base_url: str, model: str, folder: Path, n: int, workdir: Path) -> tuple[Comparison, dict[str, float]]:
-    """Both backends over ``n`` items of each task; the comparison and each run's seconds."""
-    tasks = task_configs(build_items(n), workdir)
+def run(base_url: str, model: str, folder: Path, n: int, workdir: Path, api_key: str | None = None,
+        n_gen: int | None = None, concurrent: int = 1) -> tuple[Comparison, dict[str, float]]:
+    """Both backends over ``n`` multiple-choice and ``n_gen`` (default ``n``) generation items;
+    the comparison and each run's seconds."""
+    tasks = task_configs(build_items(n, n_gen), workdir)
     seconds = {}
     start = time.perf_counter()
-    ours = evaluate("local-completions", server_model_args(base_url, model, folder), tasks)
+    ours = evaluate("local-completions", server_model_args(base_url, model, folder, api_key, concurrent), tasks)
     seconds["server"] = time.perf_counter() - start
     start = time.perf_counter()
     ref = evaluate("hf", hf_model_args(folder), tasks)
@@ -205,7 +212,7 @@ def run(base_url: str, model: str, folder: Path, n: int, workdir: Path) -> tuple
 
 
 def table(c: Comparison, seconds: dict[str, float]) -> str:
-    rows = [("items per task", c.items, ""),
+    rows = [("items: multiple-choice / generation", c.items, c.generations),
             ("loglikelihood accuracy (ours / hf)", f"{c.accuracy:.3f}", f"{c.reference_accuracy:.3f}"),
             ("max |loglikelihood diff| (nats)", f"{c.max_abs_loglikelihood_diff:.2e}", ""),
             ("max diff per continuation token (nats)", f"{c.max_per_token_diff:.2e}", ""),
@@ -221,7 +228,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     from fastserve.model_folder import DEFAULT_FOLDER
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--items", type=int, default=200, help="items per task (default: the issue's 200)")
+    parser.add_argument("--items", type=int, default=200, help="multiple-choice items (default: the issue's 200)")
+    parser.add_argument("--gen-items", type=int, default=None, help="generation items (default: --items)")
+    parser.add_argument("--concurrent", type=int, default=1, help="requests in flight to our server")
     parser.add_argument("--folder", type=Path, default=DEFAULT_FOLDER)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="float32")
@@ -231,13 +240,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO)
     workdir = args.out.parent
     if args.url is not None:
-        comparison, seconds = run(args.url, args.model, args.folder, args.items, workdir)
+        comparison, seconds = run(args.url, args.model, args.folder, args.items, workdir, None, args.gen_items,
+                                  args.concurrent)
     else:
         with ServeApps([], workdir / "serve.log", base=ROOT / "config" / "demo.yaml",
                        variants={args.dtype: {"model": {"dtype": args.dtype}}}) as apps:
-            comparison, seconds = run(apps.url(args.dtype), args.model, args.folder, args.items, workdir)
+            comparison, seconds = run(apps.url(args.dtype), args.model, args.folder, args.items, workdir, None,
+                                      args.gen_items, args.concurrent)
     print(table(comparison, seconds))
-    record = {"dtype": args.dtype, "seconds": seconds, **asdict(comparison)}
+    record = {"dtype": args.dtype, "concurrent": args.concurrent, "seconds": seconds, **asdict(comparison)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2))
     print(json.dumps(record))

@@ -311,7 +311,7 @@ class CompletionRequest(_GenerationRequest):
 
     def to_sampling(self, default_max_tokens: int, model: SamplingDefaults = NO_MODEL_DEFAULTS) -> SamplingParams:
         if self.echo_only:   # one token runs the prompt; the response leaves it out (as vLLM)
-            return self.model_copy(update={"max_tokens": 1, "echo": True}).to_sampling(default_max_tokens, model)
+            return self.model_copy(update={"max_tokens": 1}).to_sampling(default_max_tokens, model)
         return super().to_sampling(default_max_tokens, model)
 
     @field_validator("prompt", mode="before")

@@ -28,7 +28,7 @@ import yaml
 
 from fastserve.bench import eval_parity
 from fastserve.bench.eval_parity import TOKEN_TOLERANCE_NATS
-from tests.harness.serve import AUTH, REQUEST_TIMEOUT_S, ROOT, Server, serve_app
+from tests.harness.serve import API_KEY, AUTH, REQUEST_TIMEOUT_S, ROOT, Server, serve_app
 from tests.harness.smollm2 import COMPLETIONS, hf_model
 from tests.harness.tokenizers import hf_tokenizer, require_smollm2
 
@@ -107,7 +107,7 @@ def test_prompt_logprobs_match_transformers_cached_and_chunked(server: Server) -
 
 def test_lm_eval_on_our_server_equals_its_hf_backend(server: Server, tmp_path: Path) -> None:
     folder = require_smollm2()
-    comparison, _ = eval_parity.run(server.base, MODEL, folder, ITEMS, tmp_path)
+    comparison, _ = eval_parity.run(server.base, MODEL, folder, ITEMS, tmp_path, API_KEY)
     print(comparison)
     assert comparison.items == ITEMS and comparison.generations == ITEMS
     assert comparison.accuracy == comparison.reference_accuracy
