@@ -3,6 +3,9 @@
 Only full blocks a completed step computed are cached, under ``hash(parent, token ids, extra)``
 chained from a root that names what else shapes KV. A full block is never written again, so jobs
 share it by reference (no copy-on-write); a fully cached prompt still computes its last position.
+A job that asks for prompt logprobs reads no cached block (``never_read``: each position's logits
+exist only while its KV is computed, as vLLM v1 skips hits for such requests); its blocks are
+still cached for others.
 """
 
 from __future__ import annotations
@@ -76,12 +79,19 @@ class PrefixCache:
         self._root = root_hash(key)
         self._chains: dict[str, list[BlockHash]] = {}
         self._salted_roots: dict[str, BlockHash] = {}
+        #: Jobs that read no cached block (every prompt position computed); their blocks are still cached.
+        self._no_reads: set[str] = set()
 
     def salt(self, job_id: str, salt: str) -> None:
         """Before the job's first lookup."""
         if job_id in self._chains:
             raise ValueError(f"job {job_id}: salted after its blocks were hashed")
         self._salted_roots[job_id] = salted_root(self._root, salt)
+
+    def never_read(self, job_id: str) -> None:
+        """``job_id`` finds no cached prefix (``lookup`` is empty for it) until it is forgotten:
+        a job whose every prompt position must run the model (prompt logprobs)."""
+        self._no_reads.add(job_id)
 
     def hashes(self, job_id: str, n: int, tokens: Callable[[], Sequence[int]]) -> list[BlockHash]:
         have = self._chains.setdefault(job_id, [])
@@ -94,7 +104,7 @@ class PrefixCache:
                max_host: int | None = None) -> PrefixHit:
         """In full blocks, leaving the last position to compute (it is sampled); at most ``max_host``
         blocks from the host."""
-        if not self.enabled:
+        if not self.enabled or job_id in self._no_reads:
             return PrefixHit(block_size=self.block_size)
         device: list[int | None] = []
         host: list[int | None] = []
@@ -119,6 +129,7 @@ class PrefixCache:
     def forget(self, job_id: str) -> None:
         self._chains.pop(job_id, None)
         self._salted_roots.pop(job_id, None)
+        self._no_reads.discard(job_id)
 
     def reset(self) -> int:
         return self.device.reset() + self.host.reset()

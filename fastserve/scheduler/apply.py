@@ -16,7 +16,7 @@ from fastserve.kv.swap_planner import SwapDecision
 from fastserve.scheduler.decision import Decision, Evict, Fetch, Run
 from fastserve.scheduler.job import Job, JobState
 from fastserve.scheduler.state import InFlight, SchedulerState
-from fastserve.worker.messages import BatchEntry, BatchPlan, FinishReason, SwapCommand
+from fastserve.worker.messages import BatchEntry, BatchPlan, FinishReason, SwapCommand, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,8 @@ class Applier:
                    if samples else None)
         out.entries.append(BatchEntry(job.job_id, job.tokens()[run.start:run.end], run.start,
                                       table, not job.decoding, job.sampling,
-                                      len(job.generated), samples, context))
+                                      len(job.generated), samples, context,
+                                      prompt_targets=job.prompt_targets(run.start, run.end)))
         if not samples:
             out.chunks[job.job_id] = run.end
         if run.wasted:
@@ -245,6 +246,14 @@ class Applier:
             return reason
         self._idle_after_run(job)
         return None
+
+    def keep_prompt_logprobs(self, job: Job, start: int, values: tuple[TokenLogprobs, ...]) -> None:
+        """A run's prompt logprobs, for the prompt tokens after positions ``start ..``: a run
+        again over positions already scored (a recompute before its first token) replaces them."""
+        if start > len(job.prompt_logprobs):
+            raise ValueError(f"job {job.job_id}: prompt logprobs from position {start}, "
+                             f"but only {len(job.prompt_logprobs)} positions before it are scored")
+        job.prompt_logprobs[start: start + len(values)] = values
 
     def chunk_done(self, job: Job, end: int, served: Served, now: float) -> None:
         """A prefill chunk short of the last completed: KV kept, no token, its time is service."""

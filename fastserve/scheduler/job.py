@@ -32,18 +32,23 @@ class Finish:
 
 @dataclass(frozen=True)
 class TokenDelta:
-    """A job's tokens since its previous delta (several once merged); the last carries ``finish``."""
+    """A job's tokens since its previous delta (several once merged); the last carries ``finish``.
+    ``logprobs`` (if asked) has one entry per token; ``prompt_logprobs`` (if asked, on the first
+    token's delta) one per prompt token but the first."""
 
     job_id: str
     token_ids: tuple[int, ...] = ()
     finish: Finish | None = None
     logprobs: tuple[TokenLogprobs, ...] = ()
     emitted_at: float = 0.0
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
     @classmethod
     def token(cls, job_id: str, token_id: int, finish: Finish | None = None,
-              logprobs: TokenLogprobs | None = None) -> TokenDelta:
-        return cls(job_id, (token_id,), finish, () if logprobs is None else (logprobs,))
+              logprobs: TokenLogprobs | None = None,
+              prompt_logprobs: tuple[TokenLogprobs, ...] | None = None) -> TokenDelta:
+        return cls(job_id, (token_id,), finish, () if logprobs is None else (logprobs,),
+                   prompt_logprobs=prompt_logprobs)
 
     @classmethod
     def ended(cls, job_id: str, reason: FinishReason, stats: JobStats | None = None) -> TokenDelta:
@@ -66,8 +71,9 @@ class TokenDelta:
         last = deltas[-1]
         if len(deltas) == 1:
             return last
+        prompt = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
         return replace(last, token_ids=tuple(t for d in deltas for t in d.token_ids),
-                       logprobs=tuple(lp for d in deltas for lp in d.logprobs))
+                       logprobs=tuple(lp for d in deltas for lp in d.logprobs), prompt_logprobs=prompt)
 
 
 @dataclass(frozen=True)
@@ -160,6 +166,9 @@ class Job:
     num_computed_tokens: int = 0
     predictions: list[tuple[float, float]] = field(default_factory=list)  # (made at, ENST)
     cached_at_arrival: int = 0
+    #: Prompt logprobs so far (``SamplingParams.prompt_logprobs``): entry ``p`` scores prompt
+    #: token ``p + 1``; filled chunk by chunk, sent with its first token.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     stats: JobStats = field(init=False)
 
     def __post_init__(self) -> None:
@@ -170,6 +179,14 @@ class Job:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    def prompt_targets(self, start: int, end: int) -> tuple[int, ...]:
+        """The prompt tokens a run over positions ``start .. end`` scores for its prompt
+        logprobs: those its rows predict, while its first token is still to come (a recompute
+        after it has nothing to send); empty unless its sampling asks."""
+        if self.sampling.prompt_logprobs is None or self.generated:
+            return ()
+        return self.prompt_ids[start + 1: end + 1]
 
     @property
     def prefill_len(self) -> int:

@@ -111,6 +111,8 @@ class Scheduler:
                 f"(admission_queue_limit={s.config.admission_queue_limit})")
         if isinstance(req, JobRequest) and req.cache_salt is not None:
             s.kv.prefix.salt(job.job_id, req.cache_salt)   # before the lookup: its chain starts there
+        if job.sampling.prompt_logprobs is not None:
+            s.kv.prefix.never_read(job.job_id)   # every prompt position's logits are computed
         job.cached_at_arrival = s.kv.prefix_hit(job.job_id, job.prompt_len, job.tokens).tokens
         self.applier.add(job, self._entry_level(job), now)
         return job
@@ -173,12 +175,15 @@ class Scheduler:
         swap_wait = timings.get("swap_wait", 0.0)
         rec, settled = self.applier.complete(plan.step_id, duration if plan.entries else None)
         shares = service_charges(plan.entries, s.profile)
+        starts = {e.job_id: e.start_pos for e in plan.entries if e.prompt_targets}
         deltas: list[TokenDelta] = []
         for job_id in rec.job_ids:
             job = s.jobs[job_id]
             if job.state is JobState.ABORTED:
                 self.applier.forget_aborted(job)
                 continue
+            if job_id in output.prompt_logprobs:
+                self.applier.keep_prompt_logprobs(job, starts[job_id], output.prompt_logprobs[job_id])
             # A forward that waited for a swap stalled every entry of the batch.
             served = Served(shares[job_id], duration, swap_wait)
             chunk_end = rec.chunks.get(job_id)
@@ -192,9 +197,11 @@ class Scheduler:
             if job_id in rec.wasted:
                 self.applier.waste(job, served, now)
                 continue
+            first = not job.generated
             reason = self.applier.advance(job, token, served, now)
             finish = Finish(reason, job.stats) if reason is not None else None
-            deltas.append(TokenDelta.token(job_id, token, finish, output.logprobs.get(job_id)))
+            prompt = tuple(job.prompt_logprobs) if first and job.sampling.prompt_logprobs is not None else None
+            deltas.append(TokenDelta.token(job_id, token, finish, output.logprobs.get(job_id), prompt))
         self.applier.settle(settled, now)
         return deltas
 

@@ -4,9 +4,12 @@ Owns the ``n`` fan-out (one job per choice, each through the scheduler like any 
 seed derived from the request's as vLLM does: ``seed + index``, so choices differ and repeat),
 merging the choices' event streams into one (each event tagged with its choice index), and the
 OpenAI logprob shapes: chat ``{"content": [{token, logprob, bytes, top_logprobs}]}`` and the
-legacy completions ``{tokens, token_logprobs, top_logprobs, text_offset}``. Logprobs are of the
-raw model distribution (``SamplingParams.logprobs``); -inf is sent as ``LOGPROB_FLOOR`` (JSON has
-no infinity), as vLLM does.
+legacy completions ``{tokens, token_logprobs, top_logprobs, text_offset}`` (with ``echo``, the
+prompt's tokens first, the very first with ``null`` logprobs, as OpenAI and vLLM send them), and
+vLLM's ``prompt_logprobs``: ``[null, {"<token id>": {logprob, rank, decoded_token}}, ...]``, the
+prompt token first, then its alternatives. Logprobs are of the raw model distribution
+(``SamplingParams.logprobs``, ``prompt_logprobs``); -inf is sent as ``LOGPROB_FLOOR`` (JSON has no
+infinity), as vLLM does.
 """
 
 from __future__ import annotations
@@ -106,6 +109,31 @@ class LogprobFormatter:
             offsets.append(self._offset)
             self._offset += len(self.token_text(token_id))
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    def format_prompt(self, prompt_ids: Sequence[int], logprobs: Sequence[TokenLogprobs]) -> dict[str, Any]:
+        """The echoed prompt in the completions shape: its first token with ``null`` logprobs
+        (nothing came before it), then one entry per ``logprobs`` (the prompt's own, one per
+        token after the first); the text offsets run on into the completion's."""
+        first = self.token_name(prompt_ids[0])
+        head = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [self._offset]}
+        self._offset += len(self.token_text(prompt_ids[0]))
+        rest = self.format(prompt_ids[1:], logprobs)
+        return merge_logprobs([head, rest], chat=False)
+
+    def prompt_logprobs(self, prompt_ids: Sequence[int], logprobs: Sequence[TokenLogprobs]) -> list[Any]:
+        """vLLM's ``prompt_logprobs``: ``None`` for the first token, then per token a dict by
+        token id (a JSON key: a string) of ``{logprob, rank, decoded_token}``, the prompt token
+        first (with its rank), then its top alternatives (ranks 1, 2, ...)."""
+        out: list[Any] = [None]
+        for token_id, lp in zip(prompt_ids[1:], logprobs, strict=True):
+            entry = {str(token_id): self._ranked(token_id, lp.logprob, lp.rank)}
+            for rank, (t, v) in enumerate(lp.top, start=1):
+                entry.setdefault(str(t), self._ranked(t, v, rank))
+            out.append(entry)
+        return out
+
+    def _ranked(self, token_id: int, value: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": _logprob(value), "rank": rank, "decoded_token": self.token_name(token_id)}
 
     def _chat_entry(self, token_id: int, lp: TokenLogprobs) -> dict[str, Any]:
         entry = self._alternative(token_id, lp.logprob)

@@ -27,7 +27,7 @@ from fastserve.engine.metrics import IngressMetrics
 from fastserve.scheduler.job import Finish, JobRequest, TokenDelta
 from fastserve.server.choices import LogprobFormatter, merge_logprobs, merged
 from fastserve.server.ingress_requests import Prepared, RequestPreparer, ServerContext
-from fastserve.server.protocol import APIError, error_body
+from fastserve.server.protocol import APIError, CompletionRequest, error_body
 from fastserve.server.protocol_output import (
     StopStringMatcher,
     chat_chunk,
@@ -196,8 +196,8 @@ class OpenAIServer:
                     if matcher.stopped:
                         done, outcome = True, "stop"
                         stream.cancel()   # the scheduler aborts the job and frees its blocks
-                        yield TokenDelta(delta.job_id, tuple(ids), Finish("stop"),
-                                         logprobs=delta.logprobs[:len(ids)]), "".join(text)
+                        yield replace(delta, token_ids=tuple(ids), finish=Finish("stop"),
+                                      logprobs=delta.logprobs[:len(ids)]), "".join(text)
                         return
                 if delta.finish is None:
                     yield delta, "".join(text)
@@ -236,6 +236,10 @@ class OpenAIServer:
         if prep.req.return_token_ids:
             first_extra["prompt_token_ids"] = list(prep.prompt_ids)
         text, ids, last, choice_extra = results[0]
+        if prep.chat and "prompt_logprobs" in choice_extra:   # vLLM's chat: once, beside the choices
+            first_extra["prompt_logprobs"] = choice_extra["prompt_logprobs"]
+            for result in results:
+                del result[3]["prompt_logprobs"]
         body = build(prep.request_id, self.ctx.model_name, text, last.finish_reason,
                      usage(len(prep.prompt_ids), sum(len(r[1]) for r in results),
                            cached_tokens(last)),
@@ -254,27 +258,53 @@ class OpenAIServer:
     async def _choice(self, prep: Prepared, stream: JobStream,
                       index: int) -> tuple[str, list[int], TokenDelta, dict[str, Any]]:
         """One choice read to its end: its text, token ids, finishing event, and the choice's
-        extra fields (logprobs, token ids)."""
+        extra fields (logprobs, token ids, prompt logprobs)."""
         text: list[str] = []
         ids: list[int] = []
         logprobs: list[dict[str, Any]] = []
-        fmt = (LogprobFormatter(self.ctx.tokenizer, prep.chat, prep.req.return_tokens_as_token_ids)
-               if prep.req.logprob_count() is not None else None)
+        fmt = LogprobFormatter(self.ctx.tokenizer, prep.chat, prep.req.return_tokens_as_token_ids)
+        want = prep.req.logprob_count() is not None
         last = TokenDelta(prep.request_id)
-        async for delta, delta_text in self.events(stream, prep):
-            text.append(delta_text)
-            ids += delta.token_ids
-            if fmt is not None:
-                logprobs.append(fmt.format(delta.token_ids, delta.logprobs))
-            last = delta
         extra: dict[str, Any] = {}
-        if fmt is not None:
+        first = True
+        async for delta, delta_text in self.events(stream, prep):
+            if first:   # the echoed prompt goes first; the prompt's logprobs come with this event
+                first = False
+                head, head_logprobs = self._echo(prep, fmt, delta)
+                text.append(head)
+                logprobs += head_logprobs
+                if delta.prompt_logprobs is not None:
+                    extra["prompt_logprobs"] = fmt.prompt_logprobs(prep.prompt_ids, delta.prompt_logprobs)
+            ids += delta.token_ids
+            if not self._echo_only(prep):
+                text.append(delta_text)
+                if want:
+                    logprobs.append(fmt.format(delta.token_ids, delta.logprobs))
+            last = delta
+        if want:
             extra["logprobs"] = merge_logprobs(logprobs, prep.chat)
         if prep.req.return_token_ids:
             extra["token_ids"] = ids
         if prep.tools is not None:
             extra.update(tool_fields(prep.tools, "".join(text), last.finish_reason))
         return "".join(text), ids, last, extra
+
+    @staticmethod
+    def _echo_only(prep: Prepared) -> bool:
+        return isinstance(prep.req, CompletionRequest) and prep.req.echo_only
+
+    @staticmethod
+    def _echo(prep: Prepared, fmt: LogprobFormatter | None, first: TokenDelta) -> tuple[str, list[dict[str, Any]]]:
+        """What a completion with ``echo`` sends before its own text: the prompt, and (with
+        ``logprobs``) the prompt's tokens and logprobs from its first event; nothing otherwise."""
+        if not isinstance(prep.req, CompletionRequest) or not prep.req.echo:
+            return "", []
+        if prep.req.logprob_count() is None:
+            return prep.prompt_text, []
+        if fmt is None or first.prompt_logprobs is None:
+            raise APIError(500, "the job's first event came without the prompt's logprobs", None,
+                           "internal_error", "internal_error")
+        return prep.prompt_text, [fmt.format_prompt(prep.prompt_ids, first.prompt_logprobs)]
 
     async def sse(self, prep: Prepared, streams: JobStream | list[JobStream]) -> AsyncIterator[bytes]:
         streams = streams if isinstance(streams, list) else [streams]
@@ -285,6 +315,8 @@ class OpenAIServer:
             if prep.req.logprob_count() is not None else None
 
         parsers = [prep.tools.parser() for _ in streams] if prep.tools is not None else None
+        echo_only = self._echo_only(prep)
+        echoed = [False] * len(streams)
 
         def chunk(index: int, text: str, reason: str | None, delta_: TokenDelta, extra: dict[str, Any]) -> bytes | None:
             """The event for a delta; None when it has nothing to say (text a tool parser holds)."""
@@ -293,8 +325,18 @@ class OpenAIServer:
             choice: dict[str, Any] = {"index": index}
             if want_ids:
                 choice["token_ids"] = ids
-            if fmts is not None:
-                choice["logprobs"] = fmts[index].format(ids, delta_.logprobs)
+            fmt = fmts[index] if fmts is not None else None
+            parts: list[dict[str, Any]] = []
+            if not echoed[index]:   # the choice's first chunk: the echoed prompt goes first
+                echoed[index] = True
+                head, parts = self._echo(prep, fmt, delta_)
+                text = head + ("" if echo_only else text)
+            elif echo_only:
+                text = ""
+            if fmt is not None:
+                if not echo_only:
+                    parts.append(fmt.format(ids, delta_.logprobs))
+                choice["logprobs"] = merge_logprobs(parts, prep.chat) if parts else None
             more["choice"] = choice
             if prep.chat:
                 delta, reason = chat_delta(parsers[index] if parsers else None, text, reason)

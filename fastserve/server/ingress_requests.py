@@ -111,6 +111,8 @@ class Prepared:
     rid: str = ""
     #: A chat request's tools (None: no tool calls are read from the output).
     tools: ToolPlan | None = None
+    #: The prompt as echoed (completions' ``echo``): as sent, or its tokens decoded.
+    prompt_text: str = ""
 
     @property
     def request_id(self) -> str:
@@ -144,9 +146,15 @@ class RequestPreparer:
         self._check_request(req)
         ids = (self.ctx.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
                if isinstance(req.prompt, str) else list(req.prompt))
+        sent = len(ids)
         ids = req.truncated(ids, self.ctx.context_len)
         sampling = req.to_sampling(DEFAULT_COMPLETION_MAX_TOKENS, self.ctx.sampling_defaults)
-        return self._prepared(req, f"cmpl-{uuid.uuid4().hex}", ids, sampling, False)
+        prep = self._prepared(req, f"cmpl-{uuid.uuid4().hex}", ids, sampling, False)
+        if req.echo:
+            # As sent, unless it was token ids or truncated: then its tokens decoded, specials too.
+            prep.prompt_text = (req.prompt if isinstance(req.prompt, str) and len(ids) == sent
+                                else self.ctx.tokenizer.decode(ids, skip_special_tokens=False))
+        return prep
 
     def prepare_chat(self, raw: bytes) -> Prepared:
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, raw)

@@ -13,8 +13,10 @@ What goes back (response bodies, stream chunks, ``usage``, stop strings) is ``fa
 Beyond OpenAI, as vLLM accepts them: ``top_k`` (0 or -1 disables it), ``ignore_eos`` (benchmark
 clients fix output lengths with it), ``return_token_ids`` (the generated ids beside the text), and
 ``priority`` (an integer, lower = more urgent: the MLFQ policies shift the job's entry level by it,
-clamped to the existing levels; refused unless ``server.allow_priority``), and ``cache_salt`` (only
-requests with the same salt share prefix-cache blocks). Responses carry ``job_stats``: the scheduler's
+clamped to the existing levels; refused unless ``server.allow_priority``), ``cache_salt`` (only
+requests with the same salt share prefix-cache blocks), and ``prompt_logprobs`` (each prompt
+token's logprob, rank and top alternatives; completions' ``echo`` with ``logprobs`` asks for them
+too, as evaluation harnesses score a continuation by them). Responses carry ``job_stats``: the scheduler's
 per-job accounting (queueing, execution and swap-blocked seconds, demotions, promotions, swaps).
 
 Every other field a client may send is honoured or refused by the table in ``fastserve.server.request_fields``
@@ -148,6 +150,8 @@ class _GenerationRequest(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
+    #: vLLM's: each prompt token's logprob (but the first's), rank and this many alternatives.
+    prompt_logprobs: int | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -160,6 +164,19 @@ class _GenerationRequest(BaseModel):
     def logprob_count(self) -> int | None:
         """How many top alternatives per token the client asked for (None: no logprobs)."""
         raise NotImplementedError
+
+    def prompt_logprob_count(self) -> int | None:
+        """How many top alternatives per prompt token the client asked for (None: no prompt
+        logprobs); range and stream checked as vLLM checks them."""
+        k = self.prompt_logprobs
+        if k is None:
+            return None
+        if not 0 <= k <= MAX_LOGPROBS:
+            whole = " (-1, the whole vocabulary, is not supported)" if k == -1 else ""
+            raise bad_request(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]{whole}, got {k}", "prompt_logprobs")
+        if self.stream:
+            raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+        return k
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -251,7 +268,7 @@ class _GenerationRequest(BaseModel):
         frequency = 0.0 if self.frequency_penalty is None else self.frequency_penalty
         repetition = _first(self.repetition_penalty, model.repetition_penalty, 1.0)
         if max_tokens < 1:
-            raise bad_request(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+            raise bad_request(f"max_tokens must be >= 1{self.zero_tokens_note()}, got {max_tokens}", "max_tokens")
         if not temperature >= 0.0:
             raise bad_request(f"temperature must be >= 0, got {temperature}", "temperature")
         if not 0.0 < top_p <= 1.0:
@@ -278,7 +295,12 @@ class _GenerationRequest(BaseModel):
                               presence_penalty=presence, frequency_penalty=frequency,
                               repetition_penalty=repetition, logprobs=self.logprob_count(),
                               logit_bias=self.logit_bias_pairs(), allowed_token_ids=self.allowed_ids(),
-                              constraint=self.output_constraint())
+                              constraint=self.output_constraint(),
+                              prompt_logprobs=self.prompt_logprob_count())
+
+    def zero_tokens_note(self) -> str:
+        """What a refused ``max_tokens: 0`` is told beside the range (completions: echo)."""
+        return ""
 
     def allowed_ids(self) -> tuple[int, ...] | None:
         if self.allowed_token_ids is None:
@@ -299,16 +321,43 @@ class _GenerationRequest(BaseModel):
 
 
 class CompletionRequest(_GenerationRequest):
+    """``/v1/completions``. One prompt per request: a string, a list of token ids, or a list of
+    one of either (as evaluation harnesses send a batch of one); several are refused."""
+
     prompt: str | list[int]
     #: vLLM's: a text prompt gets the tokenizer's specials (BOS); token ids are used as sent.
     add_special_tokens: bool = True
     #: Legacy completions: how many top alternatives per token (0 = only the sampled token's).
     logprobs: int | None = None
+    #: The prompt comes back before the completion (its tokens first in ``logprobs``, the first
+    #: with none); with ``max_tokens: 0`` only the prompt comes back (vLLM: one token is
+    #: generated and not shown).
+    echo: bool = False
 
     def logprob_count(self) -> int | None:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
         return self.logprobs
+
+    def prompt_logprob_count(self) -> int | None:
+        """``prompt_logprobs``, else (vLLM's rule) ``logprobs`` when echoing: the prompt's own
+        logprobs come first in the echoed ``logprobs``."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprob_count()
+        return super().prompt_logprob_count()
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the prompt (and its logprobs) alone."""
+        return self.echo and self.max_tokens == 0
+
+    def zero_tokens_note(self) -> str:
+        return " (0 only with echo)"
+
+    def to_sampling(self, default_max_tokens: int, model: SamplingDefaults = NO_MODEL_DEFAULTS) -> SamplingParams:
+        if self.echo_only:   # one token runs the prompt; the response leaves it out (as vLLM)
+            return self.model_copy(update={"max_tokens": 1}).to_sampling(default_max_tokens, model)
+        return super().to_sampling(default_max_tokens, model)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -316,9 +365,13 @@ class CompletionRequest(_GenerationRequest):
         if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
             if len(value) == 1:
                 return value[0]
-            raise ValueError("a list of prompts (batched request) is not supported; send one prompt per request")
+            raise ValueError(f"a list of {len(value)} prompts (batched request) is not supported; "
+                             "send one prompt per request")
         if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
-            raise ValueError("a list of token-id prompts (batched request) is not supported")
+            if len(value) == 1:
+                return value[0]
+            raise ValueError(f"a list of {len(value)} token-id prompts (batched request) is not supported; "
+                             "send one prompt per request")
         return value
 
 

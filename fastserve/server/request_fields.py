@@ -9,7 +9,8 @@ with ``top_logprobs``; completions: an int), ``n``, ``best_of`` (only 1 or n), `
 ``stream_options``, ``skip_special_tokens``, ``spaces_between_special_tokens`` (only true: our
 byte-level decode is the fast tokenizer's, which never inserts spaces), ``priority``,
 ``cache_salt``, ``return_token_ids``, ``include_stop_str_in_output``, ``truncate_prompt_tokens``,
-``allowed_token_ids``, ``bad_words``, ``return_tokens_as_token_ids``,
+``allowed_token_ids``, ``bad_words``, ``return_tokens_as_token_ids``, ``prompt_logprobs`` (not with
+``stream``, as vLLM), ``echo`` (completions),
 ``add_special_tokens`` (completions: default true; chat: on top of the template's, default
 false); structured outputs (``response_format``, ``structured_outputs``, ``guided_json``,
 ``guided_regex``, ``guided_choice``, ``guided_grammar``, ``guided_decoding_backend``:
@@ -30,10 +31,9 @@ Refused with a 400 naming the field, unless the value is the one that changes no
 | ``tool_choice`` (completions) | ``"none"`` |
 | ``parallel_tool_calls`` (completions) | — |
 | ``functions``, ``function_call`` (OpenAI's deprecated forms of ``tools``) | — |
-| ``echo`` (completions) | ``false`` |
+| ``echo`` (chat: vLLM's echoes the last message) | ``false`` |
 | ``suffix`` (completions) | ``""`` |
 | ``guided_whitespace_pattern``, ``structural_tag`` | — |
-| ``prompt_logprobs`` | — |
 | ``logits_processors``, ``vllm_xargs``, ``kv_transfer_params``, ``request_id``, ``prompt_embeds`` | — |
 | ``use_beam_search`` | ``false`` |
 | ``length_penalty`` | ``1.0`` (beam search only) |
@@ -63,7 +63,7 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "echo": _FALSE,
     "suffix": ("",),
     **{name: _NONE for name in ("guided_whitespace_pattern", "structural_tag")},
-    **{name: _NONE for name in ("prompt_logprobs", "logits_processors", "vllm_xargs",
+    **{name: _NONE for name in ("logits_processors", "vllm_xargs",
                                 "kv_transfer_params", "request_id", "prompt_embeds")},
     "use_beam_search": _FALSE,
     "length_penalty": (1.0,),

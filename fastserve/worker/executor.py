@@ -124,7 +124,7 @@ class InProcessExecutor:
     def execute(self, plan: BatchPlan) -> StepOutput:
         result = self.runner.run(plan, None, sample=True)
         self.steps += 1
-        return StepOutput(plan.step_id, result.tokens, result.timings, result.logprobs)
+        return StepOutput(plan.step_id, result.tokens, result.timings, result.logprobs, result.prompt_logprobs)
 
     def close(self) -> None:
         self.kv.close()

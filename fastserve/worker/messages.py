@@ -108,6 +108,9 @@ class SamplingParams:
     over prompt and generated tokens) divides positive logits by it and multiplies negative ones.
     ``logprobs`` (None = not asked) returns the sampled token's log-probability and that many
     most likely alternatives, of the model's raw distribution (before penalties and temperature).
+    ``prompt_logprobs`` (vLLM's; None = not asked) returns, for every prompt token but the first,
+    its log-probability given the tokens before it, its rank, and that many most likely
+    alternatives (raw distribution too): what evaluation harnesses score a continuation by.
     ``logit_bias`` (OpenAI's, as (token id, bias) pairs by id) is added to those tokens' logits
     before penalties, masks and temperature, so it steers greedy decoding too;
     ``allowed_token_ids`` (vLLM's; None = all) keeps only those tokens sampleable;
@@ -135,6 +138,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     constraint: OutputConstraint | None = None
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the offending value."""
@@ -158,6 +162,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
         if self.allowed_token_ids is not None and (not self.allowed_token_ids or min(self.allowed_token_ids) < 0):
             raise ValueError(f"allowed_token_ids must be a non-empty list of token ids >= 0, got "
                              f"{list(self.allowed_token_ids)}")
@@ -230,11 +236,14 @@ class SamplingContext:
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """The sampled token's log-probability and the ``top`` most likely ``(token id, logprob)``
-    pairs, most likely first (of the raw model distribution; see ``SamplingParams.logprobs``)."""
+    """A token's log-probability and the ``top`` most likely ``(token id, logprob)`` pairs, most
+    likely first (of the raw model distribution; see ``SamplingParams.logprobs``): the sampled
+    token's, or a prompt token's (``SamplingParams.prompt_logprobs``), which also has its
+    ``rank`` in that distribution (1 = the most likely; None where not computed)."""
 
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -268,6 +277,10 @@ class BatchEntry:
     #: masked before sampling and logprobs. Set by the engine (``fastserve.structured``) on a
     #: sampling entry of a constrained job; None = no grammar.
     token_mask: bytes | None = None
+    #: Prompt logprobs (``SamplingParams.prompt_logprobs``): the prompt tokens this entry's first
+    #: rows predict, row ``r``'s logits scoring ``prompt_targets[r]`` (the prompt token at
+    #: position ``start_pos + r + 1``). Empty for an entry that asks none: it pays nothing.
+    prompt_targets: tuple[int, ...] = ()
 
     @property
     def context_len(self) -> int:
@@ -326,7 +339,8 @@ class StepOutput:
 
     ``timings`` holds seconds by phase: ``swap_wait`` (forward blocked on a swap touching its
     blocks), ``forward``, ``sample``, ``swap_tail`` (waiting for swaps after the forward), ``total``.
-    ``logprobs`` holds the sampled tokens' log-probabilities for the jobs that asked.
+    ``logprobs`` holds the sampled tokens' log-probabilities for the jobs that asked;
+    ``prompt_logprobs`` each prompt-logprob entry's rows (``BatchEntry.prompt_targets``), in order.
     """
 
     step_id: int
@@ -334,4 +348,6 @@ class StepOutput:
     timings: dict[str, float] = field(default_factory=dict)
     #: Only for the jobs whose sampling asked for logprobs (``SamplingParams.logprobs``).
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    #: Only for the entries with ``prompt_targets``: one per target, in order.
+    prompt_logprobs: dict[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
 

@@ -1,5 +1,6 @@
 """Token sampling for one batch: grammar masks, penalties, min_tokens masking, greedy,
-temperature, min-p, top-k, top-p, per-request seeds, and logprobs.
+temperature, min-p, top-k, top-p, per-request seeds, and logprobs (of sampled tokens, and of
+prompt tokens: ``prompt_token_logprobs``).
 
 In vLLM's order: a row with a grammar mask (structured outputs, ``BatchEntry.token_mask``) has
 every token its grammar does not allow set to -inf first, as vLLM applies its grammar bitmask
@@ -358,3 +359,20 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
         probs = probs / probs.sum()
     return probs
+
+
+def prompt_token_logprobs(logits: torch.Tensor, targets: Sequence[int], top: int) -> tuple[TokenLogprobs, ...]:
+    """Prompt logprobs of ``logits``' rows ([rows, vocab], row r scoring ``targets[r]``): each
+    target's log-probability under the raw distribution, its rank (1 + the tokens strictly more
+    likely, as vLLM ranks), and the ``top`` most likely ``(token id, logprob)`` pairs."""
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    index = torch.tensor(list(targets), dtype=torch.long, device=raw.device)[:, None]
+    chosen = raw.gather(-1, index)
+    ranks = ((raw > chosen).sum(dim=-1) + 1).tolist()
+    top_ids: list[list[int]] = [[] for _ in targets]
+    top_vals: list[list[float]] = [[] for _ in targets]
+    if top:
+        values, indices = raw.topk(min(top, raw.shape[-1]), dim=-1)
+        top_vals, top_ids = values.tolist(), indices.tolist()
+    return tuple(TokenLogprobs(value, tuple(zip(ids, vals, strict=True)), rank)
+                 for value, ids, vals, rank in zip(chosen[:, 0].tolist(), top_ids, top_vals, ranks, strict=True))

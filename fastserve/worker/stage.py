@@ -15,6 +15,10 @@ CUDA graph of its batch-size bucket (``fastserve.worker.graphs``; eager otherwis
 are sampled on the device (argmax and a finiteness flag) and copied back non-blocking, and the
 host reads them (one event wait) only after the swaps are settled. Other sampling runs through
 ``Sampler`` on the logits as before.
+
+Prompt logprobs (``BatchEntry.prompt_targets``) project every row of the entries that ask, not
+only their last, to the vocabulary, a bounded number of rows at a time; a plan with no such entry
+does none of it.
 """
 
 from __future__ import annotations
@@ -30,7 +34,11 @@ from fastserve.worker.kv_store import KVStore, SwapHandle
 from fastserve.worker.messages import BatchEntry, BatchPlan, TokenLogprobs
 from fastserve.worker.model.batch import ForwardBatch, HostBatch, StepBuffers
 from fastserve.worker.model.registry import Stage
-from fastserve.worker.sampler import Sampler
+from fastserve.worker.sampler import Sampler, prompt_token_logprobs
+
+#: Bytes of float32 logits one prompt-logprobs pass projects at most (it holds them and their
+#: ``log_softmax``): bounds the memory a long prompt's rows take, not what they return.
+PROMPT_LOGITS_PASS_BYTES = 128 * 1024 * 1024
 
 
 @dataclass
@@ -43,6 +51,8 @@ class StageOutput:
     hidden: torch.Tensor | None
     timings: dict[str, float]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    #: Each prompt-logprobs entry's rows (``BatchEntry.prompt_targets``), by job.
+    prompt_logprobs: dict[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
     #: Jobs whose swap-in was still copying when the step returned (GPU only; empty on CPU, where
     #: a step settles its swaps): runnable once their copy completes (``KVStore.swaps_in_flight``).
     swaps_in_flight: frozenset[str] = frozenset()
@@ -98,6 +108,7 @@ class StageRunner:
         handles = self.begin_swaps(plan)
         tokens: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs] = {}
+        prompt: dict[str, tuple[TokenLogprobs, ...]] = {}
         pending: PendingTokens | None = None
         out: torch.Tensor | None = None
         try:
@@ -110,6 +121,8 @@ class StageRunner:
                     out = self.forward(batch, hidden, timings)
                     if sample:
                         pending, tokens, logprobs = self._sample(plan, batch, out, timings)
+                if sample and any(e.prompt_targets for e in plan.entries):
+                    prompt = self.prompt_logprobs(plan, host, out, timings)
         finally:
             self.finish_swaps(handles, timings)
         if pending is not None:
@@ -118,7 +131,7 @@ class StageRunner:
             timings["sample"] = timings.get("sample", 0.0) + time.perf_counter() - wait
         timings["total"] = time.perf_counter() - start
         in_flight = self.kv.swaps_in_flight() if self.kv.settles_lazily else frozenset()
-        return StageOutput(tokens, out, timings, logprobs, in_flight)
+        return StageOutput(tokens, out, timings, logprobs, prompt, in_flight)
 
     def make_current(self) -> None:
         """Make this runner's device the calling thread's current one. CUDA's current device is
@@ -205,6 +218,28 @@ class StageRunner:
         tokens, logprobs = self._sampler_tokens(entries, logits)
         timings["sample"] = time.perf_counter() - start
         return None, tokens, logprobs
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, plan: BatchPlan, host: HostBatch, hidden: torch.Tensor,
+                        timings: dict[str, float]) -> dict[str, tuple[TokenLogprobs, ...]]:
+        """Each asking entry's prompt logprobs: its rows (it starts ``len(token_ids) - 1`` rows
+        before its ``sample_index``) through the LM head, in passes of at most
+        ``PROMPT_LOGITS_PASS_BYTES`` of logits."""
+        start = time.perf_counter()
+        out: dict[str, tuple[TokenLogprobs, ...]] = {}
+        per_pass = max(1, PROMPT_LOGITS_PASS_BYTES // (4 * int(self.model.config.vocab_size)))
+        for i, e in enumerate(plan.entries):
+            if not e.prompt_targets:
+                continue
+            first = int(host.sample_index[i]) - len(e.token_ids) + 1
+            rows: list[TokenLogprobs] = []
+            for a in range(0, len(e.prompt_targets), per_pass):
+                targets = e.prompt_targets[a: a + per_pass]
+                logits = self.model.logits(hidden[first + a: first + a + len(targets)])
+                rows.extend(prompt_token_logprobs(logits, targets, e.sampling.prompt_logprobs or 0))
+            out[e.job_id] = tuple(rows)
+        timings["prompt_logprobs"] = time.perf_counter() - start
+        return out
 
     def _sampler_tokens(self, entries: list[BatchEntry], logits: torch.Tensor
                         ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:

@@ -197,7 +197,8 @@ class StageWorker:
             part, full = hidden_part(result.hidden, self.spec.tp_rank, self.spec.tp_size)
             self._hidden_bytes_sent += part.numel() * part.element_size()
             return StageInput(plan, part, summed, full)
-        return StepOutput(plan.step_id, result.tokens, summed, result.logprobs) if self.spec.samples else None
+        return (StepOutput(plan.step_id, result.tokens, summed, result.logprobs, result.prompt_logprobs)
+                if self.spec.samples else None)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def ping(self) -> str:

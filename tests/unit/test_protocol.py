@@ -61,7 +61,7 @@ def test_prompt_shape_errors() -> None:
     err = parse_error(CompletionRequest, {"model": MODEL, "prompt": [1, "a"]})
     assert err["message"] == "invalid value for 'prompt': must be a string or a list of integer token ids"
     err = parse_error(CompletionRequest, {"model": MODEL, "prompt": ["a", "b"]})
-    assert err["message"] == ("invalid value for 'prompt': a list of prompts (batched request) is not "
+    assert err["message"] == ("invalid value for 'prompt': a list of 2 prompts (batched request) is not "
                               "supported; send one prompt per request")
     assert parse_request(CompletionRequest, json.dumps({"model": MODEL, "prompt": ["one"]}).encode()).prompt == "one"
 
@@ -76,7 +76,7 @@ def test_wrong_types_name_the_field() -> None:
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("max_tokens", 0, "max_tokens must be >= 1, got 0"),
+    ("max_tokens", 0, "max_tokens must be >= 1 (0 only with echo), got 0"),
     ("temperature", -0.5, "temperature must be >= 0, got -0.5"),
     ("top_p", 0.0, "top_p must be in (0, 1], got 0.0"),
     ("top_p", 1.5, "top_p must be in (0, 1], got 1.5"),
@@ -92,7 +92,6 @@ def test_wrong_types_name_the_field() -> None:
     ("best_of", 3, "best_of must be 1 or equal to n (1), got 3: choosing the best of several samples "
                    "is not supported"),
     ("stop", [""], "stop strings must be non-empty"),
-    ("echo", True, 'echo is not supported by this server (only null or false is accepted)'),
 ])
 def test_bad_sampling_values(field: str, value: Any, message: str) -> None:
     req = parse_request(CompletionRequest, json.dumps({"model": MODEL, "prompt": "x", field: value}).encode())

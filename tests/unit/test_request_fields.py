@@ -54,12 +54,15 @@ BAD_VALUE: dict[str, Any] = {"tools": [{"type": "function"}],
                              "bad_words": ["x"]}
 
 
-#: Refused on completions only: chat requests declare and honour them (``test_tool_requests``).
+#: Chat requests declare and honour these (``test_tool_requests``); completions refuse them.
 CHAT_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
+#: Completions honour ``echo`` (``test_prompt_logprobs_http``); chat refuses it.
+COMPLETION_FIELDS = frozenset({"echo"})
+REFUSED_BY_ENDPOINT = [(field, chat) for field in sorted(REFUSED) for chat in (False, True)
+                       if field not in (CHAT_FIELDS if chat else COMPLETION_FIELDS)]
 
 
-@pytest.mark.parametrize(("field", "chat"), [(f, chat) for f in sorted(REFUSED) for chat in (False, True)
-                                             if not (chat and f in CHAT_FIELDS)])
+@pytest.mark.parametrize(("field", "chat"), REFUSED_BY_ENDPOINT)
 def test_every_refused_field_is_a_400_naming_it(field: str, chat: bool) -> None:
     backend = script()
     value = BAD_VALUE.get(field, True if REFUSED[field] == (False,) else "x")
