@@ -213,6 +213,9 @@ class StructuredOutputsConfig(_Strict):
     #: Distinct compiled constraints kept (least recently used goes first): a client sending the
     #: same schema again pays no compile. Each holds a pristine matcher (kilobytes).
     compile_cache_size: int = Field(default=256, ge=1)
+    #: Threads that compute a plan's grammar masks together (llguidance's pool; it drops the
+    #: GIL). None: llguidance's default, 80 % of the cores, at most 32.
+    mask_threads: int | None = Field(default=None, ge=1)
 
 
 class EngineConfig(_Strict):
