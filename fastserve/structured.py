@@ -29,12 +29,16 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import llguidance
 import numpy as np
 
 from fastserve.tokenizer import Tokenizer
 from fastserve.worker.messages import BatchEntry, BatchPlan, OutputConstraint
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +56,7 @@ class GrammarError(ValueError):
 def grammar_of(constraint: OutputConstraint) -> str:
     """``constraint`` as llguidance's grammar; raises ``GrammarError`` for a payload that is not
     even well formed (a schema that is not JSON, a GBNF grammar that does not convert)."""
-    options = {"whitespace_flexible": constraint.any_whitespace}
+    options: JsonCompileOptions = {"whitespace_flexible": constraint.any_whitespace}
     kind = constraint.kind
     try:
         if kind == "json_schema":

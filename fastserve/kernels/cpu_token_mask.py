@@ -2,8 +2,9 @@
 loaded and called.
 
 Owns ``mask_rows``: the named rows of float32 CPU logits get -inf wherever their packed mask
-(one bit per token, little-endian 32-bit words) disallows the token, in place. Why C: see the C
-file. Where no compiler is found it is unavailable and the sampler keeps torch's ``masked_fill_``.
+(one bit per token, little-endian 32-bit words) disallows the token, in place, and each masked
+row's greedy token comes back. Why C: see the C file. Where no compiler is found it is
+unavailable and the sampler keeps torch's ``masked_fill_``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ TOKEN_MASK_SOURCE = SOURCE_DIR / "token_mask.c"
 def _library() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     return load_optional(TOKEN_MASK_SOURCE, "token_mask_available",
-                         {"mask_rows": [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ctypes.c_int]}, "torch's masked_fill_")
+                         {"mask_rows": [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr]}, "torch's masked_fill_")
 
 
 def fits(logits: torch.Tensor) -> bool:
@@ -33,9 +34,10 @@ def fits(logits: torch.Tensor) -> bool:
             and logits.stride(1) == 1 and _library() is not None)
 
 
-def mask_rows(logits: torch.Tensor, rows: Sequence[int], packed: np.ndarray) -> list[bool]:
+def mask_rows(logits: torch.Tensor, rows: Sequence[int], packed: np.ndarray) -> tuple[list[bool], list[int]]:
     """Row ``rows[i]`` of ``logits`` masked by ``packed[i]`` (uint8 [len(rows), 4 * words]) in
-    place; whether each row's mask allows any token. ``fits(logits)`` must hold."""
+    place; whether each row's mask allows any token, and each row's first maximum after it
+    (``torch.argmax``'s answer for a row without NaN). ``fits(logits)`` must hold."""
     lib = _library()
     if lib is None or not fits(logits):
         raise ValueError(f"mask_rows takes float32 CPU rows where the kernel built: got "
@@ -45,6 +47,7 @@ def mask_rows(logits: torch.Tensor, rows: Sequence[int], packed: np.ndarray) -> 
     masks = np.ascontiguousarray(packed)
     ids = np.asarray(rows, dtype=np.int64)
     allowed = np.zeros(len(rows), dtype=np.uint8)
+    tokens = np.zeros(len(rows), dtype=np.int64)
     lib.mask_rows(logits.data_ptr(), logits.stride(0), logits.shape[1], ids.ctypes.data, len(rows),
-                  masks.ctypes.data, masks.shape[1] // 4, allowed.ctypes.data, torch.get_num_threads())
-    return [bool(a) for a in allowed]
+                  masks.ctypes.data, masks.shape[1] // 4, allowed.ctypes.data, tokens.ctypes.data)
+    return [bool(a) for a in allowed], tokens.tolist()

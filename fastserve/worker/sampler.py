@@ -80,8 +80,11 @@ class Sampler:
             # A row holds a NaN or an infinity exactly when its float64 sum is not finite (float32
             # values cannot overflow a float64 sum); one reduction instead of a mask over the vocabulary.
             finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float64)).tolist()
-        if token_masks is not None and apply_token_masks(logits, token_masks, finite):
-            greedy = None   # the masked rows' maxima moved
+        if token_masks is not None:
+            moved = apply_token_masks(logits, token_masks, finite)
+            if greedy is not None:   # the masked rows' maxima moved
+                for row, token in moved.items():
+                    greedy[row] = token
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None and finite[i]]
         raw_logprobs = torch.log_softmax(logits[lp_rows].float(), dim=-1) if lp_rows else None
         logits = steer_logits(logits, params, finite)
@@ -204,9 +207,9 @@ def steer_logits(logits: torch.Tensor, params: Sequence[SamplingParams], finite:
     return out
 
 
-def apply_token_masks(logits: torch.Tensor, masks: Sequence[bytes | None], finite: list[bool]) -> bool:
+def apply_token_masks(logits: torch.Tensor, masks: Sequence[bytes | None], finite: list[bool]) -> dict[int, int]:
     """Set each masked row's disallowed tokens to -inf, in place (the step's logits are the
-    sampler's to change); whether any row was masked. A mask is one bit per token id in
+    sampler's to change); each masked row's greedy token after it, by row. A mask is one bit per token id in
     little-endian 32-bit words; a token past its bits is disallowed, bits past the logits' width
     are ignored. A row whose mask allows nothing is marked not ``finite``: its job alone fails
     (its grammar failed).
@@ -214,19 +217,21 @@ def apply_token_masks(logits: torch.Tensor, masks: Sequence[bytes | None], finit
     On CPU float32 logits one C pass reads each mask word once (``fastserve.kernels.cpu_token_mask``);
     elsewhere the packed masks are inverted (a few KB a row) and unpacked into a byte per token
     that ``masked_fill_`` reads as booleans, without a copy."""
-    rows = [i for i, m in enumerate(masks) if m is not None and finite[i]]
-    if not rows:
-        return False
-    packed = np.frombuffer(b"".join(masks[i] for i in rows), dtype=np.uint8).reshape(len(rows), -1)
+    picked = [(i, m) for i, m in enumerate(masks) if m is not None and finite[i]]
+    if not picked:
+        return {}
+    rows = [i for i, _ in picked]
+    packed = np.frombuffer(b"".join(m for _, m in picked), dtype=np.uint8).reshape(len(rows), -1)
     if cpu_token_mask.fits(logits) and packed.shape[1] % 4 == 0:
-        allows = cpu_token_mask.mask_rows(logits, rows, packed)
+        allows, tokens = cpu_token_mask.mask_rows(logits, rows, packed)
     else:
         allows = _masked_fill_rows(logits, rows, packed)
+        tokens = logits[rows].argmax(dim=-1).tolist()
     for i, some in zip(rows, allows, strict=True):
         if not some:
             log.warning("a grammar mask allows no token: its request fails")
             finite[i] = False
-    return True
+    return dict(zip(rows, tokens, strict=True))
 
 
 def _masked_fill_rows(logits: torch.Tensor, rows: list[int], packed: np.ndarray) -> list[bool]:
@@ -241,7 +246,7 @@ def _masked_fill_rows(logits: torch.Tensor, rows: list[int], packed: np.ndarray)
     else:
         for k, i in enumerate(rows):
             logits[i].masked_fill_(ban[k], float("-inf"))
-    return [bool(a) for a in packed.any(axis=1)]
+    return [bool(packed[k].any()) for k in range(len(rows))]
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:

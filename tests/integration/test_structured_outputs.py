@@ -30,10 +30,11 @@ PERSON = {"type": "object",
                          "age": {"type": "integer", "minimum": 0, "maximum": 150},
                          "city": {"type": "string", "maxLength": 20}},
           "required": ["name", "age", "city"], "additionalProperties": False}
-ASK_PERSON = [{"role": "user", "content": "Describe Alice, a 30 year old engineer from Paris, as JSON "
+ASK_PERSON: list[Any] = [{"role": "user", "content": "Describe Alice, a 30 year old engineer from Paris, as JSON "
                                           "with her name, age and city."}]
-ASK_SENTIMENT = [{"role": "user", "content": "Is this review positive or negative? 'I loved every minute.'"}]
-ASK_DATE = [{"role": "user", "content": "On what date did the French revolution start? Answer as YYYY-MM-DD."}]
+ASK_SENTIMENT: list[Any] = [{"role": "user", "content": "Is this review positive or negative? 'I loved every minute.'"}]
+ASK_DATE: list[Any] = [{"role": "user",
+                        "content": "On what date did the French revolution start? Answer as YYYY-MM-DD."}]
 CHOICES = ["positive", "negative"]
 DATE = r"\d{4}-\d{2}-\d{2}"
 
@@ -51,17 +52,17 @@ def client(server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url("/v1"), api_key=API_KEY, timeout=REQUEST_TIMEOUT_S, max_retries=0)
 
 
-def chat(client: openai.OpenAI, messages: list[dict[str, str]], max_tokens: int = 64, **fields: Any) -> tuple[str, str]:
+def chat(client: openai.OpenAI, messages: list[Any], max_tokens: int = 64, **fields: Any) -> tuple[str, str]:
     """The answer's text and finish reason, greedy; ``fields`` go in the body as sent."""
-    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens,  # type: ignore[call-overload]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens,
                                          temperature=0, extra_body=fields)
     choice = out.choices[0]
     return choice.message.content or "", choice.finish_reason
 
 
-def streamed(client: openai.OpenAI, messages: list[dict[str, str]], max_tokens: int = 64,
+def streamed(client: openai.OpenAI, messages: list[Any], max_tokens: int = 64,
              **fields: Any) -> tuple[str, str | None]:
-    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens,  # type: ignore[call-overload]
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens,
                                             temperature=0, stream=True, extra_body=fields)
     text, reason = [], None
     for chunk in stream:

@@ -1,7 +1,7 @@
 """The C grammar-mask kernel (``fastserve.kernels.cpu_token_mask``) against the sampler's torch path
-(``masked_fill_`` over unpacked bits): the same -inf positions, the same untouched values, the
-same "allows nothing" flags, for masks shorter and longer than the vocabulary, words that allow
-everything or nothing, and a subset of the rows."""
+(``masked_fill_`` over unpacked bits, then ``argmax``): the same -inf positions, the same
+untouched values, the same "allows nothing" flags and greedy tokens, for masks shorter and
+longer than the vocabulary, words that allow everything or nothing, and a subset of the rows."""
 
 from __future__ import annotations
 
@@ -25,10 +25,13 @@ def test_the_kernel_masks_exactly_as_masked_fill(vocab: int, words: int) -> None
     logits = torch.randn(7, vocab)
     rows = [0, 1, 2, 4, 6]
     ours, theirs = logits.clone(), logits.clone()
-    allowed = cpu_token_mask.mask_rows(ours, rows, packed)
+    allowed, tokens = cpu_token_mask.mask_rows(ours, rows, packed)
     assert allowed == _masked_fill_rows(theirs, rows, packed) == [True, True, False, True, True]
     assert torch.equal(ours, theirs)
     assert torch.equal(ours[[3, 5]], logits[[3, 5]])
+    expected = theirs[rows].argmax(dim=-1).tolist()
+    kept = [i for i, ok in enumerate(allowed) if ok]
+    assert [tokens[i] for i in kept] == [expected[i] for i in kept]
 
 
 def test_the_kernel_refuses_what_it_cannot_read() -> None:

@@ -224,12 +224,13 @@ def test_the_sampler_masks_each_row_before_greedy_and_logprobs() -> None:
 def test_a_mask_shorter_than_the_logits_disallows_the_rest_and_a_longer_one_is_cut() -> None:
     logits = torch.zeros((3, 40))
     finite = [True, True, True]
-    assert apply_token_masks(logits, [packed({1, 31}, 32), None, None], finite)
-    assert apply_token_masks(logits, [None, None, packed({1, 39, 50}, 64)], finite)
+    logits[0, 31] = logits[2, 1] = 1.0
+    assert apply_token_masks(logits, [packed({1, 31}, 32), None, None], finite) == {0: 31}
+    assert apply_token_masks(logits, [None, None, packed({1, 39, 50}, 64)], finite) == {2: 1}
     assert [torch.isfinite(row).nonzero().flatten().tolist() for row in logits] == [[1, 31], list(range(40)), [1, 39]]
-    assert not apply_token_masks(logits, [None, None, None], finite) and finite == [True, True, True]
+    assert apply_token_masks(logits, [None, None, None], finite) == {} and finite == [True, True, True]
     whole, both = torch.zeros((2, 40)), [True, True]
-    assert apply_token_masks(whole, [packed({0}, 40), packed(set(), 40)], both)
+    assert apply_token_masks(whole, [packed({0}, 40), packed(set(), 40)], both)[0] == 0
     assert torch.isfinite(whole[0]).nonzero().flatten().tolist() == [0] and both == [True, False]
 
 
