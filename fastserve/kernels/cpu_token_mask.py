@@ -24,8 +24,8 @@ TOKEN_MASK_SOURCE = SOURCE_DIR / "token_mask.c"
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    return load_optional(TOKEN_MASK_SOURCE, "token_mask_available",
-                         {"mask_rows": [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr]}, "torch's masked_fill_")
+    signature: list[type] = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    return load_optional(TOKEN_MASK_SOURCE, "token_mask_available", {"mask_rows": signature}, "torch's masked_fill_")
 
 
 def fits(logits: torch.Tensor) -> bool:
@@ -49,5 +49,6 @@ def mask_rows(logits: torch.Tensor, rows: Sequence[int], packed: np.ndarray) -> 
     allowed = np.zeros(len(rows), dtype=np.uint8)
     tokens = np.zeros(len(rows), dtype=np.int64)
     lib.mask_rows(logits.data_ptr(), logits.stride(0), logits.shape[1], ids.ctypes.data, len(rows),
-                  masks.ctypes.data, masks.shape[1] // 4, allowed.ctypes.data, tokens.ctypes.data)
+                  masks.ctypes.data, masks.shape[1] // 4, allowed.ctypes.data, tokens.ctypes.data,
+                  torch.get_num_threads())
     return [bool(a) for a in allowed], tokens.tolist()

@@ -11,13 +11,14 @@
  * answer) is found while it is in cache. allowed[i] says whether row i's mask allows any token
  * (none: its grammar failed, and its job alone fails).
  *
- * One thread: the work is a few hundred microseconds a batch, less than a parallel region can
- * cost on a machine whose cores are busy. Built by fastserve/kernels/cpu_token_mask.py with the
- * attention kernel's compiler and flags; plain loops where the compiler does not target AVX-512
- * (same results).
+ * Rows are shared out over num_threads OpenMP threads, as the greedy kernel's (it runs right
+ * after the vocabulary projection, whose threads are awake). Built by
+ * fastserve/kernels/cpu_token_mask.py with the attention kernel's compiler and flags; plain loops
+ * where the compiler does not target AVX-512 (same results).
  */
 #include <math.h>
 #include <stdint.h>
+#include <omp.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -79,7 +80,8 @@ static uint8_t mask_row(float *x, int64_t vocab, const uint32_t *mask, int64_t w
  * masked by masks[i * words ..], allowed[i] set, and tokens[i] its first maximum after the mask.
  * Returns 0. */
 int mask_rows(float *logits, int64_t row_stride, int64_t vocab, const int64_t *row_ids, int64_t n,
-              const uint32_t *masks, int64_t words, uint8_t *allowed, int64_t *tokens) {
+              const uint32_t *masks, int64_t words, uint8_t *allowed, int64_t *tokens, int num_threads) {
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if(n > 1)")
     for (int64_t i = 0; i < n; ++i) {
         float *row = logits + row_ids[i] * row_stride;
         allowed[i] = mask_row(row, vocab, masks + i * words, words);
