@@ -1,29 +1,10 @@
 """Chat prompts: a model's own Jinja chat template, rendered as transformers renders it.
 
-This module owns:
-
-* `ChatTemplate`: a template compiled in the environment transformers' ``apply_chat_template``
-  uses (``utils/chat_template_utils._cached_compile_jinja_template``, transformers 5.x): a
-  jinja2 ``ImmutableSandboxedEnvironment`` with ``trim_blocks`` and ``lstrip_blocks``, the
-  ``loopcontrols`` extension and the ``{% generation %}`` tag, a ``tojson`` filter that does not
-  escape HTML, and the globals ``raise_exception``, ``strftime_now``, ``dict`` and
-  ``namespace``. It renders with ``messages`` (``None``-valued keys dropped), ``tools=None``,
-  ``documents=None``, ``add_generation_prompt`` and the tokenizer's named special tokens
-  (``bos_token`` ...), as ``apply_chat_template`` passes them. The rendered text already holds
-  the template's special tokens, so it is tokenized without adding specials again (vLLM does
-  the same).
-* `OPT_FALLBACK`: the project's plain format for models that ship no template (OPT): one
-  ``"<Role>: <content>"`` line per message, system messages first, ending ``"Assistant:"``; its
-  text is tokenized like a completion prompt (OPT's leading ``</s>``).
-* `ChatTemplateError`: a conversation the template refuses (``raise_exception``, a role sequence
-  it does not support) or cannot render; the ingress answers it with a 400 naming the reason.
-* `ChatOptions`: vLLM's chat request options — ``add_generation_prompt``,
-  ``continue_final_message`` (the prompt ends inside the final message, cut as transformers cuts
-  it, so the model continues that text) and ``chat_template_kwargs`` (extra template variables;
-  a template that does not read one renders as without it, as in transformers and vLLM).
-
-Plain ``jinja2`` rather than transformers itself: importing transformers' tokenizer classes
-pulls in torch, which the CPU-only ingress never loads (see ``fastserve.tokenizer``).
+`ChatTemplate` compiles a template in the sandboxed environment of transformers 5.x's
+``apply_chat_template`` (same options, extensions, filters and globals) and renders with the same
+variables; the text holds the template's specials, so it is encoded without adding them again.
+`OPT_FALLBACK` is our plain format for models with no template. Plain ``jinja2``, not
+transformers: that imports torch, which the CPU-only ingress never loads.
 """
 
 from __future__ import annotations
@@ -37,6 +18,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -62,8 +44,7 @@ _RENDER_ERRORS = (jinja2.TemplateError, TypeError, ValueError, LookupError, Attr
 
 
 class ChatTemplateError(ValueError):
-    """A conversation the chat template refuses or cannot render; the message says why, and
-    ``param`` which request field is at fault."""
+    """A conversation the template refuses or cannot render; ``param`` names the request field."""
 
     def __init__(self, message: str, param: str = "messages") -> None:
         super().__init__(message)
@@ -76,7 +57,7 @@ _RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generati
 
 @dataclass(frozen=True)
 class ChatOptions:
-    """How a conversation becomes a prompt (vLLM's chat request fields, its defaults)."""
+    """vLLM's chat request fields, with its defaults."""
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -98,9 +79,7 @@ DEFAULT_CHAT_OPTIONS = ChatOptions()
 
 
 def continue_final_message(rendered: str, messages: Sequence[Mapping[str, Any]]) -> str:
-    """``rendered`` cut right after the final message's text, as transformers'
-    ``apply_chat_template(continue_final_message=True)`` cuts it (whatever the template wrote
-    after it, an end-of-turn token, is dropped)."""
+    """``rendered`` cut after the final message's text, as transformers' ``continue_final_message``."""
     final = messages[-1].get("content") if messages else None
     if not isinstance(final, str) or not final.strip():
         raise ChatTemplateError("continue_final_message needs a final message with text to continue")
@@ -115,8 +94,7 @@ def continue_final_message(rendered: str, messages: Sequence[Mapping[str, Any]])
 
 
 class _GenerationTag(jinja2.ext.Extension):
-    """``{% generation %} ... {% endgeneration %}``: transformers marks assistant spans with it
-    (for training masks); rendering a prompt just emits the body."""
+    """``{% generation %}``: transformers' training-mask tag; a prompt just emits the body."""
 
     tags = {"generation"}
 
@@ -191,12 +169,27 @@ def _environment() -> ImmutableSandboxedEnvironment:
 _ENV = _environment()
 
 
+def _reads_key(tree: jinja2.nodes.Template, key: str) -> bool:
+    """Whether any expression reads ``key``: ``x.key``, ``x['key']`` or ``x.get('key')``."""
+    for node in tree.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem, jinja2.nodes.Call)):
+        if isinstance(node, jinja2.nodes.Getattr) and node.attr == key:
+            return True
+        if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const) \
+                and node.arg.value == key:
+            return True
+        if isinstance(node, jinja2.nodes.Call) and node.args and isinstance(node.args[0], jinja2.nodes.Const) \
+                and node.args[0].value == key:
+            return True
+    return False
+
+
 class ChatTemplate:
     """A model's chat template, compiled once; `render` is thread-safe (jinja2 templates are)."""
 
-    #: Whether the rendered prompt is encoded with the tokenizer's specials (False: the
-    #: template wrote them itself).
     add_special_tokens = False
+    #: Whether it reads ``tools`` / a message's ``name`` (else those go unseen).
+    reads_tools = False
+    may_read_names = False
 
     def __init__(self, source: str, special_tokens: Mapping[str, str], *, origin: Path | None = None) -> None:
         self.source = source
@@ -207,16 +200,18 @@ class ChatTemplate:
             where = f" in {origin}" if origin is not None else ""
             raise ValueError(f"chat template{where} does not compile: {exc.message} "
                              f"(line {exc.lineno})") from None
+        tree = _ENV.parse(source)
+        self.reads_tools = "tools" in jinja2.meta.find_undeclared_variables(tree)
+        self.may_read_names = _reads_key(tree, "name")
 
     def render(self, messages: Sequence[Mapping[str, Any]],
-               options: ChatOptions = DEFAULT_CHAT_OPTIONS) -> str:
-        """The prompt text ``apply_chat_template(messages, add_generation_prompt,
-        continue_final_message, tokenize=False, **chat_template_kwargs)`` gives. Raises
-        `ChatTemplateError` naming why the options or the template refused the conversation."""
+               options: ChatOptions = DEFAULT_CHAT_OPTIONS,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The text ``apply_chat_template(..., tokenize=False)`` gives; raises `ChatTemplateError`."""
         options.check(self._special_tokens)
         chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
-            text = self._template.render(messages=chat, tools=None, documents=None,
+            text = self._template.render(messages=chat, tools=list(tools) if tools else None, documents=None,
                                          add_generation_prompt=options.add_generation_prompt,
                                          **self._special_tokens, **options.template_kwargs)
         except _RENDER_ERRORS as exc:
@@ -224,8 +219,6 @@ class ChatTemplate:
                                     f"{type(exc).__name__}: {exc}") from None
         return continue_final_message(text, chat) if options.continue_final_message else text
 
-
-# ---- the fallback format (models without a template) ------------------------------------------
 
 _ROLE_PREFIX: dict[str, str] = {
     SYSTEM_ROLE: "System:",
@@ -237,19 +230,8 @@ _GENERATION_PROMPT = _ROLE_PREFIX[ASSISTANT_ROLE]
 
 
 def apply_chat_template(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
-    """Render chat messages in the project's format for models without a template (OPT):
-
-    * one line per message, ``"<Role>: <content>"`` with Role in System / User / Assistant and the
-      content stripped of surrounding whitespace (an empty content leaves just ``"<Role>:"``);
-    * system messages come first (in their given order), then the others in their given order;
-    * lines are joined by a single newline, and the prompt ends with a final ``"Assistant:"`` line
-      (no trailing space: the model's first token usually carries its own leading space) unless
-      ``add_generation_prompt`` is false.
-
-    Example: ``[{"role": "user", "content": "Hi"}]`` -> ``"User: Hi\\nAssistant:"``.
-
-    Raises `ChatTemplateError` (a ValueError) on an unknown role or a message without role/content.
-    """
+    """Our format for models without a template: ``"<Role>: <content>"`` lines, system first,
+    then ``"Assistant:"`` (no trailing space: the first token carries its own)."""
     system_lines: list[str] = []
     turn_lines: list[str] = []
     for index, message in enumerate(messages):
@@ -267,8 +249,6 @@ def apply_chat_template(messages: Sequence[Mapping[str, str]], add_generation_pr
 
 
 class _FallbackTemplate(ChatTemplate):
-    """`apply_chat_template` behind the `ChatTemplate` interface; encoded with specials (BOS)."""
-
     add_special_tokens = True
 
     def __init__(self) -> None:
@@ -276,7 +256,8 @@ class _FallbackTemplate(ChatTemplate):
         self._special_tokens = {}
 
     def render(self, messages: Sequence[Mapping[str, Any]],
-               options: ChatOptions = DEFAULT_CHAT_OPTIONS) -> str:
+               options: ChatOptions = DEFAULT_CHAT_OPTIONS,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         options.check(self._special_tokens)
         text = apply_chat_template(messages, options.add_generation_prompt)
         return continue_final_message(text, messages) if options.continue_final_message else text

@@ -1,12 +1,9 @@
 """The ``fastserve`` command: one entry point for what a user runs.
 
-``fastserve serve CONFIG.yaml`` runs a Serve application config (what ``serve run`` does, with a
-local cluster when none is given). ``fastserve serve MODEL_DIR`` serves a Hugging Face folder in one
-command, as ``vllm serve`` does: it profiles the model at first start (cached, progress printed),
-sizes the KV pools from memory, writes the Serve config to the cache folder (path printed, to edit
-or reuse) and runs it (``fastserve.config_folder`` holds its settings). ``fastserve offline``,
-``fastserve profile``, ``fastserve convert-model`` and ``fastserve plan`` hand their arguments to
-the engine's offline runner, the job profiler, the demo model's conversion and the memory planner.
+``serve CONFIG.yaml`` runs a Serve config (as ``serve run``, with a local cluster when none is given);
+``serve MODEL_DIR`` serves a Hugging Face folder in one command, as ``vllm serve`` does (profiled at
+first start and cached, KV sized from memory); ``offline``, ``profile``, ``convert-model`` and
+``plan`` hand their arguments to the modules that own them.
 """
 
 from __future__ import annotations
@@ -23,8 +20,7 @@ if TYPE_CHECKING:
     from fastserve.config_folder import FolderServeArgs
 
 
-#: ``fastserve serve MODEL_DIR``'s options: (flags, FolderServeArgs field, type, help). Each
-#: defaults to None here so the schema's default applies.
+#: (flags, FolderServeArgs field, type, help); None here, so the schema's default applies.
 FOLDER_OPTIONS: tuple[tuple[tuple[str, ...], str, Callable[[str], Any], str], ...] = (
     (("--tp", "--tensor-parallel-size"), "tensor_parallel_size", int, "tensor-parallel ranks"),
     (("--pp", "--pipeline-parallel-size"), "pipeline_parallel_size", int, "pipeline stages"),
@@ -36,10 +32,11 @@ FOLDER_OPTIONS: tuple[tuple[tuple[str, ...], str, Callable[[str], Any], str], ..
     (("--kv-cache-space-gib",), "kv_cache_space_gib", float, "CPU: GiB of KV cache (default 4, as vLLM's CPU build)"),
     (("--swap-space-gib",), "swap_space_gib", float, "GiB of host KV to swap to (default 4, as vLLM)"),
     (("--gpu-memory-utilization",), "gpu_memory_utilization", float, "GPU: fraction of memory to use (default 0.9)"),
+    (("--tool-call-parser",), "tool_call_parser", str,
+     "auto | hermes | llama3_json | pythonic | none: how tool calls are read (default auto: from the template)"),
 )
-#: Environment a local serving cluster gets unless the caller set it (as ``make serve`` sets it):
-#: Ray's own cluster on 127.0.0.1 without token auth, the model's replica at normal priority
-#: (Ray starts workers at nice 15), no tokenizer thread pool beside torch's.
+#: A local cluster's defaults: no token auth on 127.0.0.1, workers at normal priority (Ray's nice 15
+#: slows the model), no tokenizer thread pool beside torch's.
 LOCAL_CLUSTER_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -72,7 +69,6 @@ def _say(line: str) -> None:
 
 
 def _serve_folder(args: argparse.Namespace, extra: Sequence[str]) -> None:
-    """Profile (once), size, write and run the Serve app of a model folder."""
     from pydantic import ValidationError
 
     from fastserve.config import AppArgs
@@ -107,7 +103,6 @@ def _serve_folder(args: argparse.Namespace, extra: Sequence[str]) -> None:
 
 
 def _device(requested: str | None) -> str:
-    """``--device``, or the GPU where torch sees one (as vLLM picks its platform)."""
     if requested not in (None, "auto"):
         return str(requested)
     import torch
@@ -116,13 +111,11 @@ def _device(requested: str | None) -> str:
 
 
 def _torch_threads(folder: FolderServeArgs) -> int | None:
-    """On a CPU every core this process may run on (Ray would give a replica that reserves no CPU
-    one thread); on a GPU torch's default."""
+    """On a CPU every core this process may use (Ray gives a replica that reserves no CPU one thread)."""
     return len(os.sched_getaffinity(0)) if folder.device == "cpu" else None
 
 
 def _cached_profile(folder: FolderServeArgs, cache: Path) -> Path:
-    """The profile of this model, machine, dtype and layout, measured now if not cached yet."""
     import json
 
     from fastserve.config_folder import hardware_key, profile_cache_name, profile_grid
@@ -156,8 +149,8 @@ def _cached_profile(folder: FolderServeArgs, cache: Path) -> Path:
 
 
 def _gpu_memory(folder: FolderServeArgs) -> tuple[int, int] | None:
-    """(free, total) bytes of the GPU now, on a GPU. Read in this process before it loads a model:
-    what it holds then is its CUDA context, about what the replica's own context will take."""
+    """(free, total) GPU bytes, read before this process loads a model: less its CUDA context, as
+    the replica's will be."""
     if folder.device != "cuda":
         return None
     import torch
@@ -167,8 +160,7 @@ def _gpu_memory(folder: FolderServeArgs) -> tuple[int, int] | None:
 
 
 def _gpu_blocks(folder: FolderServeArgs, profile: Path, gpu_memory: tuple[int, int] | None) -> int | None:
-    """On a GPU, the device pool vLLM's way (``fastserve.config_folder.gpu_kv_blocks``) from the
-    free memory read first and the profile's weights and peak activations; None on a CPU."""
+    """On a GPU, the device pool sized vLLM's way (``config_folder.gpu_kv_blocks``); None on a CPU."""
     if gpu_memory is None:
         return None
     import json

@@ -1,25 +1,10 @@
 """The Serve application's configuration: ``AppArgs``, the ``args`` of every ``config/*.yaml``.
 
-Owns the top-level schema that Serve validates a YAML's ``args`` with (``fastserve.main:build_app``),
-composed of the control plane's own models (``SchedulerConfig``, ``KVCacheConfig``,
-``EngineConfig`` from ``fastserve.scheduler.config``, imported, never duplicated) plus the sections
-declared beside this module: the model and the profile (``fastserve.config_model``), the parallel
-layout and the pipeline's waits (``fastserve.config_layout``), the HTTP server (``fastserve.config_server``)
-and the drain (``fastserve.config_drain``). Serve's deployment options (replicas,
-autoscaling, ``max_ongoing_requests``, actor options) are not here: they belong in the YAML's
-standard ``deployments:`` section, over the defaults ``INGRESS_DEFAULTS``/``ENGINE_DEFAULTS``
-(Serve hashes ``args`` into the code version, so an option here would restart model copies).
-Every model is strict (``extra="forbid"``) so a misspelt key fails naming itself, and cross-field checks reject
-impossible sizes (TP·PP ≠ GPUs requested, a block size that does not divide the context, pools
-or token budgets too small for one max-length request) before anything is deployed.
-
-Relative paths are resolved against the project root (``fastserve.config_model.resolve_path``), not
-the working directory: Serve replicas and the application builder run in Ray worker processes
-with their own cwd.
-
-Pass ``context={"require_profile": False}`` to ``AppArgs.model_validate`` to skip the existence
-check of the profile file. Only the schema test does that, for the GPU configs whose profiles
-come from the simulator; a running server always requires its profile.
+Composes the control plane's configs (``fastserve.scheduler.config``) with the sections in the
+``config_*`` modules beside it; every model forbids unknown keys, and cross-field checks refuse
+impossible layouts and sizes before anything is deployed. Serve's deployment options live in the
+YAML's ``deployments:`` over ``INGRESS_DEFAULTS``/``ENGINE_DEFAULTS``, not here: Serve hashes
+``args`` into the code version. ``context={"require_profile": False}`` skips the profile file check.
 """
 
 from __future__ import annotations
@@ -43,7 +28,7 @@ GIB = 1 << 30
 
 
 class ProfileMismatchWarning(UserWarning):
-    """The profile was measured on another layout (TP, PP or block size) than the config's."""
+    """The profile was measured on another TP, PP or block size than the config's."""
 
 
 class AppArgs(Strict):
@@ -62,8 +47,7 @@ class AppArgs(Strict):
     @model_validator(mode="before")
     @classmethod
     def _pools_from_memory(cls, data: Any) -> Any:
-        """``kv_cache.device_memory_gib`` / ``host_memory_gib``: the block counts they buy for
-        this model on this machine (the dtype decides the bytes per block)."""
+        """The block counts ``kv_cache``'s memory sizes buy for this model on this machine."""
         if not isinstance(data, dict) or not isinstance(data.get("kv_cache"), dict):
             return data
         kv = dict(data["kv_cache"])
@@ -80,8 +64,7 @@ class AppArgs(Strict):
         return {**data, "kv_cache": kv}
 
     def replica_args(self) -> dict[str, Any]:
-        """These args as the replicas get them: block counts that memory sizes stay unset, so
-        each replica works them out on its own machine (its dtype may differ from here)."""
+        """These args as replicas get them: memory-sized block counts unset, for each to work out."""
         raw = self.model_dump(mode="json")
         for tier in ("device", "host"):
             if raw["kv_cache"][f"{tier}_memory_gib"] is not None:
@@ -98,9 +81,7 @@ class AppArgs(Strict):
         return self
 
     def _check_batch_invariant(self) -> None:
-        """``engine.batch_invariant`` holds only where every path a token takes is invariant: our
-        CPU kernels, and KV that is only ever computed once (a recomputed job's generated tokens
-        go through prefill attention, which sums in another order than decode's)."""
+        """Batch invariance needs our CPU kernels and KV computed once (recompute re-sums it)."""
         if not self.engine.batch_invariant:
             return
         if self.model.device != "cpu":
@@ -111,8 +92,7 @@ class AppArgs(Strict):
                              "'proactive' or 'reactive'")
 
     def _check_priority(self) -> None:
-        """A request's ``priority`` moves its MLFQ entry level; a one-level policy would accept
-        it and change nothing, so the pair is refused at start instead."""
+        """A one-level policy would accept ``priority`` and change nothing: refused at start."""
         policy = self.scheduler.policy
         if self.server.allow_priority and policy not in LEVELLED_POLICIES:
             raise ValueError(f"server.allow_priority is on but scheduler.policy '{policy}' has one level, so a "
@@ -147,7 +127,7 @@ class AppArgs(Strict):
         if par.gpu_kind is not None:
             if model.device != "cuda":
                 raise ValueError(f"parallel.gpu_kind={par.gpu_kind!r} but model.device is {model.device!r}")
-            load_gpu_table().kind(par.gpu_kind)   # an unknown kind is refused, naming the table's
+            load_gpu_table().kind(par.gpu_kind)   # refuses an unknown kind
         par.spec().check(model.hf_config())
 
     def _check_sizes(self) -> None:
@@ -180,11 +160,7 @@ class AppArgs(Strict):
                 "enable scheduler.chunked_prefill)"
             )
 
-    # ---- what the data plane is given ----------------------------------------------------
-
     def engine_spec(self) -> EngineSpec:
-        """The one spec of this model copy — model, KV pools, layout, pipeline waits — that the
-        executors and every stage worker are given whole."""
         m, kv = self.model, self.kv_cache
         model = ModelSpec(resolve_path(m.config_path), kv.num_device_blocks, kv.num_host_blocks,
                           kv.block_size, m.dtype, m.device, m.seed, m.load_format, m.model_path,
@@ -192,11 +168,7 @@ class AppArgs(Strict):
                           m.cuda_graph_max_context, self.engine.gemm_choice, self.engine.batch_invariant)
         return EngineSpec(model, self.parallel.spec(), self.pipeline)
 
-    # ---- derived deployment settings ------------------------------------------------------
-
     def placement_group_bundles(self) -> list[dict[str, float]]:
-        """One bundle for the engine replica, then the pipeline's stage bundles (the very ones
-        ``fastserve.worker.pipeline`` places its stages in: ``ParallelSpec.stage_bundles``)."""
         par = self.parallel
         replica = dict(par.replica_bundle)
         if not par.uses_pipeline:
@@ -206,55 +178,41 @@ class AppArgs(Strict):
         return [replica] + par.spec().stage_bundles(self.model.device)
 
     def engine_deployment_defaults(self) -> dict[str, Any]:
-        """Serve options of the ``Engine`` deployment before the YAML's ``deployments:``.
-
-        The placement group is derived from the model's layout; the rest are plain defaults that
-        ``deployments: [{name: Engine, ...}]`` overrides without restarting replicas (except
-        ``ray_actor_options`` and the placement group: Serve applies those by starting new replicas).
-        """
+        """Serve options of the ``Engine`` deployment before the YAML's ``deployments:``."""
         actor_options: dict[str, Any] = dict(ENGINE_DEFAULTS["ray_actor_options"])
         if not self.parallel.uses_pipeline and self.parallel.num_gpus:
-            actor_options["num_gpus"] = self.parallel.num_gpus   # the in-process model's GPUs
+            actor_options["num_gpus"] = self.parallel.num_gpus
         env = self.engine_env_vars()
-        if env:   # read by libgomp as torch loads: it must be in the process's environment
+        if env:
             actor_options["runtime_env"] = {"env_vars": env}
         return {**ENGINE_DEFAULTS, "ray_actor_options": actor_options,
                 "placement_group_bundles": self.placement_group_bundles(),
                 "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s()}
 
     def graceful_shutdown_timeout_s(self) -> float:
-        """How long a replica being replaced may drain (``fastserve.config_drain``): a stream of
-        the model's context length at the profile's decode step at a full batch, unless the
-        ``drain:`` section says otherwise."""
+        """A context-length stream at the profile's full-batch decode step, unless ``drain:`` says."""
         d = self.drain
         context = d.max_tokens if d.max_tokens is not None else self.model.context_len()
         tpot = d.tpot_s if d.tpot_s is not None else profile_tpot_s(self.profile.path, self.scheduler.max_batch_size)
         return d.timeout_s(context, tpot, self.server.request_timeout_s)
 
     def engine_env_vars(self) -> dict[str, str]:
-        """Environment an Engine replica needs before it loads torch (its stage workers inherit
-        it): ``OMP_WAIT_POLICY`` from ``parallel.omp_wait_policy``."""
+        """Environment an Engine replica (and its stage workers) needs before torch loads."""
         policy = self.parallel.omp_wait_policy
         return {OMP_WAIT_POLICY_ENV: policy.upper()} if policy else {}
 
     def ingress_deployment_defaults(self) -> dict[str, Any]:
-        """Serve options of the ``Ingress`` deployment: it drains a stream as long as the Engine."""
         return {**INGRESS_DEFAULTS, "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s()}
 
 
-#: Serve options the builder gives the ``Ingress`` deployment; the YAML's ``deployments:``
-#: section overrides any of them (num_replicas, autoscaling_config, max_ongoing_requests, ...).
+#: Defaults the YAML's ``deployments:`` section overrides.
 INGRESS_DEFAULTS: dict[str, Any] = {
-    # Above every scheduler's admission limit (waiting + running), so overload is answered by
-    # the scheduler with a 429 + Retry-After rather than queued at Serve's proxy.
+    # Above every admission limit, so overload is a 429 from the scheduler, not a proxy queue.
     "max_ongoing_requests": 1024,
-    # Serve's own last-resort bound on requests queued for an ingress replica (it answers 503
-    # past it); with the defaults above it is not reached before admission control answers 429.
     "max_queued_requests": 1024,
-    # Tokenizing and streaming need little CPU; 0 keeps a 2-core box schedulable.
+    # Tokenizing and streaming need little CPU; 0 keeps a small node schedulable.
     "ray_actor_options": {"num_cpus": 0},
 }
-#: Serve options the builder gives the ``Engine`` deployment (one replica = one model copy).
 ENGINE_DEFAULTS: dict[str, Any] = {
     # Streams one replica accepts; beyond it Serve queues at the handle, outside admission control.
     "max_ongoing_requests": 1024,

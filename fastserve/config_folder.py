@@ -1,13 +1,6 @@
-"""``fastserve serve MODEL_DIR``: the command's settings and the Serve config it writes for a folder.
-
-Owns ``FolderServeArgs`` (every default of the command, vLLM's where vLLM has one), the ``AppArgs``
-it makes for a model folder (``app_args``) and the Serve config around them (``serve_config``),
-the profile grid and cache key (``profile_grid``, ``profile_cache_name``), and the KV pools' sizing
-on a GPU (``gpu_kv_blocks``, vLLM's ``gpu_memory_utilization`` rule). On a CPU the pools are
-sized by memory (``kv_cache.device_memory_gib`` / ``host_memory_gib``, vLLM's
-``VLLM_CPU_KVCACHE_SPACE`` / ``--swap-space``), turned into blocks where the replica starts.
-Imports no torch or ray: the command (``fastserve.cli``) measures the machine, runs the profiler,
-and hands the numbers here.
+"""``fastserve serve MODEL_DIR``: the command's settings and the Serve config it writes for a folder,
+with the profile grid and cache key and the GPU KV sizing (vLLM's defaults and rules where vLLM has
+them). Imports no torch or ray: ``fastserve.cli`` measures the machine and hands the numbers here.
 """
 
 from __future__ import annotations
@@ -24,47 +17,39 @@ from pydantic import Field, field_validator
 
 from fastserve.config import GIB
 from fastserve.config_model import Device, DType, Strict
+from fastserve.config_server import ToolCallParserName
 from fastserve.generation_config import CONFIG_FILE
 from fastserve.scheduler.config import SchedulerConfig
 from fastserve.worker.messages import DEFAULT_BLOCK_SIZE
 
-#: Where the command keeps what it writes (``apps/``, ``profiles/``); else $XDG_CACHE_HOME/fastserve.
 CACHE_DIR_ENV = "FASTSERVE_CACHE_DIR"
-#: The Serve application's name and route in the config the command writes.
 APP_NAME = "fastserve"
 APP_IMPORT = "fastserve.main:build_app"
 
 
 class FolderServeArgs(Strict):
-    """What ``fastserve serve MODEL_DIR`` takes; each default is the command's, in one place."""
-
-    #: A Hugging Face folder: config.json, tokenizer, safetensors weights.
     model_dir: Path
-    #: The id clients put in ``model``; None: the folder's name.
     name: str | None = Field(default=None, min_length=1)
     dtype: DType = "auto"
     device: Device = "cpu"
     tensor_parallel_size: int = Field(default=1, ge=1)
     pipeline_parallel_size: int = Field(default=1, ge=1)
-    #: None: the model's own context (``max_position_embeddings``), as vLLM serves it.
+    #: None: the model's own context, as vLLM.
     max_model_len: int | None = Field(default=None, ge=1)
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
-    #: CPU: GiB of KV of the model copy (vLLM's ``VLLM_CPU_KVCACHE_SPACE``, 4 GiB).
+    #: CPU KV of the model copy (vLLM's ``VLLM_CPU_KVCACHE_SPACE``).
     kv_cache_space_gib: float = Field(default=4.0, gt=0)
-    #: Host pool the scheduler swaps to, GiB (vLLM's ``--swap-space``, 4 GiB).
+    #: Host swap pool (vLLM's ``--swap-space``).
     swap_space_gib: float = Field(default=4.0, gt=0)
-    #: GPU: fraction of each GPU's memory for weights, activations and KV (vLLM's 0.9).
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
-    #: Prompts longer than a chunk go in chunks beside running decodes, as vLLM's V1 engine does by
-    #: default; it also lets a model's context exceed the iteration's token budget.
+    #: As vLLM V1's default; lets a context exceed the iteration's token budget.
     chunked_prefill: bool = True
-    #: The profile's quick grid (the scheduler interpolates between points and extrapolates past
-    #: them): prompt lengths up to the largest first iteration, batch sizes up to the batch limit
-    #: (each clipped there and the limit itself measured), each point the median of this many runs.
+    #: The profile's quick grid (clipped by ``profile_grid``); each point a median of repeats.
     profile_prompt_lens: tuple[int, ...] = (1, 16, 64, 256, 1024)
     profile_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     profile_repeats: int = Field(default=2, ge=1)
+    tool_call_parser: ToolCallParserName = "auto"
 
     @field_validator("model_dir")
     @classmethod
@@ -92,17 +77,13 @@ def cache_dir(env: Mapping[str, str] | None = None) -> Path:
 
 
 def scheduler_settings(args: FolderServeArgs) -> dict[str, Any]:
-    """The scheduler section: the schema's defaults, chunked prefill as the command says."""
     return {"chunked_prefill": {"enabled": args.chunked_prefill}}
 
 
 def profile_grid(args: FolderServeArgs) -> tuple[list[int], list[int]]:
-    """The quick grid clipped to what this server runs: prompts up to the largest first
-    iteration (a chunk, or the token budget; on a GPU the budget), batches up to the batch limit; each limit itself
-    is measured, so the scheduler interpolates inside the grid for every job it can run."""
+    """The quick grid clipped to this server's limits, each limit itself measured."""
     sched = SchedulerConfig.model_validate(scheduler_settings(args))
-    # A GPU's KV pool is sized from the profile's peak activations (``gpu_kv_blocks``): that
-    # peak must be of the largest iteration, the whole token budget, as vLLM's profile run takes.
+    # A GPU's KV sizing takes the profile's peak activations: of the whole token budget, as vLLM.
     longest = (sched.max_num_batched_tokens if args.device == "cuda"
                else sched.chunk_limit() or sched.max_num_batched_tokens)
     return (_clip(args.profile_prompt_lens, longest), _clip(args.profile_batch_sizes, sched.max_batch_size))
@@ -113,32 +94,25 @@ def _clip(points: Sequence[int], limit: int) -> list[int]:
 
 
 def slug(text: str) -> str:
-    """``text`` as a file-name part: lower case, runs of anything else than [a-z0-9] as one '-'."""
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unnamed"
 
 
 def hardware_key(name: str, threads: int | None = None) -> str:
-    """A file-name-safe label of the machine a profile was measured on: the device's name and,
-    on a CPU, how many threads ran it (the same CPU with fewer cores is another profile)."""
+    """A file-name label of the profiling machine; on a CPU with its thread count."""
     return slug(name) if threads is None else f"{slug(name)}-{threads}t"
 
 
 def profile_cache_name(name: str, config_json: bytes, hardware: str, dtype: str, tp: int, pp: int,
                        block_size: int = DEFAULT_BLOCK_SIZE) -> str:
-    """The cached profile's file name. Iteration times depend on the model's shapes (its
-    config.json, hashed), not its weight values, so the key is that hash, the hardware, the
-    dtype the replica resolves, the layout and the block size."""
+    """The cached profile's file name: times depend on the shapes (config.json's hash), not weights."""
     digest = hashlib.sha256(config_json).hexdigest()[:16]
     return f"{slug(name)}-{digest}-{hardware}-{dtype}-tp{tp}-pp{pp}-bs{block_size}.json"
 
 
 def gpu_kv_blocks(total_bytes: int, free_bytes: int, utilization: float, weight_bytes: int,
                   activation_bytes: int, world_size: int, block_bytes: int) -> int:
-    """Device KV blocks of one model copy on ``world_size`` GPUs, as vLLM sizes its pool: each
-    GPU may use ``utilization × total``; from that go what others already use there
-    (``total − free``, read before our model loads), this rank's share of the weights and the peak
-    activations of one iteration; what is left, over all ranks, holds blocks of ``block_bytes``
-    (``ModelArgs.kv_bytes_per_block``: the whole copy's bytes per block)."""
+    """Device KV blocks of one model copy, as vLLM: per GPU ``utilization × total − (total − free)
+    − weights / world_size − activations``, summed over ranks, over the copy's ``block_bytes``."""
     for label, value in (("total_bytes", total_bytes), ("block_bytes", block_bytes), ("world_size", world_size)):
         if value <= 0:
             raise ValueError(f"{label} must be > 0, got {value}")
@@ -155,9 +129,7 @@ def gpu_kv_blocks(total_bytes: int, free_bytes: int, utilization: float, weight_
 
 def app_args(args: FolderServeArgs, profile_path: Path, torch_threads: int | None,
              num_device_blocks: int | None = None) -> dict[str, Any]:
-    """The ``args`` of the Serve app for ``args.model_dir`` (``AppArgs``' schema: every setting
-    not named here keeps its default). ``num_device_blocks``: the GPU pool as ``gpu_kv_blocks``
-    sized it; None sizes it by ``kv_cache_space_gib`` where the replica starts."""
+    """The Serve app's ``args`` for the folder; ``num_device_blocks`` None sizes by memory."""
     folder = str(args.model_dir)
     model: dict[str, Any] = {"name": args.served_name, "config_path": folder, "tokenizer_path": folder,
                              "model_path": folder, "load_format": "auto", "dtype": args.dtype,
@@ -176,13 +148,17 @@ def app_args(args: FolderServeArgs, profile_path: Path, torch_threads: int | Non
         kv["num_device_blocks"] = num_device_blocks
     app: dict[str, Any] = {"model": model, "parallel": parallel, "profile": {"path": str(profile_path)},
                            "scheduler": scheduler_settings(args), "kv_cache": kv}
+    server: dict[str, Any] = {}
     if not is_loopback(args.host):   # reachable from other machines: refuse to start open
-        app["server"] = {"require_api_key": True}
+        server["require_api_key"] = True
+    if args.tool_call_parser != "auto":
+        server["tool_call_parser"] = args.tool_call_parser
+    if server:
+        app["server"] = server
     return app
 
 
 def is_loopback(host: str) -> bool:
-    """Whether ``host`` binds this machine only (``localhost``, 127.0.0.0/8, ``::1``)."""
     if host == "localhost":
         return True
     try:
@@ -192,8 +168,7 @@ def is_loopback(host: str) -> bool:
 
 
 def serve_config(args: FolderServeArgs, app: dict[str, Any]) -> dict[str, Any]:
-    """The whole Serve config (what ``serve run`` reads): one app, the builder's deployment
-    defaults, bound to ``args.host:args.port``."""
+    """The whole Serve config ``serve run`` reads: one app, bound to ``args.host:args.port``."""
     return {"proxy_location": "HeadOnly",
             "http_options": {"host": args.host, "port": args.port},
             "applications": [{"name": APP_NAME, "route_prefix": "/", "import_path": APP_IMPORT, "args": app}]}

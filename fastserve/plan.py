@@ -1,13 +1,9 @@
 """``python -m fastserve.plan CONFIG``: a dry run of a Serve config's memory, per GPU and per node,
 with no GPU and no torch.
 
-For each application in the YAML and each rank (pipeline stage x tensor-parallel rank): the
-bytes of its weights (its TP x PP shard, replicated embedding and LM head included), of its KV
-pool (``kv_cache.num_device_blocks`` of its layers and KV heads), and of its activations at
-``scheduler.max_num_batched_tokens``, against the share ``gpu_memory_utilization`` of the GPU
-``parallel.gpu_kind`` names (``config/gpus.yaml``); and for each stage's node the pinned host
-swap pool of its ranks against ``host_memory_utilization`` of the node's RAM. Exits 1 when
-anything does not fit. Shapes come from ``fastserve.worker.model.footprint``.
+Per rank: weights, KV pool and activations at ``max_num_batched_tokens`` against
+``gpu_memory_utilization`` of ``parallel.gpu_kind``; per node: the pinned swap pools against
+``host_memory_utilization``. Exits 1 when anything does not fit.
 """
 
 from __future__ import annotations
@@ -105,9 +101,7 @@ def plan_app(name: str, args: AppArgs, kind: GpuKind, table: GpuTable) -> Plan:
 
 
 def plan_config(path: Path, gpu_kind: str | None = None) -> list[Plan]:
-    """A plan for every application of the Serve YAML at ``path``. Nothing on disk beyond the
-    YAML and the model's config.json is needed: the profile, tokenizer and checkpoint may be
-    absent (they are on the serving nodes)."""
+    """Needs only the YAML and the model's config.json (the rest is on the serving nodes)."""
     raw = yaml.safe_load(path.read_text())
     table = load_gpu_table()
     context = {REQUIRE_PROFILE_CONTEXT: False, REQUIRE_MODEL_FILES_CONTEXT: False}

@@ -1,30 +1,11 @@
 """A model folder's tokenizer as Hugging Face ships it: text <-> ids, special tokens, chat template.
 
-This module owns:
-
-* `Tokenizer`: loads a folder's ``tokenizer.json`` with the Rust ``tokenizers`` library and
-  applies what ``tokenizer_config.json`` / ``special_tokens_map.json`` say on top of it, as
-  transformers' ``TokenizersBackend`` (what ``AutoTokenizer.from_pretrained(folder)`` returns for
-  a ``tokenizer.json`` folder) does: the named special tokens (bos/eos/unk/pad/... and the
-  extra/additional ones) are registered as special, and the tokenizer.json's post-processor alone
-  decides the specials of a completion prompt (BOS for Llama-3, none for SmolLM2): transformers
-  5.x drops the config's ``add_bos_token``/``add_eos_token`` when a tokenizer.json exists
-  (``PreTrainedTokenizerBase._from_pretrained``). A folder with only ``vocab.json`` +
-  ``merges.txt`` (OPT's ``config/tokenizers/opt``) is read as byte-level BPE, GPT-2 style, its
-  post-processor built from those flags (OPT's config says ``add_bos_token: true``: a leading
-  ``</s>``), as transformers' ``update_post_processor`` builds it.
-* which chat template the folder ships (``chat_template.jinja`` wins over ``tokenizer_config``'s
-  ``chat_template``, as in transformers) — rendering lives in ``fastserve.chat_template``;
-* `TokenizerLoadError`: a folder whose tokenizer cannot be loaded, naming the path and the reason.
-
-Streaming detokenization over it is ``fastserve.detokenizer.IncrementalDecoder``.
-
-Why not ``transformers.AutoTokenizer``: the ingress runs on CPU-only replicas and never imports
-torch, and ``from transformers import AutoTokenizer`` does (measured on this box: 2.5 s and
-1,446 modules with torch, against 0.01 s for ``tokenizers`` and 0.04 s for ``jinja2``; the
-whole ingress module imports in 1.7 s without torch). transformers stays the reference in tests.
-Decoding applies no ``clean_up_tokenization_spaces`` (as vLLM's detokenizer): it would make the
-streamed text differ from the full response.
+`Tokenizer` loads ``tokenizer.json`` with the Rust ``tokenizers`` library and applies the JSON
+configs on top as transformers' ``TokenizersBackend`` does (named and extra special tokens
+registered as special; the post-processor alone decides a completion prompt's specials). An
+OPT-style ``vocab.json`` + ``merges.txt`` folder is read as GPT-2 byte-level BPE, its
+post-processor built from ``add_bos_token``/``add_eos_token``. Not ``AutoTokenizer``: it imports
+torch, which the CPU-only ingress never loads (docs/design.md); no ``clean_up_tokenization_spaces``.
 """
 
 from __future__ import annotations
@@ -61,21 +42,18 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"
 #: A ``chat_template`` list's entry used when no name is asked (transformers' rule).
 DEFAULT_TEMPLATE_NAME = "default"
 _UTF8 = "utf-8"
-#: Byte-level BPE spells each of the 256 byte values as one printable character.
 _BYTE_VALUES = 256
 
 #: transformers' ``SPECIAL_TOKENS_ATTRIBUTES``: the named special tokens, passed to chat templates.
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                         "cls_token", "mask_token")
-#: Lists of further special tokens (transformers v5 name, then v4's).
+#: Further special tokens: transformers v5's name, then v4's.
 EXTRA_SPECIAL_KEYS = ("extra_special_tokens", "additional_special_tokens")
 
 _UTF8 = "utf-8"
 
 
 class TokenizerLoadError(ValueError):
-    """A tokenizer folder that cannot be served; the message names the path and the reason."""
-
     def __init__(self, path: Path, reason: str) -> None:
         super().__init__(f"cannot load the tokenizer at {path}: {reason}")
         self.path = path
@@ -84,10 +62,8 @@ class TokenizerLoadError(ValueError):
 
 @dataclass(frozen=True)
 class _Settings:
-    """What the folder's JSON configs say beyond tokenizer.json."""
-
-    named: dict[str, AddedToken]          # bos_token -> its AddedToken, for those set
-    extra: tuple[AddedToken, ...]         # extra/additional special tokens
+    named: dict[str, AddedToken]
+    extra: tuple[AddedToken, ...]
     add_bos: bool | None                  # None: the config does not say
     add_eos: bool | None
     add_prefix_space: bool
@@ -123,7 +99,7 @@ def _chat_template(directory: Path, config: Mapping[str, Any]) -> str | None:
     template = config.get("chat_template")
     if template is None or isinstance(template, str):
         return template
-    if isinstance(template, list):   # [{"name": ..., "template": ...}, ...]
+    if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
         chosen = named.get(DEFAULT_TEMPLATE_NAME)
         if isinstance(chosen, str):
@@ -147,7 +123,7 @@ def _read_settings(directory: Path) -> _Settings:
     extra: list[AddedToken] = []
     for key in EXTRA_SPECIAL_KEYS:
         values = merged.get(key) or []
-        if isinstance(values, Mapping):   # v5 may name them: {"image_token": "<image>"}
+        if isinstance(values, Mapping):   # v5 may name them
             values = list(values.values())
         extra += [_added_token(v, config_path) for v in values]
     def flag(key: str) -> bool | None:
@@ -158,7 +134,6 @@ def _read_settings(directory: Path) -> _Settings:
 
 
 def _byte_level_bpe(directory: Path, add_prefix_space: bool) -> _RustTokenizer:
-    """GPT-2-style byte-level BPE from vocab.json + merges.txt (the pre-tokenizer.json format)."""
     rust = _RustTokenizer(models.BPE.from_file(str(directory / VOCAB_FILE), str(directory / MERGES_FILE)))
     rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)
     rust.decoder = decoders.ByteLevel()
@@ -166,8 +141,7 @@ def _byte_level_bpe(directory: Path, add_prefix_space: bool) -> _RustTokenizer:
 
 
 def _backend(directory: Path, settings: _Settings) -> tuple[_RustTokenizer, bool]:
-    """The Rust tokenizer and whether its post-processor must be built from the config's flags
-    (only without a tokenizer.json: transformers ignores the flags when one exists)."""
+    """The Rust tokenizer, and whether to build its post-processor from the flags (no tokenizer.json)."""
     if (directory / TOKENIZER_FILE).is_file():
         return _RustTokenizer.from_file(str(directory / TOKENIZER_FILE)), False
     missing = [name for name in (VOCAB_FILE, MERGES_FILE) if not (directory / name).is_file()]
@@ -178,12 +152,7 @@ def _backend(directory: Path, settings: _Settings) -> tuple[_RustTokenizer, bool
 
 
 class Tokenizer:
-    """A model folder's tokenizer, offline. Thread-safe for encode/decode (the Rust core is).
-
-    The surface of transformers' tokenizer that the server uses: two constructors, the folder's
-    ids and facts as read-only properties, and encode/decode with their chat, batch and
-    per-token forms. It holds nothing but the loaded folder.
-    """
+    """A model folder's tokenizer, offline. Thread-safe for encode/decode (the Rust core is)."""
 
     def __init__(self, directory: Path) -> None:
         self._directory = directory
@@ -192,12 +161,11 @@ class Tokenizer:
         settings = _read_settings(directory)
         try:
             rust, rebuild = _backend(directory, settings)
-        except Exception as exc:   # the Rust loader raises plain Exceptions with its reason
+        except Exception as exc:   # the Rust loader raises plain Exceptions
             if isinstance(exc, TokenizerLoadError):
                 raise
             raise TokenizerLoadError(directory, f"{type(exc).__name__}: {exc}") from None
-        # As TokenizersBackend._post_init: every named and extra special token is (re)registered
-        # as special, so it is split out of text before BPE and skipped by skip_special_tokens.
+        # As TokenizersBackend._post_init: split out before BPE, skipped by skip_special_tokens.
         rust.add_special_tokens([*settings.named.values(), *settings.extra])
         self._rust = rust
         self._special_strings = {k: str(t.content) for k, t in settings.named.items()}
@@ -234,11 +202,8 @@ class Tokenizer:
             raise TokenizerLoadError(self._directory, f"special token {token!r} is not in the vocabulary")
         return int(token_id)
 
-    # ---- construction -------------------------------------------------------------------------
-
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Load a folder: tokenizer.json (+ configs), or OPT-style vocab.json + merges.txt."""
         return cls(Path(path))
 
     @classmethod
@@ -246,15 +211,12 @@ class Tokenizer:
         """The shipped OPT tokenizer (`config/tokenizers/opt`), loaded once per process."""
         return load_tokenizer(DEFAULT_TOKENIZER_DIR)
 
-    # ---- ids of note --------------------------------------------------------------------------
-
     @property
     def directory(self) -> Path:
         return self._directory
 
     @property
     def backend(self) -> _RustTokenizer:
-        """The Rust tokenizer (``fastserve.detokenizer`` steps ``DecodeStream`` over it)."""
         return self._rust
 
     @property
@@ -276,26 +238,21 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        """Ids the tokenizer can emit, added tokens included (50,265 for OPT)."""
+        """Ids the tokenizer can emit, added tokens included."""
         return int(self._rust.get_vocab_size(with_added_tokens=True))
 
     @property
     def special_token_ids(self) -> frozenset[int]:
-        """Ids that ``skip_special_tokens`` drops: every added token flagged special."""
         return self._special_ids
 
     def __len__(self) -> int:
         return self.vocab_size
 
-    # ---- encode / decode ----------------------------------------------------------------------
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; `add_special_tokens` adds what a completion prompt gets (HF's
-        ``tokenizer(text)``: OPT's leading ``</s>``, Llama-3's BOS, nothing for SmolLM2)."""
+        """Token ids of `text`; `add_special_tokens` as HF's ``tokenizer(text)``."""
         return list(self._rust.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
-        """`encode` for many texts, parallelised inside the Rust core."""
         encodings = self._rust.encode_batch(list(texts), add_special_tokens=add_special_tokens)
         return [list(e.ids) for e in encodings]
 
@@ -304,17 +261,14 @@ class Tokenizer:
         return str(self._rust.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]],
-                    options: ChatOptions = DEFAULT_CHAT_OPTIONS) -> list[int]:
-        """The ids of a chat prompt: the folder's template (or the fallback format), as
-        transformers' ``apply_chat_template(messages, tokenize=True)`` with ``options`` (by
-        default the generation prompt). Raises ``ChatTemplateError``."""
-        text = self.chat_template.render(messages, options)
+                    options: ChatOptions = DEFAULT_CHAT_OPTIONS,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """As transformers' ``apply_chat_template(..., tokenize=True)``; raises ``ChatTemplateError``."""
+        text = self.chat_template.render(messages, options, tools)
         return self.encode(text, add_special_tokens=self.chat_template.add_special_tokens or options.add_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The UTF-8 bytes one id contributes to the text (OpenAI logprobs' ``bytes``): exact for
-        byte-level BPE (a token may hold part of a character), else the id's decoded text; b''
-        for an id the tokenizer does not know."""
+        """The UTF-8 bytes one id contributes (OpenAI logprobs' ``bytes``; may split a character)."""
         token = self._rust.id_to_token(token_id)
         if token is None:
             return b""
@@ -331,8 +285,7 @@ class Tokenizer:
 
 @lru_cache(maxsize=1)
 def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's printable stand-in character for each byte, inverted (space is 'Ġ', newline 'Ċ'):
-    the inverse of GPT-2's ``bytes_to_unicode``."""
+    """The inverse of GPT-2's ``bytes_to_unicode`` ('Ġ' → space)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars = list(printable)
     extra = 0
@@ -350,6 +303,5 @@ def _cached(directory: Path) -> Tokenizer:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """`Tokenizer.from_dir`, loaded once per process and folder (config validation, the ingress
-    and the engine replica of one process share it)."""
+    """`Tokenizer.from_dir`, loaded once per process and folder."""
     return _cached(Path(path).resolve())

@@ -1,15 +1,9 @@
 """Engine throughput vs transformers, side by side in one run: ``python -m fastserve.bench.bench_engine``.
 
-Prefill and decode tokens/s at batch 1/8/32 (default: the opt-125m shapes, dummy weights;
-``--model`` takes a model folder / config.json of any served architecture, OPT or LLaMA family, or
-a Serve YAML whose ``model.config_path`` names one) on this machine: our in-process executor
-(paged KV, mixed-batch forward, sampling included) against ``transformers``'
-``OPTForCausalLM`` / ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` forward on the same weights
-(contiguous KV cache, logits only, and at prefill only the last position's, as ours). A folder
-that holds a checkpoint (e.g. the demo's ``.cache/models/smollm2-135m-instruct``) is benchmarked
-on its real weights, loaded by both sides from the folder; ``--weights dummy`` forces seeded
-random ones. Prints a table and, last, one JSON
-object with the figures and the ratios.
+Prefill and decode tokens/s at batch 1/8/32 of our in-process executor (paged KV, sampling
+included) against ``transformers``' forward on the same weights (logits only, at prefill the last
+position's, as ours); ``--model`` takes a folder, config.json or Serve YAML, real weights where the
+folder has them (``--weights dummy`` forces seeded ones). A table, then one JSON object.
 """
 
 from __future__ import annotations
@@ -64,7 +58,6 @@ HF_LLAMA_CLASSES = {
 
 
 def _hf_twin(ex: InProcessExecutor, config: ModelConfig, seed: int) -> transformers.PreTrainedModel:
-    """The transformers model of ``config`` holding the executor's dummy weights."""
     ours = dict(dummy_weights(ex.model, seed))
     if isinstance(config, OPTConfig):
         hf = transformers.OPTForCausalLM(transformers.OPTConfig(**config.to_hf_dict()))
@@ -85,7 +78,6 @@ def _hf_twin(ex: InProcessExecutor, config: ModelConfig, seed: int) -> transform
 
 def _hf_pretrained(config: ModelConfig, folder: Path,
                    dtype: torch.dtype = torch.float32) -> transformers.PreTrainedModel:
-    """The transformers model of ``config`` with the checkpoint in ``folder``, in ``dtype``."""
     if isinstance(config, OPTConfig):
         model_cls: type[transformers.PreTrainedModel] = transformers.OPTForCausalLM
     elif isinstance(config, LlamaConfig):
@@ -96,8 +88,6 @@ def _hf_pretrained(config: ModelConfig, folder: Path,
 
 
 def _model_folder(model: str) -> Path:
-    """The model folder that ``--model`` names: itself, a config.json's folder, or a Serve
-    YAML's ``model.config_path``."""
     path = Path(model)
     if path.suffix in (".yaml", ".yml"):
         import yaml
@@ -114,8 +104,6 @@ def load_bench_config(model: str) -> ModelConfig:
 
 
 def checkpoint_folder(model: str, weights: str) -> Path | None:
-    """Where the real weights are (``weights`` ``auto``: the model folder, if it holds a
-    checkpoint), or None for dummy weights."""
     if weights == "dummy":
         return None
     folder = _model_folder(model)
@@ -134,8 +122,7 @@ def _block_tables(b: int) -> list[tuple[int, ...]]:
 
 
 def prefill_s_ours(ex: InProcessExecutor, b: int, repeats: int) -> float:
-    """Seconds of our prefill step of ``b`` prompts of ``PROMPT_LEN`` tokens (median); it leaves
-    their KV in the pool for ``decode_step_s_ours``."""
+    """Median seconds; it leaves the KV in the pool for ``decode_step_s_ours``."""
     tables = _block_tables(b)
     prompt = tuple(2 + i for i in range(PROMPT_LEN))
     prefill = BatchPlan(0, tuple(BatchEntry(str(j), prompt, 0, tables[j], True, GREEDY) for j in range(b)))
@@ -143,9 +130,7 @@ def prefill_s_ours(ex: InProcessExecutor, b: int, repeats: int) -> float:
 
 
 def decode_step_s_ours(ex: InProcessExecutor, b: int, repeats: int) -> float:
-    """Seconds of one of our decode steps at batch ``b`` (sampling included), contexts
-    ``PROMPT_LEN + 1 .. PROMPT_LEN + DECODE_STEPS``: the median over ``repeats`` runs of
-    ``DECODE_STEPS`` steps, per step."""
+    """Per step, the median over ``repeats`` runs of ``DECODE_STEPS`` steps, sampling included."""
     tables = _block_tables(b)
 
     def decode_steps() -> None:
@@ -163,8 +148,7 @@ def bench_ours(ex: InProcessExecutor, b: int, repeats: int) -> tuple[float, floa
 
 @torch.inference_mode()
 def decode_step_s_hf(hf: transformers.PreTrainedModel, b: int, repeats: int) -> float:
-    """Seconds of one transformers decode step at batch ``b`` after a ``PROMPT_LEN`` prefill
-    (logits only; the same contexts as ``decode_step_s_ours``)."""
+    """The same contexts as ``decode_step_s_ours``."""
     ids = torch.arange(2, 2 + PROMPT_LEN).repeat(b, 1)
 
     def decode_steps() -> None:
@@ -184,25 +168,22 @@ def decode_step_s_hf(hf: transformers.PreTrainedModel, b: int, repeats: int) -> 
 @torch.inference_mode()
 def bench_hf(hf: transformers.PreTrainedModel, b: int, repeats: int) -> tuple[float, float]:
     ids = torch.arange(2, 2 + PROMPT_LEN).repeat(b, 1)
-    # Only the last position's logits, as ours projects only the row it samples: without it HF's
-    # prefill also runs the LM head over every prompt position (on SmolLM2 at batch 32, a
-    # 4,096 x 49,152 fp32 logits tensor) and the ratio measures that, not the model.
+    # Only the last position's logits, as ours: else the ratio measures HF's LM head over the prompt.
     t_prefill = _median(lambda: hf(ids, use_cache=False, logits_to_keep=1), repeats)
     return b * PROMPT_LEN / t_prefill, b / decode_step_s_hf(hf, b, repeats)
 
 
 def build_pair(model: str, weights: str, batch_sizes: list[int], dtype: str, seed: int = 0,
                gemm_choice: str = "cached") -> tuple[InProcessExecutor, transformers.PreTrainedModel, str]:
-    """Our in-process executor (a pool for the largest batch; its GEMM paths chosen as a server's,
-    ``gemm_choice``) and transformers' model on the same weights, both in ``dtype`` (``auto``
-    resolved as the server resolves it), and a label of the weights."""
+    """Our executor (GEMM paths chosen as a server's) and transformers' model on the same weights."""
     config = load_bench_config(model)
     folder = checkpoint_folder(model, weights)
     pool = max(batch_sizes) * blocks_for(PROMPT_LEN + DECODE_STEPS + 1, BLOCK_SIZE)
     dtype = resolve_dtype(dtype, "cpu")
     if folder is None:
         ex = InProcessExecutor(ModelSpec(config, pool, 0, BLOCK_SIZE, dtype=dtype, seed=seed, gemm_choice=gemm_choice))
-        hf = _hf_twin(ex, config, seed).to(torch_dtype(dtype))
+        hf = _hf_twin(ex, config, seed)
+        torch.nn.Module.to(hf, torch_dtype(dtype))   # in place; transformers' typed `to` hides Module's
     else:
         ex = InProcessExecutor(ModelSpec(config, pool, 0, BLOCK_SIZE, dtype=dtype, load_format="auto",
                                          model_path=str(folder), gemm_choice=gemm_choice))

@@ -180,7 +180,6 @@ def environment(s: Shapes) -> dict[str, Any]:
     return env
 
 
-# ---------------------------------------------------------------- ceilings, attention, swaps
 
 
 def ceilings(s: Shapes) -> dict[str, float]:
@@ -259,7 +258,6 @@ def swaps(s: Shapes, ceiling: dict[str, float]) -> dict[str, Any]:
             "contiguous_of_pinned": round(contiguous / pcie, 3), "scattered_of_pinned": round(strided / pcie, 3)}
 
 
-# ---------------------------------------------------------------- models with random weights
 
 
 def random_runner(config: ModelConfig, shard: StageShard, dtype: torch.dtype, device: str, block_size: int,
@@ -479,7 +477,6 @@ def host_register(s: Shapes) -> dict[str, Any]:
             "register_s": round(registered, 2), "unregister_s": round(released, 2)}
 
 
-# ---------------------------------------------------------------- running and reporting
 
 
 def run_part(part: str, s: Shapes, results: dict[str, Any]) -> Any:

@@ -35,6 +35,7 @@ from fastserve.worker.messages import BatchEntry, BatchPlan, SamplingParams, Ste
 from fastserve.worker.model.config import ModelConfig, load_model_config
 from fastserve.worker.pipeline import PipelineExecutor
 from fastserve.worker.spec import EngineSpec, ModelSpec, ParallelSpec
+from fastserve.worker.transport import TransportKind
 
 ROOT = Path(__file__).resolve().parents[2]
 DECODES = 8
@@ -44,7 +45,7 @@ BLOCK_SIZE = 16
 NUM_BATCHES = 2  # disjoint copies of the batch, alternating
 REPEATS = 2  # timed runs per figure; the best is kept
 LAYOUTS = ((1, 1), (2, 1), (1, 2))  # (tensor_parallel_size, pipeline_parallel_size)
-TRANSPORTS = ("compiled", "actor")
+TRANSPORTS: tuple[TransportKind, ...] = ("compiled", "actor")
 RAY_LOGICAL_CPUS = 8
 RAY_OBJECT_STORE_BYTES = 200 * 1024 * 1024
 GREEDY = SamplingParams(max_tokens=CONTEXT + 1, temperature=0.0, ignore_eos=True)

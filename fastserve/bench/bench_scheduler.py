@@ -1,18 +1,10 @@
-"""Scheduler cost benchmark: time of one ``EngineCore`` step's two halves (``schedule()`` +
+"""Scheduler cost benchmark: CPU time of one ``EngineCore`` step's two halves (``schedule()`` +
 ``update()``, the executor excluded) with N queued jobs.
 
-``python -m fastserve.bench.bench_scheduler`` runs every policy at 100 / 1,000 / 10,000 queued jobs
-(batch 16, synthetic outputs from the cost-model executor on a virtual clock; a finished job is
-replaced so the queue stays at N) in two device pools: **binding** (2,000 blocks of 16 tokens,
-~80 jobs' worth, so jobs are preempted, swapped and promoted at every decision — the headline)
-and **roomy** (a pool that holds every job). It prints a table, then, as its last line, one JSON
-object: the headline (``skip_join_mlfq`` at 10,000 jobs, binding pool: mean and p99 CPU ms per
-iteration) and every policy × size × pool. The targets: ≤ 1 ms mean and ≤ 3 ms p99 for the
-headline.
-
-The figures are CPU time of this thread (``time.thread_time``): on a shared machine wall time
-also counts the time other processes held the core. The table shows both. The max is mostly a
-cyclic garbage collection of the 10,000 jobs' objects landing in that iteration.
+Every policy at 100 / 1,000 / 10,000 jobs kept queued, batch 16, in a **binding** pool (~80 jobs'
+worth: preemptions, swaps and promotions at every decision; the headline) and a **roomy** one.
+Thread CPU time, since wall time on a shared machine counts others' time; the max is mostly a
+garbage collection. A table, then one JSON object.
 """
 
 from __future__ import annotations
@@ -65,8 +57,7 @@ def _request(rng: random.Random, i: int) -> JobRequest:
 
 def bench(policy: PolicyName, queued: int, iters: int, warmup: int, seed: int = 0,
           device_blocks: int | None = None) -> tuple[list[float], list[float]]:
-    """(wall, cpu) seconds of schedule()+update() for each of ``iters`` measured iterations;
-    ``device_blocks`` None: a device pool that holds every job."""
+    """(wall, cpu) seconds per iteration; ``device_blocks`` None: a pool that holds every job."""
     rng = random.Random(seed)
     profile = _profile()
     per_job = blocks_for(PROMPT_RANGE[1] + OUTPUT_RANGE[1], BLOCK)

@@ -1,14 +1,6 @@
 """Real-EOS chat workloads: prompts sent as chat requests that end where the model ends them.
-
-Owns the "eos" side of a run against a real model (SmolLM2-135M-Instruct on our server and on
-vLLM): the ``max_tokens`` cap rule (the dataset's reference output length × a scale, clipped to
-``[floor, ceiling]`` and to the room the context leaves after the prompt), the chat request body
-(one user message holding the prompt text, optionally a system message, no ``ignore_eos``,
-``stream_options.include_usage`` so the received length is the server's ``completion_tokens``),
-and the summary of the output lengths a run got back (count, mean, P50/P90/P99, max and the share
-finished by ``stop`` vs ``length``). The paper's mode (``ignore_eos`` completions on the dummy
-model) stays in ``fastserve.bench.client``; this module only adds the chat mode beside it.
-"""
+Owns the ``max_tokens`` cap rule, the chat request body (no ``ignore_eos``; usage streamed, so the
+received length is the server's ``completion_tokens``) and the summary of the lengths received."""
 
 from __future__ import annotations
 
@@ -16,7 +8,7 @@ import argparse
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -31,12 +23,10 @@ DEFAULT_MIN_TOKENS = 16
 DEFAULT_MAX_TOKENS: int | None = None
 #: The smaller context of the two servers: our demo's max_model_len (SmolLM2 trains on 8,192).
 DEFAULT_CONTEXT_LEN = 2048
-#: Tokens the chat template adds around the prompt (ChatML: role headers, <|im_start|>/<|im_end|>,
-#: the default system message SmolLM2's template inserts) and the gap between the dataset's OPT
-#: token counts and the served model's tokenizer.
+#: What the chat template adds around the prompt, and the gap between OPT's counts and the model's.
 DEFAULT_TEMPLATE_MARGIN = 64
 _P50, _P90, _P99 = 50.0, 90.0, 99.0
-_PERCENTILE_METHOD = "linear"
+_PERCENTILE_METHOD: Final = "linear"
 
 
 @dataclass(frozen=True)
@@ -58,8 +48,7 @@ class EosCap:
             raise ValueError(f"max_tokens {self.max_tokens} is below min_tokens {self.min_tokens}")
 
     def cap(self, reference_output_len: int, prompt_len: int) -> int:
-        """``ceil(reference × scale)`` clipped to ``[min_tokens, max_tokens]``, then to the room the
-        context leaves after the prompt and the template margin (at least one token)."""
+        """``ceil(reference × scale)`` clipped, then to the room the context leaves (at least 1)."""
         tokens = max(math.ceil(reference_output_len * self.output_scale), self.min_tokens)
         if self.max_tokens is not None:
             tokens = min(tokens, self.max_tokens)
@@ -91,8 +80,7 @@ def chat_body(prompt: str, model: str, max_tokens: int, temperature: float,
 
 
 def chat_chunk_tokens(chunk: Mapping[str, Any]) -> int:
-    """Choices of a chat chunk that carry content (the role-only first chunk and the empty finish
-    chunk carry none); token ids count one each where the server sends them."""
+    """Choices of a chat chunk that carry content; token ids count one each where sent."""
     count = 0
     for choice in chunk.get("choices") or ():
         ids = choice.get("token_ids")
@@ -121,7 +109,6 @@ class OutputLengths:
 
 
 def output_lengths(records: Sequence[Mapping[str, Any]], completed: str = "ok") -> OutputLengths:
-    """Summarize ``output_tokens`` and ``finish_reason`` over records whose status is ``completed``."""
     done = [r for r in records if r.get("status") == completed]
     if not done:
         return OutputLengths(0, math.nan, math.nan, math.nan, math.nan, 0, math.nan, math.nan)

@@ -1,15 +1,6 @@
-"""Load-test metrics: per-request latencies, their aggregates, SLO attainment and throughput at SLO.
-
-This module owns the numbers the experiments report, with the paper's definitions:
-
-* per request: TTFT, TPOT (mean gap between output tokens after the first), E2E, and the paper's
-  per-token latency = E2E / output tokens (FastServe §6.1);
-* aggregates: mean / P50 / P95 / P99 (numpy linear percentiles), SLO attainment, goodput, and the
-  latency breakdown into queueing, execution and swap-blocked time (Figure 15b);
-* `throughput_at_slo`: the largest arrival rate whose latency stays under the SLO, interpolated
-  between measured rates (Figures 11-12).
-
-Pure functions over plain records; numpy only, no server or client code.
+"""Load-test metrics with the paper's definitions: per request TTFT, TPOT, E2E and per-token latency
+(E2E ÷ output tokens, §6.1); their aggregates, SLO attainment, the Figure 15b breakdown; and
+``throughput_at_slo`` (Figures 11-12). Pure functions over plain records, numpy only.
 """
 
 from __future__ import annotations
@@ -61,7 +52,6 @@ _P95 = 95.0
 _P99 = 99.0
 _PERCENTILE_METHOD: Final = "linear"
 
-# throughput_at_slo outcomes.
 STATUS_INTERPOLATED = "interpolated"
 STATUS_LOWER_BOUND = "lower_bound"  # every measured rate met the SLO: the true value is higher
 STATUS_NONE_UNDER = "none_under"  # even the lowest measured rate missed the SLO
@@ -78,16 +68,12 @@ def _nan_to_none(value: Any) -> Any:
     return value
 
 
-# ---- records -------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class RequestRecord:
-    """What the client (or simulator) observed for one request. Times are seconds on one clock.
-
-    `token_times` holds the arrival time of each streamed chunk of output (one per token when the
-    server streams token by token). `queue_s`, `exec_s`, `swap_s` are the server's own breakdown.
-    """
+    """One request as observed, seconds on one clock; `token_times`: one per streamed chunk;
+    `queue_s`, `exec_s`, `swap_s`: the server's own breakdown."""
 
     arrival: float
     first_token: float | None
@@ -147,11 +133,7 @@ class RequestMetrics:
 
 
 def _tpot(record: RequestRecord) -> float | None:
-    """Mean gap between output tokens after the first.
-
-    With one timestamp per token that is (last - first) / (n - 1); when chunks carry several tokens
-    (or no timestamps were kept) it is (end - first_token) / (output_tokens - 1), vLLM's definition.
-    """
+    """Mean gap between tokens after the first; (end - first) / (n - 1) when chunks carry several (vLLM's)."""
     n = record.output_tokens
     if n < 2 or record.first_token is None:
         return None
@@ -176,7 +158,6 @@ def request_metrics(record: RequestRecord) -> RequestMetrics | None:
     )
 
 
-# ---- aggregates ----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -219,11 +200,8 @@ def _normalize_slo(slo: float | Mapping[str, float]) -> dict[str, float]:
 
 
 def meets_slo(record: RequestRecord, slo: float | Mapping[str, float]) -> bool:
-    """True when the request completed and every named metric is <= its bound.
-
-    A bare number is a per-token-latency SLO (the paper's). A metric that is undefined for this
-    request (TPOT of a one-token output) does not count against it.
-    """
+    """Completed and every named metric within bound; a bare number is a per-token SLO (the paper's).
+    An undefined metric (TPOT of one token) does not count against it."""
     metrics = request_metrics(record)
     if metrics is None:
         return False
@@ -242,7 +220,6 @@ def slo_attainment(records: Sequence[RequestRecord], slo: float | Mapping[str, f
 
 
 def _run_duration(records: Sequence[RequestRecord]) -> float:
-    """From the first arrival to the last completion."""
     ends = [r.end for r in records if r.end is not None]
     if not ends:
         return 0.0
@@ -263,12 +240,7 @@ def goodput(
 
 @dataclass(frozen=True)
 class LatencyBreakdown:
-    """Shares of end-to-end latency (Figure 15b), over completed requests that report a breakdown.
-
-    `other` is what the server's three components do not explain (network, tokenization, HTTP);
-    when the server's components exceed the client's E2E (clock skew) it is 0 and shares are of
-    the components' sum.
-    """
+    """Shares of E2E latency (Figure 15b); `other` is what the server's parts do not explain (0 on skew)."""
 
     requests: int
     queue_share: float
@@ -313,7 +285,6 @@ def latency_breakdown(records: Sequence[RequestRecord]) -> LatencyBreakdown:
 
 @dataclass(frozen=True)
 class RunSummary:
-    """Everything one load-test run reports."""
 
     num_requests: int
     num_completed: int
@@ -369,17 +340,11 @@ def summarize(
     )
 
 
-# ---- throughput at SLO ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class ThroughputAtSLO:
-    """Largest arrival rate whose latency stays under the SLO.
-
-    `rate` is interpolated between `bracket` = (last rate under, first rate over). With status
-    "lower_bound" every measured rate met the SLO and `rate` is the highest one measured; with
-    "none_under" even the lowest rate missed it and `rate` is 0.
-    """
+    """Largest arrival rate whose latency stays under the SLO, interpolated within `bracket`."""
 
     rate: float
     status: str
@@ -406,8 +371,7 @@ RATIO_UNKNOWN = "unknown"      # neither crossed inside the grid, or both missed
 
 @dataclass(frozen=True)
 class SLORatio:
-    """Ours ÷ the peer's throughput at one SLO, with what a grid's end makes of it: a rate that
-    stayed under the SLO up to the grid's highest is only a lower bound on its crossing."""
+    """Ours ÷ the peer's at one SLO; a rate under the SLO to the grid's end is only a lower bound."""
 
     value: float | None
     kind: str
@@ -424,9 +388,6 @@ class SLORatio:
 
 
 def slo_ratio(ours: ThroughputAtSLO, peer: ThroughputAtSLO) -> SLORatio:
-    """``ours.rate ÷ peer.rate``, marked a bound where a side's rate is a lower bound (it held the
-    SLO at every measured rate); None where the quotient says nothing (both lower bounds, or a
-    zero denominator)."""
     if ours.status == STATUS_NONE_UNDER and peer.status == STATUS_NONE_UNDER:
         return SLORatio(None, RATIO_UNKNOWN)
     if ours.is_lower_bound and peer.is_lower_bound:
@@ -440,12 +401,8 @@ def slo_ratio(ours: ThroughputAtSLO, peer: ThroughputAtSLO) -> SLORatio:
 def throughput_at_slo(
     rates: Sequence[float], latencies: Sequence[float], slo: float
 ) -> ThroughputAtSLO:
-    """The paper's throughput metric on a measured latency-vs-rate curve.
-
-    Points are sorted by rate. The first point over the SLO ends the search, even if a noisy higher
-    rate dips back under: "stays under" means every lower rate met it too. NaN latency (a run that
-    failed) counts as over. Within the bracket latency is taken as linear in rate.
-    """
+    """The paper's throughput metric: the first rate over the SLO ends the search (a noisy dip after
+    it does not count; NaN counts as over), linear in rate within the bracket."""
     if len(rates) != len(latencies) or not rates:
         raise ValueError("need as many latencies as rates, and at least one point")
     points = sorted(zip(rates, latencies, strict=True))

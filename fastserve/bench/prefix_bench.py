@@ -1,31 +1,11 @@
 """Prefix caching on the real server: ``python -m fastserve.bench.prefix_bench``.
 
-One workload whose prompts share prefixes (``--workload multi-turn | shared-system``,
-``fastserve.bench.prefix_workloads``) sent to several servers in turn, rate by rate, the same prompts
-to each (the race's client, bodies and caps, ``fastserve.bench.race``): our server started here as one
-``serve run`` of ``config/demo.yaml`` with two applications that differ only in the setting under
-test (``--setup``), plus any running peer (``--system NAME=URL``, e.g. vLLM's CPU build):
-
-* ``cache``: ``kv_cache.prefix_caching`` on (``cache-on``) against off (``cache-off``);
-* ``host-tier``: a device pool too small for the prefixes' working set (``--device-blocks``),
-  ``kv_cache.host_prefix_cache`` on (``host-on``: evicted cached blocks go to the host pool and
-  come back) against off (``host-off``: they are dropped);
-* ``none``: only the ``--system`` servers.
-
-Each application also gets ``--dtype`` (float32 by default: the peer's fp32 computes the same
-greedy tokens on the same weights, so both do equal work). Per system and rate: TTFT mean/P95,
-per-token latency mean/P95, TPOT, output tokens/s, failures, and the **prefix hit rate**: prompt
-tokens served from the cache (``usage.prompt_tokens_details.cached_tokens``, ours also
-``job_stats.cached_tokens``, the record's ``server``, checked to agree) over all prompt tokens, and over the turns that
-repeat an earlier prompt (multi-turn turns ≥ 1; shared-system every request after the first).
-Every cached count of ours is checked: a multiple of the block size and below the prompt.
-Before the first rate each system must answer ``/health`` and gets ``--warmup`` unrecorded
-requests (``fastserve.bench.race.warm_up``). A peer's ``/metrics`` prefix-cache counters (vLLM's
-``vllm:prefix_cache_queries`` / ``_hits``) are read before and after each point. Then each
-system's throughput at the SLO (``--slo``, or ``--slo-factor`` × the reference system's per-token
-mean at the lowest rate; the reference is
-``--slo-from``, default the first ``--system``, else the last of ours) and ratios to the
-reference. A readable table, then one JSON object (also written to ``--out``).
+A workload whose prompts share prefixes (``fastserve.bench.prefix_workloads``) sent rate by rate to
+our server, as two applications differing only in the setting under test (``--setup cache``:
+prefix caching on/off; ``host-tier``: a small device pool, the host tier on/off), and to any peer
+(``--system NAME=URL``), with the race's client. Per system and rate: latencies, throughput and the
+prefix hit rate (each cached count of ours checked: a multiple of the block size, below the prompt,
+equal in ``usage`` and ``job_stats``); then throughput at the SLO and ratios. A table, then JSON.
 
     python -m fastserve.bench.prefix_bench --setup cache --workload multi-turn --system vllm=http://127.0.0.1:8100 \\
         --rates 0.25,1 --num-prompts 60 --turns 5 --eos-max-tokens 96 --out results/prefix/multi-turn.json
@@ -55,14 +35,11 @@ from fastserve.bench.experiments.server import ROOT, ServeApps
 from fastserve.bench.metrics import RequestRecord, summarize, throughput_at_slo
 
 DEMO = ROOT / "config" / "demo.yaml"
-#: Our demo's KV block size (``kv_cache.block_size``): every cached count is a multiple of it.
 BLOCK_SIZE = 16
-#: Device blocks of the host-tier setup: below a multi-turn run's prefix working set, above the
-#: largest job (2,048 tokens = 128 blocks), so jobs run and cached prefixes compete for the rest.
+#: Host-tier setup: below a multi-turn prefix working set, above the largest job (128 blocks).
 DEFAULT_SMALL_POOL = 192
 DEFAULT_RATES = (0.25, 1.0)
-#: Further per-token SLOs (s/token) reported beside the race's: 1.5x, 2x, 3x vLLM's light-load
-#: per-token latency on this workload (about 0.1 s on the 2-core AMD EPYC).
+#: Further per-token SLOs (s/token): 1.5x, 2x, 3x vLLM's light-load per-token latency here.
 DEFAULT_SLOS = (0.15, 0.2, 0.3)
 #: Prometheus families (any prefix, ``_total`` or not) read from a peer's ``/metrics``.
 METRIC_SUFFIXES = ("prefix_cache_queries", "prefix_cache_hits")
@@ -70,9 +47,7 @@ METRICS_TIMEOUT_S = 10.0
 
 
 def setup_variants(setup: str, device_blocks: int, context_len: int) -> dict[str, dict[str, dict[str, Any]]]:
-    """Our applications for ``setup``: name → ``args`` section → settings. The host-tier setup's
-    small device pool must hold one max-length request, so its context is capped at the
-    workload's (``context_len``: prompt + output, as the client caps them)."""
+    """name → ``args`` section → settings; the small host-tier pool caps the context at the workload's."""
     if setup == "cache":
         return {"cache-on": {"kv_cache": {"prefix_caching": True}},
                 "cache-off": {"kv_cache": {"prefix_caching": False}}}
@@ -109,15 +84,12 @@ def metric_counters(client: httpx.Client, url: str) -> dict[str, float] | None:
 
 
 def repeats_earlier(record: Mapping[str, Any], index: int) -> bool:
-    """Whether a record's prompt begins with one sent before it: a later turn of a conversation,
-    or (no conversation) any request after the first."""
     turn = record.get("turn")
     return bool(turn) if turn is not None else index > 0
 
 
 def cache_checks(records: Sequence[dict[str, Any]], block_size: int) -> dict[str, Any]:
-    """Hit rates, and every response whose cached count is impossible or disagrees with its
-    ``job_stats`` (our server reports both; the client keeps job_stats as ``server``)."""
+    """Hit rates, and every response whose cached count is impossible or disagrees with ``job_stats``."""
     ok = [r for r in records if r.get("prompt_tokens")]
     later = [r for i, r in enumerate(ok) if repeats_earlier(r, i)]
     bad: list[dict[str, Any]] = []
@@ -161,7 +133,6 @@ def point_row(records: list[dict[str, Any]], counters: tuple[dict[str, float] | 
 
 
 def bench(args: argparse.Namespace, urls: Mapping[str, str], external: Sequence[str]) -> dict[str, Any]:
-    """Every system at every rate (ours first, then the peers, at each rate)."""
     args.mode = "chat"
     rates = sorted(args.rates)
     samples = P.load_prompts(args.dataset)
@@ -304,7 +275,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def finite(value: Any) -> Any:
-    """``value`` with NaN and infinities as None (strict JSON)."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):

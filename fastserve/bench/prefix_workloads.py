@@ -1,19 +1,9 @@
-"""Workloads whose prompts share prefixes: multi-turn chat and a shared
-system prompt, from the ShareGPT prompts we ship (``fastserve/bench/data``, see its PROVENANCE).
+"""Workloads whose prompts share prefixes, from the ShareGPT prompts we ship (``bench/data``).
 
-* **Multi-turn chat** (``conversations`` + ``run_conversations``): each conversation sends its turns
-  in order, the next only after the previous answer came back, with the whole history (system
-  prompt, user turns, the server's own answers) — so turn k+1 repeats turns 1..k, as chat traffic
-  does; conversations start at Poisson times and interleave. The shipped data holds ShareGPT
-  *first* turns only (``sharegpt_v3_prompts_sample3000.jsonl``), so a conversation's later user
-  turns are other conversations' first turns: real user text, synthetic threading.
-* **Shared system prompt** (``shared_system_prompt``): one long system prompt (ShareGPT prompt
-  texts joined, deterministic) in front of every request; ``fastserve.bench.race --workload
-  shared-system`` sends it with chat mode's independent requests.
-
-Both are usable by ``fastserve.bench.race`` (``--workload multi-turn | shared-system``); records are the
-client's, plus each turn's conversation, turn index and ``cached_tokens`` (the server's
-``usage.prompt_tokens_details.cached_tokens``, None when it does not report it).
+* Multi-turn chat: each conversation sends its turns in order, each after the previous answer,
+  with the whole history, so turn k+1 repeats turns 1..k; conversations start at Poisson times.
+  The data holds first turns only, so later user turns are other conversations' first turns.
+* Shared system prompt: one long system prompt (ShareGPT texts joined) before every request.
 """
 
 from __future__ import annotations
@@ -53,8 +43,6 @@ class Conversation:
 
 def conversations(samples: Sequence[PromptSample], num: int, turns: int, rate: float, seed: int,
                   max_tokens: int) -> list[Conversation]:
-    """``num`` conversations of ``turns`` user turns each, starting at Poisson times of ``rate``
-    per second; turns drawn without replacement from ``samples`` (seeded)."""
     if num < 1 or turns < 1 or max_tokens < 1:
         raise ValueError(f"num, turns and max_tokens must be >= 1, got {num}, {turns}, {max_tokens}")
     if num * turns > len(samples):
@@ -81,8 +69,7 @@ def shared_system_prompt(samples: Sequence[PromptSample], words: int = DEFAULT_S
 
 async def run_conversations(convs: Sequence[Conversation], config: ClientConfig,
                             transport: httpx.AsyncBaseTransport | None = None) -> list[dict[str, Any]]:
-    """Play every conversation (turns in order, each after the previous answer); one record per
-    turn, in (conversation, turn) order."""
+    """One record per turn, in (conversation, turn) order."""
     base = check_base_url(config.base_url, config.allow_remote)
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     timeout = httpx.Timeout(None, connect=config.connect_timeout_s)
@@ -126,8 +113,7 @@ async def run_conversations(convs: Sequence[Conversation], config: ClientConfig,
 
 
 def hit_rate(records: Sequence[dict[str, Any]]) -> float | None:
-    """Prompt tokens the server reported cached over the prompt tokens it reported (a server
-    that reports ``prompt_tokens`` but no details served none from a cache)."""
+    """Cached over reported prompt tokens (no details reported: none cached)."""
     prompts = sum(r.get("prompt_tokens") or 0 for r in records)
     if not prompts:
         return None

@@ -1,12 +1,6 @@
-"""Real prompt texts for races against other servers: ShareGPT and Alpaca, as a user would send them.
-
-Owns turning the shipped text datasets (``fastserve/bench/data/``, see its PROVENANCE.md) into
-``fastserve.bench.workloads.Request``s with ``prompt_text`` set: ShareGPT first-turn prompts with their
-reference output lengths, Alpaca ``instruction + input`` (no separator, as FastServe builds it)
-with its output length. Output lengths can be scaled (a slow CPU cannot serve ShareGPT's full
-answers at useful rates); arrivals are Poisson. The same seed gives the same prompts and arrival
-times for every server in a race.
-"""
+"""Real prompt texts for races against other servers: ShareGPT first turns and Alpaca
+``instruction + input`` (as FastServe builds it) with their reference output lengths, scalable
+for a slow CPU, Poisson arrivals; one seed gives every server the same prompts and times."""
 
 from __future__ import annotations
 
@@ -66,10 +60,8 @@ def load_prompts(dataset: Dataset) -> list[PromptSample]:
 
 def text_requests(samples: list[PromptSample], num_prompts: int, rate: float, seed: int,
                   output_scale: float = 1.0, part: int = 0) -> list[W.Request]:
-    """``num_prompts`` samples (seeded, without replacement) with Poisson arrivals at ``rate``;
-    each output length scaled by ``output_scale`` (at least one token). ``part`` k takes the k-th
-    run of ``num_prompts`` from one seeded shuffle, so parts never share a prompt: a server with
-    a prefix cache (vLLM's is on by default) must not find one rate's prompts cached by another."""
+    """Seeded samples with Poisson arrivals; ``part`` k takes the k-th run of one shuffle, so no two
+    rates share a prompt (a prefix cache would find them)."""
     if num_prompts < 1 or (part + 1) * num_prompts > len(samples):
         raise ValueError(f"num_prompts × (part + 1) must be in [1, {len(samples)}], "
                          f"got {num_prompts} × {part + 1}")

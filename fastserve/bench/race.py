@@ -1,28 +1,12 @@
 """Race two OpenAI-compatible servers on one workload: ``python -m fastserve.bench.race --ours URL --peer URL``.
 
-The same requests (real ShareGPT or Alpaca prompt texts, output lengths scaled, Poisson arrivals,
-one seed; each rate its own prompts) are sent by our load client to each server in turn, rate by
-rate (ours then the peer at each rate, so slow drift of the machine hits both alike). For each
-server and rate it reports the paper's per-token latency (mean, P95), TTFT, TPOT and output
-tokens/s; then each server's throughput at the SLO (``fastserve.bench.metrics.throughput_at_slo``: where
-its mean, and its P95, per-token latency crosses the SLO between two rates, or a bound) and the
-ratios ours ÷ peer, marked ≥ or ≤ where one side's crossing lies past the grid. The SLO is given
-(``--slo``) or set to ``--slo-factor`` × the peer's mean per-token latency at the lowest rate, as
-the issue's race defines it. ``python -m fastserve.bench.race --recheck RACE.json [--slo S]`` recomputes
-a saved race's SLO figures.
-
-``--mode completions`` (default: the paper's setting, a dummy model) sends ``ignore_eos`` completions
-of exactly the scaled reference lengths; ``--mode chat`` (a real model) sends each prompt as one user
-message without ``ignore_eos``, ``max_tokens`` capped from the reference length (``fastserve.bench.chat``),
-so outputs end at the model's EOS; both servers get the same bodies apart from ``model``. Every
-point reports the output lengths actually received (``completion_tokens``: count, mean,
-P50/P90/P99, max, share finished by ``stop`` / ``length``) beside the latencies.
-
-Before the first rate each server must answer ``/health`` (within ``--ready-timeout-s``) and is
-sent ``--warmup`` unrecorded requests, one at a time, as ``vllm bench serve`` sends a test prompt.
-
-Run both servers on this machine, one at a time busy (the other idles), on loopback only. Prints a
-table and, last, one JSON object with every figure and the CPU model.
+The same requests (ShareGPT or Alpaca prompts, Poisson arrivals, one seed, each rate its own
+prompts) go to each server in turn, rate by rate, so machine drift hits both alike. Per server and
+rate: per-token latency (mean, P95), TTFT, TPOT, tokens/s and the output lengths received; then
+throughput at the SLO (given, or ``--slo-factor`` × the peer's at the lowest rate) and the ratios,
+marked ≥ / ≤ where a crossing lies past the grid. ``--mode completions`` sends ``ignore_eos``
+completions of the reference lengths (the paper's setting); ``--mode chat`` lets a real model stop
+at its EOS. ``--recheck RACE.json`` recomputes a saved race's SLO figures. Loopback servers only.
 """
 
 from __future__ import annotations
@@ -65,7 +49,6 @@ def cpu_model() -> str:
 
 
 def client_config(args: argparse.Namespace, base_url: str, model: str | None) -> ClientConfig:
-    """The same client settings for both servers; only the URL and the model name differ."""
     return ClientConfig(base_url=base_url, model=model, prompt_mode="text", max_total_s=args.max_total_s,
                         progress=False, mode=args.mode, temperature=args.temperature,
                         system_prompt=args.system_prompt, seed=args.seed)
@@ -98,10 +81,8 @@ def point_requests(args: argparse.Namespace, samples: list[P.PromptSample], rate
 
 def warm_up(args: argparse.Namespace, samples: list[P.PromptSample], config: ClientConfig,
             transport: httpx.AsyncBaseTransport | None = None) -> None:
-    """Wait for the server's ``/health``, then send it ``--warmup`` requests one at a time, not
-    recorded (as ``vllm bench serve``'s test prompt): a server's first requests pay one-off
-    costs (allocations, kernel set-up) no later request sees. The prompts are the last of the
-    seeded shuffle, which no rate's prompts reach."""
+    """``/health``, then ``--warmup`` unrecorded requests (as ``vllm bench serve``): first requests pay
+    one-off costs. Their prompts are the seeded shuffle's last, which no rate reaches."""
     waited = asyncio.run(wait_healthy(config.base_url, args.ready_timeout_s, transport))
     if args.warmup < 1:
         return
@@ -116,11 +97,8 @@ def warm_up(args: argparse.Namespace, samples: list[P.PromptSample], config: Cli
 
 def conversation_point(args: argparse.Namespace, samples: list[P.PromptSample], rate: float,
                        part: int) -> list[PW.Conversation]:
-    """Multi-turn chat: ``--num-prompts`` turns in all, ``--turns`` per conversation, starting
-    at ``rate`` conversations per second; each rate its own prompts."""
     cap = C.eos_cap_from_args(args)
-    # Each turn's prompt and answer within an equal share of the context, so the whole
-    # conversation fits it (both servers would refuse the turn that does not).
+    # Each turn gets an equal share of the context, so the whole conversation fits.
     share = (cap.context_len - cap.template_margin) // (2 * args.turns)
     fitting = [x for x in samples if x.prompt_len <= share]
     num = max(args.num_prompts // args.turns, 1)
@@ -163,8 +141,7 @@ def race(args: argparse.Namespace,
     for name in SYSTEMS:
         warm_up(args, samples, client_config(args, urls[name], models[name]), (transports or {}).get(name))
     for part, rate in enumerate(rates):
-        # Each rate its own prompts: the same prompts again would be served from both servers'
-        # prefix caches (the point of ``--workload``, not of a rate sweep).
+        # Each rate its own prompts: repeats would be served from the prefix caches.
         requests = point_requests(args, samples, rate, part)
         convs = conversation_point(args, samples, rate, part) if args.workload == "multi-turn" else []
         for name in SYSTEMS:
@@ -209,9 +186,7 @@ SLO_STATISTICS = {"mean": "per_token_mean_s", "p95": "per_token_p95_s"}
 
 def slo_throughputs(points: dict[str, dict[str, dict[str, Any]]], rates: Sequence[float],
                     slo: float) -> dict[str, Any]:
-    """Each server's throughput at the SLO on its mean and on its P95 per-token latency, and
-    ours ÷ the peer's for each, marked a bound where a server held the SLO at every rate
-    (``fastserve.bench.metrics.slo_ratio``). ``points``: server → str(rate) → point row."""
+    """Throughput at the SLO on mean and P95 per-token latency, and ours ÷ the peer's for each."""
     out: dict[str, Any] = {}
     for stat, key in SLO_STATISTICS.items():
         at = {name: throughput_at_slo(rates, [points[name][str(r)][key] for r in rates], slo) for name in SYSTEMS}
@@ -288,8 +263,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def recheck(path: Path, slo: float | None = None) -> dict[str, Any]:
-    """A saved race's JSON with its SLO throughputs computed again (at ``slo`` if given): races
-    saved before the P95 figures were added get them."""
+    """A saved race's JSON with its SLO throughputs computed again (at ``slo`` if given)."""
     result = json.loads(path.read_text())
     result["slo_s"] = result["slo_s"] if slo is None else slo
     result.update(slo_throughputs(result["points"], result["rates"], result["slo_s"]))

@@ -1,25 +1,13 @@
 """The machine's roofline and how far our decode step is from it: ``python -m fastserve.bench.roofline``.
 
-Measures this CPU's sustained GEMM FLOP/s (square GEMMs; fp32, and bf16 only where
-``/proc/cpuinfo`` names native bf16 — ``fastserve.kernels.cpu_features``) per engine — ``torch.mm``,
-oneDNN's prepacked linear, and in bf16 our kernel on ``vdpbf16ps`` and, where the CPU has AMX
-tiles (``amx_tile``, ``amx_bf16``), on AMX: the AMX peak is the best of oneDNN's (AMX inside) and
-ours — and its memory bandwidth (a large tensor read by a reduction, and copied), then prints,
-for the served model (default: the demo's SmolLM2-135M, ``config/demo.yaml``) at batch 1 / 16 /
-32, the **floor of one decode step**:
+Measures this CPU's sustained GEMM FLOP/s per engine and dtype (bf16 where it is native) and its
+memory bandwidth, then for the served model at batch 1 / 16 / 32 prints the floor of one decode step,
 
     floor = max(bytes read / bandwidth, FLOPs / peak FLOP/s)
 
-* bytes: every weight the step multiplies by once (decoder linears, norms, the LM head — the
-  embedding matrix again when tied) plus the embedding rows of the batch's tokens, plus the KV
-  cache each sequence attends over (``context`` tokens, all layers) — at the dtype's width;
-* FLOPs: 2 per multiply-add of every linear layer and the LM head per row, plus attention's
-  ``q·k`` and ``p·v`` (4 × heads × head_dim × context per layer per row); norms, rotary,
-  softmax and sampling are left out (a floor).
-
-Next to it, our measured step (``fastserve.bench.bench_engine``'s machinery: the in-process executor,
-paged KV, sampling included, contexts ``PROMPT_LEN + 1 ..``) and ``transformers``' on the same
-weights, and each one's ratio to the floor. A table, then one JSON object last.
+(bytes: every weight once, the batch's embedding rows, the KV attended over; FLOPs: 2 per
+multiply-add of the linears, plus 4 × heads × head_dim × context per layer per row for attention;
+norms, rotary, softmax, sampling left out), beside our measured step and ``transformers``'.
 """
 
 from __future__ import annotations
@@ -44,10 +32,9 @@ from fastserve.worker.model.shard import StageShard
 
 DEFAULT_MODEL = str(bench_engine.ROOT / "config/demo.yaml")
 BATCH_SIZES = (1, 16, 32)
-#: Square GEMM sides of the FLOP/s probe: each is run as ``torch.mm`` (MKL for fp32 here) and
-#: as oneDNN's prepacked linear (what our decoder linears run on); the fastest is the peak.
+#: Square GEMM sides of the FLOP/s probe; the fastest engine's rate is the peak.
 GEMM_SIDES = (1024, 2048, 4096)
-#: Bytes of the bandwidth probe's tensor: far beyond any cache (this EPYC's L3 is 32 MiB).
+#: Bytes of the bandwidth probe's tensor: far beyond any L3.
 STREAM_BYTES = 512 * 1024 * 1024
 #: The decode steps' mean context in bench_engine (prompt + half of its decode steps).
 DEFAULT_CONTEXT = bench_engine.PROMPT_LEN + bench_engine.DECODE_STEPS // 2
@@ -55,7 +42,6 @@ DEFAULT_CONTEXT = bench_engine.PROMPT_LEN + bench_engine.DECODE_STEPS // 2
 
 @dataclass(frozen=True)
 class StepCost:
-    """What one decode step of ``batch`` sequences must read and compute."""
 
     weight_bytes: int
     kv_bytes: int
@@ -68,17 +54,14 @@ class StepCost:
 
 @dataclass(frozen=True)
 class Machine:
-    """Sustained rates measured here: FLOP/s per dtype name, bytes/s."""
 
     flops: dict[str, float]
     bandwidth: float
 
 
 def decode_step_cost(config: ModelConfig, batch: int, context: int, dtype_bytes: int) -> StepCost:
-    """Bytes and FLOPs of one decode step of ``batch`` sequences, each attending over ``context``
-    tokens (its new one included), for the whole model (TP 1, PP 1), weights and KV at
-    ``dtype_bytes`` per element. Counted from our own stage module (built on the meta device, so
-    nothing is allocated): what the served model multiplies by is what is counted."""
+    """One decode step of the whole model, counted from our own stage module on the meta device:
+    what the served model multiplies by is what is counted."""
     with torch.device("meta"):
         model = build_model(config, StageShard.whole(config))
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
@@ -95,21 +78,17 @@ def decode_step_cost(config: ModelConfig, batch: int, context: int, dtype_bytes:
 
 
 def floor_s(cost: StepCost, bandwidth: float, peak_flops: float) -> float:
-    """The roofline floor of a step: its bytes at ``bandwidth`` or its FLOPs at ``peak_flops``,
-    whichever takes longer."""
     return max(cost.bytes / bandwidth, cost.flops / peak_flops)
 
 
 def _best(run: Callable[[], object], repeats: int) -> float:
-    """Fastest of ``repeats`` timed runs after one warm-up (sustained rate, least disturbed)."""
+    """Fastest of ``repeats`` runs after a warm-up: the least disturbed."""
     return min(bench_engine.timed_runs(run, repeats))
 
 
 def measure_gemm_engines(dtype: torch.dtype, sides: tuple[int, ...] = GEMM_SIDES,
                          repeats: int = 3) -> dict[str, float]:
-    """The highest sustained FLOP/s of square GEMMs in ``dtype`` over ``sides``, per engine:
-    ``torch.mm``, oneDNN's prepacked linear (AMX where the CPU has it), and for bf16 our kernel's
-    ``vdpbf16ps`` and AMX paths (``fastserve.kernels.cpu_linear``) where they run here."""
+    """Peak FLOP/s per engine: ``torch.mm``, oneDNN, and for bf16 our kernel's paths."""
     engines: dict[str, Callable[[torch.Tensor, torch.Tensor], Callable[[], object]]] = {"torch.mm": _mm}
     if onednn_linear_available(dtype):
         engines["onednn"] = _onednn
@@ -139,12 +118,11 @@ def _ours(path: int, a: torch.Tensor, b: torch.Tensor) -> Callable[[], object]:
 
 
 def measure_gemm_flops(dtype: torch.dtype, sides: tuple[int, ...] = GEMM_SIDES, repeats: int = 3) -> float:
-    """The highest sustained FLOP/s of square GEMMs in ``dtype`` over ``sides`` and engines."""
     return max(measure_gemm_engines(dtype, sides, repeats).values())
 
 
 def measure_bandwidth(nbytes: int = STREAM_BYTES, repeats: int = 5) -> dict[str, float]:
-    """Bytes/s of a streaming read (``sum``) and of a copy (read + write both counted)."""
+    """Bytes/s of a streaming read and of a copy (read + write counted)."""
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
     return {"read": nbytes / _best(lambda: src.sum(), repeats),

@@ -1,20 +1,9 @@
 """Load-test workloads: which requests arrive when, with how many prompt and output tokens.
 
-This module owns the request lists every experiment replays, against the live server or the
-simulator:
-
-* length sources: ShareGPT and Alpaca (OPT token counts shipped in `fastserve/bench/data/`, filtered the
-  way FastServe's artifact filters them), fixed-length synthetic jobs, and the input/output-ratio
-  sweep of the paper's Figure 14;
-* arrival processes: Poisson, gamma with a coefficient of variation (bursty), and replay of the
-  Azure LLM inference trace 2023 (real timestamps);
-* prompt synthesis: token ids (or text) with an exact token count, so a request sent to the server
-  has exactly the prompt length the workload asked for.
-
-Everything is deterministic given a seed. Lengths follow FastServe's convention: `prompt_len` is the
-number of ids the model sees *including* OPT's BOS, and `output_len` is the reference output's count
-plus one (HF's OPT tokenizer prepends BOS to the output string too, and FastServe uses that count
-as the generation target).
+Length sources (ShareGPT, Alpaca as FastServe's artifact filters them; fixed; Figure 14's ratios),
+arrivals (Poisson, gamma, the Azure 2023 trace) and prompts of an exact token count; deterministic
+given a seed. As FastServe counts: ``prompt_len`` includes OPT's BOS, ``output_len`` is the
+reference output's count plus one (HF's OPT tokenizer prepends BOS to it too).
 """
 
 from __future__ import annotations
@@ -72,24 +61,21 @@ AZURE_CODE_CSV = DATA_DIR / "AzureLLMInferenceTrace_code.csv"
 BOS_TOKEN_ID = 2
 BOS_TOKENS = 1
 
-# FastServe's artifact prunes a pair when prompt < 4 AND output < 4, when prompt > 1024, or when
-# prompt + output > 2048 (OPT's context window). All counts include BOS.
+# FastServe's artifact prunes prompt < 4 and output < 4, prompt > 1024, or a total > 2048.
 FASTSERVE_MIN_LEN = 4
 FASTSERVE_MAX_PROMPT_LEN = 1024
 FASTSERVE_MAX_TOTAL_LEN = 2048
 
-# Input/output length ratios of the paper's Figure 14 (0.25 .. 256, powers of two).
+# Figure 14's input/output ratios, 0.25 .. 256.
 FIG14_MIN_EXP = -2
 FIG14_MAX_EXP = 8
 FIG14_RATIOS: tuple[float, ...] = tuple(2.0**k for k in range(FIG14_MIN_EXP, FIG14_MAX_EXP + 1))
 
-# Synthetic prompt ids avoid OPT's specials (0..3) and the ids past the real vocabulary
-# (<|endoftext|> 50260, madeupword 50261..50263, <mask> 50264), so they embed like ordinary text.
+# Synthetic ids avoid OPT's specials and the ids past its real vocabulary: they embed like text.
 SAFE_TOKEN_ID_MIN = 4
 SAFE_TOKEN_ID_MAX = 50260  # exclusive
 
-# Words that are one OPT token both at the start of a text and after a space; a text of k of them
-# is exactly k tokens (the byte-level pre-tokenizer splits on spaces before BPE).
+# One OPT token each, at the start and after a space: k of them are exactly k tokens.
 # fmt: off
 _FILLER_WORDS: tuple[str, ...] = (
     "the", "of", "and", "to", "in", "is", "that", "for", "it", "with",
@@ -145,11 +131,8 @@ class TraceRow:
     generated_tokens: int
 
 
-# ---- length sources ------------------------------------------------------------------------------
-
 
 def fastserve_keep(prompt_len: int, output_len: int) -> bool:
-    """FastServe's pruning rule, on BOS-inclusive lengths: True when the pair is kept."""
     too_short = prompt_len < FASTSERVE_MIN_LEN and output_len < FASTSERVE_MIN_LEN
     too_long = (
         prompt_len > FASTSERVE_MAX_PROMPT_LEN or prompt_len + output_len > FASTSERVE_MAX_TOTAL_LEN
@@ -176,11 +159,7 @@ def load_sharegpt_lengths(
     human_gpt_only: bool = False,
     apply_filter: bool = True,
 ) -> list[LengthPair]:
-    """ShareGPT-V3 first-turn pairs in file order.
-
-    FastServe takes turns 0 and 1 whatever their roles (default); `human_gpt_only` keeps only
-    human→gpt pairs, which is closer to the vLLM paper's ShareGPT statistics.
-    """
+    """ShareGPT-V3 turns 0 and 1 whatever their roles (FastServe's); `human_gpt_only`: as vLLM's paper."""
     pairs = [
         _with_bos(row["prompt_tokens"], row["output_tokens"])
         for row in _read_csv(path)
@@ -190,7 +169,6 @@ def load_sharegpt_lengths(
 
 
 def load_alpaca_lengths(path: Path = ALPACA_CSV, apply_filter: bool = True) -> list[LengthPair]:
-    """Alpaca pairs (prompt = instruction + input) in file order."""
     pairs = [_with_bos(row["prompt_tokens"], row["output_tokens"]) for row in _read_csv(path)]
     return filter_pairs(pairs) if apply_filter else pairs
 
@@ -216,12 +194,7 @@ def split_by_ratio(ratio: float, total_tokens: int) -> LengthPair:
 def ratio_sweep_pairs(
     ratio: float, totals: Sequence[int] | int, n: int | None = None
 ) -> list[LengthPair]:
-    """Figure 14 workload: jobs with input/output ratio `ratio`.
-
-    `totals` is either one token budget for every job (then `n` is required) or one budget per job,
-    e.g. `[p.prompt_len + p.output_len for p in sharegpt]` to keep a real job-size distribution
-    while moving the ratio.
-    """
+    """Figure 14: jobs of input/output `ratio`; `totals` one budget (with `n`) or one per job (real sizes)."""
     if isinstance(totals, int):
         if n is None:
             raise ValueError("n is required when totals is a single budget")
@@ -239,15 +212,9 @@ def sample_pairs(pairs: Sequence[LengthPair], n: int, seed: int) -> list[LengthP
     return [pairs[int(i)] for i in index]
 
 
-# ---- arrivals ------------------------------------------------------------------------------------
-
 
 def gamma_arrivals(n: int, rate: float, cv: float, seed: int) -> np.ndarray:
-    """Arrival times (s): gamma inter-arrival gaps of mean 1/rate and coefficient of variation cv.
-
-    This is FastServe's generator: gaps ~ gamma(shape=1/cv², scale=cv²/rate). The first request
-    arrives at 0. An infinite rate sends everything at 0 (vLLM's benchmark convention).
-    """
+    """FastServe's: gaps ~ gamma(shape=1/cv², scale=cv²/rate), the first at 0; rate inf: all at 0."""
     if n <= 0:
         return np.zeros(0)
     if rate <= 0 or cv <= 0:
@@ -260,7 +227,6 @@ def gamma_arrivals(n: int, rate: float, cv: float, seed: int) -> np.ndarray:
 
 
 def poisson_arrivals(n: int, rate: float, seed: int) -> np.ndarray:
-    """Poisson process: exponential gaps, i.e. gamma with cv = 1."""
     return gamma_arrivals(n, rate, cv=1.0, seed=seed)
 
 
@@ -277,11 +243,7 @@ def load_azure_trace(
     start_s: float = 0.0,
     duration_s: float | None = None,
 ) -> list[TraceRow]:
-    """Azure LLM inference trace 2023 rows, in timestamp order.
-
-    Arrival seconds count from the first row kept: rows from `start_s` (seconds after the trace's
-    first row) for `duration_s` seconds (default: to the end), then at most `limit` rows.
-    """
+    """Azure LLM inference trace 2023 rows; arrival seconds count from the first row kept."""
     rows = _read_csv(path)
     if not rows:
         return []
@@ -312,11 +274,7 @@ def trace_requests(
     max_prompt_len: int = FASTSERVE_MAX_PROMPT_LEN,
     max_total_len: int = FASTSERVE_MAX_TOTAL_LEN,
 ) -> list[Request]:
-    """Replay a trace: its arrivals and lengths, contexts clipped to fit OPT's window.
-
-    Azure's counts come from another tokenizer and many conv contexts exceed 2048, so the context
-    is clipped to `max_prompt_len` and the output to what is left of `max_total_len`.
-    """
+    """Replay a trace, contexts clipped to OPT's window (Azure's counts come from another tokenizer)."""
     if max_prompt_len < 1 or max_total_len <= max_prompt_len:
         raise ValueError("need 1 <= max_prompt_len < max_total_len")
     arrivals = arrivals_from_trace(rows, time_scale)
@@ -339,8 +297,6 @@ def rescale_to_rate(requests: Sequence[Request], rate: float) -> list[Request]:
     factor = current / rate
     return [replace(r, arrival_s=start + (r.arrival_s - start) * factor) for r in requests]
 
-
-# ---- assembling requests -------------------------------------------------------------------------
 
 
 def build_requests(
@@ -375,11 +331,7 @@ def workload(
     seed: int,
     cv: float = 1.0,
 ) -> list[Request]:
-    """The standard experiment: sample `num_requests` pairs and give them gamma/Poisson arrivals.
-
-    Lengths and arrivals use separate seeded streams, so a rate sweep with one seed replays the same
-    jobs, only closer together (common random numbers make curves smoother across rates).
-    """
+    """Sampled pairs with gamma arrivals; separate streams, so a rate sweep replays the same jobs."""
     seeds = _child_seeds(seed)
     sampled = sample_pairs(pairs, num_requests, seeds[_STREAM_LENGTHS])
     arrivals = gamma_arrivals(num_requests, rate, cv, seeds[_STREAM_ARRIVALS])
@@ -387,10 +339,7 @@ def workload(
 
 
 def scale_lengths(requests: Sequence[Request], factor: float) -> list[Request]:
-    """Shrink (or grow) every length by `factor`, at least one token each, for slow CPUs.
-
-    Synthesized prompt text no longer matches, so it is dropped; call `with_prompt_text` again.
-    """
+    """Every length times `factor` (at least 1), for slow CPUs; synthesized prompt text is dropped."""
     if factor <= 0:
         raise ValueError(f"factor must be positive, got {factor}")
     return [
@@ -404,14 +353,9 @@ def scale_lengths(requests: Sequence[Request], factor: float) -> list[Request]:
     ]
 
 
-# ---- prompt synthesis ----------------------------------------------------------------------------
-
 
 def synthesize_prompt_ids(prompt_len: int, seed: int, add_bos: bool = True) -> list[int]:
-    """`prompt_len` ids (BOS first when `add_bos`), the rest seeded random ordinary-token ids.
-
-    Send them as a token-id prompt: random ids are not guaranteed to re-tokenize to the same count.
-    """
+    """Seeded ordinary-token ids; send them as ids (random ids need not re-tokenize to the count)."""
     _require_positive(prompt_len=prompt_len)
     body = prompt_len - BOS_TOKENS if add_bos else prompt_len
     rng = np.random.default_rng(seed)
@@ -420,11 +364,7 @@ def synthesize_prompt_ids(prompt_len: int, seed: int, add_bos: bool = True) -> l
 
 
 def synthesize_prompt_text(prompt_len: int, seed: int) -> str:
-    """Text that the OPT tokenizer encodes to exactly `prompt_len` ids, BOS included.
-
-    Words are drawn from a list of single-token common words, so the count is exact; the text is
-    meaningless, which is fine for timing.
-    """
+    """Meaningless text OPT's tokenizer encodes to exactly `prompt_len` ids, BOS included."""
     _require_positive(prompt_len=prompt_len)
     rng = np.random.default_rng(seed)
     picks = rng.integers(0, len(_FILLER_WORDS), size=prompt_len - BOS_TOKENS)

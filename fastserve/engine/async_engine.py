@@ -1,12 +1,8 @@
 """The server's engine: ``EngineCore``'s step driven on asyncio, streaming ``TokenDelta``s per job.
 
-``AsyncEngine`` owns what wraps the step in a server, not the step itself (``fastserve.engine.core``):
-where each job's deltas go, the in-flight plans (up to ``executor.max_inflight``: 1 in process,
-P for a P-stage pipeline) between the core's two halves, admission limits, the watchdog, step
-statistics, and failure handling (a failing plan fails only its own jobs, with
-``finish_reason="error"``; a lost executor is rebuilt and its jobs recompute). The executor is an
-interface so the same loop drives the in-process model (``ThreadedExecutor``) and the Ray
-pipeline. Imports no torch and no ray.
+``AsyncEngine`` owns what wraps the step in a server: where each job's deltas go, the plans in
+flight (up to ``executor.max_inflight``), the watchdog, step statistics, and failures (a failing
+plan fails only its jobs; a lost executor is rebuilt and its jobs recompute). Imports no torch or ray.
 """
 
 from __future__ import annotations
@@ -46,15 +42,8 @@ class Executor(Protocol):
 
 
 class ThreadedExecutor:
-    """Adapts a synchronous ``execute(plan)`` (e.g. ``InProcessExecutor``) to the ``Executor``
-    interface: one worker thread, so the event loop keeps streaming while a step runs.
-
-    Build a model's executor with ``on_its_thread``: then one thread of the process runs torch,
-    and libgomp keeps one OpenMP team. A second team (the thread that loaded the model keeps its
-    own) makes libgomp count more threads than cores and cut its spin-wait to almost nothing, so
-    both threads sleep and wake at each of a step's ~400 parallel regions: measured in a Ray
-    actor on the 2-core Intel, decode forward 26 vs 20 ms at batch 1 and 60 vs 48 ms at batch 16.
-    """
+    """A synchronous ``execute(plan)`` on one worker thread, so the loop keeps streaming. Build the
+    model with ``on_its_thread``: a second torch thread is a second OpenMP team (docs/facts.md)."""
 
     max_inflight = 1
 
@@ -86,8 +75,6 @@ class ThreadedExecutor:
 
 
 class DeltaSink(Protocol):
-    """Where a job's ``TokenDelta``s go: its own queue, or an ingress replica's delivery channel."""
-
     def put_nowait(self, delta: TokenDelta) -> None: ...
 
 
@@ -110,7 +97,7 @@ class RequestStream:
         return delta
 
     def ready(self) -> list[TokenDelta]:
-        """The deltas already queued, without waiting (up to and including the finishing one)."""
+        """The deltas already queued, without waiting."""
         out: list[TokenDelta] = []
         while not self._done and not self._queue.empty():
             delta = self._queue.get_nowait()
@@ -121,15 +108,12 @@ class RequestStream:
 
 @dataclass(frozen=True)
 class _Submitted:
-    """One step the executor is running: its plan, and when it was scheduled and submitted."""
-
     plan: BatchPlan
     at: float                    # perf_counter at submission
-    schedule_s: float            # seconds ``schedule`` took
+    schedule_s: float
     busy_since: float | None     # end of the step it ran back to back with (None: idle before)
 
 
-#: Builds a fresh executor (new workers, weights reloaded) when the current one is lost.
 ExecutorFactory = Callable[[], Awaitable[Executor]]
 
 
@@ -140,11 +124,10 @@ class AsyncEngine:
                  rebuild: ExecutorFactory | None = None,
                  grammars: JobGrammars | None = None) -> None:
         self.core = EngineCore(scheduler, clock, grammars=grammars)
-        #: Compiles structured-output constraints off the loop, one at a time.
         self._compile_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         self.executor = executor
         self._rebuild = rebuild
-        self._lost: list[BatchPlan] = []             # plans of a lost executor, not yet requeued
+        self._lost: list[BatchPlan] = []
         self._recovering_since: float | None = None
         self.rebuilds = 0
         self.last_rebuild_s: float | None = None
@@ -153,13 +136,11 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        #: The executor's outstanding steps (the scheduler keeps what each plan means for its jobs).
         self._inflight: dict[asyncio.Task[StepOutput], _Submitted] = {}
         self.plans_failed = 0
         self.step_stats = StepStats()
-        #: Per-request timestamps for vLLM's latency and token metrics (drained by the replica).
         self.timing = RequestTimer()
-        self._pass = 0                           # loop passes, to tell back-to-back steps
+        self._pass = 0                           # to tell back-to-back steps
         self._last_finish: tuple[int, float] | None = None   # (pass, time) of the last result
         self._last_progress = time.perf_counter()   # a step finished, or the engine went idle
 
@@ -177,15 +158,18 @@ class AsyncEngine:
 
     @property
     def running(self) -> bool:
-        """The loop task exists and has not ended (health checks)."""
         return self._task is not None and not self._task.done()
+
+    @property
+    def recovering(self) -> bool:
+        return self._recovering_since is not None
 
     def health(self) -> str | None:
         """None when healthy, else why not: the loop is not running, or work is pending and no
         step has finished for ``watchdog_s`` (a stuck step)."""
         if not self.running:
             return "the engine loop is not running"
-        if self._recovering_since is not None:   # rebuilding: bounded by rebuild_deadline_s
+        if self.recovering:   # bounded by rebuild_deadline_s
             return None
         stalled = time.perf_counter() - self._last_progress
         if (self._inflight or self.core.has_work()) and stalled > self.config.watchdog_s:
@@ -206,8 +190,7 @@ class AsyncEngine:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         if self._inflight:
-            # Settle what is in flight so the scheduler's blocks and jobs stay consistent; a step
-            # that never returns (a stuck executor) is cancelled after stop_timeout_s.
+            # Settle what is in flight so blocks and jobs stay consistent; bounded by stop_timeout_s.
             _, stuck = await asyncio.wait(self._inflight, timeout=self.config.stop_timeout_s)
             for step_task in stuck:
                 step_task.cancel()
@@ -223,15 +206,12 @@ class AsyncEngine:
     def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                     job_id: str | None = None, arrival: float | None = None,
                     priority: int = 0) -> RequestStream:
-        """``submit`` a ``JobRequest`` built from these (offline runs and tests)."""
         job_id = job_id if job_id is not None else f"job-{next(self._ids)}"
         return self.submit(JobRequest(job_id, tuple(prompt_ids), sampling, arrival, priority))
 
     async def prepare(self, req: JobRequest) -> None:
-        """Compile the request's structured-output constraint before ``submit``, on a worker
-        thread (the loop keeps stepping), waiting at most ``structured_outputs.compile_timeout_s``;
-        one that does not compile in time or at all is an ``InvalidRequest`` naming why. Nothing
-        to do for a request without one, or one already compiled."""
+        """Compile the request's constraint off the loop, within ``compile_timeout_s``, else
+        ``InvalidRequest``."""
         constraint = req.sampling.constraint
         grammars = self.core.grammars
         if constraint is None or grammars is None or grammars.compiler.cached(constraint):
@@ -248,14 +228,13 @@ class AsyncEngine:
             raise InvalidRequest(str(exc)) from None
 
     def submit(self, req: JobRequest) -> RequestStream:
-        """Queue a request; returns its event stream. Raises a ``RequestError`` at once
-        (``InvalidRequest``, ``AdmissionQueueFull``, ``EngineUnavailable``) if it cannot be served."""
+        """Queue a request; its event stream, or a ``RequestError`` at once."""
         queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
         self.submit_to(req, queue)
         return RequestStream(req.job_id, queue)
 
     def submit_to(self, req: JobRequest, sink: DeltaSink) -> None:
-        """``submit``, with the job's deltas put into ``sink`` (up to and including its last)."""
+        """``submit``, with the job's deltas put into ``sink``."""
         if not self.running:
             raise EngineUnavailable("the engine loop is not running; the replica is being replaced")
         if len(self._sinks) >= self.config.max_jobs:
@@ -269,7 +248,6 @@ class AsyncEngine:
         self._wake.set()
 
     def abort(self, job_id: str) -> None:
-        """Cancel a job (e.g. its client went away): frees its blocks, ends its stream."""
         sink = self._sinks.pop(job_id, None)
         self.timing.forget(job_id)
         self.core.abort(job_id)
@@ -277,7 +255,6 @@ class AsyncEngine:
             sink.put_nowait(TokenDelta.ended(job_id, "abort"))
         self._wake.set()
 
-    # ---- the loop ------------------------------------------------------------------------
     async def _run(self) -> None:
         try:
             await self._loop()
@@ -365,10 +342,8 @@ class AsyncEngine:
                 del self._sinks[delta.job_id]
 
     async def _recover(self) -> None:
-        """The executor was lost: settle what was in flight, requeue every job for recompute
-        (each keeps its tokens), build a new executor and resume. Clients see a pause. Past
-        ``rebuild_deadline_s`` every job ends with an error and the loop stops (the replica
-        turns unhealthy and Serve replaces it)."""
+        """Settle what was in flight, requeue every job for recompute, build a new executor; past
+        ``rebuild_deadline_s`` every job errors and the loop stops (Serve replaces the replica)."""
         started = time.perf_counter()
         self._recovering_since = started
         if self._inflight:   # the rest of the lost executor's plans fail too

@@ -1,34 +1,10 @@
 """How a job's events reach the ingress: its own Serve stream, and the delivery channels.
 
-A job's stream (``EngineReplica.generate``) opens with ``Accepted``, or its only event,
-``Refused`` (with the ``ErrorCode`` that picks the HTTP answer); then come its ``TokenDelta``s,
-the last with its ``Finish``. Once an ingress replica has a channel open to the engine replica
-(``EngineReplica.subscribe``, routed to it by ``fastserve.server.routing``), its jobs' deltas
-travel there instead, every job's in one message per engine step; their own streams stay open,
-silent, so cancelling one still aborts its job (client gone, stop string), and Serve still routes,
-counts and drains by them. One stream per job for everything would cost one stream item per job
-per step: several times the engine replica's CPU per step, and a delay that grows with the batch
-(measured by ``fastserve.bench.delivery_bench``; docs/benchmarks.md).
-
-Owns both ends, and neither imports ray:
-
-- the stream's events (``Accepted``, ``Refused``; the scheduler's ``TokenDelta``), ``ServeStream``
-  (what a Serve streaming call looks like; ``LocalStream`` is one over an engine replica in this
-  process) and ``DeliveryDelay`` (emitting to reading, measured at the ingress);
-- ``Channel`` (engine replica): where the engine puts the deltas of the jobs on it (a
-  ``DeltaSink``), sent as one message per wake-up (one per job, merged), and which jobs are still
-  open on it;
-- ``ChannelClient`` (ingress replica): its open channels (one per engine replica) and the routes
-  from job id to the queue its request reads;
-- ``JobStream`` (ingress replica): the one stream an HTTP request reads — ``start`` reads the
-  accepted or refused event, then the job's deltas come from its channel or its own stream.
-
-A job is put on a channel when it is accepted, or never: its deltas then all travel on one
-ordered stream. A channel that breaks fails the jobs on it (``error``) at both ends: the
-scheduler aborts them, the ingress ends their requests. A channel with no job on it for
-``server.channel_idle_close_s`` is ended by the engine replica (its ``subscribe`` call returns),
-so an idle channel never holds a replica that Serve is draining; the ingress opens a new one with
-the next job accepted there.
+A job's stream opens with ``Accepted`` or ``Refused``; its ``TokenDelta``s then travel on the
+ingress replica's channel to the engine replica (one message per step for all its jobs) or, with
+none, on the job's own stream, which stays open either way so cancelling it aborts the job.
+Owns both ends (``Channel`` in the engine replica; ``ChannelClient`` and ``JobStream`` at the
+ingress); neither imports ray. Why a channel and when it closes: docs/design.md, docs/operations.md.
 """
 
 from __future__ import annotations
@@ -51,8 +27,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Accepted:
-    """A job's first event: the engine replica ``replica_id`` took it. Its deltas follow on the
-    caller's delivery channel ``channel_id`` or, with none (empty), on this stream."""
+    """A job's first event: ``replica_id`` took it; deltas follow on ``channel_id`` or, if
+    empty, on this stream."""
 
     job_id: str
     replica_id: str = ""
@@ -61,17 +37,14 @@ class Accepted:
 
 @dataclass(frozen=True)
 class Refused:
-    """A job's only event when the engine would not take it: why, and the ``ErrorCode`` that
-    picks the HTTP answer (admission queue full → 429, invalid → 400, ...)."""
+    """A job's only event when the engine would not take it; ``code`` picks the HTTP status."""
 
     job_id: str
     code: ErrorCode
     message: str
 
 
-#: What a job's own stream carries: ``Accepted`` or ``Refused`` first, then ``TokenDelta``s.
 JobEvent = Accepted | Refused | TokenDelta
-#: One channel message: the deltas of one or more steps, one per job.
 Message = tuple[TokenDelta, ...]
 
 T = TypeVar("T")
@@ -79,8 +52,7 @@ T_co = TypeVar("T_co", covariant=True)
 
 
 class ServeStream(Protocol[T_co]):
-    """A Serve streaming call's response (a handle's ``generate`` or ``subscribe``): an async
-    iterator that can be cancelled (which cancels the call on the replica)."""
+    """A Serve streaming call's response: an async iterator whose ``cancel`` cancels the call."""
 
     def __aiter__(self) -> AsyncIterator[T_co]: ...
 
@@ -90,8 +62,7 @@ class ServeStream(Protocol[T_co]):
 
 
 class LocalStream(Generic[T]):
-    """An engine replica's stream (``generate``, ``subscribe``) in this process, cancellable like
-    a Serve stream."""
+    """An engine replica's stream in this process, cancellable like a Serve stream."""
 
     def __init__(self, gen: AsyncGenerator[T, None]) -> None:
         self._gen = gen
@@ -123,36 +94,29 @@ class DeliveryDelay:
         return self.total / self.count if self.count else None
 
 
-# ---- the engine replica's end ---------------------------------------------------------------
-
 class Channel:
     """One ingress replica's channel in an engine replica (one ``subscribe`` call)."""
 
     def __init__(self, channel_id: str, idle_close_s: float | None = None) -> None:
         self.channel_id = channel_id
-        #: With no job open and nothing to send for this long, the channel ends (``messages``
-        #: returns): an open ``subscribe`` call is a request in flight on the engine replica,
-        #: and Serve's drain waits for every one. None = only ``close()`` ends it.
+        #: Idle this long, the channel ends: Serve's drain waits for an open ``subscribe``.
         self.idle_close_s = idle_close_s
         self._pending: list[TokenDelta] = []
         self._wake = asyncio.Event()
-        self._open: dict[str, asyncio.Event] = {}   # job id → set when its last delta is put
+        self._open: dict[str, asyncio.Event] = {}
         self.closed = False
 
     def open(self, job_id: str) -> None:
-        """``job_id``'s deltas will be put here (``put_nowait``, the engine's ``DeltaSink``);
-        ``wait_done(job_id)`` waits for the last."""
+        """``job_id``'s deltas will be put here; ``wait_done`` waits for its last."""
         if self.closed:
             raise RuntimeError(f"channel {self.channel_id} is closed")
         self._open[job_id] = asyncio.Event()
 
     def forget(self, job_id: str) -> None:
-        """A job that was opened here but never submitted (the engine refused it)."""
         self._open.pop(job_id, None)
 
     @property
     def job_ids(self) -> list[str]:
-        """The jobs on this channel that have not ended."""
         return list(self._open)
 
     def put_nowait(self, delta: TokenDelta) -> None:
@@ -162,20 +126,16 @@ class Channel:
             done.set()
 
     async def wait_done(self, job_id: str) -> None:
-        """Until ``job_id``'s last delta is put, or the channel closes."""
         done = self._open.get(job_id)
         if done is not None:
             await done.wait()
 
     async def messages(self) -> AsyncIterator[Message]:
-        """Every delta put, as one message per wake-up: the engine puts a whole step's deltas
-        before this task runs again, so that is one message per step (more when it lags).
-
-        Ends when the channel is closed, after sending what was put before; or by itself (it
-        closes) once no job has been open on it and nothing was put for ``idle_close_s``."""
+        """Every delta put, one message per wake-up (the engine puts a whole step's deltas
+        between wake-ups); ends on ``close()`` or after ``idle_close_s`` idle."""
         while not self.closed:
             if not await self._woken():
-                self.close()   # idle: no job can be put on it from here on
+                self.close()
                 return
             self._wake.clear()
             pending, self._pending = self._pending, []
@@ -186,15 +146,14 @@ class Channel:
             yield merged_by_job(pending, emitted_at=time.time())
 
     async def _woken(self) -> bool:
-        """Until something is put or the channel closes (True); False once it stayed idle —
-        no job open, nothing pending — for ``idle_close_s``."""
+        """True once something is put or the channel closes; False after ``idle_close_s`` idle."""
         if self.idle_close_s is None or self._open or self._pending:
             await self._wake.wait()
             return True
         try:
             await asyncio.wait_for(self._wake.wait(), self.idle_close_s)
         except TimeoutError:
-            return bool(self._open or self._pending)   # a job opened meanwhile keeps it
+            return bool(self._open or self._pending)
         return True
 
     def close(self) -> None:
@@ -214,39 +173,33 @@ def merged_by_job(deltas: list[TokenDelta], emitted_at: float) -> Message:
     return tuple(replace(TokenDelta.merge(group), emitted_at=emitted_at) for group in by_job.values())
 
 
-# ---- the ingress replica's end -----------------------------------------------------------------
-
-#: Opens a channel: (ingress replica id, engine replica id, channel id) → its message stream.
+#: (ingress replica id, engine replica id, channel id) → the channel's message stream.
 OpenChannel = Callable[[str, str, str], ServeStream[Message]]
 
 
 class ChannelClient:
-    """An ingress replica's channels, one per engine replica, and its jobs' routes.
-
-    ``open_timeout_s`` bounds how long a new channel may take to answer; a channel that failed
-    to open is not tried again for as long (its jobs travel on their own streams meanwhile).
-    """
+    """An ingress replica's channels, one per engine replica, and its jobs' routes. A channel
+    that fails to open within ``open_timeout_s`` is not retried for as long."""
 
     def __init__(self, ingress_id: str, open_channel: OpenChannel, open_timeout_s: float) -> None:
         self.ingress_id = ingress_id
         self._open_channel = open_channel
         self._open_timeout_s = open_timeout_s
-        self._routes: dict[str, asyncio.Queue[TokenDelta]] = {}   # job id → its request's queue
-        self._live: dict[str, str] = {}          # engine replica id → id of its open channel
-        self._current: dict[str, str] = {}       # … → id of its channel, open or opening
-        self._readers: dict[str, asyncio.Task[None]] = {}   # engine replica id → reader task
-        self._on_channel: dict[str, set[str]] = {}   # channel id → its jobs here
-        self._failed_at: dict[str, float] = {}   # engine replica id → when opening failed
-        self.messages = 0                        # channel messages read (tests, operators)
+        self._routes: dict[str, asyncio.Queue[TokenDelta]] = {}
+        self._live: dict[str, str] = {}
+        self._current: dict[str, str] = {}
+        self._readers: dict[str, asyncio.Task[None]] = {}
+        self._on_channel: dict[str, set[str]] = {}
+        self._failed_at: dict[str, float] = {}
+        self.messages = 0
 
     @property
     def live_channels(self) -> dict[str, str]:
         return dict(self._live)
 
     def submit(self, job_id: str, submit: Callable[[], ServeStream[JobEvent]]) -> JobStream:
-        """Submit ``job_id`` (``submit()`` sends it, returning its own stream); the stream its
-        HTTP request reads. Its route exists first: a channel may carry its tokens before the
-        job's own stream brings its accepted event."""
+        """Submit ``job_id``; the stream its HTTP request reads. The route exists first: a
+        channel may carry its tokens before its own stream brings ``Accepted``."""
         queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
         self._routes[job_id] = queue
         try:
@@ -262,8 +215,7 @@ class ChannelClient:
             jobs.discard(job_id)
 
     def adopt(self, job_id: str, replica_id: str, channel_id: str) -> bool:
-        """The job was accepted on ``channel_id``: True if that channel is the one open here, or
-        opening (the engine replica takes jobs on a channel before its ack reaches us)."""
+        """True if ``channel_id`` is the channel open or opening here (jobs may precede its ack)."""
         if self._current.get(replica_id) != channel_id:
             return False
         self._on_channel.setdefault(channel_id, set()).add(job_id)
@@ -276,10 +228,7 @@ class ChannelClient:
         failed_at = self._failed_at.get(replica_id)
         if failed_at is not None and time.monotonic() - failed_at < self._open_timeout_s:
             return
-        # A context of its own: the request that happens to open the channel must not own it.
-        # Serve ties a call to the request in whose context it is made, and cancels it when that
-        # request is cancelled (measured: a client that closed its finished stream took the
-        # channel, and the 17 jobs on it, down with it).
+        # A fresh context: Serve cancels a call with the request in whose context it was made.
         self._readers[replica_id] = asyncio.get_running_loop().create_task(
             self._read(replica_id, uuid.uuid4().hex), name=f"channel-{replica_id}",
             context=contextvars.Context())
@@ -288,7 +237,7 @@ class ChannelClient:
         stream = self._open_channel(self.ingress_id, replica_id, channel_id)
         self._current[replica_id] = channel_id
         try:
-            await asyncio.wait_for(stream.__anext__(), self._open_timeout_s)   # the channel's ack
+            await asyncio.wait_for(stream.__anext__(), self._open_timeout_s)
             self._live[replica_id] = channel_id
             self._failed_at.pop(replica_id, None)
             async for message in stream:
@@ -297,10 +246,8 @@ class ChannelClient:
                     queue = self._routes.get(delta.job_id)
                     if queue is not None:
                         queue.put_nowait(delta)
-            # Ended by the engine replica: idle (no job of ours left on it) or replaced by a
-            # newer channel. The next job accepted there without one opens another.
             log.debug("delivery channel to engine replica %s closed by it", replica_id)
-        except BaseException as exc:   # the replica died, never answered, or Serve cancelled the call
+        except BaseException as exc:
             task = asyncio.current_task()
             if task is not None and task.cancelling():   # ours: close()
                 raise
@@ -327,9 +274,8 @@ class ChannelClient:
 
 
 class JobStream:
-    """One job's stream as its HTTP request reads it: ``start`` reads whether the engine took
-    the job; then its ``TokenDelta``s, from its ingress replica's channel or its own stream;
-    ``peek`` waits for the next without taking it; ``cancel`` aborts the job."""
+    """One job's stream as its HTTP request reads it: ``start``, then its ``TokenDelta``s from
+    the channel or its own stream."""
 
     def __init__(self, job_id: str, own: ServeStream[JobEvent], client: ChannelClient | None = None,
                  queue: asyncio.Queue[TokenDelta] | None = None) -> None:
@@ -343,8 +289,7 @@ class JobStream:
         self._done = False
 
     async def start(self) -> Refused | None:
-        """Read the job's first event: None once the engine accepted it (its deltas' route is
-        then set), else its ``Refused`` (the stream is over)."""
+        """Read the first event: None if accepted, else its ``Refused``."""
         self._started = True
         try:
             event = await self._own.__anext__()
@@ -362,7 +307,6 @@ class JobStream:
 
     @property
     def on_channel(self) -> bool:
-        """Its deltas come on its ingress replica's delivery channel (known once started)."""
         return self._on_channel
 
     def __aiter__(self) -> JobStream:
@@ -370,14 +314,14 @@ class JobStream:
 
     async def __anext__(self) -> TokenDelta:
         if not self._started and await self.start() is not None:
-            raise StopAsyncIteration   # refused: nothing to read
+            raise StopAsyncIteration
         if self._held is not None:
             delta, self._held = self._held, None
             return delta
         return await self._next()
 
     async def peek(self) -> TokenDelta | None:
-        """The next delta, kept for the next read (None: the stream ended without one)."""
+        """The next delta, kept for the next read; None at the end."""
         if self._held is None:
             try:
                 self._held = await self.__anext__()
@@ -410,8 +354,8 @@ class JobStream:
         if client is None:
             return
         if not event.channel_id:
-            client.drop(self.job_id)      # its deltas follow on its own stream
-            client.want(event.replica_id)   # for the jobs after it
+            client.drop(self.job_id)
+            client.want(event.replica_id)
             return
         self._on_channel = True
         if not client.adopt(self.job_id, event.replica_id, event.channel_id):
@@ -425,6 +369,5 @@ class JobStream:
             self._client.drop(self.job_id)
 
     def cancel(self) -> None:
-        """Abort the job (its own stream's cancellation reaches the engine replica)."""
         self._own.cancel()
         self._end()

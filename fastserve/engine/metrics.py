@@ -1,19 +1,7 @@
-"""Prometheus metrics, recorded through Ray's metrics pipeline where the events happen.
-
-Owns the metric families (name, type, labels, buckets, help) and the two recorders that write
-them: ``EngineMetrics`` in each ``Engine`` replica, ``IngressMetrics`` in each ``Ingress``
-replica. Both record with ``ray.serve.metrics`` (``ray.util.metrics`` plus the ``deployment``,
-``replica`` and ``application`` tags Serve adds inside a replica), so every Ray node's metrics
-agent exports them and KubeRay's PodMonitor scrapes them. Nothing here sums across replicas.
-
-Names follow vLLM's (same suffix, unit, buckets, ``model_name`` label) under our own prefix.
-Ray forbids ``:`` in metric names and prefixes ``ray_``, so ``fastserve_<suffix>`` is exported by
-the agents as ``ray_fastserve_<suffix>`` — exactly as vLLM on Ray exports ``ray_vllm_<suffix>``;
-``fastserve.server.metrics_export`` shows them on the app's own ``/metrics`` as ``fastserve:<suffix>``, the
-way standalone vLLM shows ``vllm:<suffix>``.
-
-Counters mirrored from the scheduler's cumulative totals are advanced by their difference since
-the last recording (``CounterMirror``), so an exported counter never decreases.
+"""Prometheus metric families (vLLM's names, units, buckets and ``model_name`` label, under our
+prefix) and their recorders: ``EngineMetrics`` per Engine replica, ``IngressMetrics`` per Ingress
+replica, both through ``ray.serve.metrics``; nothing sums across replicas. Counters mirrored from the
+scheduler's totals advance by their difference (``CounterMirror``), so they never decrease.
 """
 
 from __future__ import annotations
@@ -27,7 +15,7 @@ from fastserve.kv.manager import Tier
 from fastserve.scheduler.job import JobState, JobStats
 from fastserve.scheduler.scheduler import Scheduler
 
-#: Name prefix of every family as recorded in Ray (Ray exports it as ``ray_`` + this).
+#: Ray exports it as ``ray_`` + this.
 PREFIX = "fastserve_"
 Kind = Literal["counter", "gauge", "histogram"]
 
@@ -44,10 +32,9 @@ REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
     240.0, 480.0, 960.0, 1920.0, 7680.0,
 )
-#: Buckets of the token-length histograms when the context length is not known (vLLM builds
-#: them with ``length_buckets(max_model_len)``; ``EngineMetrics`` does too).
+#: Context length for the token-length buckets where the model's is not known.
 DEFAULT_MAX_MODEL_LEN = 2048
-#: ENST prediction error (ours; no vLLM counterpart): from one decode step to a long wait.
+#: ENST prediction error (ours): from one decode step to a long wait.
 ENST_ERROR_BUCKETS: tuple[float, ...] = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -80,8 +67,7 @@ def _families(*items: Family) -> dict[str, Family]:
     return {f.suffix: f for f in items}
 
 
-#: Recorded in each Engine replica. vLLM's families first, then the scheduler's own.
-#: Buckets of the two token-length families are rebuilt for the model's context length.
+#: Recorded in each Engine replica: vLLM's families, then the scheduler's own.
 ENGINE_FAMILIES = _families(
     Family("num_requests_running", "gauge", "Number of requests in model execution batches."),
     Family("num_requests_waiting", "gauge", "Number of requests waiting to be processed."),
@@ -114,7 +100,6 @@ ENGINE_FAMILIES = _families(
            buckets=length_buckets(DEFAULT_MAX_MODEL_LEN)),
     Family("request_generation_tokens", "histogram", "Number of generation tokens processed.",
            buckets=length_buckets(DEFAULT_MAX_MODEL_LEN)),
-    # ---- the scheduler's own (FastServe) ----
     Family("mlfq_jobs", "gauge", "Active jobs per MLFQ level, by state (running: in an in-flight "
            "iteration; waiting: not).", ("level", "state")),
     Family("admission_queue_jobs", "gauge", "Jobs waiting for admission (no KV anywhere yet)."),
@@ -140,7 +125,7 @@ ENGINE_FAMILIES = _families(
 )
 
 #: Recorded in each Ingress replica: only it knows how a request ended for the client (a stop
-#: string matched there ends the scheduler's job as an abort, yet the request finished "stop").
+#: string matched there aborts the job, yet the request finished "stop").
 INGRESS_FAMILIES = _families(
     Family("request_success", "counter", "Count of successfully processed requests.", ("finished_reason",)),
 )
@@ -164,7 +149,6 @@ SinkFactory = Callable[[Family, str], Any]
 
 
 def ray_sink(family: Family, model_name: str) -> Any:
-    """A ``ray.serve.metrics`` metric for ``family`` with ``model_name`` as a default tag."""
     from ray.serve import metrics as serve_metrics
 
     # Ray's stubs say tuple[str]; any tuple of str works (and is what Ray checks for).
@@ -182,7 +166,6 @@ def ray_sink(family: Family, model_name: str) -> Any:
 
 
 class Recorder:
-    """Metrics of one family set, created once per replica through ``sink_factory``."""
 
     def __init__(self, families: Mapping[str, Family], model_name: str, sink_factory: SinkFactory = ray_sink) -> None:
         self.families = dict(families)
@@ -230,9 +213,7 @@ def engine_families(max_model_len: int) -> dict[str, Family]:
 
 
 class EngineMetrics(Recorder):
-    """What one Engine replica records every sampling tick: the engine's per-step and
-    per-request timing since the last tick (``record_timing``), the scheduler's accounting of
-    finished jobs (``job_finished``), and its state (``sample``)."""
+    """What one Engine replica records every sampling tick."""
 
     def __init__(self, model_name: str, sink_factory: SinkFactory = ray_sink,
                  max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> None:
@@ -240,7 +221,6 @@ class EngineMetrics(Recorder):
         self._mirror = CounterMirror()
 
     def record_timing(self, batch: TimingBatch) -> None:
-        """vLLM's token counters and latency histograms from the engine (``fastserve.engine.request_timing``)."""
         self.inc("prompt_tokens", batch.prompt_tokens)
         self.inc("generation_tokens", batch.generation_tokens)
         for ttft in batch.ttfts:
@@ -259,8 +239,7 @@ class EngineMetrics(Recorder):
                 self.observe("request_time_per_output_token_seconds", f.time_per_output_token_s)
 
     def job_finished(self, s: JobStats) -> None:
-        """The scheduler's own accounting of one finished (or aborted) job: its ENST predictions'
-        errors and, when it completed, its total wait and swap-blocked time."""
+        """ENST errors of a finished or aborted job; wait and swap-blocked time if it completed."""
         for predicted, actual in s.enst_pairs:
             self.observe("enst_error_seconds", abs(predicted - actual))
         if s.finish_reason not in COMPLETED or s.finish_time is None:
@@ -272,7 +251,6 @@ class EngineMetrics(Recorder):
         self.inc("requests_rejected")
 
     def sample(self, scheduler: Scheduler) -> None:
-        """Gauges from the scheduler's state now; its cumulative totals onto the counters."""
         for suffix, value in scheduler_gauges(scheduler).items():
             self.set(suffix, value)
         for (level, state), n in mlfq_jobs(scheduler).items():
@@ -293,7 +271,6 @@ class EngineMetrics(Recorder):
 
 
 def scheduler_gauges(s: Scheduler) -> dict[str, float]:
-    """vLLM's scheduler-state gauges (and ours) from the scheduler's own state."""
     running = waiting = swapped = 0
     for job in s.jobs().values():
         if job.state is JobState.RUNNING:
@@ -315,7 +292,7 @@ def scheduler_gauges(s: Scheduler) -> dict[str, float]:
 
 
 def mlfq_jobs(s: Scheduler) -> dict[tuple[int, str], float]:
-    """Active jobs per (MLFQ level, running|waiting); every level present, zeros included."""
+    """Active jobs per (MLFQ level, running|waiting), zeros included."""
     out = {(level, state): 0.0 for level in range(1, s.queues.num_levels + 1) for state in ("running", "waiting")}
     for job in s.jobs().values():
         if job.active:

@@ -1,10 +1,6 @@
 """Offline generation: the same ``AsyncEngine`` as the server, in this process, without Ray or HTTP.
-
-``python -m fastserve.engine.offline --config config/demo.yaml`` reads the Serve YAML's application ``args``
-(validated as ``AppArgs``), builds the scheduler and the in-process executor exactly as a
-``Engine`` replica does, runs a few prompts concurrently through the engine loop and prints
-each completion with its accounting. Configs that ask for the Ray pipeline (TP·PP > 1) are run
-here on one in-process model copy instead: the point is a quick look, not their hardware.
+Builds the engine from a Serve YAML's application ``args`` as a replica does; pipeline configs
+(TP·PP > 1) run on one in-process copy: a quick look, not their hardware.
 """
 
 from __future__ import annotations
@@ -43,8 +39,7 @@ def load_app_args(config: str | Path, app_index: int = 0) -> AppArgs:
 
 async def generate_all(args: AppArgs, prompts: Sequence[str], sampling: SamplingParams,
                        chat: bool = False) -> list[dict[str, Any]]:
-    """Each prompt as a completion, or with ``chat`` as one user message through the model's
-    chat template (as ``/v1/chat/completions`` renders it)."""
+    """Each prompt as a completion, or with ``chat`` as one user message in the chat template."""
     tokenizer = args.model.tokenizer()
     executor = await in_process_executor(args.engine_spec())
     engine = AsyncEngine(build_scheduler(args), executor, config=args.engine, grammars=build_grammars(args))

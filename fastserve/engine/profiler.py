@@ -1,10 +1,6 @@
-"""The job profiler (paper §3.2): measure iteration times offline, write a profile JSON.
-
-``python -m fastserve.engine.profiler --model config/models/opt-125m`` measures, on the in-process executor,
-the first-iteration time ``t_init(s)`` over a grid of prompt lengths, the decode-iteration time
-``t_dec(b)`` over a grid of batch sizes, and the cost of swapping one KV block, and writes
-``config/profiles/<model>-<hardware>-tp1-pp1.json``. The scheduler interpolates it
-(``fastserve.scheduler.profile``) to place jobs (skip-join) and to size quanta (q1 = t_dec).
+"""The job profiler (paper §3.2): measure iteration times offline, write a profile JSON: ``t_init(s)``
+over prompt lengths, ``t_dec(b)`` over batch sizes, and one KV block's swap cost, which the scheduler
+interpolates to place jobs (skip-join) and size quanta (q1 = t_dec).
 """
 
 from __future__ import annotations
@@ -52,9 +48,7 @@ def _report(progress: Progress, line: str) -> None:
 
 
 class _GpuMemory:
-    """Weights and peak activation bytes on a CUDA device, read around the measurements: what
-    torch holds after loading, less the profiler's own KV pool, is the weights; the peak above
-    that during the grid is one iteration's activations."""
+    """CUDA weights (held after loading, less our KV pool) and peak activations (the peak above)."""
 
     def __init__(self, device: str, pool_bytes: int) -> None:
         self.enabled = device.startswith("cuda")
@@ -128,9 +122,8 @@ def measure_swap(ex: InProcessExecutor, repeats: int) -> float:
 def profile(model: str, dtype: str, device: str, block_size: int,
             prompt_lens: Sequence[int], batch_sizes: Sequence[int], repeats: int,
             progress: Progress = None) -> dict[str, Any]:
-    """Measure the grid; ``progress`` (if given) gets one line per phase and grid point. On a GPU
-    the result also says what the weights and one iteration's activations took (``memory``:
-    what ``fastserve serve`` sizes the KV pool from, as vLLM's profile run does)."""
+    """Measure the grid; on a GPU also ``memory`` (weights and activations: what the KV pool is
+    sized from, as vLLM's profile run does)."""
     need = max(blocks_for(max(prompt_lens), block_size),
                max(batch_sizes) * blocks_for(DECODE_CONTEXT + 1, block_size))
     _report(progress, f"loading {Path(model).name} ({dtype}, {device}) to profile "

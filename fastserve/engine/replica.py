@@ -61,8 +61,9 @@ async def in_process_executor(spec: EngineSpec) -> Executor:
     """The model in this process, loaded on the one thread that will run its steps."""
     def build() -> SyncExecutor:
         from fastserve.worker.executor import InProcessExecutor  # imports torch: only where the model lives
+        from fastserve.worker.worker import assigned_device_index
 
-        return InProcessExecutor(spec.model)
+        return InProcessExecutor(spec.model, assigned_device_index(spec.model.device))
 
     return await ThreadedExecutor.on_its_thread(build)
 
@@ -292,7 +293,9 @@ class EngineReplica:
             raise RuntimeError(problem)
 
     def health_problem(self) -> str | None:
-        if getattr(self.engine.executor, "closed", False):   # a stage worker died (PipelineExecutor)
+        # A stage worker died (PipelineExecutor). While the engine rebuilds the pipeline its jobs
+        # wait to resume on the new one: replacing the replica then would fail them all.
+        if getattr(self.engine.executor, "closed", False) and not self.engine.recovering:
             return "the executor is closed"
         return self.engine.health()
 

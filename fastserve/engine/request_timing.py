@@ -1,24 +1,7 @@
-"""Per-request timestamps the engine loop sees, turned into vLLM's request and token metrics.
-
-Owns what vLLM's v1 engine measures per request (``RequestStateStats``) and per step
-(``IterationStats``), in the engine's own clock, for one engine replica:
-
-- arrival (the job reaching the engine), first scheduled (the first plan that includes it:
-  preemptions later do not move it), first token, last token;
-- per step: prompt tokens (a job's whole prompt, counted at the step that produced its first
-  token, as vLLM counts a finished prefill; a recompute after a preemption is not counted again),
-  generation tokens (every token the step produced, including those of jobs that end aborted
-  later), one inter-token latency per job that produced a token and had produced one before
-  (the gap from its previous token: a swap, a recompute or a long MLFQ wait shows up as one
-  long gap instead of being averaged away), and the first-token latency of jobs whose first
-  token it produced;
-- per completed job (``stop`` or ``length``): e2e (arrival → finish), queue (arrival → first
-  scheduled), prefill (first scheduled → first token), decode (first → last token), inference
-  (first scheduled → last token), mean time per output token, prompt and generation lengths.
-  Aborted and failed jobs leave no latency (their tokens still count).
-
-``RequestTimer`` accumulates these between two ``drain`` calls; the replica's metrics tick drains
-them into Ray's metrics (``fastserve.engine.metrics.EngineMetrics.record_timing``). Imports no torch, no ray.
+"""Per-request timestamps the engine loop sees, turned into vLLM v1's request and token metrics
+(``RequestStateStats``, ``IterationStats``) in the engine's clock: prompt and generation tokens per
+step, TTFT and inter-token gaps as they happen, and e2e/queue/prefill/decode/inference intervals
+of completed jobs. Definitions: docs/operations.md. Imports no torch, no ray.
 """
 
 from __future__ import annotations
@@ -28,8 +11,7 @@ from dataclasses import dataclass, field
 
 from fastserve.scheduler.job import TokenDelta
 
-#: Finish reasons of a completed request: only these get latency and length histograms (vLLM's
-#: finished-request stats; an abort or an engine error has no meaningful latency).
+#: Finish reasons that get latency and length histograms (an abort or error has no meaningful latency).
 COMPLETED = ("stop", "length")
 
 
@@ -72,8 +54,7 @@ class TimingBatch:
 
 
 class RequestTimer:
-    """The engine loop's per-request clock: ``added`` on submit, ``scheduled`` per plan, ``step``
-    per finished plan's deltas, ``forget`` on abort; ``drain`` hands over what accumulated."""
+    """The engine loop's per-request clock; ``drain`` hands over what accumulated."""
 
     def __init__(self) -> None:
         self._jobs: dict[str, _Timeline] = {}
@@ -89,14 +70,13 @@ class RequestTimer:
         self._jobs.pop(job_id, None)
 
     def scheduled(self, job_ids: Iterable[str], now: float) -> None:
-        """Jobs in a plan just scheduled: the first time marks the end of their queueing."""
+        """The first plan that includes a job ends its queueing."""
         for job_id in job_ids:
             t = self._jobs.get(job_id)
             if t is not None and t.scheduled is None:
                 t.scheduled = now
 
     def step(self, deltas: Sequence[TokenDelta], now: float) -> None:
-        """A finished step's deltas (one per job that produced a token or ended), at ``now``."""
         batch = self._batch
         for delta in deltas:
             t = self._jobs.get(delta.job_id)

@@ -1,15 +1,6 @@
-"""The engine replica's periodic stats line, as vLLM's engine logs one every 5 s.
-
-Owns what the line says and when it is due (``StatsLog``): the tokens the engine produced since
-the last line (fed from each ``TimingBatch`` the metrics tick drains) and the scheduler's state
-now (``fastserve.engine.metrics.scheduler_gauges``) and prefix-cache totals, turned into one line:
-
-    Avg prompt throughput: 812.4 tokens/s, Avg generation throughput: 31.0 tokens/s,
-    Running: 4 reqs, Waiting: 0 reqs, Swapped: 1 reqs, KV cache usage: 12.5%, Prefix cache hit rate: 40.0%
-
-Waiting counts the admission queue; the hit rate is of the prompt tokens looked up since the last
-line. A replica that was idle for this interval and the one before logs at DEBUG, so an idle server
-stays quiet (as vLLM does). Imports no torch, no ray.
+"""The engine replica's periodic stats line, as vLLM logs one every 5 s: throughput since the last
+line, the scheduler's state now, and the prefix-cache hit rate of the prompt tokens looked up since.
+An idle replica's second idle line and after go to DEBUG. Imports no torch, no ray.
 """
 
 from __future__ import annotations
@@ -21,7 +12,6 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class StatsLine:
-    """One interval's figures."""
 
     prompt_tokens_per_s: float
     generation_tokens_per_s: float
@@ -62,8 +52,8 @@ class StatsLog:
 
     def observe(self, gauges: Mapping[str, float], prefix_hits: int, prefix_queries: int,
                 now: float) -> StatsLine | None:
-        """The line for the interval that ends ``now``, or None when it is not due (or off).
-        ``gauges``: ``scheduler_gauges``' keys; ``prefix_*``: the scheduler's cumulative totals."""
+        """The line for the interval ending ``now``, or None when not due (or off). ``gauges``:
+        ``scheduler_gauges``' keys; ``prefix_*``: cumulative totals."""
         elapsed = now - self._since
         if not self.interval_s or elapsed < self.interval_s:
             return None

@@ -1,13 +1,7 @@
-"""Where an engine step's time goes: running sums per phase, for decode-only and mixed steps.
-
-Owns the engine loop's own accounting (the breakdown the README publishes and the race and
-breakdown tools read): for each finished step, the control plane's phases measured by the loop
-(``schedule``, ``update``), the executor's phases as it reported them (``build``, ``forward``,
-``sample``, ``swap_wait``, ``swap_tail``, ``total``), the step's wall time from submit to result
-(``execute``) and the ``cycle``: time from the previous step's result to this one's while the
-engine was never idle — so ``cycle − forward − sample`` is everything per-step that is not the
-model (``overhead``). Steps are split by kind because a first iteration's prompt changes the cost
-by an order of magnitude. Imports no torch and no ray.
+"""Where an engine step's time goes: running sums per phase, by kind (decode-only or mixed: a prompt
+changes the cost by an order of magnitude). The loop's ``schedule``/``update``, the executor's reported phases, the
+``execute`` wall time and the ``cycle`` (result to result while never idle), so ``cycle - forward -
+sample`` is the per-step ``overhead``. Imports no torch, no ray.
 """
 
 from __future__ import annotations
@@ -24,14 +18,13 @@ EXECUTOR_PHASES = ("build", "forward", "sample", "swap_wait", "swap_tail", "tota
 
 @dataclass
 class StepStats:
-    """Running sums per step kind: ``totals()`` for a reader that diffs two readings,
-    ``summary()`` for means in milliseconds."""
+    """Running sums per step kind: ``totals()`` to diff two readings, ``summary()`` for mean ms."""
 
     _totals: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
 
     def record(self, kind: StepKind, entries: int, tokens: int, schedule_s: float, execute_s: float,
                update_s: float, executor: Mapping[str, float], cycle_s: float | None) -> None:
-        """One finished step. ``cycle_s`` is None when the engine was idle before it."""
+        """``cycle_s`` is None when the engine was idle before the step."""
         sums = self._totals[kind]
         sums["steps"] += 1
         sums["entries"] += entries
@@ -47,7 +40,7 @@ class StepStats:
             sums["cycle_model"] += executor.get("forward", 0.0) + executor.get("sample", 0.0)
 
     def totals(self) -> dict[str, dict[str, float]]:
-        """Sums per kind (counts, and seconds per phase): plain data, safe to send and diff."""
+        """Counts and seconds per phase, per kind: plain data."""
         return {kind: dict(sums) for kind, sums in self._totals.items()}
 
     def summary(self) -> dict[str, dict[str, float]]:
@@ -62,8 +55,7 @@ def diff_totals(after: Mapping[str, Mapping[str, float]],
 
 
 def summarize(totals: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, float]]:
-    """Per kind: step count, mean entries and tokens per step, mean ms per phase, and the mean
-    busy cycle with its share that is not the model (``overhead_ms``, ``overhead_share``)."""
+    """Per kind: steps, mean entries and tokens, mean ms per phase, and the busy cycle's overhead."""
     out: dict[str, dict[str, float]] = {}
     for kind, s in sorted(totals.items()):
         steps = s.get("steps", 0.0)

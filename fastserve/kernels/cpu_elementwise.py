@@ -1,11 +1,5 @@
-"""The CPU bfloat16 elementwise kernels in ``fastserve/kernels/cpu/elementwise_bf16.c``: built, loaded, called.
-
-Owns the calls of RMSNorm (optionally after the residual add), SwiGLU's ``silu(gate) * up`` and
-the rotary embedding on bf16 CPU tensors, and which tensors they take (``fits_*``). Built with
-the same compiler, flags and on-disk cache as the attention kernel (``fastserve.kernels.cpu_ops.build``);
-where the compiler does not target AVX-512 BF16, or no compiler is found, ``available()`` is
-False and ``kernels`` keeps the torch reference (``fastserve.kernels.reference``). Why C: see the C file.
-"""
+"""The CPU bf16 elementwise kernels in ``cpu/elementwise_bf16.c`` (RMSNorm with the residual add,
+SwiGLU, rotary) and which tensors they take (``fits_*``); unavailable without AVX-512 BF16."""
 
 from __future__ import annotations
 
@@ -32,7 +26,6 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """Whether the kernels built with AVX-512 BF16 on this machine (probed once per process)."""
     return _library() is not None
 
 
@@ -69,7 +62,6 @@ def fits_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) ->
 
 
 def library() -> ctypes.CDLL:
-    """The loaded kernels, for callers that make their own ctypes calls (``fastserve.kernels.cpu_step``)."""
     lib = _library()
     if lib is None:
         raise KernelBuildError("the CPU bf16 elementwise kernels are not available on this machine")
@@ -78,7 +70,6 @@ def library() -> ctypes.CDLL:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fastserve.kernels.reference.rms_norm``'s contract for tensors ``fits_rms_norm`` accepts."""
     if not fits_rms_norm(x, weight, delta):
         given = "" if delta is None else f", delta {tuple(delta.shape)} {delta.dtype}"
         raise ValueError(f"rms_norm: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}"
@@ -94,7 +85,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``fastserve.kernels.reference.silu_mul``'s contract for tensors ``fits_silu_mul`` accepts."""
     if not fits_silu_mul(gate, up):
         raise ValueError(f"silu_mul: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} "
                          "do not fit the kernel")
@@ -107,7 +97,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """``fastserve.kernels.reference.rotate``'s contract for tensors ``fits_rotary`` accepts."""
     if not fits_rotary(x, cos, signed_sin):
         raise ValueError(f"rotate: x {tuple(x.shape)} {x.dtype} {x.stride()}, cos {tuple(cos.shape)} "
                          "do not fit the kernel")

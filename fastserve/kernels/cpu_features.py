@@ -1,14 +1,6 @@
-"""What this CPU can do, read from ``/proc/cpuinfo``: its name, its flags, and whether it computes
-bfloat16 natively.
-
-Owns the one answer to "does this CPU have bf16?" (and AMX's bf16 tiles?) that the model's
-``dtype: auto``, the kernels' bf16 paths, the roofline benchmark and the bf16 tests share.
-Detected from the kernel's flag list, never assumed from the vendor or from torch:
-``avx512_bf16`` (AVX-512 BF16: Intel Cooper Lake and later, AMD Zen 4 and later) or
-``amx_bf16`` (AMX tiles). A CPU without either still runs bf16 tensors in torch, but by
-emulation, slower than fp32 — so ``auto`` picks fp32 there.
-
-Stdlib only; nothing here imports torch, ``app`` or ``actors``.
+"""What this CPU can do, from ``/proc/cpuinfo``: its name, its flags, whether it computes bf16
+natively (``avx512_bf16`` or ``amx_bf16``; elsewhere torch emulates bf16, slower than fp32, so
+``dtype: auto`` picks fp32). Detected from flags, never assumed from the vendor. Stdlib only.
 """
 
 from __future__ import annotations
@@ -41,31 +33,26 @@ def _cpuinfo() -> str:
 
 
 def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
-    """The first processor's flags (``/proc/cpuinfo`` unless ``cpuinfo`` text is given)."""
     text = _cpuinfo() if cpuinfo is None else cpuinfo
     return frozenset((_field("flags", text) or "").split())
 
 
 def bf16_flags(cpuinfo: str | None = None) -> tuple[str, ...]:
-    """Which of ``BF16_FLAGS`` this CPU has (empty: no native bf16)."""
     flags = cpu_flags(cpuinfo)
     return tuple(f for f in BF16_FLAGS if f in flags)
 
 
 def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU computes bfloat16 natively (AVX-512 BF16 or AMX)."""
     return bool(bf16_flags(cpuinfo))
 
 
 def cpu_has_amx_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU names AMX tiles with their bf16 multiply (``fastserve.bench.roofline``'s AMX
-    peak; whether the OS lets a process use them is ``fastserve.kernels.cpu_linear.amx_available``)."""
+    """Named only: whether the OS grants the tiles is ``cpu_linear.amx_available``."""
     return set(AMX_BF16_FLAGS) <= cpu_flags(cpuinfo)
 
 
 def cpu_name(cpuinfo: str | None = None) -> str:
-    """The CPU's model name, with its bf16 flags, e.g. ``AMD EPYC (avx512_bf16)``; what every
-    benchmark figure is labelled with."""
+    """E.g. ``AMD EPYC (avx512_bf16)``: what every benchmark figure is labelled with."""
     text = _cpuinfo() if cpuinfo is None else cpuinfo
     name = _field("model name", text) or platform.processor() or platform.machine()
     found = bf16_flags(text)

@@ -1,10 +1,5 @@
-"""The CPU greedy-sampling reductions in ``fastserve/kernels/cpu/greedy.c``: built, loaded and called.
-
-Owns ``greedy_rows``: each row's first maximum (``torch.argmax``'s answer for a row without NaN)
-and whether the row is all finite, for float32 CPU logits. Why C: see the C file (torch's argmax does not vectorise
-on the CPU). Built like the attention kernel (``fastserve.kernels.cpu_ops.build``); where no compiler is
-found it is unavailable and the sampler keeps torch's ops.
-"""
+"""The CPU greedy-sampling reduction in ``cpu/greedy.c`` (torch's argmax does not vectorise on CPU):
+each float32 row's first maximum and whether it is all finite."""
 
 from __future__ import annotations
 
@@ -32,9 +27,7 @@ def fits(logits: torch.Tensor) -> bool:
 
 
 def greedy_rows(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
-    """Each row's first maximum index (``torch.argmax``'s, for a row without NaN; ±inf allowed)
-    and whether the row is all finite (a row that holds a NaN has a token to ignore);
-    ``fits(logits)`` must hold."""
+    """``torch.argmax``'s answer for a row without NaN, and whether the row is all finite."""
     lib = _library()
     if lib is None or not fits(logits):
         raise ValueError(f"greedy_rows takes float32 CPU rows where the kernel built: got "

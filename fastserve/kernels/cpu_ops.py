@@ -1,18 +1,9 @@
-"""The CPU kernels in ``fastserve/kernels/cpu/``: built with the system C compiler, called through ctypes.
-
-Owns building the C sources into a shared library (once per source, compiler flags and machine;
-cached on disk, written atomically so concurrent processes never load a half-written file),
-loading it, and checking/normalising the torch tensors handed to it. Signatures match
-``fastserve.kernels.reference``; ``fastserve/kernels/__init__.py`` decides when these are used.
-
-Why C and not a torch extension: the reference decode attention copies every sequence's pages
-into a dense tensor per layer (a memory-bound gather as large as the KV it reads) before SDPA
-reads it again; the C kernel reads each page once where it lies. A plain C file compiles in well
-under a second with no torch headers, and ``ctypes`` releases the GIL during the call.
-
-When no compiler is found, or the build fails, ``available()`` is False and the dispatcher keeps
-the torch reference (logged once). ``FASTSERVE_CPU_KERNEL_CACHE`` moves the cache folder;
-``FASTSERVE_CC`` names the compiler.
+"""The CPU kernels in ``cpu/`` (paged attention, K/V writes, table checks): built with the system C
+compiler into a disk cache (atomically, per source, flags and CPU), loaded through ctypes (which
+releases the GIL), tensors checked. C and not a torch extension: it compiles in under a second with
+no headers, and reads each page in place where the reference gathers pages into a dense copy.
+No compiler: ``available()`` is False and the torch reference runs. ``FASTSERVE_CPU_KERNEL_CACHE``,
+``FASTSERVE_CC`` move the cache and name the compiler.
 """
 
 from __future__ import annotations
@@ -37,20 +28,13 @@ COMPILER_ENV_VAR = "FASTSERVE_CC"
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "fastserve" / "cpu-kernels"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 BUILD_TIMEOUT_S = 120.0
-#: Cache dtypes the C kernel reads, and its entry point for each. The query and output cross
-#: these entries as float32 (a bf16 query is widened first, the output rounded back once);
-#: a bf16 query over a bf16 cache takes ``BF16_ROWS`` where built, with the same result.
+#: Query and output cross these entries as float32; a bf16 query over a bf16 cache takes ``BF16_ROWS``.
 KERNEL_FOR_CACHE = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
 SUPPORTED_DTYPES = frozenset(KERNEL_FOR_CACHE)
-#: The bf16 entry that takes the query and writes the output as bf16 rows of the model's own
-#: buffers (AVX-512 BF16 builds; its probe says whether this build has it).
 BF16_ROWS = "paged_attention_bf16_rows"
 BF16_ROWS_PROBE = "paged_attention_bf16_rows_available"
-#: The C entry points that check a batch's block tables and write its K/V rows.
 CHECK_TABLES = "check_block_tables"
 WRITE_KV = "write_kv_rows"
-#: Statuses of the C entry points: no scratch memory; a context longer than its table row; a
-#: block id or slot outside the pool.
 SCRATCH_FAILED = -1
 TABLE_TOO_SHORT = -3
 OUTSIDE_POOL = -4
@@ -82,7 +66,6 @@ def _cpu_signature() -> str:
 
 
 def build(source: Path, compiler: str | None = None) -> Path:
-    """Compile ``source`` into the cache (or reuse a previous build); the library's path."""
     cc = compiler or _compiler()
     if cc is None:
         raise KernelBuildError("no C compiler found (install gcc, or set FASTSERVE_CC)")
@@ -109,9 +92,7 @@ def build(source: Path, compiler: str | None = None) -> Path:
 
 
 def load(source: Path) -> ctypes.CDLL:
-    """Build ``source`` (a paged-attention C source with the entry points of KERNEL_FOR_CACHE) and
-    load it with their signatures set; the benchmark loads an older revision this way (which may
-    lack the table check, the cache write and the bf16-rows entry: those are then left unset)."""
+    """An older revision (the benchmark's) may lack later entry points: those are left unset."""
     lib = ctypes.CDLL(str(build(source)))
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     signatures = {name: [ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i32, i32, i32, i32, i32, ctypes.c_float,
@@ -134,10 +115,7 @@ def load(source: Path) -> ctypes.CDLL:
 
 
 def load_optional(source: Path, probe: str, signatures: dict[str, list[type]], fallback: str) -> ctypes.CDLL | None:
-    """Build and load one of the optional ISA-specific kernels (``source``): its entry points'
-    argument types set (each returns an int status), or None where it does not build or its
-    ``probe()`` returns 0 (the compiler's target lacks the instructions); ``fallback`` names what
-    runs instead, for the log."""
+    """An optional ISA-specific kernel, or None where it does not build or its ``probe()`` is 0."""
     try:
         lib = ctypes.CDLL(str(build(source)))
     except (KernelBuildError, OSError, subprocess.TimeoutExpired) as exc:
@@ -164,7 +142,6 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """Whether the C kernels built and loaded on this machine (probed once per process)."""
     return _library() is not None
 
 
@@ -176,7 +153,6 @@ def bf16_rows_available(library: ctypes.CDLL | None = None) -> bool:
 
 
 def library() -> ctypes.CDLL:
-    """The loaded kernels, for callers that make their own ctypes calls (``fastserve.kernels.cpu_step``)."""
     lib = _library()
     if lib is None:
         raise KernelBuildError("CPU kernels are not available on this machine")
@@ -184,8 +160,6 @@ def library() -> ctypes.CDLL:
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """Whether ``paged_attention`` here can take these tensors (CPU; a float32 cache with a float32
-    query, or a bfloat16 cache with a float32 or bfloat16 query; head_dim contiguous)."""
     return (query.device.type == "cpu" and key_cache.device.type == "cpu"
             and key_cache.dtype in SUPPORTED_DTYPES
             and query.dtype in (torch.float32, key_cache.dtype)
@@ -202,9 +176,7 @@ def paged_attention(
     *,
     library: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``fastserve.kernels.reference.paged_attention``; CPU, a float32 or bfloat16 cache
-    (``supports``). The output has the query's dtype. ``library``: another build of the kernel
-    (``load``) instead of this checkout's, for comparisons."""
+    """``reference.paged_attention`` on CPU; ``library``: another build, for comparisons."""
     lib = library or _library()
     if lib is None:
         raise KernelBuildError("CPU kernels are not available on this machine")
@@ -224,8 +196,7 @@ def paged_attention(
         raise ValueError(f"{num_seqs} queries but {tables.shape[0]} block tables and {lens.numel()} context lengths")
     if num_seqs == 0:
         return torch.empty(query.shape, dtype=query.dtype)
-    # The C kernel trusts its tables (an id out of range would read outside the pool): checked
-    # in C, one pass over the ids the contexts reach (an older build, for comparisons: in torch).
+    # The C kernel trusts its tables: checked first (in torch for an older build).
     check = getattr(lib, CHECK_TABLES, None)
     status = (_check_tables_torch(tables, lens, block_size, key_cache.shape[0]) if check is None else
               check(tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr(), num_seqs, block_size,
@@ -254,8 +225,6 @@ def paged_attention(
 
 def raise_for_tables(status: int, context_lens: torch.Tensor, table_width: int, block_size: int,
                      num_blocks: int) -> None:
-    """The error ``check_block_tables``' ``status`` stands for (none for 0): a table too short
-    for its context (ValueError) or a block id outside the pool (IndexError)."""
     if status == TABLE_TOO_SHORT:
         raise ValueError(f"a context of {int(context_lens.max())} tokens needs more than the table's "
                          f"{table_width} blocks of {block_size}")
@@ -264,8 +233,6 @@ def raise_for_tables(status: int, context_lens: torch.Tensor, table_width: int, 
 
 
 def raise_for_status(kernel: str, status: int) -> None:
-    """The error a kernel's nonzero ``status`` stands for: MemoryError where its scratch
-    allocation failed, RuntimeError otherwise."""
     if status == SCRATCH_FAILED:
         raise MemoryError(f"{kernel}: scratch allocation failed")
     if status == BF16_ROWS_UNSUPPORTED:
@@ -275,7 +242,6 @@ def raise_for_status(kernel: str, status: int) -> None:
 
 
 def _check_tables_torch(tables: torch.Tensor, lens: torch.Tensor, block_size: int, num_blocks: int) -> int:
-    """``check_block_tables``' status, computed with torch ops (for builds that lack it)."""
     width = -(-int(lens.max()) // block_size)
     if width > tables.shape[1]:
         return TABLE_TOO_SHORT
@@ -284,8 +250,6 @@ def _check_tables_torch(tables: torch.Tensor, lens: torch.Tensor, block_size: in
 
 
 def supports_write(key_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether ``write_kv`` here can take these tensors: CPU, the rows' dtype already the cache's,
-    each token's row of heads contiguous in the sources and in the cache."""
     return (key_cache.device.type == "cpu" and key.device.type == "cpu" and value.device.type == "cpu"
             and key.dtype == value.dtype == key_cache.dtype and key_cache.dtype in SUPPORTED_DTYPES
             and key.dim() == value.dim() == 3 and key.shape[1:] == value.shape[1:] == key_cache.shape[2:]
@@ -293,14 +257,11 @@ def supports_write(key_cache: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 
 def _row_contiguous(t: torch.Tensor) -> bool:
-    """Whether a row of ``t``'s heads (its last two dims) is one contiguous run."""
     return t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]
 
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Same contract as ``fastserve.kernels.reference.write_kv`` (slots < 0 skipped), for tensors
-    ``supports_write`` accepts: one C call copies every token's K and V row."""
     lib = library()
     if key_cache.stride() != value_cache.stride() or key_cache.shape != value_cache.shape:
         raise ValueError(f"key/value caches differ: {tuple(key_cache.shape)} {key_cache.stride()} vs "

@@ -1,11 +1,5 @@
-"""The CPU prefill attention kernel in ``fastserve/kernels/cpu/prefill_attention_bf16.c``: built, loaded, called.
-
-Owns which tensors the kernel takes (``supports``) and the call (``context_prefill_attention``:
-``fastserve.kernels.reference.context_prefill_attention``'s contract, reading every key and value, the new
-tokens' too, from the paged cache). Built like the other CPU kernels (``fastserve.kernels.cpu_ops.build``);
-where the compiler does not target AVX-512 BF16, ``available()`` is False and ``kernels`` keeps
-torch's SDPA. Why C: see the C file.
-"""
+"""The CPU prefill attention kernel in ``cpu/prefill_attention_bf16.c``: which tensors it takes and
+the call, which reads every K/V (the new tokens' too) from the paged cache. Needs AVX-512 BF16."""
 
 from __future__ import annotations
 
@@ -32,12 +26,10 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """Whether the kernel built with AVX-512 BF16 on this machine (probed once per process)."""
     return _library() is not None
 
 
 def library() -> ctypes.CDLL:
-    """The loaded kernel, for callers that make their own ctypes calls (``fastserve.kernels.cpu_step``)."""
     lib = _library()
     if lib is None:
         raise KernelBuildError("the CPU bf16 prefill attention kernel is not available on this machine")
@@ -62,8 +54,7 @@ def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
 
 def check_tables(tables: torch.Tensor, starts: torch.Tensor, positions: torch.Tensor, block_size: int,
                  num_blocks: int) -> None:
-    """The kernel trusts its tables: every block a sequence reaches (``positions[b]`` + its
-    tokens) must be in its table and inside the pool; IndexError naming the sequence if not."""
+    """The kernel trusts its tables: every block a sequence reaches must be in its table and pool."""
     for b in range(positions.numel()):
         width = -(-(int(positions[b]) + int(starts[b + 1] - starts[b])) // block_size)
         used = tables[b, :width]
@@ -74,8 +65,6 @@ def check_tables(tables: torch.Tensor, starts: torch.Tensor, positions: torch.Te
 def context_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                               cu_seqlens: torch.Tensor | Sequence[int], start_positions: Sequence[int],
                               block_tables: torch.Tensor, scale: float) -> torch.Tensor:
-    """``fastserve.kernels.reference.context_prefill_attention`` for tensors ``supports`` accepts, with the
-    new tokens' K/V read from the cache: they must already be written there."""
     lib = _library()
     if lib is None or not supports(query, key_cache):
         raise ValueError(f"a {query.dtype} query {tuple(query.shape)} over a {key_cache.dtype} cache "

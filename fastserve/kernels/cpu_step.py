@@ -1,22 +1,9 @@
 """A step's decoder layers (LLaMA family, bf16, CPU) as one fixed run of C calls.
 
-Owns the fast path of the steps a server runs: decode rows and prefill chunks beside them, the
-elementwise, paged-attention and prefill-attention C kernels built, and every linear on the GEMM
-path the model measured for its shape (``StepGemm``): ``fastserve.kernels.cpu_linear``'s paths as C
-calls, any other (oneDNN's, torch's) called back, its output copied into the run's buffer. The
-model's module path (``fastserve.worker.model.llama``) makes the same kernel calls through per-op
-wrappers that check, convert and allocate on every call, ~330 of them a step; at batch 1 on the
-2-core AMD EPYC Zen 4 (SmolLM2-135M, context 128) that Python took 11.9 ms of a 24.5 ms step and
-the C kernels 12.6 (docs/engine.md). Here the checks are made once per step, the step's buffers
-are allocated once, and a layer is nine or ten ctypes calls and no copies. The results are the
-module path's bits: the same kernels in the same order on the same values; the MLP's residual
-add, which the module path does in torch, is done by the next layer's norm (its fused add rounds
-the sum to bf16 as torch's add does), and the last layer's by torch; the gate/up projection and
-silu_mul are one call (``linear_bf16_swiglu``: the same roundings).
-
-Where CUDA serving replays a captured graph for the same reason, a CPU step pays for Python
-directly; vLLM's CPU build compiles its model for it. This is the smallest thing that removes
-the cost without a compiler.
+The module path makes the same kernel calls through per-op wrappers (~330 a step, about half a
+batch-1 step: docs/engine.md); here checks and buffers are made once per step and a layer is a
+few ctypes calls. Same kernels, same order, same bits: the MLP's residual add is fused into the
+next layer's norm, gate/up and silu_mul are one call, with the roundings torch's ops make.
 """
 
 from __future__ import annotations
@@ -32,13 +19,11 @@ import torch
 from fastserve.kernels import cpu_elementwise, cpu_linear, cpu_ops, cpu_prefill
 
 BF16 = torch.bfloat16
-#: Bytes of one bf16 element.
 BF16_BYTES = 2
 
 
 @dataclass(frozen=True)
 class LayerDims:
-    """The stage's shapes: hidden width, query and KV heads, head width, MLP width."""
 
     hidden: int
     num_heads: int
@@ -55,10 +40,8 @@ OTHER = -1
 
 @dataclass(frozen=True)
 class StepGemm:
-    """One layer's GEMM (no bias) as the run makes it: ``ranges`` ``((max_rows, path), ...)``
-    ascending, the last covering every larger row count, each path a ``cpu_linear`` path on
-    ``packed`` (the weight as ``cpu_linear.pack`` laid it out) or ``OTHER``: ``other(x)`` gives
-    ``x W^T`` in bf16 (oneDNN's GEMM, say; the model chose it by measurement)."""
+    """One layer's GEMM: ``ranges`` ``((max_rows, path), ...)`` ascending (the last covers more rows),
+    each a ``cpu_linear`` path on ``packed`` or ``OTHER``, where ``other(x)`` gives ``x W^T``."""
 
     packed: torch.Tensor | None
     other: Callable[[torch.Tensor], torch.Tensor] | None
@@ -73,8 +56,6 @@ class StepGemm:
 
 @dataclass(frozen=True)
 class StepLayer:
-    """One decoder layer's bf16 weights: the two norms' scales [hidden], and q/k/v merged, o,
-    gate/up merged and down (no biases)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -90,8 +71,7 @@ class StepLayer:
 
 @dataclass(frozen=True)
 class PrefillRows:
-    """The step's prefill rows (a batch's first rows): each sequence's cumulative start among
-    them, the position its tokens start at (> 0: a chunk after a cached prefix), its block table."""
+    """The step's prefill rows, a batch's first rows; a start position > 0 continues a cached prefix."""
 
     cu_seqlens: torch.Tensor       # int64 [num_seqs + 1]
     start_positions: torch.Tensor  # int64 [num_seqs]
@@ -109,16 +89,13 @@ class PrefillRows:
 
 
 def available() -> bool:
-    """Whether every kernel of the run built on this machine."""
     return (cpu_linear.available() and cpu_elementwise.available() and cpu_ops.available()
             and cpu_ops.bf16_rows_available() and cpu_prefill.available())
 
 
 def fits(dims: LayerDims, layers: Sequence[StepLayer]) -> bool:
-    """Whether these shapes and weights run here: head width a multiple of 32 (the rotary and
-    attention kernels' vectors), bf16 norm scales, each GEMM's paths runnable (a packed weight of
-    the widths the dims say for our kernel's, a callable for ``OTHER``) and alike in every layer
-    (a step picks each GEMM's path once)."""
+    """Whether these shapes and weights run here; each GEMM's paths alike in every layer (a step
+    picks each path once)."""
     q, kv = dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
     packed_out = cpu_linear.OUTPUT_BLOCK
 
@@ -146,14 +123,8 @@ def run_layers(x: torch.Tensor, layers: Sequence[StepLayer], dims: LayerDims, ca
                   cos: torch.Tensor, signed_sin: torch.Tensor, slot_mapping: torch.Tensor,
                   block_tables: torch.Tensor, context_lens: torch.Tensor,
                   prefill: PrefillRows | None = None) -> torch.Tensor:
-    """The hidden rows after ``layers`` for ``x`` [rows, hidden] bf16: ``prefill``'s tokens
-    first (none without it), then one decode token a row.
-
-    ``cache``: the stage's block-major bf16 KV cache ``[num_blocks, num_layers, 2, block_size,
-    num_kv_heads, head_dim]``, layer ``i`` used by ``layers[i]``; ``cos``/``signed_sin``:
-    ``[rows, 1, head_dim]`` bf16 (``Rotary.cos_sin``); ``slot_mapping`` int64 [rows];
-    ``block_tables`` int32 [decodes, width] and ``context_lens`` int32 [decodes] (each row's
-    token included) for the decode rows. ``fits(dims, layers)`` must hold."""
+    """The hidden rows after ``layers``: ``prefill``'s tokens first, then one decode token a row;
+    ``block_tables`` and ``context_lens`` (each row's token included) are the decode rows'."""
     rows = x.shape[0]
     num_prefill = 0 if prefill is None else prefill.num_tokens
     num_decode = rows - num_prefill
@@ -273,16 +244,12 @@ def run_layers(x: torch.Tensor, layers: Sequence[StepLayer], dims: LayerDims, ca
     return current + down if layers else x
 
 
-#: Seconds per kernel family of the runs made inside ``timed()``; None while nobody times.
 _timings: dict[str, float] | None = None
 
 
 @contextlib.contextmanager
 def timed() -> Iterator[dict[str, float]]:
-    """Seconds per kernel family (``gemm``: our kernel; ``gemm_other``: oneDNN/torch called back;
-    ``attention``, ``prefill_attention``, ``norm``, ``rotary``, ``write_kv``, ``silu_mul``) of every
-    run made inside the block, each call clocked around (``fastserve.bench.breakdown``; the rest of a
-    run is Python between the calls). Not for serving: the clocks cost ~0.2 us a call."""
+    """Seconds per kernel family of every run inside the block. Not for serving: clocks cost a call."""
     global _timings
     sink: dict[str, float] = {}
     previous, _timings = _timings, sink
@@ -313,7 +280,6 @@ def _other(gemm: StepGemm) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class _Pointers:
-    """The step's buffers' addresses (ints, what the ctypes calls take)."""
 
     def __init__(self, x: torch.Tensor, *buffers: torch.Tensor) -> None:
         self.x = x.data_ptr()

@@ -1,6 +1,5 @@
-"""What the CUDA kernels in ``fastserve/kernels/cuda/`` are built for, shared by the dispatcher
-(``fastserve.kernels``, which must not import cupy) and the launcher (``fastserve.kernels.cupy_ops``).
-"""
+"""What the CUDA kernels in ``cuda/`` are built for, shared by the dispatcher (which must not import
+cupy) and ``cupy_ops``."""
 
 from __future__ import annotations
 

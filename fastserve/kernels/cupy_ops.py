@@ -1,23 +1,8 @@
-"""CuPy launchers for the CUDA sources in ``fastserve/kernels/cuda/``.
-
-Owns loading the ``.cu`` files with ``cupy.RawModule`` (compiled once per device and set of
-compile-time constants, then cached), checking/normalising the torch tensors handed to them, and
-launching the kernels on the current torch CUDA stream with raw ``data_ptr()``s and element
-strides. Signatures match ``fastserve.kernels.reference``; ``fastserve/kernels/__init__.py``
-decides when these are used.
-
-Launches go to torch's current stream through a CuPy stream object made once per torch stream
-(``Stream.from_external``): under ``torch.cuda.graph`` that is the capturing stream, so the kernels
-land in the graph. Nothing here synchronises with the device or copies between host and device.
-
-Decode attention has two kernels: ``paged_attention_v2.cu`` (the default: split over the context,
-one block per KV head's query group, 16-byte loads; see its header) and ``paged_attention.cu`` (one
-block per (head, sequence), kept as the reference the GPU tests and the benchmark hold v2 to, and
-used for the shapes v2 does not take: a head dim that is not a whole number of 16-byte vectors or
-above ``PAGED_ATTENTION_MAX_HEAD_DIM``, or cache rows not 16-byte aligned).
-
-This module imports cupy at import time, so it is only imported by the dispatcher once cupy has
-been found to work with a device; nothing else should import it directly.
+"""CuPy launchers for the CUDA sources in ``cuda/``: compiled once per device and constants, tensors
+checked, launched on torch's current stream (so they land in a ``torch.cuda.graph`` capture); never
+a sync or a host copy. Signatures match ``reference``. Imports cupy: only the dispatcher, once cupy
+works, imports this. Decode attention: v2 (split context, the default) or v1 (the reference on a GPU
+and the fallback for shapes v2 does not take).
 """
 
 from __future__ import annotations
@@ -36,15 +21,12 @@ CUDA_SOURCE_DIR = Path(__file__).resolve().parent / "cuda"
 PAGED_ATTENTION_SOURCE = "paged_attention.cu"
 PAGED_ATTENTION_V2_SOURCE = "paged_attention_v2.cu"
 WRITE_KV_SOURCE = "write_kv.cu"
-# Must equal NUM_THREADS in paged_attention.cu and paged_attention_v2.cu (the reductions assume it).
+# NUM_THREADS, PARTITION, MAX_SPLITS in the .cu files (the reductions assume them).
 PAGED_ATTENTION_THREADS = 128
-# PARTITION and MAX_SPLITS in paged_attention_v2.cu.
 PAGED_ATTENTION_PARTITION = 256
 PAGED_ATTENTION_MAX_SPLITS = 1024
-# The widest query-head tile v2 is compiled for (its accumulators stay in registers up to this).
-PAGED_ATTENTION_MAX_GROUP_TILE = 8
-# v2's grid aims at this many thread blocks per multiprocessor (enough waves that the last one's
-# imbalance is small, few enough that each split still reads whole partitions).
+PAGED_ATTENTION_MAX_GROUP_TILE = 8   # v2's accumulators stay in registers up to this
+# Enough waves that the last one's imbalance is small, few enough that splits read whole partitions.
 PAGED_ATTENTION_BLOCKS_PER_SM = 4
 VEC_BYTES = 16
 # One block per token; threads stride over num_heads * head_dim, so more rarely helps.
@@ -60,14 +42,12 @@ def _source(filename: str) -> str:
 
 @functools.cache
 def _module(filename: str, device_index: int, options: tuple[str, ...] = ()) -> Any:
-    """One RawModule per source, device and compile options: a RawModule holds one loaded module."""
     with cupy.cuda.Device(device_index):
         return cupy.RawModule(code=_source(filename), options=options)
 
 
 @functools.cache
 def _function(filename: str, kernel: str, device_index: int, options: tuple[str, ...] = ()) -> Any:
-    """Compiled kernel (NVRTC, then CuPy's on-disk cache) for one device."""
     with cupy.cuda.Device(device_index):
         return _module(filename, device_index, options).get_function(kernel)
 
@@ -76,8 +56,7 @@ _streams: dict[tuple[int, int], Any] = {}
 
 
 def _cupy_stream(torch_stream: torch.cuda.Stream, device_index: int) -> Any:
-    """The CuPy view of a torch stream, made once per stream: ``Stream.from_external`` (CuPy 13+,
-    through the stream's ``__cuda_stream__``), else ``ExternalStream`` on older CuPy."""
+    """``Stream.from_external`` (CuPy 13+), else ``ExternalStream``; once per torch stream."""
     key = (device_index, int(torch_stream.cuda_stream))
     stream = _streams.get(key)
     if stream is None:
@@ -123,8 +102,6 @@ def _launch(
     args: tuple[Any, ...],
     options: tuple[str, ...] = (),
 ) -> None:
-    """Launch on torch's current stream so the kernel orders with surrounding torch work (and is
-    captured with it inside ``torch.cuda.graph``)."""
     device_index = _device_index(device)
     function = _function(filename, kernel, device_index, options)
     stream = _cupy_stream(torch.cuda.current_stream(device_index), device_index)
@@ -133,7 +110,6 @@ def _launch(
 
 
 def _cache_strides(cache: torch.Tensor) -> tuple[np.int64, np.int64, np.int64]:
-    """Block, in-block position and head strides of a per-layer cache view, as the kernels take them."""
     return np.int64(cache.stride(0)), np.int64(cache.stride(1)), np.int64(cache.stride(2))
 
 
@@ -163,7 +139,6 @@ def write_kv(
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """CUDA ``write_kv``: see ``kernels.write_kv``."""
     _require_cache_layout(key_cache, "key_cache")
     _require_cache_layout(value_cache, "value_cache")
     device = key_cache.device
@@ -205,8 +180,7 @@ def _paged_attention_args(
     context_lens: torch.Tensor,
     out: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Checked (query, tables, lens, out): tables keep their row stride (a static buffer's rows
-    are wider than the batch needs); only a non-unit column stride or another dtype is copied."""
+    """Tables keep their row stride (a static buffer's rows are wider than the batch)."""
     _require_cache_layout(key_cache, "key_cache")
     _require_cache_layout(value_cache, "value_cache")
     if query.dim() != 3:
@@ -253,20 +227,14 @@ def paged_attention(
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """CUDA ``paged_attention``: see ``kernels.paged_attention``. The split kernel (v2) where it
-    takes the shapes (``v2_supports``), else the one-block-per-head kernel (v1).
-
-    ``out`` (contiguous, query's shape and dtype) is written instead of a fresh tensor; the GPU
-    tests poison it to prove every element is written.
-    """
+    """v2 where it takes the shapes, else v1; ``out`` is written instead of a fresh tensor."""
     if v2_supports(query, key_cache, value_cache):
         return paged_attention_v2(query, key_cache, value_cache, block_tables, context_lens, scale, out=out)
     return paged_attention_v1(query, key_cache, value_cache, block_tables, context_lens, scale, out=out)
 
 
 def v2_supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    """Whether the split kernel takes these tensors: head rows a whole number of 16-byte vectors,
-    and every cache row starting on a 16-byte boundary (base pointers and strides)."""
+    """Head rows whole 16-byte vectors, every cache row 16-byte aligned."""
     head_dim = query.shape[-1]
     size = key_cache.element_size()
     if head_dim > PAGED_ATTENTION_MAX_HEAD_DIM or (head_dim * size) % VEC_BYTES:
@@ -278,17 +246,12 @@ def v2_supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
 
 
 def group_tile(group: int) -> int:
-    """Query heads one v2 block serves: the whole group of a KV head up to
-    ``PAGED_ATTENTION_MAX_GROUP_TILE``, else the largest divisor of the group within it."""
+    """Query heads one v2 block serves: the largest divisor of the group within the tile."""
     return max(t for t in range(1, min(group, PAGED_ATTENTION_MAX_GROUP_TILE) + 1) if group % t == 0)
 
 
 def num_splits(grid_blocks: int, device_index: int) -> int:
-    """Splits of each sequence's context for v2: enough blocks to fill the GPU
-    (``PAGED_ATTENTION_BLOCKS_PER_SM`` per multiprocessor). It depends on the grid alone, not on
-    the contexts or the table's width, so a CUDA graph captured for a batch size and the eager
-    step of the same size split (and so round) alike; a split past a context's last partition
-    exits at once."""
+    """Splits that fill the GPU; from the grid alone, so a graph and the eager step of one size round alike."""
     wanted = -(-PAGED_ATTENTION_BLOCKS_PER_SM * _multiprocessors(device_index) // max(grid_blocks, 1))
     return max(1, min(wanted, PAGED_ATTENTION_MAX_SPLITS))
 
@@ -366,8 +329,7 @@ def paged_attention_v1(
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The one-block-per-(head, sequence) kernel (``paged_attention.cu``): the reference v2 is
-    held to on a GPU, and the kernel for the shapes v2 does not take."""
+    """One block per (head, sequence)."""
     query, tables, lens, out = _paged_attention_args(query, key_cache, value_cache, block_tables,
                                                      context_lens, out)
     num_seqs, num_heads, head_dim = query.shape
@@ -398,8 +360,7 @@ def paged_attention_v1(
 
 
 GATHER_KV_SOURCE = "gather_kv.cu"
-# TOKENS_PER_BLOCK in gather_kv.cu.
-GATHER_KV_TOKENS_PER_BLOCK = 16
+GATHER_KV_TOKENS_PER_BLOCK = 16   # TOKENS_PER_BLOCK in gather_kv.cu
 GATHER_KV_THREADS = 128
 # Word widths gather_kv.cu is instantiated for, widest first.
 GATHER_KV_WORDS = ((16, "w16"), (4, "w4"), (2, "w2"))
@@ -413,10 +374,8 @@ def gather_kv(
     total: int,
     max_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's first ``cu_k[b+1] - cu_k[b]`` positions, read from the paged caches through
-    ``block_tables`` (int32 [B, >= blocks], row-strided), packed into ``[total, KV, D]`` keys and
-    values at rows ``cu_k[b] ..`` (one launch for all sequences; ``max_k``, the longest, sizes the
-    grid). Bit-exact."""
+    """Each sequence's first ``cu_k[b+1] - cu_k[b]`` positions, packed into ``[total, KV, D]`` at
+    rows ``cu_k[b] ..``, one launch. Bit-exact."""
     _require_cache_layout(key_cache, "key_cache")
     _require_cache_layout(value_cache, "value_cache")
     device = key_cache.device

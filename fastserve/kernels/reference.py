@@ -1,17 +1,7 @@
-"""Torch reference implementations of the kernels API (any device, CPU first).
-
-Owns the semantics of every kernel: the CUDA sources in ``fastserve/kernels/cuda/`` must compute the same
-function as these (the tests hold both to these). Each function has the same signature as its
-public counterpart in ``fastserve/kernels/__init__.py``; see there for the contracts.
-
-Attention math follows Hugging Face OPT/LLaMA: scores and softmax in float32 whatever the input
-dtype, output cast back to the input dtype. Grouped-query attention: keys/values (and the caches)
-may have ``num_kv_heads`` heads, a divisor of the query's ``num_heads``; query head ``h`` reads KV
-head ``h // (num_heads // num_kv_heads)``. A sliding window (``window``: Gemma's local layers, Mistral's)
-lets the token at position ``p`` attend only to positions ``p - window + 1 .. p``, as
-transformers' ``sliding_window_overlay`` does; None is full causal attention. Half-precision inputs
-are upcast before the matmuls so the reference is at least as accurate as the kernels it checks
-(and CPU fp16/bf16 matmuls are slow).
+"""Torch reference implementations of the kernel API (any device): the semantics every CUDA and C
+kernel is tested against, same signatures. As Hugging Face: scores and softmax in float32, output in
+the input dtype; query head h reads KV head ``h // (num_heads // num_kv_heads)``; a ``window`` lets
+position p see ``p - window + 1 .. p`` only. Half inputs are upcast off CUDA (slow, less accurate).
 """
 
 from __future__ import annotations
@@ -48,44 +38,33 @@ def write_kv(
 
 
 def _compute_dtype(tensor: torch.Tensor) -> torch.dtype:
-    """Dtype the reference attention runs its matmuls in.
-
-    On CUDA, SDPA's fused kernels already keep the softmax in float32 for half inputs, so the
-    native dtype is kept; elsewhere half inputs are upcast (CPU half matmuls are slow and less
-    accurate).
-    """
+    """On CUDA SDPA's fused kernels keep the softmax in float32 already."""
     if tensor.is_cuda or tensor.dtype == torch.float64:
         return tensor.dtype
     return ACCUM_DTYPE
 
 
 def check_kv_heads(num_heads: int, num_kv_heads: int) -> None:
-    """Query heads must split evenly into groups, one per KV head."""
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads "
                          "(the KV head count must divide the query head count)")
 
 
 def _sequence_bounds(cu_seqlens: torch.Tensor | Sequence[int]) -> list[tuple[int, int]]:
-    """[(start, end)] per sequence from cumulative starts [B+1].
-
-    The forward passes them host-side (``ForwardBatch.prefill_bounds``): reading a device
-    tensor here would stall the host on the GPU once per layer."""
+    """[(start, end)] per sequence; passed host-side, as a device read would stall every layer."""
     starts = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
     return [(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:], strict=True)]
 
 
 def _heads_first(tokens: torch.Tensor, dtype: torch.dtype, repeat: int = 1) -> torch.Tensor:
-    """``[L, heads, D]`` as SDPA's 4-D ``[1, heads * repeat, L, D]`` (a view unless cast or
-    repeated). Torch's fused SDPA kernels (flash, memory-efficient, cuDNN; CPU flash) take 4-D
-    inputs only: a 3-D call falls back to the math path, which materialises ``[H, L, L]`` scores."""
+    """``[L, heads, D]`` as ``[1, heads * repeat, L, D]``: fused SDPA takes 4-D only (3-D runs the
+    math path, which materialises ``[H, L, L]`` scores)."""
     out = tokens.to(dtype).transpose(0, 1).unsqueeze(0)
     return out.repeat_interleave(repeat, dim=1) if repeat > 1 else out
 
 
 def _allowed(rows: int, past: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """Which keys each query row sees: a boolean ``[rows, past + rows]``; row i sits at position
-    ``past + i`` and sees keys ``0 .. past + i``, the last ``window`` of them where a window is set."""
+    """``[rows, past + rows]``: row i sits at position ``past + i``."""
     query_pos = torch.arange(rows, device=device)[:, None] + past
     key_pos = torch.arange(past + rows, device=device)[None, :]
     allowed = key_pos <= query_pos
@@ -94,21 +73,16 @@ def _allowed(rows: int, past: int, window: int | None, device: torch.device) -> 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float,
             dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
-    """One sequence: q ``[L, H, D]`` at positions ``past ..``, k/v ``[past + L, KV, D]`` →
-    ``[L, H, D]``; causal with the query rows aligned to the end (lower-right), within the last
-    ``window`` positions where set."""
+    """One sequence: q at positions ``past ..``, k/v ``[past + L, KV, D]``; causal, lower-right aligned."""
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
-    # On CUDA the KV heads are repeated to the query's: GQA is not taken by every fused kernel
-    # (e.g. the memory-efficient one, which fp32 needs), and the copy is [L, H, D], like q's.
-    # Elsewhere SDPA's enable_gqa reads the shared heads in place.
+    # On CUDA the KV heads are repeated: not every fused kernel takes GQA (the memory-efficient
+    # one, which fp32 needs).
     repeat = num_heads // num_kv_heads if q.is_cuda else 1
     grouped = num_heads != num_kv_heads and repeat == 1
     q4, k4, v4 = _heads_first(q, dtype), _heads_first(k, dtype, repeat), _heads_first(v, dtype, repeat)
     if window is not None and past + q.shape[0] <= window:
-        window = None   # every key is inside the window: plain causal attention
+        window = None   # every key is inside the window
     if past or window is not None:
-        # A boolean [L, past + L] mask, shared by every head: the fused kernels that take masks
-        # (CUDA memory-efficient, CPU flash) accept it.
         allowed = _allowed(q.shape[0], past, window, q.device)
         out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=allowed, scale=scale, enable_gqa=grouped)
     else:
@@ -124,7 +98,6 @@ def prefill_attention(
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Varlen causal self-attention over packed sequences: q [T, H, D], k/v [T, KV, D] -> [T, H, D]."""
     out = torch.empty_like(query)
     compute_dtype = _compute_dtype(query)
     check_kv_heads(query.shape[1], key.shape[1])
@@ -147,14 +120,8 @@ def context_prefill_attention(
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Prefill attention of packed sequences that may continue a cached prefix (chunked
-    prefill): q [T, H, D], k/v [T, KV, D] -> [T, H, D].
-
-    Sequence b's new tokens sit at positions ``start_positions[b] ..``; each attends to the
-    prefix ``0 .. start_positions[b]-1`` read from the paged cache through ``block_tables[b]``,
-    and causally to the new tokens up to itself (taken from ``key``/``value``). A sequence with
-    start 0 is plain causal prefill.
-    """
+    """Sequence b's tokens sit at ``start_positions[b] ..``, its prefix read through ``block_tables[b]``
+    and the new tokens from ``key``/``value``."""
     out = torch.empty_like(query)
     compute_dtype = _compute_dtype(query)
     check_kv_heads(query.shape[1], key.shape[1])
@@ -183,11 +150,8 @@ def paged_attention(
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Decode attention of one query per sequence over its paged context: [B, H, D] -> [B, H, D]
-    (caches hold ``KV`` heads, a divisor of ``H``); within the last ``window`` positions where set."""
     block_size = key_cache.shape[1]
     context_lens = context_lens.to(device=query.device, dtype=torch.long)
-    # Only gather the blocks the longest context needs, not the whole padded table.
     max_context = int(context_lens.max()) if context_lens.numel() else 0
     blocks_needed = max(1, -(-max_context // block_size))
     tables = block_tables[:, :blocks_needed].to(device=key_cache.device, dtype=torch.long)
@@ -197,13 +161,11 @@ def paged_attention(
     positions = blocks_needed * block_size
 
     compute_dtype = ACCUM_DTYPE if query.dtype != torch.float64 else torch.float64
-    # The gather copies: [B, blocks, block_size, H, D] -> [B, positions, H, D], contiguous.
     keys = key_cache[tables].reshape(num_seqs, positions, num_kv_heads, head_dim).to(compute_dtype)
     values = value_cache[tables].reshape(num_seqs, positions, num_kv_heads, head_dim).to(compute_dtype)
     position_ids = torch.arange(positions, device=query.device)
     past_context = position_ids[None, :] >= context_lens[:, None]  # [B, positions]
-    # Slots past a context may hold anything (a recycled block's stale inf/NaN): 0 * NaN is NaN
-    # even under a mask, so zero them — only the tail past the shortest context can hold such slots.
+    # Slots past a context may hold a recycled block's stale NaN, and 0 * NaN is NaN under a mask.
     shortest = int(context_lens.min()) if context_lens.numel() else 0
     tail = past_context[:, shortest:, None, None]
     keys[:, shortest:].masked_fill_(tail, 0.0)
@@ -224,11 +186,7 @@ def _as_id_list(ids: BlockIds) -> list[int]:
 
 
 def coalesce_runs(src_ids: BlockIds, dst_ids: BlockIds) -> list[tuple[int, int, int]]:
-    """Group (src, dst) id pairs into (src_start, dst_start, length) runs.
-
-    A pair extends the current run when both its ids are one past the run's last ids, so the
-    run can be moved as one slice copy. Order is preserved.
-    """
+    """(src_start, dst_start, length) runs of consecutive id pairs, in order."""
     src, dst = _as_id_list(src_ids), _as_id_list(dst_ids)
     if len(src) != len(dst):
         raise ValueError(f"copy_blocks: {len(src)} source ids but {len(dst)} destination ids")
@@ -257,10 +215,7 @@ def copy_blocks(
     dst_ids: BlockIds,
     non_blocking: bool = False,
 ) -> None:
-    """Copy whole blocks ``src[src_ids[k]] -> dst[dst_ids[k]]``, one slice copy per run.
-
-    Runs must not overlap when ``src`` and ``dst`` share storage.
-    """
+    """Runs must not overlap when ``src`` and ``dst`` share storage."""
     if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
         raise ValueError(
             f"copy_blocks: block shape/dtype mismatch {tuple(src.shape[1:])}/{src.dtype} "
@@ -272,37 +227,32 @@ def copy_blocks(
         _check_run(dst_start, length, dst.shape[0], "destination")
         source, target = src[src_start : src_start + length], dst[dst_start : dst_start + length]
         if source.device.type == target.device.type == "cpu" and source.is_contiguous() and target.is_contiguous():
-            # One thread's memcpy: a torch copy this large is an OpenMP region, and the KV store
-            # runs swaps on its own thread, whose OpenMP team would throttle the model's (see
-            # fastserve.engine.async_engine.ThreadedExecutor).
+            # One thread's memcpy: swaps run on the KV store's thread, whose OpenMP team would
+            # throttle the model's.
             np.copyto(_as_bytes(target), _as_bytes(source))
         else:
             target.copy_(source, non_blocking=non_blocking)
 
 
 def _as_bytes(t: torch.Tensor) -> np.ndarray:
-    """A contiguous CPU tensor's memory as a flat uint8 array (a view: writes go to ``t``)."""
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``x + delta`` in x's dtype, or ``x``; its RMSNorm): each row in float32, scaled by
-    ``rsqrt(mean(row^2) + eps)``, cast back to x's dtype, then times ``weight`` (as HF does)."""
+    """(``x + delta``, its RMSNorm): rows in float32, cast back, then times ``weight`` (as HF)."""
     if delta is not None:
         x = x + delta
-    # F.rms_norm over the float32 copy is transformers' pow/mean/rsqrt/mul bit for bit, in one op.
+    # Transformers' pow/mean/rsqrt/mul bit for bit, in one op.
     normed = F.rms_norm(x.to(torch.float32), weight.shape, None, eps)
     return x, weight * normed.to(x.dtype)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's gating: ``silu(gate) * up``, each op in the inputs' dtype (as HF does)."""
     return F.silu(gate) * up
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """The half-split rotary embedding of ``x`` [tokens, heads, head_dim]: transformers'
-    ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``, bit for bit: ``roll``
-    swaps the halves in one op and the sign lives in ``signed_sin`` (negation is exact)."""
+    """Transformers' ``x * cos + rotate_half(x) * sin`` bit for bit: ``roll`` swaps the halves and
+    the sign lives in ``signed_sin`` (negation is exact)."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

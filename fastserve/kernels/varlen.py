@@ -1,16 +1,7 @@
-"""Prefill attention on a GPU as one varlen flash-attention call per layer over every sequence.
-
-Owns the call of torch's FlashAttention-2 varlen kernel (``aten::_flash_attention_forward``: the
-kernel behind ``flash_attn_varlen_func`` and ``torch.nn.attention.varlen``; GQA read in place,
-causal aligned to the end of each sequence's keys) and the probe that decides, once per device and
-dtype, whether this torch build has it. Whole prompts pass their new keys and values as they are;
-when any sequence continues a cached prefix (chunked prefill, a prefix-cache hit) every
-sequence's keys and values are gathered from the paged cache in one CuPy launch
-(``cupy_ops.gather_kv``) first: FlashAttention-2's own paged path takes only blocks of 256
-tokens, ours are 16.
-
-Replaces, on fp16/bf16 CUDA tensors with a head dim that is a multiple of 8 up to 256, the
-reference's one SDPA call per sequence (and its dense prefix copy and boolean mask per sequence).
+"""Prefill attention on a GPU as one FlashAttention-2 varlen call per layer over every sequence
+(``aten::_flash_attention_forward``, GQA in place), with a probe, once per device and dtype, that
+this torch build has it. When a sequence continues a cached prefix, every sequence's K/V are first
+gathered from the paged cache in one CuPy launch: FA2's own paged path takes 256-token blocks only.
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
-"""``TierBlocks``: one tier (device or host) of the paged KV cache — which blocks are free,
-who references the others, and which hold cached KV.
-
-A block of a tier is exactly one of
-
-* free (in the free list, no hash),
-* cached and evictable (a hash, no reference; in the LRU order, oldest first),
-* referenced: by job block tables and by in-flight steps that still read or write it (``refs``
-  counts both; the manager knows which).
-
-A block whose last reference goes keeps its hash and becomes evictable instead of free; taking
-blocks uses the free list first, then evicts the least recently released cached blocks (the
-manager decides where an evicted device block's KV goes: the host tier or nowhere).
-
-The ``KVCacheManager`` (``fastserve.kv.manager``) knows which tables and steps hold a block; the
-prefix cache (``fastserve.kv.prefix``) which hashes a job's tokens have.
-"""
+"""``TierBlocks``: one tier of the paged KV cache. Each block is exactly one of free, cached and
+evictable (a hash, no reference; LRU), or referenced (``refs`` counts tables and in-flight steps).
+A block whose last reference goes keeps its hash; taking blocks uses the free list, then the LRU."""
 
 from __future__ import annotations
 
@@ -26,19 +12,16 @@ BlockHash = bytes
 
 
 class OutOfBlocks(RuntimeError):
-    """An allocation asked for more blocks than the pool has free (a planner bug: check first)."""
+    """More blocks asked for than the pool has free: a planner bug."""
 
 
 class TierBlocks:
-    """The free list, reference counts and cached hashes of one tier."""
-
     def __init__(self, num_blocks: int, name: str) -> None:
         if num_blocks < 0:
             raise ValueError(f"{name} pool: num_blocks must be >= 0, got {num_blocks}")
         self.name = name
         self.capacity = num_blocks
-        # A stack: the most recently released block is reused first (warm in caches); the
-        # initial order hands out low ids first, which keeps test expectations readable.
+        # A stack: the most recently released block is reused first (warm in caches).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.refs: dict[int, int] = {}
         self.hash_of: dict[int, BlockHash] = {}
@@ -48,7 +31,6 @@ class TierBlocks:
 
     @property
     def num_available(self) -> int:
-        """Blocks a new owner can take now: free plus cached-evictable."""
         return self.num_free + len(self.lru)
 
     @property
@@ -63,9 +45,7 @@ class TierBlocks:
         return list(self._free)
 
     def take(self, n: int) -> tuple[list[int], list[tuple[int, BlockHash]]]:
-        """``n`` blocks, each referenced once: free ones first, then the least recently released
-        cached ones, whose (block, hash) are returned as evicted (their KV is still there until
-        something writes the block)."""
+        """``n`` blocks referenced once, free first, then evicted LRU ones (returned with their hash)."""
         if n > self.num_available:
             raise OutOfBlocks(f"{self.name} pool: {n} blocks wanted, {self.num_available} "
                               "free or evictable")
@@ -100,9 +80,7 @@ class TierBlocks:
                 self._release((b,))
 
     def unref_chain(self, blocks: Sequence[int]) -> None:
-        """``unref`` a table's blocks: cached ones become evictable last block first (a block is
-        only ever found through every block before it, so a chain's tail goes first); free ones
-        are released in table order (the free list's order without caching)."""
+        """Cached blocks become evictable tail first: a block is only found through every one before it."""
         freed = []
         for b in reversed(blocks):
             n = self.refs[b] - 1
@@ -118,8 +96,7 @@ class TierBlocks:
         self._release(freed)
 
     def register(self, block: int, block_hash: BlockHash) -> bool:
-        """Cache ``block`` under ``block_hash`` (it must be referenced); False when the hash is
-        already cached in another block (that one stays the cached copy) or the block has one."""
+        """False when the hash is cached elsewhere (that copy stays) or the block has one."""
         if block_hash in self.by_hash or block in self.hash_of:
             return False
         self.by_hash[block_hash] = block
@@ -127,7 +104,7 @@ class TierBlocks:
         return True
 
     def forget(self, block: int) -> None:
-        """Its KV is not what its hash says (a failed copy): uncache it."""
+        """Its KV is not what its hash says (a failed copy)."""
         if block in self.hash_of:
             self._unhash(block)
             if block in self.lru:
@@ -135,8 +112,7 @@ class TierBlocks:
                 self._release((block,))
 
     def reset(self) -> int:
-        """Uncache every block: evictable ones become free; referenced ones keep their owners but
-        are found by no later lookup. Returns how many blocks were cached."""
+        """Uncache every block (owners keep theirs); returns how many were cached."""
         n = len(self.hash_of)
         for b in list(self.hash_of):
             self._unhash(b)

@@ -1,30 +1,6 @@
-"""``KVCacheManager``: block tables, reference counts and the prefix cache of the two-tier KV.
-
-The only holder of block tables. It allocates device blocks for first iterations and decode
-growth, turns swap decisions into ``SwapCommand``s (device <-> host), drops KV for recompute, and
-defers every release that an in-flight plan still touches: the last reference to a block used by
-an in-flight step, and the source (and, on abort, the destination) of an uncompleted swap, is let
-go only when that step completes (``complete``). Planners decide; this module only does the
-bookkeeping, so ``check_invariants`` can prove every block free, cached and evictable, or
-referenced by exactly the tables and in-flight steps that hold it.
-
-**Prefix caching** (``kv_cache.prefix_caching``, ``fastserve.kv.prefix``): a new job takes the longest
-cached prefix of full blocks (``admit``) — device hits by reference, host hits copied back with
-the plan (a swap-in command) — and computes only the rest. Blocks are cached when the step that
-computed them completed (``commit``), or when the copy that brought them landed. A job's blocks
-outlive it as cached-evictable; taking blocks evicts the least recently released ones, and an
-evicted device block's KV moves to the host while the host has room (``flush_evicted``: a
-swap-out with the plan that reuses the block — the data plane issues swaps before the forward,
-and the forward waits for swaps on its blocks), else it is dropped. The planners count
-cached-evictable blocks as free (``num_free_device``): the cache gives way before any job.
-
-**Swapping out a job that shares blocks** frees on the device only the blocks no other table
-holds (refcount 1, ``movable_blocks``): a block another job also holds stays there for it — that
-job may be running and read it. The job on the host gets its own copy of every block (or a
-reference to the host's cached copy of the same hash), so it never pins device blocks while it
-is away, and its swap-in references what the device still caches and copies back the rest. A
-swap-out takes at most ``num_blocks`` host blocks; a swap-in at most ``num_blocks`` device
-blocks. Off (``prefix_caching: false``), nothing is shared or cached and every count is a job's whole table, as before.
+"""``KVCacheManager``: the only holder of block tables; reference counts and the prefix cache of
+the two-tier KV. Planners decide; this does the bookkeeping, deferring every release an in-flight
+plan still touches to ``complete``. Prefix caching and shared-block swaps: docs/scheduler.md.
 """
 
 from __future__ import annotations
@@ -40,14 +16,6 @@ __all__ = ["SPILL_JOB", "KVCacheManager", "PoolSizes", "Residency", "Tier", "Tok
 
 
 class KVCacheManager:
-    """Block tables, reference counts and the prefix cache of the two-tier KV (above).
-
-    The only holder of block tables: the planners ask it what a job holds and what a swap would
-    move; the ``Applier`` asks it to allocate, swap, drop, free, admit and commit; a returned
-    or failed step settles here (``complete``, ``fail``). Its tiers (``TierBlocks``) hold the
-    blocks, references and cached hashes; ``prefix`` (``PrefixCache``) the jobs' hash chains and
-    the lookups over both tiers."""
-
     def __init__(self, config: PoolSizes) -> None:
         self.config = config
         self.block_size = config.block_size
@@ -61,16 +29,15 @@ class KVCacheManager:
         self.device_releasing = 0   # device references in-flight steps let go of on completion
         self.swapped_out_blocks = 0
         self.swapped_in_blocks = 0
-        self.spilled_blocks = 0     # cached device blocks moved to the host on eviction
-        self.fetched_blocks = 0     # cached host blocks copied back for a new job's prefix
+        self.spilled_blocks = 0
+        self.fetched_blocks = 0
 
     def blocks_for(self, num_tokens: int) -> int:
         return blocks_for(num_tokens, self.block_size)
 
-    # ---- queries -------------------------------------------------------------------------
     @property
     def num_free_device(self) -> int:
-        """Device blocks a new owner can take: free or cached and evictable."""
+        """Free or cached-evictable: the cache gives way before any job."""
         return self.device.num_available
 
     @property
@@ -94,17 +61,14 @@ class KVCacheManager:
         return 0 if kv is None else len(kv.blocks)
 
     def movable_blocks(self, job_id: str, keep: frozenset[int] = frozenset()) -> int:
-        """Device blocks a swap-out or drop of this resident job frees: those no other table
-        holds (all of them when nothing is shared), less ``keep`` (blocks a job admitted in the
-        same decision takes as its prefix, which makes them shared)."""
+        """Device blocks a swap-out or drop frees: those no other table holds, less ``keep``."""
         kv = self._jobs.get(job_id)
         if kv is None or kv.tier is not Tier.DEVICE:
             return 0
         return sum(self.device.refs[b] == 1 and b not in keep for b in kv.blocks)
 
     def swap_in_blocks(self, job_id: str) -> int:
-        """Device blocks a swap-in of this host job takes at most: its table (blocks the device
-        still caches are referenced instead of copied, so it may take fewer)."""
+        """At most its table: blocks the device still caches are referenced, not copied."""
         kv = self._jobs.get(job_id)
         return 0 if kv is None or kv.tier is not Tier.HOST else len(kv.blocks)
 
@@ -125,10 +89,7 @@ class KVCacheManager:
         return None if kv is None else kv.busy_step
 
     def device_blocks_needed(self, job_id: str, num_tokens: int) -> int:
-        """Device blocks a job still needs so its table covers ``num_tokens`` positions.
-
-        For a job on the host this includes bringing back what its swap-out moved.
-        """
+        """Including, for a job on the host, bringing its table back."""
         kv = self._jobs.get(job_id)
         want = self.blocks_for(num_tokens)
         if kv is None:
@@ -137,10 +98,8 @@ class KVCacheManager:
             return max(want, len(kv.blocks))
         return max(want - len(kv.blocks), 0)
 
-    # ---- allocation ----------------------------------------------------------------------
     def allocate(self, job_id: str, num_tokens: int, step: int) -> tuple[int, ...]:
-        """Give a job device blocks for positions ``0..num_tokens-1`` and mark them in use by
-        ``step``; returns its block table. First iterations, recomputes and decode growth."""
+        """Device blocks for positions ``0..num_tokens-1``, in use by ``step``; returns the table."""
         kv = self._jobs.get(job_id)
         if kv is None:
             kv = self._jobs[job_id] = JobKV(Tier.DEVICE, [], 0)
@@ -159,18 +118,9 @@ class KVCacheManager:
         return tuple(kv.blocks)
 
     def swap_out(self, job_id: str, step: int, reuse_now: bool = False) -> SwapCommand:
-        """Move an idle resident job's KV to the host with ``step``.
-
-        The rule for shared blocks: the device frees only the blocks no other table holds
-        (``movable_blocks``); a block another job also holds stays on the device for it — that
-        job may be running — and is *copied*, not moved, so the job on the host holds nothing on
-        the device (it could otherwise pin device blocks no resident job reads). A block whose
-        hash the host already caches is shared by reference instead of copied. So the host takes
-        at most ``num_blocks`` blocks. The moved device blocks are reusable once ``step``
-        completes — or, with ``reuse_now`` (reactive preemption), by ``step`` itself: the data
-        plane issues a plan's swaps before its forward, in order on one copy thread or stream,
-        and the forward waits for swaps touching its blocks (``fastserve.worker.stage.StageRunner``), so
-        the copy reads them before anything overwrites them."""
+        """Move an idle resident job's KV to the host with ``step``. Shared blocks stay and are
+        copied, so a job on the host pins no device block. ``reuse_now`` (reactive): ``step``
+        itself reuses the blocks, safe since the data plane runs a plan's swaps before its forward."""
         kv = self._settled(job_id, Tier.DEVICE)
         known = [self.host.by_hash.get(self.device.hash_of.get(b, b"")) for b in kv.blocks]
         for hb in known:
@@ -195,7 +145,6 @@ class KVCacheManager:
                     rec.cache_host.append((hb, self.device.hash_of[d]))
             table.append(hb)
             if self.device.refs[d] > 1:
-                # Another job holds it: it stays (read by the copy until that lands).
                 rec.device_reads.append(d)
             elif reuse_now:
                 self.device.unref((d,))
@@ -208,9 +157,7 @@ class KVCacheManager:
         return SwapCommand("out", job_id, tuple(src), tuple(copies))
 
     def swap_in(self, job_id: str, step: int) -> SwapCommand:
-        """Bring a host job's KV back with ``step``: blocks the device still caches (by hash)
-        are referenced, the rest copied. It is resident (usable by a later plan) once that
-        step completes, or by an entry of ``step`` itself (reactive)."""
+        """Bring a host job's KV back with ``step``: device-cached blocks referenced, the rest copied."""
         kv = self._settled(job_id, Tier.HOST)
         cached = [self.device.by_hash.get(self.host.hash_of.get(hb, b"")) for hb in kv.blocks]
         for d in cached:
@@ -234,16 +181,14 @@ class KVCacheManager:
                 if hb in self.host.hash_of:
                     rec.cache_device.append((d, self.host.hash_of[hb]))
             table.append(d)
-        rec.host.extend(kv.blocks)        # read by the copy: let go of when it lands
+        rec.host.extend(kv.blocks)        # read by the copy: held until it lands
         rec.swaps.append(job_id)
         kv.blocks, kv.tier, kv.swap_step = table, Tier.DEVICE, step
         self.swapped_in_blocks += len(src)
         return SwapCommand("in", job_id, tuple(src), tuple(copies))
 
     def drop(self, job_id: str) -> int:
-        """Recompute mode: forget an idle job's KV now (no in-flight step or swap touches it,
-        so its blocks are reusable at once; cached ones stay cached). Returns the device blocks
-        that became free or evictable."""
+        """Forget an idle job's KV now; returns the device blocks freed (cached ones stay cached)."""
         kv = self._jobs.get(job_id)
         if kv is None:
             return 0
@@ -255,8 +200,7 @@ class KVCacheManager:
         return freed
 
     def free(self, job_id: str) -> None:
-        """Release a finished or aborted job's KV; the last reference to a block an in-flight
-        step or swap still touches goes when that step completes."""
+        """Release a finished job's KV; blocks an in-flight step touches go when it completes."""
         self.prefix.forget(job_id)
         kv = self._jobs.pop(job_id, None)
         if kv is None:
@@ -270,7 +214,7 @@ class KVCacheManager:
             if kv.tier is Tier.HOST:
                 rec.host.append(b)
             elif self.device.refs[b] > 1:
-                rec.device_reads.append(b)  # another holder keeps it: not freed by completion
+                rec.device_reads.append(b)
             else:
                 rec.device.append(b)
                 self.device_releasing += 1
@@ -280,10 +224,8 @@ class KVCacheManager:
         rec.swaps = [j for j in rec.swaps if j != job_id]
         rec.busy = [j for j in rec.busy if j != job_id]
 
-    # ---- completion ----------------------------------------------------------------------
     def complete(self, step: int) -> list[str]:
-        """Step ``step`` finished on every worker: cache what its copies brought, settle its
-        swaps, let go of its deferred references. Returns the jobs whose swap settled."""
+        """Cache what the step's copies brought, settle its swaps and releases; returns settled jobs."""
         rec = self._steps.pop(step, None)
         if rec is None:
             return []
@@ -305,8 +247,7 @@ class KVCacheManager:
         return list(rec.swaps)
 
     def fail(self, step: int) -> list[str]:
-        """Step ``step`` failed: what its copies wrote is unknown, so nothing it brought is
-        cached and the jobs it swapped lose their KV (they will recompute). Returns those jobs."""
+        """What the step's copies wrote is unknown: nothing is cached, its swapped jobs lose their KV."""
         rec = self._steps.get(step)
         lost = [] if rec is None else [j for j in rec.swaps if self.swap_step(j) == step]
         if rec is not None:
@@ -321,24 +262,16 @@ class KVCacheManager:
         self.complete(step)
         return lost
 
-    # ---- the prefix cache ----------------------------------------------------------------
     def prefix_hit(self, job_id: str, num_tokens: int, tokens: Tokens,
                    max_host: int | None = None) -> PrefixHit:
-        """The cached prefix a job with no KV would start from (``PrefixCache.lookup``); none
-        for a job that already has KV."""
         if job_id in self._jobs:
             return PrefixHit(block_size=self.block_size)
         return self.prefix.lookup(job_id, num_tokens, tokens, max_host)
 
     def admit(self, job_id: str, num_tokens: int, step: int, tokens: Tokens,
               runs: bool, max_host: int | None = None) -> tuple[int, SwapCommand | None]:
-        """Give a job with no KV a table for ``num_tokens`` positions, its cached prefix first:
-        device hits by reference, host hits into new blocks with the returned swap-in (the job
-        is in transit until ``step`` completes). ``runs``: an entry of ``step`` uses the table
-        (its forward waits for the copy). ``max_host``: at most the host hits the decision
-        planned (an earlier action of it may have evicted a device hit the walk counted, and the
-        host copy of that block is not what it planned to read). Returns the cached positions
-        and the swap-in."""
+        """A table for ``num_tokens`` positions, cached prefix first (host hits copied by the returned
+        swap-in); ``max_host``: the host hits planned. Returns the cached positions and the swap-in."""
         if job_id in self._jobs:
             raise ValueError(f"job {job_id}: already has KV")
         hit = self.prefix_hit(job_id, num_tokens, tokens, max_host)
@@ -357,7 +290,7 @@ class KVCacheManager:
         for d, hb in zip(hit.device, hit.host, strict=True):
             if d is None:
                 assert hb is not None
-                d = fresh.pop(0)   # (few: one per host hit)
+                d = fresh.pop(0)
                 rec.host.append(hb)           # read by the copy: held until it lands
                 rec.cache_device.append((d, self.host.hash_of[hb]))
                 src.append(hb)
@@ -379,8 +312,7 @@ class KVCacheManager:
         return hit.tokens, cmd
 
     def commit(self, job_id: str, computed: int, tokens: Tokens) -> None:
-        """A completed step computed the job's positions up to ``computed``: cache its full
-        blocks (a hash already cached elsewhere keeps that copy)."""
+        """Cache the full blocks of positions up to ``computed``."""
         kv = self._jobs.get(job_id)
         full = computed // self.block_size
         if not self.prefix.enabled or kv is None or kv.tier is not Tier.DEVICE or full <= kv.committed:
@@ -391,9 +323,8 @@ class KVCacheManager:
         kv.committed = full
 
     def flush_evicted(self, step: int) -> SwapCommand | None:
-        """Where the cached device blocks this decision evicted go: to the host (a swap-out with
-        ``step``, before anything writes them) while the host has room and lacks their hash,
-        else nowhere. Called once the decision's own swaps took their host blocks."""
+        """This decision's evicted cached blocks go to the host with ``step`` while it has room, else
+        nowhere; after the decision's own swaps took their host blocks."""
         evicted, self._evicted = self._evicted, []
         if not self.prefix.host_enabled:
             return None
@@ -406,8 +337,7 @@ class KVCacheManager:
             (hb,), _ = self.host.take(1)
             rec.host.append(hb)                 # written by the copy; cached when it lands
             if self.device.refs.get(block, 0):
-                # Read by the copy: held until it lands, whoever took it in this decision (that
-                # owner may be aborted or finish first; the block must not be free meanwhile).
+                # Its new owner may finish first; the copy still reads it until it lands.
                 self.device.ref(block)
                 rec.device_reads.append(block)
             rec.cache_host.append((hb, block_hash))
@@ -417,22 +347,18 @@ class KVCacheManager:
         return SwapCommand("out", SPILL_JOB, tuple(src), tuple(dst)) if src else None
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached block (vLLM's ``/reset_prefix_cache``): evictable ones are free
-        again, referenced ones stay with their owners unfound by later lookups. Returns how many
-        blocks were cached."""
+        """vLLM's ``/reset_prefix_cache``; returns how many blocks were cached."""
         for rec in self._steps.values():
             rec.cache_device.clear()
             rec.cache_host.clear()
         return self.prefix.reset()
 
     def cache_stats(self) -> dict[str, int]:
-        """Cached blocks per tier (evictable ones among them) and cache traffic."""
         return {"device_cached": self.device.num_cached, "device_evictable": len(self.device.lru),
                 "host_cached": self.host.num_cached, "host_evictable": len(self.host.lru),
                 "device_evictions": self.device.evictions, "host_evictions": self.host.evictions,
                 "spilled_blocks": self.spilled_blocks, "fetched_blocks": self.fetched_blocks}
 
-    # ---- internals -----------------------------------------------------------------------
     def _record(self, step: int) -> StepReleases:
         rec = self._steps.get(step)
         if rec is None:
@@ -445,8 +371,6 @@ class KVCacheManager:
         return blocks
 
     def _unref_table(self, kv: JobKV) -> None:
-        # Last block first: a chain's tail becomes evictable before its head (a block is only
-        # ever found through every block before it).
         (self.device if kv.tier is Tier.DEVICE else self.host).unref_chain(kv.blocks)
 
     def _settled(self, job_id: str, tier: Tier) -> JobKV:
@@ -457,14 +381,9 @@ class KVCacheManager:
             raise ValueError(f"job {job_id}: KV is used by an in-flight step")
         return kv
 
-    # ---- integrity (tests run it after every step: O(jobs + blocks), not for the hot path) --
     def check_invariants(self, expected_tokens: Mapping[str, int] | None = None) -> None:
-        """Every block free, cached and evictable, or referenced by exactly the job tables and
-        in-flight steps that hold it (its reference count); tables match contexts.
-
-        ``expected_tokens`` (job id -> positions its table must cover) comes from the
-        scheduler; jobs with KV must all be listed when it is given.
-        """
+        """Every block free, evictable, or held by exactly its refcount; tables cover
+        ``expected_tokens`` (every job with KV listed). O(jobs + blocks): tests only."""
         self._check_tier(self.device)
         self._check_tier(self.host)
         assert not self._evicted, "a decision was left half applied (evictions not flushed)"
@@ -487,8 +406,6 @@ class KVCacheManager:
                     f"the job has {expected_tokens[job_id]}")
 
     def _check_tier(self, pool: TierBlocks) -> None:
-        """Each of the tier's blocks is exactly one of free, cached and evictable, or held (by
-        as many tables and in-flight steps as its reference count says)."""
         on_device = pool is self.device
         holders: dict[int, list[str]] = {}
         for job_id, kv in self._jobs.items():

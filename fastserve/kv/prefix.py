@@ -1,17 +1,8 @@
-"""Automatic prefix caching: block hashes, and the ``PrefixCache`` over both tiers that the
-``KVCacheManager`` holds.
+"""Automatic prefix caching: block hashes and the ``PrefixCache`` over both tiers.
 
-**What is shared.** Only *full* blocks whose KV a completed step computed are cached, keyed by a
-chained hash: ``hash(parent block's hash, the block's token ids, extra)``, the root seeded by a
-key that names what else changes KV (the model; later adapters). Equal hashes mean equal token
-prefixes, so equal KV. A full block is immutable — no step ever writes it again — so jobs share it
-by reference and no copy-on-write is needed: a job's last, partial block is always its own, and a
-fully cached prompt still computes its last position (to sample), as vLLM does.
-
-**The cache over both tiers** (``PrefixCache``): each job's chain of block hashes (rooted in the
-model's key, or in its cache salt) and the longest prefix of a job's tokens cached on the device
-or, failing that, the host. It reads the tiers' hash maps (``fastserve.kv.blocks.TierBlocks``);
-what is cached, evicted or copied is the manager's to decide.
+Only full blocks a completed step computed are cached, under ``hash(parent, token ids, extra)``
+chained from a root that names what else shapes KV. A full block is never written again, so jobs
+share it by reference (no copy-on-write); a fully cached prompt still computes its last position.
 """
 
 from __future__ import annotations
@@ -25,20 +16,16 @@ from fastserve.kv.blocks import BlockHash, TierBlocks
 
 
 def root_hash(key: str) -> BlockHash:
-    """The parent hash of a sequence's first block: what, beside tokens, shapes its KV."""
     return hashlib.sha256(b"fastserve-prefix\0" + key.encode()).digest()
 
 
 def salted_root(root: BlockHash, salt: str) -> BlockHash:
-    """The root of a salted request's chain (vLLM's ``cache_salt``): its blocks hash apart from
-    every unsalted or differently salted request's, so only the same salt finds them."""
+    """vLLM's ``cache_salt``: only the same salt finds these blocks."""
     return hashlib.sha256(root + b"\0cache-salt\0" + salt.encode()).digest()
 
 
 def hash_block(parent: BlockHash, tokens: Sequence[int], extra: bytes = b"") -> BlockHash:
-    """Chained hash of one full block: its parent's hash, its token ids, ``extra`` (per-request
-    keys such as an adapter; empty today: a cache salt goes in the root, ``salted_root``).
-    SHA-256, so distinct prefixes never share KV by a hash collision."""
+    """SHA-256, so distinct prefixes never share KV by a collision."""
     h = hashlib.sha256(parent)
     h.update(array("q", tokens).tobytes())
     h.update(extra)
@@ -47,8 +34,7 @@ def hash_block(parent: BlockHash, tokens: Sequence[int], extra: bytes = b"") -> 
 
 def hash_blocks(parent: BlockHash, tokens: Sequence[int], block_size: int, start: int,
                 stop: int) -> list[BlockHash]:
-    """Hashes of full blocks ``start .. stop-1`` of ``tokens``, chained from ``parent`` (the hash
-    of block ``start - 1``, or the root)."""
+    """Full blocks ``start .. stop-1``, chained from ``parent`` (block ``start - 1``'s hash, or the root)."""
     out = []
     for i in range(start, stop):
         parent = hash_block(parent, tokens[i * block_size:(i + 1) * block_size])
@@ -58,14 +44,11 @@ def hash_blocks(parent: BlockHash, tokens: Sequence[int], block_size: int, start
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """The longest cached prefix of a job's tokens, block by block from the first: each block is
-    on the device (``device``: block id, else None) or only on the host (``host``)."""
+    """The longest cached prefix, per block: on the device (``device``, else None) or only on host."""
 
     device: tuple[int | None, ...] = ()
     host: tuple[int | None, ...] = ()
-    #: Device hits some table or step already references: they cost no free block.
-    in_use: tuple[int, ...] = ()
-    #: Host hits no one references: reading them takes them out of the evictable ones.
+    in_use: tuple[int, ...] = ()   # device hits already referenced: they cost no free block
     host_unreferenced: int = 0
     block_size: int = 1
 
@@ -83,30 +66,24 @@ class PrefixHit:
 
 
 class PrefixCache:
-    """Each job's block hashes and the longest cached prefix of its tokens, over the device and
-    host tiers (``TierBlocks``) of one ``KVCacheManager``."""
-
     def __init__(self, device: TierBlocks, host: TierBlocks, block_size: int, key: str,
                  enabled: bool, host_tier: bool) -> None:
         self.device = device
         self.host = host
         self.block_size = block_size
         self.enabled = enabled
-        #: Cached blocks evicted from the device move to the host, and are found there.
         self.host_enabled = enabled and host_tier
         self._root = root_hash(key)
         self._chains: dict[str, list[BlockHash]] = {}
-        self._salted_roots: dict[str, BlockHash] = {}   # jobs with a cache salt: their chain's root
+        self._salted_roots: dict[str, BlockHash] = {}
 
     def salt(self, job_id: str, salt: str) -> None:
-        """Only jobs with this salt share cached blocks with ``job_id`` (vLLM's ``cache_salt``);
-        called before its prefix is first looked up, kept until it is forgotten."""
+        """Before the job's first lookup."""
         if job_id in self._chains:
             raise ValueError(f"job {job_id}: salted after its blocks were hashed")
         self._salted_roots[job_id] = salted_root(self._root, salt)
 
     def hashes(self, job_id: str, n: int, tokens: Callable[[], Sequence[int]]) -> list[BlockHash]:
-        """The hashes of the job's first ``n`` full blocks (computed once, then extended)."""
         have = self._chains.setdefault(job_id, [])
         if len(have) < n:
             parent = have[-1] if have else self._salted_roots.get(job_id, self._root)
@@ -115,9 +92,8 @@ class PrefixCache:
 
     def lookup(self, job_id: str, num_tokens: int, tokens: Callable[[], Sequence[int]],
                max_host: int | None = None) -> PrefixHit:
-        """The longest cached prefix of the job's first ``num_tokens`` positions, in full blocks,
-        leaving at least its last position to compute (it is sampled). Each block is found on
-        the device or, failing that, on the host (host tier on; at most ``max_host`` blocks)."""
+        """In full blocks, leaving the last position to compute (it is sampled); at most ``max_host``
+        blocks from the host."""
         if not self.enabled:
             return PrefixHit(block_size=self.block_size)
         device: list[int | None] = []
@@ -138,14 +114,11 @@ class PrefixCache:
         return PrefixHit(tuple(device), tuple(host), tuple(in_use), host_free, self.block_size)
 
     def forget_chain(self, job_id: str) -> None:
-        """Drop the job's hashes (its KV is gone; they are computed again if it is looked up)."""
         self._chains.pop(job_id, None)
 
     def forget(self, job_id: str) -> None:
-        """The job is gone: its hashes and its salt."""
         self._chains.pop(job_id, None)
         self._salted_roots.pop(job_id, None)
 
     def reset(self) -> int:
-        """Uncache every block of both tiers; returns how many were cached."""
         return self.device.reset() + self.host.reset()

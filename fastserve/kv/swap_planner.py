@@ -1,21 +1,5 @@
-"""Swap planning: which jobs' KV to bring in, push out or drop at one decision (paper §4.2).
-
-Pure decision logic over counts the caller passes (the device blocks free once this decision's
-batch has its blocks, the host blocks free, the device blocks in-flight steps release) and the
-``KVCacheManager``'s per-job block counts; it returns a ``SwapDecision`` and changes nothing (the
-scheduler's ``apply`` runs it). Candidates come in the order the scheduler supplies (by ENST for
-MLFQ: smallest first for swap-in, largest first for swap-out).
-
-* Swap in the jobs the next batch wants (on the host, would have run) first, then — only when
-  all of them came in — prefetch in ENST order, each while the device keeps ``keep_free``
-  blocks free afterwards (prefetch also ``prefetch_headroom`` more, so what it brings is not
-  pushed out again by the next growth). A job that does not fit is passed over, not the end of
-  the walk (a smaller one behind it may fit); the walk gives up after ``max_skips`` such jobs
-  so a decision never scans every queued job.
-* Then swap out (or drop, in recompute mode) until the blocks free by the next decision — free
-  now, plus those in-flight steps release — reach ``keep_free`` plus what wanted jobs still on
-  the host need. Swapped-out blocks come back only when this plan completes.
-"""
+"""Swap planning (paper §4.2): which jobs' KV to bring in, push out or drop at one decision, over
+counts the caller passes; candidates come in its order (ENST for MLFQ). Changes nothing."""
 
 from __future__ import annotations
 
@@ -25,8 +9,6 @@ from typing import Protocol
 
 
 class BlockCounts(Protocol):
-    """What the planner reads of the KV manager."""
-
     def num_blocks(self, job_id: str) -> int: ...
     def movable_blocks(self, job_id: str) -> int: ...
     def swap_in_blocks(self, job_id: str) -> int: ...
@@ -44,7 +26,7 @@ class SwapDecision:
 
 @dataclass(frozen=True)
 class PoolCounts:
-    """Free blocks as the decision sees them (after its batch's allocations)."""
+    """Free blocks after the batch's allocations."""
 
     free_device: int
     free_host: int
@@ -65,16 +47,10 @@ def plan_swaps(
     max_skips: int = 16,
     prefetch_headroom: int = 0,
 ) -> SwapDecision:
-    """Decide swaps for one plan.
-
-    ``keep_free``: device blocks to keep free for the next iteration (reserve + known needs).
-    ``wanted``: jobs on the host the next batch would run, in batch order, and the device blocks
-    each needs (its table and its next growth); they are brought in before any prefetch.
-    ``drop``: evict by dropping KV (recompute) instead of swapping out.
-    ``drop_when_host_full``: a victim that does not fit the host is dropped rather than
-    skipped (only the stall breaker uses it: progress over keeping the KV).
-    ``prefetch_headroom``: blocks prefetch leaves free beyond ``keep_free`` (wanted jobs do not).
-    """
+    """Swap in ``wanted`` (host jobs the next batch would run, with their blocks), then prefetch,
+    each while ``keep_free`` stays free (prefetch also ``prefetch_headroom``); a job that does not
+    fit is passed over, at most ``max_skips`` times. Then evict until ``keep_free`` plus what wanted
+    jobs still need is free by the next decision. ``drop_when_host_full``: the stall breaker's."""
     decision = SwapDecision()
     free = pools.free_device
     brought: set[str] = set()
@@ -85,7 +61,6 @@ def plan_swaps(
         for job_id in job_ids:
             if job_id in brought:
                 continue
-            # A wanted job runs next: set aside its table and the growth of that run.
             n = max(kv.swap_in_blocks(job_id), wanted.get(job_id, 0))
             if free - n < keep:
                 skips += 1
@@ -98,8 +73,7 @@ def plan_swaps(
 
     bring(wanted, keep_free)
     if all(j in brought for j in wanted):
-        # Prefetch only into memory no wanted job is waiting for: else what it brings in is
-        # evicted again for the wanted job, plan after plan.
+        # Else what prefetch brings in is evicted again for the wanted job, plan after plan.
         bring(prefetch, keep_free + prefetch_headroom)
     target = keep_free + sum(n for j, n in wanted.items() if j not in brought)
     free_soon = free + pools.device_releasing
@@ -109,7 +83,6 @@ def plan_swaps(
             break
         if job_id in brought or not can_evict(job_id):
             continue
-        # The device frees the blocks no other job holds; the host takes at most the table.
         n, on_host = kv.movable_blocks(job_id), kv.num_blocks(job_id)
         if drop or (on_host > host_free and drop_when_host_full):
             decision.drop.append(job_id)

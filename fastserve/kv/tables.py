@@ -1,8 +1,5 @@
-"""The KV manager's records: what it knows of one job's KV (``JobKV``: tier, block table,
-positions covered, the in-flight step or swap using it) and of one in-flight step
-(``StepReleases``), the enums its queries answer with, and what it is built from (``PoolSizes``).
-The ``KVCacheManager`` (``fastserve.kv.manager``) is their only writer.
-"""
+"""The ``KVCacheManager``'s records (``JobKV``, ``StepReleases``), the enums its queries answer with,
+and what it is built from (``PoolSizes``)."""
 
 from __future__ import annotations
 
@@ -44,22 +41,19 @@ class JobKV:
 
 @dataclass
 class StepReleases:
-    """What one in-flight step holds of the KV cache, settled when it completes: references it
-    lets go of then, and blocks it writes that are cached then."""
+    """References an in-flight step lets go of, and blocks cached, when it completes."""
 
-    device: list[int] = field(default_factory=list)   # unreferenced when the step completes
-    #: Device blocks the step reads that other tables also hold (not freed by its completion).
+    device: list[int] = field(default_factory=list)
     device_reads: list[int] = field(default_factory=list)
     host: list[int] = field(default_factory=list)
     swaps: list[str] = field(default_factory=list)    # jobs whose swap settles with the step
-    busy: list[str] = field(default_factory=list)     # jobs whose blocks the step's entries use
+    busy: list[str] = field(default_factory=list)
     cache_device: list[tuple[int, BlockHash]] = field(default_factory=list)
     cache_host: list[tuple[int, BlockHash]] = field(default_factory=list)
 
 
 class PoolSizes(Protocol):
-    """What the manager is built from (``fastserve.scheduler.config.KVCacheConfig`` has it;
-    ``fastserve/kv`` imports nothing from ``fastserve/scheduler``)."""
+    """``KVCacheConfig``'s shape: ``fastserve/kv`` imports nothing from the scheduler."""
 
     @property
     def block_size(self) -> int: ...

@@ -1,18 +1,8 @@
-"""Service accounting: what each entry of a step is charged toward its level's quantum (paper §4.1).
+"""Service accounting (paper §4.1): what each entry of a step is charged toward its level's quantum.
 
-The quantum MLFQ enforces is a job's own work, in the profile's units, so that "how many
-tokens a level gives" is a property of the level, not of how full the batch was or how slow the
-machine ran that step:
-
-* a decode is charged one decode iteration, ``q1`` (the profile's smallest ``t_dec``, which is
-  also the first quantum) — whatever the batch size, so a job in level i gets ~2^(i−1) tokens
-  whether it decodes alone or in a full batch, even on a CPU whose ``t_dec`` grows with the batch;
-* a first iteration (or a recompute, or one prefill chunk) is charged ``t_init`` of the tokens it
-  feeds, the very quantity skip-join placed it by.
-
-Nothing is split among the batch's jobs, and nothing is charged for another job's prefill or
-for time spent waiting on swaps. ENST (``fastserve.kv.enst``) turns this service back into wall time
-with the measured step time, dividing by the batch size once.
+A job's own work in profile units, whatever the batch: a decode costs ``q1``, a first iteration
+(recompute, prefill chunk) ``t_init`` of the tokens it feeds. So a level gives the same tokens in
+any batch; ENST (``fastserve.kv.enst``) turns service back into wall time.
 """
 
 from __future__ import annotations

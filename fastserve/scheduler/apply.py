@@ -1,11 +1,8 @@
 """``Applier``: the only writer of job and KV-manager state.
 
-Runs what the planners decided (``apply``: blocks for the batch's runs, evictions, swaps, the
-stall breaker) and what an executor reported (``advance``, ``waste``, ``abort``, ``settle``),
-through a few named transitions of a job (``_to_waiting``, ``_start``, ``_retire``, ...), each
-written once, and keeps every idle job filed in the candidate sets
-(``fastserve.scheduler.queues``) its state and residency call for (``_place``). The decisions
-themselves are made elsewhere (``batcher``, ``memory``, the policy's demotion and promotion).
+Runs what the planners decided (``apply``) and what an executor reported (``advance``, ``waste``,
+``settle``, ...) through a few named job transitions, and keeps every idle job filed in the
+candidate sets its state and residency call for (``_place``).
 """
 
 from __future__ import annotations
@@ -26,9 +23,9 @@ from fastserve.worker.messages import BatchEntry, BatchPlan, FinishReason, SwapC
 class Served:
     """One job's part of a returned step."""
 
-    share_s: float        # its service (quantum accounting, ``fastserve.scheduler.accounting``)
-    wall_s: float         # the step's duration, which the job spent in it (latency breakdown)
-    swap_wait_s: float    # of which the step's forward waited for swaps (the whole batch stalled)
+    share_s: float        # its service (``fastserve.scheduler.accounting``)
+    wall_s: float         # the step's duration
+    swap_wait_s: float    # of which the forward waited for swaps
 
 
 @dataclass
@@ -46,7 +43,6 @@ class Applier:
     def __init__(self, state: SchedulerState) -> None:
         self.s = state
 
-    # ---- intake and promotion ------------------------------------------------------------
     def add(self, job: Job, level: int, now: float) -> None:
         s = self.s
         job.seq = next(s.seq)
@@ -68,17 +64,14 @@ class Applier:
         self._place(job)
 
     def postpone(self, job: Job, due: float) -> None:
-        """The job's wait, checked when it came due, is not over: the backlog ahead of it grew
-        since the wait began, and its promotion moves to ``due`` (later, never earlier)."""
+        """The backlog ahead grew since the wait began: promotion moves to ``due`` (never earlier)."""
         assert job.starve_due is not None and due > job.starve_due
         job.starve_due = due
         self.s.queues.starving.add(job.job_id, due)
         self.s.totals["promotions_postponed"] += 1
 
-    # ---- a decision ----------------------------------------------------------------------
     def apply(self, decision: Decision, now: float, out: Applied) -> None:
-        """Run ``decision``: evictions and runs in the order decided, then its swaps, then the
-        stall breaker; commands and entries accumulate in ``out``."""
+        """Actions in decided order, then swaps, then the stall breaker, into ``out``."""
         s = self.s
         step, table = decision.step, decision.table
         for action in decision.batch.actions:
@@ -100,9 +93,7 @@ class Applier:
             out.swap_out.append(spill)
 
     def _refresh_blocked(self, wanted: Mapping[str, int], now: float) -> None:
-        """A job waits for device space while a batch wants it and its KV is not there. Once a
-        batch no longer wants it (outranked since) and no copy of its is under way, the wait is
-        over: from then on it waits in its queue, like any job the batch did not pick."""
+        """Blocked while a batch wants it off the device; unwanted, with no copy under way, it queues."""
         s = self.s
         for job_id in list(s.blocked):
             job = s.jobs.get(job_id)
@@ -114,7 +105,6 @@ class Applier:
             self._begin_blocked(s.jobs[job_id], now)
 
     def dispatch(self, step: int, now: float, out: Applied) -> BatchPlan:
-        """The applied decision becomes plan ``step``, in flight until ``complete`` or a fail."""
         s = self.s
         s.next_step = step + 1
         s.inflight[step] = InFlight(now, tuple(e.job_id for e in out.entries),
@@ -128,26 +118,22 @@ class Applier:
         if run.swap_in_first:
             out.swap_in.append(s.kv.swap_in(job.job_id, step))
             self._count(job, "swaps_in")
-        # A first iteration in chunks takes the blocks of all of it with its first chunk; a run
-        # the policy cuts short takes only what it feeds (its KV is dropped after it).
+        # A cut run takes only what it feeds (its KV is dropped after).
         whole = run.end if run.wasted else job.num_tokens
         if not run.wasted and s.kv.tier(job.job_id) is Tier.NONE:
             cached, fetch = s.kv.admit(job.job_id, whole, step, job.tokens, runs=True,
                                        max_host=run.host_hits)
             if cached < run.start:
-                # An earlier action of this decision took a cached block the walk counted as
-                # this job's hit (it evicts the least recently used): compute from what is
-                # still cached, as many tokens as planned — a prefill chunk if short of the end.
+                # An earlier action took a cached block the walk counted as a hit: compute
+                # from what is still cached, as many tokens as planned.
                 run = replace(run, start=cached, end=min(cached + run.fed_tokens, whole))
             if fetch is not None:   # host hits: the forward waits for the copy
                 out.swap_in.append(fetch)
             self._note_prefix(job, whole, cached)
-            job.num_computed_tokens = cached   # the cached prefix counts as computed
+            job.num_computed_tokens = cached
             table = s.kv.block_table(job.job_id)
         else:
             table = s.kv.allocate(job.job_id, whole, step)
-        # It samples when the run reaches its end (a cut first iteration samples a token that is
-        # discarded); a prefill chunk short of it samples nothing.
         samples = run.wasted or run.end == job.num_tokens
         context = (job.sampling.context(job.prompt_ids, job.generated, s.eos_token_ids)
                    if samples else None)
@@ -161,13 +147,11 @@ class Applier:
         self._start(job, now)
 
     def _fetch(self, job: Job, host_hits: int, step: int, now: float, out: Applied) -> None:
-        """Prefix caching: admit a job whose cached prefix is partly on the host; the copy goes
-        with this plan, and the job runs the rest of its prompt once it landed."""
+        """Admit a job whose cached prefix is partly on the host; it runs once the copy landed."""
         s = self.s
         whole = job.num_tokens
         if not s.kv.prefix_hit(job.job_id, whole, job.tokens, host_hits).tokens:
-            # An earlier action of this decision took the cached blocks (evicted them to take
-            # blocks): nothing to fetch; it is admitted as a new job at a later decision.
+            # An earlier action evicted the cached blocks: admitted as new at a later decision.
             return
         cached, fetch = s.kv.admit(job.job_id, whole, step, job.tokens, runs=False,
                                    max_host=host_hits)
@@ -177,7 +161,7 @@ class Applier:
         self._unplace(job)
         self._admit(job)
         job.state = JobState.RUNNABLE
-        job.num_computed_tokens = cached   # its next run computes from here, as after a chunk
+        job.num_computed_tokens = cached
         self._begin_blocked(job, now)
         s.totals["prefix_fetches"] += 1
         self._place(job)            # in transit: only the starvation clock keeps running
@@ -206,14 +190,12 @@ class Applier:
 
     def _swap(self, decision: SwapDecision, step: int, table: EnstTable | None,
               out: Applied) -> None:
-        # Drops first: their blocks are free at once, and a swap-in may be planned into them.
-        for job_id in decision.drop:
+        for job_id in decision.drop:   # first: a swap-in may be planned into their blocks
             self._drop(job_id, table)
         for job_id in decision.swap_in:
             job = self._predict(job_id, table)
             self._unplace(job)
             out.swap_in.append(self.s.kv.swap_in(job_id, step))
-            # Pinned while in transit; ``settle`` sets how long it stays pinned once it landed.
             job.pinned_until = step + self.s.kv_config.swap_pin_plans
             self._count(job, "swaps_in")
             self._place(job)   # in transit: only the starvation clock keeps running
@@ -221,7 +203,7 @@ class Applier:
             self._swap_out(job_id, step, table, out, reuse_now=False)
 
     def _evict(self, action: Evict, step: int, table: EnstTable | None, out: Applied) -> None:
-        self.s.totals["preemptions"] += 1    # for a job the batch wants (the rest: the swap plan)
+        self.s.totals["preemptions"] += 1
         if action.drop:
             self._drop(action.job_id, table)
         else:
@@ -242,16 +224,13 @@ class Applier:
         self._place(job)
 
     def _predict(self, job_id: str, table: EnstTable | None) -> Job:
-        """Record the ENST predicted at a swap decision (checked when the job next runs)."""
         job = self.s.jobs[job_id]
         if table is not None:
             job.predictions.append((table.now, table(job.level, job.starve_due)))
         return job
 
-    # ---- results -------------------------------------------------------------------------
     def advance(self, job: Job, token: int, served: Served, now: float) -> FinishReason | None:
-        """A token for ``job``; returns why it finished (it is then retired), or None."""
-        job.num_computed_tokens = job.num_tokens   # every position it fed has KV now
+        job.num_computed_tokens = job.num_tokens
         job.generated.append(token)
         self.s.kv.commit(job.job_id, job.num_computed_tokens, job.tokens)
         stats = job.stats
@@ -268,14 +247,12 @@ class Applier:
         return None
 
     def chunk_done(self, job: Job, end: int, served: Served, now: float) -> None:
-        """Chunked prefill: a chunk that is not the first iteration's last completed. Its KV
-        stays (positions up to ``end``); no token, no TTFT; its time is service in the level."""
+        """A prefill chunk short of the last completed: KV kept, no token, its time is service."""
         job.num_computed_tokens = end
         self.s.kv.commit(job.job_id, end, job.tokens)
         self._served(job, served, now)
         self.s.totals["prefill_chunks"] += 1
-        # Skip-join placed the job where its whole first iteration fits the quantum; a chunk
-        # boundary is not the end of it, so no demotion before its first token.
+        # Skip-join placed it by the whole first iteration: no demotion before its first token.
         self._idle_after_run(job, may_demote=False)
 
     def _idle_after_run(self, job: Job, may_demote: bool = True) -> None:
@@ -287,8 +264,7 @@ class Applier:
         self._place(job)
 
     def waste(self, job: Job, served: Served, now: float) -> None:
-        """Naive MLFQ: the first iteration was cut at the quantum; its KV and token are lost,
-        the time is spent, and the job moves down to start over."""
+        """Naive MLFQ's cut first iteration: KV and token lost, the job moves down to start over."""
         self._served(job, served, now)
         self.s.kv.drop(job.job_id)
         self._to_waiting(job, "wasted_prefills", self.s.policy.level_after_quantum(job))
@@ -302,8 +278,7 @@ class Applier:
         job.idle_since = now
 
     def complete(self, step: int, seconds: float | None) -> tuple[InFlight, list[str]]:
-        """Plan ``step`` returned after ``seconds`` (None: it ran no job, so it says nothing
-        of a step's cost): its record, and the jobs whose swaps it settled."""
+        """Plan ``step`` returned after ``seconds`` (None: it ran no job); its record and settled jobs."""
         if seconds is not None:
             w = self.s.config.step_time_ewma_weight
             prev = self.s.step_time_s
@@ -311,14 +286,12 @@ class Applier:
         return self.s.inflight.pop(step), self.s.kv.complete(step)
 
     def fail_step(self, step: int) -> InFlight:
-        """Plan ``step`` failed: the jobs it was swapping lose their KV (unknown contents)."""
         rec = self.s.inflight.pop(step)
         self._lose_kv(self.s.kv.fail(step))
         return rec
 
     def void_inflight(self) -> None:
-        """Every plan in flight is void (the data plane is gone for good): nothing they touch
-        stays busy, and their jobs are idle again, so retiring them frees their KV at once."""
+        """The data plane is gone for good: plans in flight are void, their jobs idle again."""
         s = self.s
         for step in list(s.inflight):
             s.inflight.pop(step)
@@ -332,10 +305,8 @@ class Applier:
         self.s.totals["errors"] += 1
 
     def settle(self, job_ids: list[str], now: float) -> None:
-        """Swaps that completed: re-file the idle jobs they moved (now resident or on host). A
-        job swapped in for its turn is pinned from here (not from the swap's issue: at PP >= 3
-        the copy outlasts the pin) for ``swap_pin_plans`` decisions, and its wait for device
-        space ends here: from now on it waits in the queue, not for a swap."""
+        """Re-file the idle jobs completed swaps moved. A swap-in's pin counts from here, not from
+        its issue: at PP >= 3 the copy outlasts the pin."""
         s = self.s
         for job_id in job_ids:
             idle = s.jobs.get(job_id)
@@ -348,20 +319,17 @@ class Applier:
             self._place(idle)
 
     def _lose_kv(self, job_ids: list[str]) -> None:
-        """A failed plan was swapping these jobs: their KV is gone, they will recompute."""
         for job_id in job_ids:
             job = self.s.jobs.get(job_id)
             if job is not None and job.state is JobState.RUNNABLE:
                 self._to_waiting(job, "recomputes")
 
     def lose_all_kv(self, steps: list[int]) -> None:
-        """The data plane was lost (its workers are being rebuilt): the in-flight ``steps`` did
-        nothing and every job's KV is gone. Each job keeps the tokens it has and recomputes
-        (prompt + generated) on the new workers; aborted jobs that waited for a step are let go."""
+        """The workers are being rebuilt: ``steps`` did nothing; every job keeps its tokens and recomputes."""
         s = self.s
         for step in steps:
             s.inflight.pop(step, None)
-            s.kv.fail(step)   # settles the step: nothing it touched stays busy
+            s.kv.fail(step)
         for job in list(s.jobs.values()):
             if job.state is JobState.ABORTED:
                 self.forget_aborted(job)
@@ -382,9 +350,7 @@ class Applier:
     def forget_aborted(self, job: Job) -> None:
         del self.s.jobs[job.job_id]
 
-    # ---- filing: a job's transitions, and its place in the candidate sets ---------------
     def _set_level(self, job: Job, level: int) -> None:
-        """Enter ``level`` at its back (FIFO by time of entering), with no service yet."""
         if job.level_seq:   # 0 until the job first joins a level (level_seq counts from 1)
             self.s.queues.leave(job.level)
         job.level = level
@@ -393,7 +359,6 @@ class Applier:
         self.s.queues.join(level)
 
     def _place(self, job: Job) -> None:
-        """Put an idle job in the candidate sets its state and residency call for."""
         s = self.s
         lv = s.queues.level(job.level)
         policy = s.policy
@@ -411,8 +376,7 @@ class Applier:
             return
         if policy.may_be_promoted(job):
             if job.starve_due is None:
-                # Its wait begins: α for the backlog ahead of it now, fixed for this wait (a
-                # backlog that drains later does not make a long wait look like starvation).
+                # α is fixed when the wait begins: a backlog that drains later does not shorten it.
                 wait = policy.starvation_wait(job.stats.promotions, s.alpha(job.level))
                 job.starve_due = job.last_served + wait
             s.queues.starving.add(job.job_id, job.starve_due)
@@ -425,8 +389,7 @@ class Applier:
         self.s.totals[what] += 1
 
     def _to_waiting(self, job: Job, counted_as: str, level: int | None = None) -> None:
-        """The job's KV is gone (dropped, lost or wasted): it waits for a first iteration again,
-        which recomputes its prompt and the tokens it has — in ``level`` if it moves."""
+        """Its KV is gone: it waits to recompute prompt + generated, in ``level`` if it moves."""
         self._unplace(job)
         job.state = JobState.WAITING
         job.num_computed_tokens = 0
@@ -444,8 +407,6 @@ class Applier:
             self.s.num_unadmitted -= 1
 
     def _begin_blocked(self, job: Job, now: float) -> None:
-        """A decision wants ``job`` and its KV is not on the device (on the host, or a cached
-        prefix being fetched): its wait for device space begins, unless it already has."""
         if job.blocked_since is None:
             job.blocked_since = now
             self.s.blocked.add(job.job_id)
@@ -459,7 +420,6 @@ class Applier:
             self.s.blocked.discard(job.job_id)
 
     def _retire(self, job: Job, state: JobState, reason: FinishReason, now: float) -> None:
-        """Take a job out of the queues for good; free its KV (deferred while in flight)."""
         s = self.s
         self._unplace(job)
         s.queues.leave(job.level)

@@ -1,6 +1,5 @@
-"""Read-only views of a ``SchedulerState``: metrics (``scheduler_stats``) and the integrity check
-(``check_scheduler``) that tests run after every step. O(jobs + blocks): not for the hot path.
-"""
+"""Metrics (``scheduler_stats``) and the integrity check tests run after every step
+(``check_scheduler``) over a ``SchedulerState``; O(jobs + blocks), not for the hot path."""
 
 from __future__ import annotations
 
@@ -63,7 +62,6 @@ def check_scheduler(s: SchedulerState) -> None:
 
 
 def _plan_of_each_job(s: SchedulerState) -> dict[str, int]:
-    """The in-flight plan each running job is in (never two)."""
     in_plan: dict[str, int] = {}
     for step, rec in s.inflight.items():
         for job_id in rec.job_ids:
@@ -74,9 +72,7 @@ def _plan_of_each_job(s: SchedulerState) -> dict[str, int]:
 
 
 def _check_placed(s: SchedulerState, job: Job, in_plan: dict[str, int]) -> int | None:
-    """An active job is in the candidate sets its state and residency call for, and tracked for
-    starvation if its policy may promote it. Returns the positions its KV table must cover (None:
-    a waiting job, which has no KV)."""
+    """An active job is filed where its state says; returns the positions its table must cover."""
     kv, job_id = s.kv, job.job_id
     lv = s.queues.level(job.level)
     where = kv.residency(job_id)
@@ -91,8 +87,7 @@ def _check_placed(s: SchedulerState, job: Job, in_plan: dict[str, int]) -> int |
         assert where is not Residency.NONE, f"runnable job {job_id} has no KV"
         expected = job.table_len
         if job.decoding and kv.num_tokens(job_id) == job.num_tokens:
-            # A recompute's last chunk stopped one short of its end: the table already
-            # covers the position its decode writes (taken with the first chunk).
+            # A recompute's chunks took the decode's position with the first one.
             expected = job.num_tokens
         want = {Residency.RESIDENT: {"ready", "evictable"}, Residency.HOST:
                 {"pending", "onhost"}}.get(where, set())
@@ -111,7 +106,6 @@ def _check_placed(s: SchedulerState, job: Job, in_plan: dict[str, int]) -> int |
 
 
 def _check_running(s: SchedulerState, job: Job, rec: InFlight) -> int:
-    """A running job is on the device; returns the positions its table must cover."""
     job_id = job.job_id
     assert s.kv.tier(job_id) is Tier.DEVICE, f"running job {job_id} is not on the device"
     chunk_end = rec.chunks.get(job_id)
@@ -121,7 +115,6 @@ def _check_running(s: SchedulerState, job: Job, rec: InFlight) -> int:
             f"of {job.num_tokens} positions")
     if job_id not in rec.wasted:
         return job.num_tokens
-    # A prompt prefix, cut short.
     assert not job.generated, f"job {job_id}: a cut first iteration after tokens"
     covered = s.kv.num_tokens(job_id)
     assert 0 < covered < job.num_tokens, f"cut first iteration of {job_id} covers {covered} positions"

@@ -1,11 +1,5 @@
-"""``MemoryPlanner``: the swap side of a decision (paper §4.2, "Proactive KV cache management").
-
-A pure planner. In proactive mode turns the batch's host jobs, its next growth and the reserve
-of burst slots into a ``SwapDecision`` via ``fastserve.kv.swap_planner`` — ENST-ordered across levels
-for MLFQ policies, policy order otherwise — against the block counts the batch left. (Eviction
-*for* a job the batch wants is the batch walk's, by priority: ``fastserve.scheduler.batcher``.) Also
-plans the stall breaker that guarantees progress. ``Applier.apply`` runs what it returns.
-"""
+"""``MemoryPlanner``: the swap side of a decision (paper §4.2) and the stall breaker, a pure planner.
+Eviction *for* a job the batch wants is the batch walk's (``batcher``)."""
 
 from __future__ import annotations
 
@@ -18,8 +12,7 @@ from fastserve.scheduler.state import KVView, SchedulerView
 
 
 class _Counts:
-    """The block counts a swap plan reads, seen after the batch: blocks its admissions take as
-    a cached prefix from another job stay on the device when that job is evicted."""
+    """Block counts after the batch: its admissions' shared prefix blocks stay when a holder leaves."""
 
     def __init__(self, kv: KVView, batch: BatchDecision) -> None:
         self.kv = kv
@@ -41,11 +34,7 @@ class MemoryPlanner:
 
     def plan(self, batch: BatchDecision, step: int, now: float,
              table: EnstTable | None) -> SwapDecision:
-        """Swaps for this plan. Proactive: prefetch and offload by ENST around the reserve (burst
-        slots) and the batch's next growth, in the background of the plan. Reactive and
-        recompute swap nothing here: a job's KV moves only when the batch wants it (the batch
-        walk's own swap-in or preemption). FCFS, which never preempts for priority, evicts here
-        for the decode growth its batch could not get."""
+        """Proactive: prefetch and offload by ENST; otherwise only FCFS's evictions for growth."""
         view = self.view
         mode = view.kv_config.swap_mode
         policy = view.policy
@@ -54,8 +43,7 @@ class MemoryPlanner:
             unmet += sum(batch.waiting_needs.values())
         if mode != "proactive" and policy.preempts_for_priority:
             return SwapDecision()
-        # Needs the walk could not meet from jobs it outranks are not met from anyone else's
-        # KV (never from equal or higher priority); prefetch still leaves them free.
+        # Needs the walk could not meet are never met from equal or higher priority.
         keep = 0 if policy.preempts_for_priority else unmet
         if mode == "proactive":
             keep += batch.next_growth
@@ -69,10 +57,7 @@ class MemoryPlanner:
         drop = mode == "recompute"
 
         def can_evict(job_id: str) -> bool:
-            # A job swapped in for its turn stays until it ran or its pin expired. A first
-            # iteration part-way through its chunks is not dropped (recompute): its chunks
-            # would be lost, and two long prompts could drop each other forever whenever their
-            # chunks outlast α (each is promoted back while the other prefills).
+            # A part-done prefill is not dropped: two long prompts could drop each other forever.
             return (job_id not in protected and job_id not in taken
                     and not view.pinned(job_id, step)
                     and not (drop and view.jobs[job_id].prefilling))
@@ -89,10 +74,8 @@ class MemoryPlanner:
 
     def plan_unstick(self, batch: BatchDecision, swaps: SwapDecision,
                      table: EnstTable | None) -> SwapDecision:
-        """Nothing can run and nothing is in flight: make room for the top deferred job by
-        evicting any other idle job (pins ignored; dropped if the host is full), and bring it
-        in if it is on the host. This is the no-deadlock guarantee: the focus job runs within
-        two decisions."""
+        """Nothing runs or is in flight: evict any idle job (pins ignored) for the focus job, which
+        then runs within two decisions — the no-deadlock guarantee."""
         view = self.view
         focus = batch.focus
         if batch.runs or view.num_inflight or focus is None:
@@ -114,8 +97,7 @@ class MemoryPlanner:
                                   victims=victims,
                                   can_evict=lambda j: j != focus and j not in taken,
                                   drop=view.kv_config.swap_mode == "recompute",
-                                  # Never kill an admitted job's KV to admit a new one: when both
-                                  # tiers are full, admission waits (DESIGN, paper §3.4).
+                                  # Both tiers full: admission waits, no admitted KV dies (§3.4).
                                   drop_when_host_full=job.admitted)
         free_now = pools.free_device + sum(kv.movable_blocks(j) for j in decision.drop)
         if (view.kv.residency(focus) is Residency.HOST and focus not in swaps.swap_in
@@ -124,15 +106,12 @@ class MemoryPlanner:
         return decision
 
     def _pools(self, batch: BatchDecision) -> PoolCounts:
-        """Free blocks as the swap plan sees them: what the walk left plus what it set aside for
-        the host jobs it wants (the swap plan brings them in); releasing soon, less what claims
-        hold."""
+        """What the walk left plus what it set aside for wanted host jobs (the swap plan brings them)."""
         free = batch.free_device + sum(batch.wanted_host.values())
         return PoolCounts(free, batch.free_host, batch.unclaimed_release)
 
     @staticmethod
     def _taken(batch: BatchDecision) -> set[str]:
-        """Jobs the batch already runs or evicts: not candidates for another move."""
         return {a.job_id for a in batch.actions}
 
     def _score(self, table: EnstTable | None, sign: float) -> LevelScore | None:

@@ -1,9 +1,5 @@
-"""``PrioritySet``: a set of job ids ordered by a numeric key, with cheap add, discard, pop-min.
-
-A binary heap with lazy deletion: ``discard`` only forgets the id, and stale heap entries are
-dropped when they surface or when the heap has grown to more than twice its live size. This is
-what keeps a scheduling decision from scanning every queued job.
-"""
+"""``PrioritySet``: job ids by numeric key with cheap add, discard, pop-min — a heap with lazy
+deletion, compacted past twice its live size. It keeps a decision from scanning every queued job."""
 
 from __future__ import annotations
 
@@ -11,8 +7,7 @@ import heapq
 from collections.abc import Iterator
 from itertools import count
 
-#: A sort key. A plain number on purpose: heap operations compare keys, and comparing numbers
-#: is several times cheaper than comparing tuples (ties fall back to insertion order).
+#: A number, not a tuple: heaps compare keys, and numbers compare several times faster.
 Key = float
 
 #: Below this many stale entries a compaction is not worth its O(n) rebuild.
@@ -35,17 +30,14 @@ class PrioritySet:
         return job_id in self._live
 
     def __iter__(self) -> Iterator[str]:
-        """Live ids in no particular order (for checks, not for scheduling)."""
         return iter(self._live)
 
     def add(self, job_id: str, key: Key) -> None:
-        """Insert ``job_id`` (or move it to ``key`` if present)."""
         token = next(self._tokens)
         live = self._live
         live[job_id] = token
         heap = self._heap
         heapq.heappush(heap, (key, token, job_id))
-        # Only adds grow the heap, so checking here bounds it to ~2x the live entries.
         if len(heap) > 2 * len(live) + _COMPACT_MIN_STALE:
             self._heap = [e for e in heap if live.get(e[2]) == e[1]]
             heapq.heapify(self._heap)

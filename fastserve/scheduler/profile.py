@@ -1,9 +1,5 @@
-"""The job profiler's output, as the scheduler reads it (paper §3.2 "Job Profiler").
-
-Owns the interpolation of the offline profile written by ``python -m fastserve.engine.profiler``:
-``t_init(prompt_len)`` (first-iteration time), ``t_dec(batch_size)`` (decode-iteration time),
-the smallest quantum ``q1`` and the number of MLFQ levels the profile implies.
-"""
+"""The job profile as the scheduler reads it (paper §3.2): ``t_init(prompt_len)``, ``t_dec(batch)``,
+``q1`` and the levels, interpolated from ``python -m fastserve.engine.profiler``'s output."""
 
 from __future__ import annotations
 
@@ -25,7 +21,6 @@ def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     i = bisect_left(xs, x)
     if i < len(xs) and xs[i] == x:
         return ys[i]   # exactly the measurement, not a rounded interpolation
-    # Pick the segment [i-1, i] containing x, or the first/last segment outside the grid.
     i = min(max(i, 1), len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
@@ -99,8 +94,7 @@ class Profile:
         return max(value, min(self.dec_seconds))
 
     def longest_prompt_within(self, seconds: float, upper: int) -> int:
-        """Largest n in [1, upper] with t_init(n) ≤ ``seconds`` (1 when even one token costs
-        more): the prompt prefix a first iteration preempted after ``seconds`` got through."""
+        """Largest n in [1, upper] with t_init(n) ≤ ``seconds`` (at least 1)."""
         lo, hi = 1, max(upper, 1)
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -112,7 +106,7 @@ class Profile:
 
     @property
     def q1(self) -> float:
-        """The highest level's quantum: the (smallest) decode-iteration time (paper §4.1)."""
+        """The highest level's quantum: the smallest decode-iteration time (§4.1)."""
         return min(self.dec_seconds)
 
     @property
@@ -120,8 +114,7 @@ class Profile:
         return max(self.init_seconds)
 
     def num_levels(self, growth: float, q1: float | None = None) -> int:
-        """Fewest levels such that q_n = q1·growth^(n-1) ≥ the largest profiled t_init
-        (``q1`` defaults to the decode-iteration time)."""
+        """Fewest levels with q1·growth^(n-1) ≥ the largest profiled t_init."""
         base = self.q1 if q1 is None else q1
         n = 1
         while base * growth ** (n - 1) < self.max_t_init:

@@ -1,17 +1,6 @@
-"""``LevelQueues``: the priority levels and the per-level candidate sets of the scheduler.
-
-Owns, for every level, the jobs that a decision may pick, split by what they need so that a
-decision touches only the few jobs it can use:
-
-* ``ready``     — runnable and resident on the device (batch candidates), by order key;
-* ``pending``   — no KV (admission) or KV on the host, by order key;
-* ``evictable`` — same members as ``ready``, by swap-out preference (largest ENST first);
-* ``onhost``    — KV settled on the host, by swap-in preference (smallest ENST first);
-
-plus per-level job counts (running and in-transit jobs included: they stay in their queue, paper
-§4.3) for ENST, and the starvation clocks (``StarvationClocks``). Which set a job belongs in is
-decided by the scheduler; this module only keeps the sets.
-"""
+"""``LevelQueues``: per level, the candidate sets a decision walks (so it touches only jobs it can
+use), the job counts ENST reads (running jobs included, §4.3), and the starvation clocks.
+Which set a job belongs in is the ``Applier``'s call."""
 
 from __future__ import annotations
 
@@ -29,8 +18,7 @@ LevelScore = Callable[[int, str], float]
 
 
 class StarvationClocks:
-    """Idle jobs watched for starvation, by the time each is due for promotion (``Job.starve_due``,
-    fixed when its wait began), so the first to starve is the set's top."""
+    """Idle jobs watched for starvation, by ``Job.starve_due``."""
 
     def __init__(self) -> None:
         self._due = PrioritySet()
@@ -46,7 +34,6 @@ class StarvationClocks:
         self._due.discard(job_id)
 
     def first_overdue(self, now: float) -> str | None:
-        """A job whose promotion time has passed (waited longer than its α), or None."""
         top = self._due.peek()
         if top is not None and now > top[0]:
             return top[1]
@@ -55,6 +42,9 @@ class StarvationClocks:
 
 @dataclass
 class Level:
+    """``ready``: resident, by order; ``pending``: no KV or on host, by order; ``evictable``: the
+    ready ones by swap-out preference; ``onhost``: settled on host, by swap-in preference."""
+
     ready: PrioritySet = field(default_factory=PrioritySet)
     pending: PrioritySet = field(default_factory=PrioritySet)
     evictable: PrioritySet = field(default_factory=PrioritySet)
@@ -94,13 +84,8 @@ class LevelQueues:
 
     @contextmanager
     def ordered(self, name: SetName, score: LevelScore | None) -> Iterator[Iterator[str]]:
-        """Walk one kind of set across all levels in preference order, without changing it.
-
-        Within a level the set's own key decides; across levels ``score(level, top_job)``
-        (lower first) merges the levels' best candidates, or, without a score, levels go from
-        highest priority down. Entries are popped while walking and all restored on exit, so a
-        caller decides during the walk and applies its decisions after it.
-        """
+        """Walk one kind of set across levels: ``score`` (lower first) merges the levels' tops, else
+        levels go highest first. Entries are restored on exit; apply decisions after the walk."""
         popped: list[tuple[PrioritySet, Key, str]] = []
 
         def walk() -> Iterator[str]:

@@ -1,8 +1,5 @@
-"""``ArrivalReserve``: the burst slots, device blocks kept free for new arrivals (paper §4.2).
-
-Owns the recent arrivals (time, prompt blocks) when the reserve adapts to them ("tuned on
-historical arrival patterns"); the scheduler notes each arrival and asks for the reserve.
-"""
+"""``ArrivalReserve``: the burst slots, device blocks kept free for arrivals (paper §4.2), optionally
+sized from recent arrivals ("tuned on historical arrival patterns")."""
 
 from __future__ import annotations
 
@@ -30,9 +27,6 @@ class ArrivalReserve:
             self._blocks -= self._arrivals.popleft()[1]
 
     def blocks(self, now: float) -> int:
-        """The configured count plus, optionally, blocks sized from the arrivals of the last
-        ``adaptive_window_s`` (their prompts, or a configured blocks-per-arrival), capped at
-        ``adaptive_max_fraction`` of the device pool — and the sum below the whole pool."""
         cfg = self.config
         if not cfg.adaptive_reserve:
             return cfg.reserved_blocks
@@ -42,5 +36,4 @@ class ArrivalReserve:
         else:
             adaptive = len(self._arrivals) * cfg.adaptive_blocks_per_arrival
         cap = math.floor(cfg.adaptive_max_fraction * cfg.num_device_blocks)
-        # Never the whole pool: a reserve of every block would keep the device empty.
         return min(cfg.reserved_blocks + min(math.ceil(adaptive), cap), cfg.num_device_blocks - 1)

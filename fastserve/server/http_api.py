@@ -1,11 +1,5 @@
-"""The FastAPI app of the OpenAI-compatible server: its routes and how errors become bodies.
-
-Owns ``make_api``: the generation routes (``/v1/completions``, ``/v1/chat/completions``, served
-by ``fastserve.server.ingress.OpenAIServer`` through ``respond``), the model and tokenizer routes
-(``fastserve.server.tokenize_api``), ``/health``, ``/debug/engine`` and ``/metrics``, and the exception
-handlers that turn every failure into an OpenAI error body with its status. Used by the Serve deployment
-(``fastserve.server.ingress_deployment.Ingress``), the Ray Serve LLM adapter's tests and the unit tests.
-"""
+"""The FastAPI app of the OpenAI-compatible server (``make_api``): its routes, and the handlers that
+turn every failure into an OpenAI error body with its status."""
 
 from __future__ import annotations
 
@@ -31,10 +25,8 @@ log = logging.getLogger(__name__)
 
 async def respond(server: OpenAIServer, raw: bytes, chat: bool,
                   disconnected: Callable[[], Awaitable[Any]] | None = None) -> Response:
-    """Serve one generation request. Tokenization runs off the event loop (a large prompt must not
-    stall every other stream of this replica); a streaming request gets its SSE stream, any other
-    its body (``OpenAIServer.complete_unless_gone``: bounded by ``request_timeout_s``, aborted when
-    the client goes away)."""
+    """Serve one generation request; tokenization runs off the loop (a large prompt must not stall
+    this replica's other streams)."""
     prepare = server.preparer.prepare_chat if chat else server.preparer.prepare_completion
     prep = await asyncio.to_thread(prepare, raw)
     streams = await server.start_all(prep)
@@ -45,7 +37,6 @@ async def respond(server: OpenAIServer, raw: bytes, chat: bool,
 
 
 def make_api(server: OpenAIServer) -> FastAPI:
-    """The FastAPI app over ``server`` (used by the Serve deployment and by unit tests)."""
     api = FastAPI(title="FastServe on Ray", docs_url=None, redoc_url=None)
 
     @api.exception_handler(APIError)
@@ -73,15 +64,15 @@ def make_api(server: OpenAIServer) -> FastAPI:
     api.add_api_route("/v1/completions", guarded(False), methods=["POST"])
     api.add_api_route("/v1/chat/completions", guarded(True), methods=["POST"])
 
-    add_info_routes(api, server)   # /v1/models, /v1/models/{id}, /tokenize, /detokenize
+    add_info_routes(api, server)
 
     @api.get("/health")
     async def health() -> Response:
-        """200 while an engine replica answers healthy; 503 naming the problem otherwise (load
-        balancers and KubeRay probes need no API key for it)."""
+        """200 while an engine replica answers healthy, else 503 naming the problem; no API key
+        (load balancers and KubeRay probes call it)."""
         try:
             state = await asyncio.wait_for(server.backend.health(), server.ctx.limits.health_timeout_s)
-        except Exception as exc:   # no replica answered: unhealthy, whatever the cause
+        except Exception as exc:   # unhealthy, whatever the cause
             state = {"healthy": False, "problem": f"no engine replica answered: {type(exc).__name__}"}
         if state.get("healthy"):
             return PlainTextResponse("ok")
@@ -90,16 +81,13 @@ def make_api(server: OpenAIServer) -> FastAPI:
 
     @api.get("/debug/engine")
     async def engine_stats(request: Request) -> JSONResponse:
-        """One engine replica's counters and step breakdown (``fastserve.bench.breakdown`` reads it)."""
         server.preparer.check_auth(request.headers.get("authorization"))
         return JSONResponse(await server.backend.engine_stats())
 
     if server.ctx.allow_reset_prefix_cache:
         @api.post("/reset_prefix_cache")
         async def reset_prefix_cache(request: Request) -> JSONResponse:
-            """vLLM's endpoint: every engine replica forgets the cached KV blocks no job uses;
-            503 if one does not answer within ``server.reset_timeout_s``. Only when
-            ``server.allow_reset_prefix_cache`` is on."""
+            """vLLM's endpoint: every engine replica forgets its unused cached KV blocks."""
             server.preparer.check_auth(request.headers.get("authorization"))
             try:
                 return JSONResponse(await server.backend.reset_prefix_cache())

@@ -38,6 +38,9 @@ from fastserve.server.protocol_output import (
     usage,
 )
 from fastserve.server.request_limits import timed_out
+from fastserve.server.tool_parsers import ToolCallParser
+from fastserve.server.tool_parsers import parse as parse_tool_calls
+from fastserve.server.tools import ToolPlan
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +65,39 @@ def job_stats(delta: TokenDelta) -> dict[str, Any]:
     """A finishing delta's ``job_stats`` as the response carries them ({} without stats)."""
     stats = None if delta.finish is None else delta.finish.stats
     return {} if stats is None else stats.as_dict()
+
+
+def tool_fields(plan: ToolPlan, text: str, finish_reason: str | None) -> dict[str, Any]:
+    """A whole choice's ``message`` (content, and the calls read from it) and finish reason:
+    ``tool_calls`` when the model ended by itself after calling (a call cut by ``length``
+    keeps that reason: its arguments are incomplete)."""
+    parser = plan.parser()
+    assert parser is not None
+    content, calls = parse_tool_calls(parser, text)
+    if not calls:
+        return {"message": {"role": "assistant", "content": content}}
+    return {"message": {"role": "assistant", "content": content or None, "tool_calls": [c.wire() for c in calls]},
+            "finish_reason": "tool_calls" if finish_reason == "stop" else finish_reason}
+
+
+def chat_delta(parser: ToolCallParser | None, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
+    """A stream event's ``delta`` and finish reason; with a tool parser, the content and call
+    deltas it releases (all it held, on the last event)."""
+    if parser is None:
+        return ({"content": text} if text or reason is None else {}), reason
+    out = parser.push(text)
+    if reason is not None:
+        tail = parser.finish()
+        out.content += tail.content
+        out.calls += tail.calls
+        if parser.called and reason == "stop":
+            reason = "tool_calls"
+    delta: dict[str, Any] = {}
+    if out.content:
+        delta["content"] = out.content
+    if out.calls:
+        delta["tool_calls"] = [c.wire() for c in out.calls]
+    return delta, reason
 
 
 def cached_tokens(delta: TokenDelta) -> int:
@@ -206,11 +242,12 @@ class OpenAIServer:
                      {"job_stats": job_stats(last), "choice": choice_extra, **first_extra})
         template = body["choices"][0]
         for index, (text, _, last, extra) in enumerate(results[1:], start=1):
-            choice = dict(template, index=index, finish_reason=last.finish_reason, **extra)
+            choice = dict(template, index=index, finish_reason=last.finish_reason)
             if prep.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
+            choice.update(extra)
             body["choices"].append(choice)
         return body
 
@@ -235,6 +272,8 @@ class OpenAIServer:
             extra["logprobs"] = merge_logprobs(logprobs, prep.chat)
         if prep.req.return_token_ids:
             extra["token_ids"] = ids
+        if prep.tools is not None:
+            extra.update(tool_fields(prep.tools, "".join(text), last.finish_reason))
         return "".join(text), ids, last, extra
 
     async def sse(self, prep: Prepared, streams: JobStream | list[JobStream]) -> AsyncIterator[bytes]:
@@ -245,7 +284,10 @@ class OpenAIServer:
         fmts = [LogprobFormatter(self.ctx.tokenizer, prep.chat, prep.req.return_tokens_as_token_ids) for _ in streams] \
             if prep.req.logprob_count() is not None else None
 
-        def chunk(index: int, text: str, reason: str | None, delta_: TokenDelta, extra: dict[str, Any]) -> bytes:
+        parsers = [prep.tools.parser() for _ in streams] if prep.tools is not None else None
+
+        def chunk(index: int, text: str, reason: str | None, delta_: TokenDelta, extra: dict[str, Any]) -> bytes | None:
+            """The event for a delta; None when it has nothing to say (text a tool parser holds)."""
             more = {**base, **extra}
             ids = list(delta_.token_ids)
             choice: dict[str, Any] = {"index": index}
@@ -255,7 +297,9 @@ class OpenAIServer:
                 choice["logprobs"] = fmts[index].format(ids, delta_.logprobs)
             more["choice"] = choice
             if prep.chat:
-                delta = {"content": text} if text or reason is None else {}
+                delta, reason = chat_delta(parsers[index] if parsers else None, text, reason)
+                if not delta and reason is None and not want_ids and not (fmts is not None and ids):
+                    return None
                 body = chat_chunk(rid, model, created, delta, reason, more)
             else:
                 body = completion_chunk(rid, model, created, text, reason, more)
@@ -271,12 +315,15 @@ class OpenAIServer:
             async with asyncio.timeout(self.ctx.limits.request_timeout_s):
                 async for index, (delta, text) in merged([self.events(s, prep) for s in streams]):
                     n += len(delta.token_ids)
+                    event = None
                     if delta.finish_reason is not None:
                         if index == 0:
                             cached = cached_tokens(delta)
-                        yield chunk(index, text, delta.finish_reason, delta, {"job_stats": job_stats(delta)})
+                        event = chunk(index, text, delta.finish_reason, delta, {"job_stats": job_stats(delta)})
                     elif text or want_ids or (fmts is not None and delta.token_ids):
-                        yield chunk(index, text, None, delta, {})
+                        event = chunk(index, text, None, delta, {})
+                    if event is not None:
+                        yield event
         except TimeoutError:   # ``events`` cancelled the stream on its way out: the job is aborted
             yield b"data: " + json.dumps(timed_out(self.ctx.limits.request_timeout_s).body()).encode() + b"\n\n"
             yield SSE_DONE

@@ -1,10 +1,5 @@
-"""The ``Ingress`` Serve deployment: the HTTP server in front of the Engine deployment.
-
-Owns the production wiring of ``fastserve.server.ingress.OpenAIServer``: ``ServeBackend`` (the Engine
-deployment's handle, Ray's metrics agents), this replica's delivery channels
-(``channel_client``, ``fastserve.engine.delivery``), and ``Ingress``, the deployment class ``fastserve.main``
-binds; its FastAPI app (``fastserve.server.http_api.make_api``) is built per replica.
-"""
+"""The ``Ingress`` Serve deployment: ``OpenAIServer`` wired to the Engine deployment's handle, Ray's
+metrics agents and this replica's delivery channels; its FastAPI app is built per replica."""
 
 from __future__ import annotations
 
@@ -30,11 +25,8 @@ log = logging.getLogger(__name__)
 
 
 class ServeBackend:
-    """The production ``Backend``: the Engine deployment's handle, Ray's metrics agents.
-
-    With ``channels`` (``server.delivery_channels``), jobs' tokens come on this ingress replica's
-    delivery channels (one message per step per engine replica, ``fastserve.engine.delivery``) once one is
-    open to the replica a job landed on; without, each job's tokens come on its own stream."""
+    """The production ``Backend``. With ``channels``, jobs' tokens come on this ingress replica's
+    delivery channels (one message per step per engine replica); without, on each job's stream."""
 
     def __init__(self, engine: Any, metrics: AgentMetrics, channels: ChannelClient | None,
                  reset_timeout_s: float) -> None:
@@ -56,8 +48,7 @@ class ServeBackend:
         return await self._metrics.text()
 
     async def reset_prefix_cache(self) -> dict[str, Any]:
-        """Every running engine replica forgets its cached blocks (Serve's broadcast: one call
-        per replica; each model copy has its own cache). Raises TimeoutError past the bound."""
+        """Every engine replica forgets its cached blocks (one call each); TimeoutError past the bound."""
         replies = await self._engine.broadcast("reset_prefix_cache").results_async(
             timeout_s=self._reset_timeout_s)
         return {"reset_blocks": sum(int(r["reset_blocks"]) for r in replies), "replicas": len(replies)}
@@ -72,7 +63,6 @@ class ServeBackend:
 
 
 def channel_client(engine: Any, ingress_id: str, open_timeout_s: float) -> ChannelClient:
-    """This ingress replica's delivery channels over the Engine deployment's handle."""
     subscribe = engine.options(stream=True).subscribe
 
     def open_channel(ingress: str, replica_id: str, channel_id: str) -> ServeStream[Message]:
@@ -85,7 +75,6 @@ def channel_client(engine: Any, ingress_id: str, open_timeout_s: float) -> Chann
 
 @serve.ingress()
 class Ingress:
-    """The HTTP entry point; ``fastserve.main`` applies its Serve options (autoscaling, ...)."""
 
     def __init__(self, engine: Any, args: dict[str, Any]) -> None:
         join_serve_logs()
@@ -105,5 +94,5 @@ class Ingress:
 
 
 def _ingress_replica_id() -> str:
-    """This Serve replica's unique id: the engine replicas key its delivery channel by it."""
+    """This replica's unique id: the engine replicas key its delivery channel by it."""
     return str(serve.get_replica_context().replica_id.unique_id)

@@ -31,8 +31,12 @@ from fastserve.server.protocol import (
 )
 from fastserve.server.protocol_output import now_s
 from fastserve.server.request_limits import RequestLimits
+from fastserve.server.structured_request import ConstraintError, constrained
+from fastserve.server.tool_parsers import PARSERS
+from fastserve.server.tools import ToolPlan, chat_prompt_ids, resolve_tool_call_parser
+from fastserve.structured import GrammarError, check_constraint
 from fastserve.tokenizer import Tokenizer
-from fastserve.worker.messages import SamplingParams
+from fastserve.worker.messages import OutputConstraint, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +59,8 @@ class ServerContext:
     allow_reset_prefix_cache: bool = False
     #: The model's own sampling values for fields a request omits (``generation_config.json``).
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    #: The format ``tool_choice: auto`` outputs are read in (a ``PARSERS`` key; None: refused).
+    tool_call_parser: str | None = "hermes"
     created: int = field(default_factory=now_s)
 
     @classmethod
@@ -67,7 +73,8 @@ class ServerContext:
         return cls(args.model.name, tokenizer, args.model.hf_config().vocab_size,
                    args.model.context_len(), srv.resolved_api_key(), srv.retry_after_s, limits,
                    allow_reset_prefix_cache=srv.allow_reset_prefix_cache,
-                   sampling_defaults=_logged(args.model.sampling_defaults()))
+                   sampling_defaults=_logged(args.model.sampling_defaults()),
+                   tool_call_parser=resolve_tool_call_parser(srv.tool_call_parser, tokenizer.chat_template.source))
 
 
 def _logged(defaults: SamplingDefaults) -> SamplingDefaults:
@@ -102,6 +109,8 @@ class Prepared:
     chat: bool
     jobs: tuple[JobRequest, ...] = ()
     rid: str = ""
+    #: A chat request's tools (None: no tool calls are read from the output).
+    tools: ToolPlan | None = None
 
     @property
     def request_id(self) -> str:
@@ -142,19 +151,61 @@ class RequestPreparer:
     def prepare_chat(self, raw: bytes) -> Prepared:
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, raw)
         self._check_request(req)
-        try:   # the model's own template (its specials written by it), or the OPT fallback
-            ids = self.ctx.tokenizer.encode_chat([m.as_template_message() for m in req.messages],
-                                                 req.chat_options())
-        except ChatTemplateError as exc:
-            raise bad_request(str(exc), exc.param) from None
+        plan = req.tool_plan(self.ctx.tool_call_parser)
+        ids = self._chat_prompt(req, plan)
         ids = req.truncated(ids, self.ctx.context_len)
         room = self.ctx.context_len - len(ids)
         if room < 1:
             raise bad_request(
                 f"messages of {len(ids)} tokens leave no room to generate within the model's "
                 f"context of {self.ctx.context_len} tokens", "messages", "context_length_exceeded")
-        sampling = req.to_sampling(room, self.ctx.sampling_defaults)
-        return self._prepared(req, f"chatcmpl-{uuid.uuid4().hex}", ids, sampling, True)
+        sampling = self._forced(req, plan, req.to_sampling(room, self.ctx.sampling_defaults))
+        if plan.parses and self._markers_are_special(plan):
+            # As vLLM's Hermes parser: the markers must reach the parser even where the
+            # tokenizer calls them special.
+            req = req.model_copy(update={"skip_special_tokens": False})
+        return self._prepared(req, f"chatcmpl-{uuid.uuid4().hex}", ids, sampling, True,
+                              plan if plan.parses else None)
+
+    @staticmethod
+    def _forced(req: ChatCompletionRequest, plan: ToolPlan, sampling: SamplingParams) -> SamplingParams:
+        """``sampling`` held to the schema ``tool_choice`` required / named force (the grammar
+        writes the call); checked with the grammar engine here, a 400 naming the field."""
+        schema = plan.forced_schema()
+        if schema is None:
+            return sampling
+        if req.min_tokens:
+            raise bad_request("min_tokens cannot be honoured with a forced tool_choice: the grammar decides "
+                              "where the call ends", "min_tokens")
+        constraint = OutputConstraint.json_schema(schema)
+        try:
+            check_constraint(constraint)
+            return constrained(sampling, constraint, "tool_choice")
+        except GrammarError as exc:
+            raise bad_request(f"the tools' parameters cannot be forced: {exc}", "tools") from None
+        except ConstraintError as exc:
+            raise bad_request(str(exc), exc.param) from None
+
+    def _chat_prompt(self, req: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
+        """The prompt's ids: the model's own template (its specials written by it) or the OPT
+        fallback, given the tools (``fastserve.server.tools.chat_prompt_ids``)."""
+        try:
+            return chat_prompt_ids(self.ctx.tokenizer, [m.as_template_message() for m in req.messages],
+                                   req.chat_options(), plan)
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), exc.param) from None
+
+    def _markers_are_special(self, plan: ToolPlan) -> bool:
+        """Whether a marker of the plan's format is one special token of this tokenizer (it
+        would vanish from text decoded with ``skip_special_tokens``)."""
+        if plan.mode != "auto":
+            return False
+        tok = self.ctx.tokenizer
+        for marker in PARSERS[plan.parser_name].markers:
+            ids = tok.encode(marker, add_special_tokens=False)
+            if len(ids) == 1 and ids[0] in tok.special_token_ids:
+                return True
+        return False
 
     def _check_request(self, req: CompletionRequest | ChatCompletionRequest) -> None:
         self._check_model(req.model)
@@ -174,7 +225,7 @@ class RequestPreparer:
                               f"'{self.ctx.model_name}'", "model", "model_not_found")
 
     def _prepared(self, req: CompletionRequest | ChatCompletionRequest, request_id: str, ids: list[int],
-                  sampling: SamplingParams, chat: bool) -> Prepared:
+                  sampling: SamplingParams, chat: bool, tools: ToolPlan | None = None) -> Prepared:
         """The request's one validation (``validate_request``), then its ``JobRequest``."""
         sampling = replace(sampling, bad_words_ids=bad_words_ids(self.ctx.tokenizer, req.bad_word_texts()))
         try:
@@ -192,7 +243,7 @@ class RequestPreparer:
         n = req.num_choices
         jobs = tuple(JobRequest(choice_job_id(request_id, i, n), tuple(ids), choice_sampling(sampling, i),
                                 priority=req.priority, cache_salt=req.cache_salt) for i in range(n))
-        return Prepared(req, jobs[0], chat, jobs, request_id)
+        return Prepared(req, jobs[0], chat, jobs, request_id, tools)
 
     def refusal(self, code: ErrorCode, message: str, param: str | None) -> APIError:
         """The HTTP answer to a refused request: status, type and code come from ``code``."""

@@ -1,22 +1,7 @@
-"""Ray Serve LLM integration: our scheduler behind ``ray.serve.llm``'s OpenAI ingress.
-
-Owns ``FastServeLLMServer``, a ``server_cls`` for ``ray.serve.llm.LLMConfig``, and the engine it
-runs (``FastServeEngine``). With it, a Ray Serve LLM application (``build_openai_app``) serves
-a model with FastServe's skip-join MLFQ scheduler and proactive KV swapping instead of vLLM's:
-
-    LLMConfig(model_loading_config={"model_id": "opt-125m"},
-              server_cls="fastserve.server.llm_server:FastServeLLMServer",
-              engine_kwargs={<our AppArgs: model, parallel, profile, scheduler, kv_cache, ...>})
-
-``engine_kwargs`` are validated as ``fastserve.config.AppArgs`` (``model.name`` defaults to the
-``model_id``). Each replica is one model copy: the engine runs a ``EngineReplica`` in
-process, with its placement group derived from the parallel layout exactly as in our own app,
-and answers through our ``OpenAIServer`` (same validation, stop strings, ``job_stats``).
-Subclassing ``LLMServer`` keeps Ray Serve LLM's own behaviour around it: request ids, stream
-batching (``experimental_configs.stream_batching_interval_ms``), its error format.
-
-Needs the ``serve-llm`` extra (``ray.serve.llm`` imports vLLM's OpenAI protocol models).
-"""
+"""Ray Serve LLM integration: ``FastServeLLMServer``, a ``server_cls`` for ``ray.serve.llm.LLMConfig``.
+``engine_kwargs`` are our ``AppArgs``; each replica runs an ``EngineReplica`` in process behind our
+``OpenAIServer``, while ``LLMServer`` keeps Ray's request ids, stream batching and error format.
+Needs the ``serve-llm`` extra (docs/operations.md)."""
 
 from __future__ import annotations
 
@@ -58,17 +43,16 @@ def app_args(llm_config: LLMConfig) -> AppArgs:
 
 
 class LocalBackend:
-    """``OpenAIServer``'s backend: the engine replica living in this Serve replica."""
+    """``OpenAIServer``'s backend: the engine replica in this Serve replica."""
 
     def __init__(self, replica: EngineReplica) -> None:
         self.replica = replica
 
     def generate(self, req: JobRequest) -> JobStream:
-        # generate is an async generator function (typed by what callers need: an iterator)
         return JobStream(req.job_id, LocalStream(cast(AsyncGenerator[JobEvent, None], self.replica.generate(req))))
 
     async def metrics_text(self) -> str:
-        return ""   # metrics go to Ray's agents; Ray Serve LLM has no /metrics route of its own
+        return ""   # Ray Serve LLM has no /metrics route; metrics go to Ray's agents
 
     async def engine_stats(self) -> dict[str, Any]:
         return await self.replica.stats()
@@ -81,8 +65,8 @@ class LocalBackend:
 
 
 def _client_fields(request: Any) -> bytes:
-    """Only the fields the client sent (vLLM's model filled defaults in; Ray's own request_id
-    is not the client's, and our models refuse a client's request_id, fastserve.server.request_fields)."""
+    """Only the fields the client sent (vLLM's model filled defaults in); Ray's own request_id is
+    not the client's, and our models refuse one."""
     raw: bytes = request.model_dump_json(exclude_unset=True, exclude={"request_id"}).encode()
     return raw
 
@@ -95,12 +79,8 @@ def error_response(exc: APIError) -> ErrorResponse:
 
 
 class FastServeEngine(LLMEngine):
-    """One model copy: our scheduler, executor and OpenAI layer, in process.
-
-    The request methods are async generators, as ``LLMServer`` calls them (without awaiting) and
-    as Ray's own SGLang engine writes them; ``LLMEngine``'s annotations say coroutines, hence the
-    ``override`` ignores below.
-    """
+    """One model copy: our scheduler, executor and OpenAI layer, in process. Request methods are
+    async generators as ``LLMServer`` calls them (``LLMEngine`` annotates coroutines: the ignores)."""
 
     def __init__(self, llm_config: LLMConfig) -> None:
         self.llm_config = llm_config
@@ -135,8 +115,6 @@ class FastServeEngine(LLMEngine):
     async def _generate(self, request: Any, chat: bool) -> AsyncGenerator[Any, None]:
         """Our validation and scheduling on the client's fields; SSE strings or one response."""
         assert self.server is not None, "start() first"
-        # Only the fields the client sent: Ray's own request_id is not the client's (our models
-        # refuse a client's request_id, fastserve.server.request_fields).
         raw = _client_fields(request)
         server = self.server
         try:
@@ -155,9 +133,7 @@ class FastServeEngine(LLMEngine):
 
     async def tokenize(
             self, request: Any, raw_request_info: Any = None) -> AsyncGenerator[Any, None]:
-        """``/tokenize`` as our own server answers it (``fastserve.server.tokenize_api``). Ray's router parses
-        the body as vLLM's ``TokenizeCompletionRequest`` first: a chat (``messages``) body is
-        refused there with a 400 before it reaches us."""
+        """``/tokenize`` as our server answers it; Ray's router refuses a chat body first (400)."""
         assert self.server is not None, "start() first"
         try:
             yield TokenizeResponse.model_validate(tokenize_response(self.server.ctx, _client_fields(request)))
@@ -176,8 +152,6 @@ class FastServeEngine(LLMEngine):
         assert self.server is not None
         async for chunk in self.server.sse(prep, streams):
             yield chunk.decode()
-
-    # ---- the rest of the engine protocol: not offered by this engine ------------------------
 
     def routing_stats(self) -> dict[str, Any]:
         return {}
@@ -201,14 +175,13 @@ class FastServeEngine(LLMEngine):
 
 
 class FastServeLLMServer(LLMServer):
-    """``LLMConfig(server_cls=FastServeLLMServer)``: Ray Serve LLM's server over our engine."""
 
     # LLMServer declares it None (then imports vLLM's engine); ours replaces that default.
     _default_engine_cls = FastServeEngine  # type: ignore[assignment]
 
     @classmethod
     def get_deployment_options(cls, llm_config: LLMConfig) -> dict[str, Any]:  # type: ignore[override]
-        """Our Engine deployment's defaults and placement group, under ``deployment_config``."""
+        """Our Engine deployment's defaults and placement group, under ``deployment_config``'s."""
         args = app_args(llm_config)
         options = copy.deepcopy(dict(llm_config.deployment_config))
         for key in ("placement_group_bundles", "placement_group_strategy"):

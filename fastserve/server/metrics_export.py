@@ -1,16 +1,6 @@
-"""The app's own ``GET /metrics``: our families as Ray's metrics agents export them.
-
-Owns the single-machine view of the metrics (no Prometheus needed): the ingress fetches the
-Prometheus text of every alive node's Ray metrics agent (the endpoint KubeRay's PodMonitor
-scrapes), keeps the ``ray_fastserve_*`` families, and renames them ``fastserve:<suffix>`` (vLLM's
-standalone naming). Samples and their labels pass through unchanged: series of different
-replicas and nodes stay separate (a ``replica`` label tells them apart); nothing is summed.
-
-What the agents show follows Ray's semantics: values lag by ``RAY_metrics_report_interval_ms``
-(how often workers report); a replica that died keeps its last values in its node's export, so
-the app-wide sum of a counter does not fall when a replica is replaced; Ray reports a histogram's
-``_sum`` from bucket midpoints, not the exact observed values.
-"""
+"""The app's own ``GET /metrics`` without Prometheus: every alive node's Ray metrics agent export,
+our families renamed ``fastserve:<suffix>`` (vLLM's standalone naming), series unchanged and never
+summed. Ray's lag and histogram semantics: docs/operations.md."""
 
 from __future__ import annotations
 
@@ -27,9 +17,7 @@ from fastserve.engine.metrics import PREFIX
 
 log = logging.getLogger(__name__)
 
-#: Ray prepends this to every application-defined metric name.
 RAY_PREFIX = "ray_"
-#: The prefix families carry on the app's ``/metrics`` (vLLM's standalone form: ``vllm:``).
 EXPOSED_PREFIX = "fastserve:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -41,7 +29,7 @@ def exposed_name(ray_name: str) -> str | None:
 
 
 def our_families(texts: Iterable[str]) -> list[Metric]:
-    """Our families from several agents' exports, renamed; samples of one family concatenated."""
+    """Our families from several agents' exports, renamed; one family's samples concatenated."""
     merged: dict[str, Metric] = {}
     for text in texts:
         for family in text_string_to_metric_families(text):
@@ -66,14 +54,13 @@ class _Families(Collector):
 
 
 def render(families: Sequence[Metric]) -> str:
-    """Prometheus text format (0.0.4) of ``families``."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(families))
     return generate_latest(registry).decode()
 
 
 def agent_urls() -> list[str]:
-    """The ``/metrics`` URL of every alive node's Ray metrics agent (needs a Ray connection)."""
+    """Every alive node's metrics agent URL (needs a Ray connection)."""
     import ray
 
     return [f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics"
@@ -81,7 +68,7 @@ def agent_urls() -> list[str]:
 
 
 async def fetch(urls: Sequence[str], timeout_s: float) -> list[str]:
-    """Each agent's export; an agent that does not answer is logged and skipped."""
+    """Each agent's export; one that does not answer is logged and skipped."""
     import aiohttp
 
     async def one(session: aiohttp.ClientSession, url: str) -> str | None:
@@ -99,7 +86,6 @@ async def fetch(urls: Sequence[str], timeout_s: float) -> list[str]:
 
 
 class AgentMetrics:
-    """The ingress's ``/metrics`` source: Ray's metrics agents, read at request time."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fastserve.chat_template import ChatOptions
 from fastserve.generation_config import SamplingDefaults
@@ -38,6 +38,15 @@ from fastserve.server.structured_request import (
     ResponseFormat,
     StructuredOutputs,
     request_constraint,
+)
+from fastserve.server.tools import (
+    NamedToolChoice,
+    ToolCallMessage,
+    ToolDefinition,
+    ToolPlan,
+    ToolRequestError,
+    template_message,
+    tool_plan,
 )
 from fastserve.worker.messages import OutputConstraint, SamplingParams
 
@@ -320,11 +329,29 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    #: A message field we do not use (``name``, ``tool_calls``, ``tool_call_id`` ...) is refused
-    #: with a 400 naming it, never dropped.
+    """One message. ``name`` and the tool fields reach the chat template (as vLLM passes them);
+    any other field is refused with a 400 naming it, never dropped."""
+
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    #: An assistant message's calls (its content may then be null).
+    tool_calls: list[ToolCallMessage] | None = None
+    #: A tool message: the call it answers.
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _fields_fit_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls is only allowed on assistant messages, not {self.role}")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id (the id of the call it answers)")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"tool_call_id is only allowed on tool messages, not {self.role}")
+        for call in self.tool_calls or ():
+            call.arguments()   # a ValueError naming the call when they are not JSON
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -333,10 +360,10 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(part.text for part in self.content)
 
-    def as_template_message(self) -> dict[str, str]:
+    def as_template_message(self) -> dict[str, Any]:
         # "developer" is the newer OpenAI name for the system role.
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.text()}
+        return template_message(role, self.text(), self.name, self.tool_calls, self.tool_call_id)
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -351,6 +378,18 @@ class ChatCompletionRequest(_GenerationRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     #: vLLM's: the tokenizer's specials on top of what the template writes.
     add_special_tokens: bool = False
+    #: Functions the model may call (``fastserve.server.tools``).
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_plan(self, parser_name: str | None) -> ToolPlan:
+        """What the tools mean for the prompt and the output; a 400 naming the field when
+        they cannot be honoured (``parser_name``: the server's tool-call format, if any)."""
+        try:
+            return tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls, parser_name)
+        except ToolRequestError as exc:
+            raise bad_request(str(exc), exc.param) from None
 
     def chat_options(self) -> ChatOptions:
         return ChatOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs or {},
@@ -413,7 +452,13 @@ _UNION_MESSAGES = {
     "prompt": "must be a string or a list of integer token ids",
     "stop": "must be a string or a list of strings",
     "content": "must be a string or a list of text parts",
+    "tool_choice": 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
 }
+
+
+#: How pydantic names the branches of those unions in an error's location.
+_UNION_BRANCHES = frozenset({"str", "list[int]", "list[str]", "list[TextPart]", "int", "is-instance[str]",
+                             "NamedToolChoice"})
 
 
 def _trim_union_branch(loc: Sequence[Any]) -> str:
@@ -422,7 +467,7 @@ def _trim_union_branch(loc: Sequence[Any]) -> str:
     for p in loc:
         if isinstance(p, int):
             parts.append(f"[{p}]")
-        elif p in ("str", "list[int]", "list[str]", "list[TextPart]", "int", "is-instance[str]"):
+        elif p in _UNION_BRANCHES or str(p).startswith("literal["):
             continue
         else:
             parts.append(("." if parts else "") + str(p))

@@ -1,11 +1,5 @@
-"""What the OpenAI-compatible server sends back: response bodies, stream chunks, ``usage``, and
-stop strings.
-
-Owns the ``text_completion`` and ``chat.completion`` bodies and their ``.chunk`` forms, OpenAI's
-``usage`` (with ``prompt_tokens_details.cached_tokens``), and ``StopStringMatcher``: OpenAI
-``stop`` strings matched on the detokenized text, trimmed from the output, with just enough text
-held back while streaming that a stop string split across tokens is never sent. The request side
-is ``fastserve.server.protocol``.
+"""What the OpenAI-compatible server sends back: completion and chat bodies and their chunks,
+``usage``, and ``StopStringMatcher``. The request side is ``fastserve.server.protocol``.
 """
 
 from __future__ import annotations
@@ -14,17 +8,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-# ---- stop strings ---------------------------------------------------------------------------
 
 class StopStringMatcher:
-    """Finds OpenAI stop strings in streamed text and trims them (and what follows) off.
-
-    ``push(delta)`` returns the text that is safe to send: everything except the last
-    ``len(longest stop) - 1`` characters, which could still begin a stop string. ``flush()``
-    releases the rest at the end. Once a stop string matches, ``stopped`` is True and nothing
-    after its start (``include``: after its end, vLLM's ``include_stop_str_in_output``) is ever
-    released. The earliest match wins; at one position, the first in the list.
-    """
+    """Finds OpenAI stop strings in streamed text and trims them off. ``push`` holds back the last
+    ``len(longest stop) - 1`` characters, which could begin one; the earliest match wins."""
 
     def __init__(self, stop: Sequence[str], include: bool = False) -> None:
         self._include = include
@@ -64,11 +51,8 @@ class StopStringMatcher:
         return out
 
 
-# ---- responses ------------------------------------------------------------------------------
-
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    """OpenAI's ``usage``; ``prompt_tokens_details.cached_tokens`` (prompt tokens the prefix
-    cache served) only when there were any, as vLLM reports it only when asked."""
+    """OpenAI's ``usage``; ``cached_tokens`` details only when the prefix cache served some."""
     out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                            "total_tokens": prompt_tokens + completion_tokens}
     if cached_tokens:

@@ -14,7 +14,9 @@ byte-level decode is the fast tokenizer's, which never inserts spaces), ``priori
 false); structured outputs (``response_format``, ``structured_outputs``, ``guided_json``,
 ``guided_regex``, ``guided_choice``, ``guided_grammar``, ``guided_decoding_backend``:
 ``fastserve.server.structured_request``); chat only: ``add_generation_prompt``,
-``continue_final_message``, ``chat_template_kwargs``.
+``continue_final_message``, ``chat_template_kwargs``, ``tools``, ``tool_choice``,
+``parallel_tool_calls`` (``fastserve.server.tools``; the table below still answers them on
+completions, which has no tools).
 
 Accepted because they change no output: ``HARMLESS`` (``user``, ``metadata``, ``store``,
 ``service_tier``).
@@ -24,9 +26,10 @@ Refused with a 400 naming the field, unless the value is the one that changes no
 
 | field | accepted as a no-op |
 |---|---|
-| ``tools`` | ``[]`` |
-| ``tool_choice`` | ``"none"`` |
-| ``parallel_tool_calls``, ``functions``, ``function_call`` | — |
+| ``tools`` (completions) | ``[]`` |
+| ``tool_choice`` (completions) | ``"none"`` |
+| ``parallel_tool_calls`` (completions) | — |
+| ``functions``, ``function_call`` (OpenAI's deprecated forms of ``tools``) | — |
 | ``echo`` (completions) | ``false`` |
 | ``suffix`` (completions) | ``""`` |
 | ``guided_whitespace_pattern``, ``structural_tag`` | — |

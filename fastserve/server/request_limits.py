@@ -1,9 +1,5 @@
-"""What one HTTP client may ask of the server, and the waits the ingress bounds itself.
-
-Owns ``RequestLimits`` (the ``server.*`` limits, with ``ServerArgs``' defaults), reading a request
-body under its size limit (413 past it), watching the ASGI connection for the client leaving,
-and the error bodies of a timed-out request. Used by ``fastserve.server.ingress``; imports no ray.
-"""
+"""What one HTTP client may ask (``RequestLimits``: the ``server.*`` limits with their defaults),
+reading a body under its size limit, watching for the client leaving, and timeout errors."""
 
 from __future__ import annotations
 
@@ -19,7 +15,6 @@ from fastserve.server.protocol import APIError
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """What one client may ask of the server (``server.*`` in the config, same defaults)."""
 
     max_request_bytes: int = ServerArgs.model_fields["max_request_bytes"].default
     max_stop_strings: int = ServerArgs.model_fields["max_stop_strings"].default
@@ -37,7 +32,7 @@ def timed_out(seconds: float) -> APIError:
 
 
 async def wait_for_disconnect(receive: Callable[[], Awaitable[Any]]) -> None:
-    """Returns once the ASGI connection reports ``http.disconnect`` (after the body was read)."""
+    """Returns once the ASGI connection reports ``http.disconnect``."""
     while True:
         message = await receive()
         if message.get("type") == "http.disconnect":
@@ -45,7 +40,7 @@ async def wait_for_disconnect(receive: Callable[[], Awaitable[Any]]) -> None:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with a 413 as soon as it is known to exceed ``limit`` bytes."""
+    """The request body, refused with a 413 as soon as it is known to exceed ``limit``."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large(int(declared), limit)

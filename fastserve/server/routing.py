@@ -1,13 +1,6 @@
-"""The ``Engine`` deployment's request router: Serve's power of two choices, except for calls
-pinned to one replica.
-
-Owns one rule: a call with a ``pinned_replica`` keyword (``EngineReplica.subscribe``, an
-ingress replica's delivery channel, ``fastserve.engine.delivery``) goes to the running replica with that
-unique id, or waits for it (the caller bounds the wait). Every other call (``generate``,
-``stats``, ``health``) is routed as Serve routes by default.
-
-Serve exports ``RequestRouter`` but not its default router, hence the private import: the same
-class ``RequestRouterConfig`` names as its default.
+"""The Engine deployment's request router: Serve's power of two choices, except that a call with a
+``pinned_replica`` keyword (a delivery channel's ``subscribe``) goes to that replica or waits for it
+(the caller bounds the wait). The private import: Serve does not export its default router.
 """
 
 from __future__ import annotations
@@ -15,7 +8,7 @@ from __future__ import annotations
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
-#: The keyword that pins a call to one replica (a Serve replica's ``ReplicaID.unique_id``).
+#: Pins a call to the replica with this ``ReplicaID.unique_id``.
 PIN_KWARG = "pinned_replica"
 
 

@@ -1,15 +1,7 @@
-"""Structured outputs on the wire: the request fields that constrain the output, read into one
-``OutputConstraint`` (``fastserve.worker.messages``) or refused with a 400 naming the field.
-
-Owns the request models of OpenAI's ``response_format`` (``text``, ``json_object``,
-``json_schema``), vLLM's ``structured_outputs`` object (``json``, ``regex``, ``choice``,
-``grammar``, ``json_object`` and its ``disable_any_whitespace`` / ``disable_additional_properties``
-options) and vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
-``guided_grammar`` fields, and ``request_constraint``: at most one of them may constrain a request
-(two are a 400 naming the second, even when they agree: a client that sends both has a bug to know of).
-Whether the grammar engine can compile the payload is checked here too (``fastserve.structured``'s
-``check_constraint``, without the model's tokenizer): a 400 with the engine's message, before
-the request reaches an engine.
+"""Structured outputs on the wire: OpenAI's ``response_format``, vLLM's ``structured_outputs`` and
+its older ``guided_*`` fields, read into one ``OutputConstraint`` or refused with a 400 naming the
+field. Two constraints are refused even when they agree (the client has a bug to know of); the
+grammar engine checks the payload here, before the request reaches an engine.
 """
 
 from __future__ import annotations
@@ -37,8 +29,7 @@ class ConstraintError(ValueError):
 
 
 class JsonSchemaFormat(BaseModel):
-    """OpenAI's ``response_format.json_schema``: ``strict`` is accepted either way, and the schema
-    is enforced either way (as vLLM does: the schema is what constrains decoding)."""
+    """OpenAI's ``response_format.json_schema``; enforced whatever ``strict`` says, as vLLM."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     name: str
@@ -72,8 +63,7 @@ class StructuredOutputs(BaseModel):
 
 def request_constraint(response_format: ResponseFormat | None, structured: StructuredOutputs | None,
                        guided: dict[str, Any]) -> OutputConstraint | None:
-    """The one constraint a request asks for (None: free text). ``guided`` holds the legacy
-    ``guided_*`` fields by name (None when absent)."""
+    """The one constraint a request asks for (None: free text); ``guided`` holds ``guided_*`` by name."""
     found: list[tuple[str, OutputConstraint]] = []
     if response_format is not None:
         rf = _from_response_format(response_format)
@@ -98,8 +88,7 @@ def request_constraint(response_format: ResponseFormat | None, structured: Struc
 
 
 def constrained(sampling: SamplingParams, constraint: OutputConstraint, param: str) -> SamplingParams:
-    """``sampling`` held to ``constraint`` as well, set by the request field ``param`` (say,
-    ``tool_choice``); a ``ConstraintError`` naming ``param`` when the request already set one."""
+    """``sampling`` held to ``constraint`` set by field ``param``; ``ConstraintError`` if one is set."""
     if sampling.constraint is not None and sampling.constraint != constraint:
         raise ConstraintError(f"{param} constrains the output, and so does another field "
                               f"({sampling.constraint.kind}); send one of them", param)
@@ -166,8 +155,7 @@ def _schema(param: str, value: dict[str, Any] | bool | str) -> dict[str, Any] | 
 
 
 def closed_objects(schema: dict[str, Any] | bool) -> dict[str, Any] | bool:
-    """The schema with ``additionalProperties: false`` on every object that lists properties and
-    says nothing of others (vLLM's ``disable_additional_properties``)."""
+    """vLLM's ``disable_additional_properties``: ``false`` where an object lists properties only."""
     out = copy.deepcopy(schema)
 
     def walk(node: Any) -> None:

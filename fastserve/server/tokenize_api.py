@@ -1,20 +1,7 @@
-"""vLLM's ``/tokenize`` and ``/detokenize``, and OpenAI's ``/v1/models`` and ``/v1/models/{id}``.
-
-Owns the routes that answer from the served model's identity and tokenizer alone (no scheduler):
-their request models, their answers, and their refusals (400 with an OpenAI error body naming
-the field; 404 for a model this server does not serve). Shapes are vLLM's
-(``vllm/entrypoints/serve/tokenize/protocol.py``):
-
-- ``POST /tokenize`` with ``prompt`` (``add_special_tokens`` default true) or with ``messages``
-  (rendered by the model's chat template exactly as ``/v1/chat/completions`` renders them;
-  ``add_special_tokens`` default false adds the tokenizer's specials on top), either with
-  ``return_token_strs``: ``{"count", "max_model_len", "tokens", "token_strs"}``.
-- ``POST /detokenize`` with ``tokens``: ``{"prompt"}`` (special tokens kept, as vLLM).
-
-Every field has to be one we honour: ``add_generation_prompt`` only true (our chat path always
-adds it), ``continue_final_message`` only false; ``chat_template``, ``tools`` and the other
-fields of vLLM's chat tokenize request are refused by name. ``tokenize_response`` and
-``detokenize_response`` are shared with the Ray Serve LLM adapter (``fastserve.server.llm_server``).
+"""vLLM's ``/tokenize`` and ``/detokenize``, and OpenAI's ``/v1/models`` and ``/v1/models/{id}``:
+the routes that answer from the served model's identity and tokenizer alone, in vLLM's shapes,
+refusing by name every field we do not honour (docs/operations.md). ``tokenize_response`` and
+``detokenize_response`` are shared with the Ray Serve LLM adapter.
 """
 
 from __future__ import annotations
@@ -30,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fastserve.chat_template import ChatOptions, ChatTemplateError
 from fastserve.server.protocol import APIError, ChatMessage, bad_request, parse_request
 from fastserve.server.request_limits import read_body
+from fastserve.server.tools import ToolDefinition, ToolRequestError, chat_prompt_ids, tool_plan
 
 if TYPE_CHECKING:
     from fastserve.server.ingress import OpenAIServer
@@ -53,6 +41,7 @@ class TokenizeChatRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
     return_token_strs: bool | None = False
+    tools: list[ToolDefinition] | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -92,8 +81,9 @@ def tokenize_response(ctx: ServerContext, raw: bytes) -> dict[str, Any]:
         options = ChatOptions(req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs or {},
                               req.add_special_tokens)
         try:   # the chat endpoint's own encoding, so /tokenize gives the ids it would prefill
-            ids = tok.encode_chat([m.as_template_message() for m in req.messages], options)
-        except ChatTemplateError as exc:
+            plan = tool_plan(req.tools, "none", None, ctx.tool_call_parser)
+            ids = chat_prompt_ids(tok, [m.as_template_message() for m in req.messages], options, plan)
+        except (ChatTemplateError, ToolRequestError) as exc:
             raise bad_request(str(exc), exc.param) from None
     else:
         ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
@@ -135,8 +125,7 @@ def model_or_404(ctx: ServerContext, model_id: str) -> dict[str, Any]:
 
 
 def add_routes(api: FastAPI, server: OpenAIServer) -> None:
-    """``/v1/models``, ``/v1/models/{id}``, ``/tokenize`` and ``/detokenize`` on ``api`` (API key
-    checked as on the generation routes; tokenization runs off the event loop)."""
+    """These routes on ``api``, API key checked; tokenization runs off the event loop."""
     ctx = server.ctx
 
     @api.get("/v1/models")

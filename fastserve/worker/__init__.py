@@ -1,5 +1,2 @@
-"""Data plane: stage workers, the KV store, OPT model code, weight loading and sampling.
-
-Importing this package must not import torch: ``fastserve.worker.messages`` (the data plane's contract) is
-imported by control-plane policy modules that stay torch-free. Submodules import torch themselves.
-"""
+"""Data plane: stage workers, the KV store, model code, weight loading and sampling. Importing it
+must not import torch: torch-free control-plane modules import ``fastserve.worker.messages``."""

@@ -22,6 +22,7 @@ from fastserve.worker.model.opt import AllReduce
 from fastserve.worker.model.registry import Stage, build_model
 from fastserve.worker.model.shard import StageShard
 from fastserve.worker.model.weights import load_stage_weights
+from fastserve.worker.parallel import device_name
 from fastserve.worker.sampler import Sampler
 from fastserve.worker.spec import ModelSpec
 from fastserve.worker.stage import StageRunner
@@ -39,7 +40,7 @@ def resolve_dtype(name: str, device: str) -> str:
     if name != AUTO_DTYPE:
         torch_dtype(name)   # refuse an unknown name here, naming it
         return name
-    if device == "cuda":
+    if torch.device(device).type == "cuda":
         return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float16"
     return "bfloat16" if cpu_has_bf16() else "float32"
 
@@ -79,16 +80,20 @@ def build_stage(config: ModelConfig, shard: StageShard, dtype: str, device: str,
 
 
 def build_runner(spec: ModelSpec, config: ModelConfig, shard: StageShard,
-                 all_reduce: AllReduce | None = None) -> StageRunner:
+                 all_reduce: AllReduce | None = None, device_index: int = 0) -> StageRunner:
     """One worker's ``StageRunner`` — its shard of the model (weights loaded), its slice of the KV
-    store and a sampler — for the in-process executor and the Ray stage workers alike."""
+    store and a sampler — for the in-process executor and the Ray stage workers alike, all on
+    device ``device_index`` of ``spec.device`` (``cuda:{index}``, never the bare ``cuda``)."""
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)   # per process: this worker owns the model's
-    model = build_stage(config, shard, spec.dtype, spec.device, spec.load_format, spec.model_path,
+    device = device_name(spec.device, device_index)
+    if spec.device == "cuda":   # what CUDA makes implicitly here (a context, pinned pages) is ours too
+        torch.cuda.set_device(device)
+    model = build_stage(config, shard, spec.dtype, device, spec.load_format, spec.model_path,
                         spec.seed, all_reduce, GemmPolicy(spec.gemm_choice, spec.batch_invariant))
     kv = KVStore(shard.num_layers, model.num_local_kv_heads, config.head_dim, spec.block_size,
-                 spec.num_device_blocks, spec.num_host_blocks, torch_dtype(resolve_dtype(spec.dtype, spec.device)),
-                 spec.device)
+                 spec.num_device_blocks, spec.num_host_blocks, torch_dtype(resolve_dtype(spec.dtype, device)),
+                 device)
     graphs = GraphSettings(spec.cuda_graphs, spec.cuda_graph_max_batch, spec.cuda_graph_max_context)
     return StageRunner(model, kv, Sampler(spec.seed), graphs)
 
@@ -98,10 +103,14 @@ class InProcessExecutor:
 
     max_inflight = 1
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, device_index: int | None = None) -> None:
+        """``device_index``: the CUDA device the model lives on (None: the one current on this
+        thread as it is built; 0 on a CPU)."""
         self.spec = spec
         self.config = spec.load_config()
-        self.runner = build_runner(spec, self.config, StageShard.whole(self.config))
+        if device_index is None:
+            device_index = torch.cuda.current_device() if spec.device == "cuda" else 0
+        self.runner = build_runner(spec, self.config, StageShard.whole(self.config), device_index=device_index)
         self.steps = 0
 
     @property

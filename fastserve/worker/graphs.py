@@ -1,20 +1,9 @@
 """CUDA graphs for decode steps: one graph per batch-size bucket, captured on first use.
 
-A decode step of an 8B model is ~1,300 kernel launches; replaying a captured graph is one. Owns,
-for one worker: the buckets (vLLM's capture sizes: 1, 2, 4, then every multiple of 8 up to
-``max_batch``), one fixed device buffer the graphs read their inputs from (ids, positions, slots,
-context lengths, block tables ``max_context / block_size`` wide, and on a later pipeline stage the
-incoming hidden states), the graphs and their shared memory pool, and what each graph leaves
-behind: the hidden states and, on the last stage, the logits and ``[2, bucket]`` int64 rows of
-greedy ids and finiteness flags.
-
-A step replays a graph when every entry is a decode, the batch fits the largest bucket and every
-context fits the tables' width; otherwise it runs eagerly. Rows past the batch are padding: slot
--1 (no KV write), context 1 over block 0, token 0; their outputs are never read. The KV cache and
-the weights stay where they were at capture (the pool is allocated once; nothing is moved).
-
-Equal to the eager step token for token at the same batch size: the same kernels with the same
-arguments (decode attention's split count depends on the grid only), so the same rounding.
+Owns one worker's buckets, the fixed input buffer the graphs read, the graphs and their shared
+pool. A step replays when it is all decodes within the largest bucket and the tables' width, else
+runs eagerly; padding rows write no KV and are never read. Same kernels and arguments as the eager
+step, so equal token for token at the same batch size.
 """
 
 from __future__ import annotations
@@ -43,7 +32,7 @@ WARMUP_RUNS = 2
 
 
 def capture_sizes(max_batch: int) -> tuple[int, ...]:
-    """vLLM's decode capture sizes up to ``max_batch``: 1, 2, 4, 8, 16, 24, ..."""
+    """vLLM's capture sizes up to ``max_batch``: 1, 2, 4, 8, 16, 24, ..."""
     if max_batch < 1:
         raise ValueError(f"cuda_graph_max_batch must be >= 1, got {max_batch}")
     sizes = [b for b in SMALL_BUCKETS if b <= max_batch] + list(range(BUCKET_STEP, max_batch + 1, BUCKET_STEP))
@@ -54,8 +43,7 @@ def capture_sizes(max_batch: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class GraphSettings:
-    """Whether decode steps replay CUDA graphs on a GPU (ignored elsewhere), the largest batch
-    captured, and the longest context a graph serves (its block tables' width)."""
+    """Whether decode steps replay CUDA graphs (GPU only), and the bounds a graph serves."""
 
     enabled: bool = True
     max_batch: int = 256
@@ -68,8 +56,7 @@ class GraphOutputs:
 
     hidden: torch.Tensor
     logits: torch.Tensor | None
-    #: int64 [2, bucket] (all the bucket's rows: one contiguous copy to the host): argmax ids,
-    #: finiteness (1/0).
+    #: int64 [2, bucket]: argmax ids, finiteness (1/0); one contiguous copy to the host.
     greedy_full: torch.Tensor | None
 
 
@@ -82,15 +69,13 @@ class _Captured:
 
 
 def greedy_rows(logits: torch.Tensor) -> torch.Tensor:
-    """``[2, rows]`` int64 on the logits' device: each row's argmax, and 1 where the row is finite
-    (its float64 sum is finite exactly when every logit is: float32 cannot overflow it)."""
+    """``[2, rows]`` int64: argmax, and 1 where the row is finite (a float64 sum of float32 cannot
+    overflow, so it is finite exactly when every logit is)."""
     finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float64))
     return torch.stack((logits.argmax(dim=-1), finite.to(torch.int64)))
 
 
 class DecodeGraphs:
-    """The decode graphs of one worker's stage (see the module docstring)."""
-
     def __init__(self, model: Stage, cache: torch.Tensor, block_size: int, settings: GraphSettings,
                  hidden_size: int, samples: bool) -> None:
         self.model = model
@@ -114,11 +99,10 @@ class DecodeGraphs:
         dtype = cache.dtype
         self._hidden_in = None if self._first else torch.zeros(top, hidden_size, dtype=dtype, device=self.device)
         self._graphs: dict[int, _Captured] = {}
-        self._pool: Any = None   # the graphs' shared memory pool (torch's handle)
+        self._pool: Any = None
 
     def fits(self, host: HostBatch, hidden: torch.Tensor | None) -> bool:
-        """Whether this step can replay a graph: decodes only, within the largest bucket and the
-        tables' width, and (on a later stage) hidden states of the captured shape."""
+        """Whether this step can replay a graph (later stages: hidden states of the captured shape)."""
         n = len(host.decode_lens)
         if n == 0 or len(host.cu_seqlens) > 1 or n > self.buckets[-1]:
             return False
@@ -137,8 +121,7 @@ class DecodeGraphs:
         return tuple(sorted(self._graphs))
 
     def run(self, host: HostBatch, hidden: torch.Tensor | None) -> GraphOutputs:
-        """Stage this batch into the graph inputs (one non-blocking copy), replay its bucket's
-        graph (capturing it first if new) and return its outputs cut to the batch's rows."""
+        """Copy the batch in, replay (capturing first if new), return outputs cut to its rows."""
         n = len(host.decode_lens)
         b = self.bucket(n)
         if b not in self._graphs:
@@ -185,8 +168,7 @@ class DecodeGraphs:
         return body
 
     def _capture(self, b: int) -> _Captured:
-        """Warm up eagerly on padding inputs, then capture bucket ``b`` into the shared pool.
-        Capturing waits for the device (once per bucket, never in a replayed step)."""
+        """Warm up eagerly, then capture bucket ``b``; waits for the device, once per bucket."""
         self._pad_inputs()
         body = self._body(b)
         side = torch.cuda.Stream(self.device)
@@ -197,13 +179,14 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        # torch's default capture stream lives on whichever device was current when first made.
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, stream=side,
+                                                      capture_error_mode="thread_local"):
             hidden, logits, greedy = body()
         self._pool = graph.pool()
         return _Captured(graph, hidden, logits, greedy)
 
     def _pad_inputs(self) -> None:
-        """Every input row a padding row (what warm-up and capture run on)."""
         v = self._inputs
         v["ids"].zero_()
         v["positions"].zero_()

@@ -1,25 +1,10 @@
 """The KV store of one worker: a device pool and a host pool of paged blocks, and swaps between them.
 
-Layout, per pool: ``[num_blocks, num_layers, 2, block_size, num_heads, head_dim]`` — block-major,
-so one block of every layer is one contiguous region and a swap of a block is a single copy (on a
-GPU, one DMA per run of consecutive blocks). Layer ``l`` reads the strided view ``pool[:, l]``.
-``num_heads`` is the worker's *KV* heads (fewer than its query heads under grouped-query attention).
-
-Swaps are asynchronous. On a GPU they run on two side CUDA streams, one per direction (a swap-in
-does not queue behind a long swap-out), into page-locked host memory (registered in place, exactly
-the pool's size: ``register_host_memory``) and are tracked by events; a swap that touches a device
-or host block an in-flight swap of the other direction touches waits for that one's event first,
-so a swap-in issued after a swap-out that frees the same host block reads the right data. On CPU a
-single copy thread runs them in issue order. A step waits only on the in-flight swaps that touch
-the blocks it uses (``wait_for``); everything else overlaps with its compute, and on a GPU also
-with later steps: a swap is tracked until its event completes (``swaps_in_flight``), not until the
-end of the step that issued it. What that wait costs is measured where
-it happens: on CPU the host blocks (timed on the host); on a GPU the compute stream stalls, timed
-by a pair of timing events around the stream's waits and read once the device has passed them
-(``DeviceStalls``), never by a sync of its own.
-
-This object owns device memory only. Which block belongs to which job is the control plane's
-business (``fastserve/kv``): the store copies what it is told.
+Pool layout ``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``: block-major, so a
+block's swap is one copy; layer ``l`` reads ``pool[:, l]``. Swaps run on a GPU on one side stream
+per direction, ordered by events against the other direction's swaps on the same blocks; on CPU on
+one copy thread in issue order. A step waits only for swaps touching its blocks (``wait_for``).
+Which block belongs to which job is ``fastserve.kv``'s business. More in docs/engine.md.
 """
 
 from __future__ import annotations
@@ -36,19 +21,15 @@ import torch
 from fastserve import kernels
 from fastserve.kernels import huge_pages
 from fastserve.worker.messages import SwapCommand
+from fastserve.worker.parallel import explicit_device
 
 #: cudaHostRegisterDefault: page-locked, usable by the current device's copies.
 CUDA_HOST_REGISTER_DEFAULT = 0
 
 
 def register_host_memory(pool: torch.Tensor) -> bool:
-    """Page-lock ``pool`` (a contiguous CPU tensor) in place, exactly its own size; whether
-    anything was registered (an empty pool is not).
-
-    Not ``pin_memory=True``: torch's pinned allocator rounds every allocation up to a power of two
-    (``pinned_allocator_bytes``), which for a large swap space pins up to twice the memory asked
-    for (llama3-70b.yaml's 37.5 GiB per rank would pin 64). ``cudaHostRegister`` pins the pageable
-    allocation as it is; ``unregister_host_memory`` releases it before the tensor is freed."""
+    """Page-lock ``pool`` in place, exactly its size (``pin_memory=True`` rounds up to a power of
+    two); False for an empty pool. ``unregister_host_memory`` must release it before it is freed."""
     nbytes = pool.untyped_storage().nbytes()
     if not nbytes:
         return False
@@ -68,8 +49,7 @@ def unregister_host_memory(pool: torch.Tensor) -> None:
 
 
 def pinned_allocator_bytes(nbytes: int) -> int:
-    """What torch's pinned allocator (``pin_memory=True``) reserves for ``nbytes``: the next power
-    of two. What ``register_host_memory`` avoids."""
+    """What ``pin_memory=True`` reserves for ``nbytes``: the next power of two."""
     return 1 << max(nbytes - 1, 0).bit_length() if nbytes > 0 else 0
 
 
@@ -97,18 +77,14 @@ class SwapHandle:
 
 
 class TimingEvent(Protocol):
-    """What ``DeviceStalls`` needs of a ``torch.cuda.Event(enable_timing=True)``."""
-
     def query(self) -> bool: ...
 
     def elapsed_time(self, end_event: Any) -> float: ...
 
 
 class DeviceStalls:
-    """Time the compute stream spent stalled on swaps: one (before, after) pair of timing events
-    per wait, recorded on the compute stream around its ``wait_event`` calls, so the span between
-    them is the stall alone. A pair is read once its ``after`` has completed (``query()``: no
-    sync); one the device has not reached yet is kept for a later read."""
+    """Compute-stream stalls on swaps: timing-event pairs around each wait, read without a sync
+    once the device has passed them."""
 
     def __init__(self) -> None:
         self._pending: list[tuple[TimingEvent, TimingEvent]] = []
@@ -150,10 +126,9 @@ class KVStore:
         if num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
         self.block_size = block_size
-        self.device = torch.device(device)
+        self.device = explicit_device(device)
         shape = (num_layers, 2, block_size, num_heads, head_dim)
-        # On a CPU the device pool is what every decode step's attention reads: on huge pages
-        # (fastserve.kernels.huge_pages). The host pool is only copied from and to, a block at a time.
+        # Only the device pool is read by every decode step, so only it goes on huge pages.
         self.device_pool = (huge_pages.zeros((num_device_blocks, *shape), dtype) if self.device.type == "cpu"
                             else torch.zeros((num_device_blocks, *shape), dtype=dtype, device=self.device))
         self.host_pool = torch.zeros((num_host_blocks, *shape), dtype=dtype)
@@ -187,8 +162,7 @@ class KVStore:
         return self.device_pool[:, index]
 
     def swap(self, cmd: SwapCommand) -> SwapHandle:
-        """Start one job's swap as the plan carries it: ``out`` copies its device blocks
-        ``src_blocks`` to host blocks ``dst_blocks``, ``in`` copies host blocks back to device ones."""
+        """Start one job's swap: ``out`` copies device ``src_blocks`` to host ``dst_blocks``, ``in`` back."""
         src, dst = cmd.src_blocks, cmd.dst_blocks
         if cmd.direction == "out":
             self._check(src, dst, self.num_device_blocks, self.num_host_blocks, "device", "host")
@@ -202,21 +176,17 @@ class KVStore:
 
     @property
     def settles_lazily(self) -> bool:
-        """Whether a step may return with its swaps still copying (GPU: events order every later
-        use), rather than settling them first (CPU: the copy thread's futures)."""
+        """Whether a step may return with swaps still copying (GPU: events order later uses)."""
         return bool(self._streams)
 
     def swaps_in_flight(self, direction: str = "in") -> frozenset[str]:
-        """Jobs with a swap of ``direction`` still copying (an event query: never blocks). A job
-        swapped in is runnable the moment it leaves this set; a step that runs it earlier is still
-        correct (its forward waits for the copy on the device)."""
+        """Jobs with a swap of ``direction`` still copying; never blocks."""
         with self._lock:
             return frozenset(h.job_id for h in self._inflight if h.direction == direction and not h.done())
 
     def wait_for(self, device_blocks: Iterable[int]) -> float:
-        """Block until every in-flight swap touching ``device_blocks`` is done; seconds the host
-        waited. On a GPU the compute stream waits instead (0 here): ``device_wait_s`` reads how
-        long it stalled, once the device has got past the wait."""
+        """Wait for the swaps touching ``device_blocks``; seconds the host waited (0 on a GPU,
+        where the compute stream waits and ``device_wait_s`` reads the stall)."""
         wanted = frozenset(device_blocks)
         with self._lock:
             touching = [h for h in self._inflight if h.device_blocks & wanted]
@@ -234,8 +204,7 @@ class KVStore:
         return self._wait(touching)
 
     def device_wait_s(self) -> float:
-        """Seconds the compute stream stalled on swaps (``wait_for`` on a GPU), over the waits it
-        has got past since the last call; always 0 on CPU, where ``wait_for`` times the host."""
+        """Seconds the compute stream stalled on swaps since the last call; 0 on CPU."""
         return self.device_stalls.collect_s()
 
     def wait_all(self) -> float:

@@ -1,8 +1,4 @@
-"""Telling a dead stage worker from a slow one, and describing what a failed step raised.
-
-``Liveness`` pings a pipeline's workers while a plan is overdue; the helpers read Ray's object
-refs and errors for ``fastserve.worker.pipeline``.
-"""
+"""``Liveness`` tells a dead stage worker from a slow one; helpers read Ray's refs and errors."""
 
 from __future__ import annotations
 
@@ -16,8 +12,8 @@ from ray.exceptions import RayActorError, RayTaskError
 
 
 class Liveness:
-    """Pings workers to tell a dead one (reported at once) from a slow one (reported only after
-    ``unresponsive_s`` without any answer: a starved machine answers late, not never)."""
+    """Pings workers: a dead one is reported at once, a silent one only after ``unresponsive_s``
+    (a starved machine answers late, not never)."""
 
     def __init__(self, workers: dict[str, ActorHandle], ping_timeout_s: float, unresponsive_s: float) -> None:
         self.workers = workers

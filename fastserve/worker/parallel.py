@@ -1,13 +1,6 @@
-"""How a model is cut for serving: layer ranges per pipeline stage, and one stage's TP group.
-
-``layer_ranges`` splits the decoder layers evenly over the pipeline stages (the first stages take
-one more layer when the split is uneven). ``TensorParallelGroup`` wraps the ``torch.distributed``
-process group that the tensor-parallel ranks of one stage share — gloo on CPU, NCCL on GPU — and
-hands the model the all-reduce its row-parallel layers need. Each stage worker is its own process,
-so a stage's group is that process's default group.
-
-torch is imported lazily: the pipeline's driver side imports this module for ``layer_ranges`` and
-must not pay for torch.
+"""How a model is cut for serving: layer ranges per pipeline stage, the device a worker uses, and
+one stage's TP group (gloo on CPU, NCCL on GPU; the process's default group). torch is imported
+lazily: the pipeline's driver imports this for ``layer_ranges``.
 """
 
 from __future__ import annotations
@@ -23,7 +16,7 @@ BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 
 
 def layer_ranges(num_layers: int, pipeline_parallel_size: int) -> list[tuple[int, int]]:
-    """``[layer_start, layer_end)`` of every stage, in order, covering all ``num_layers`` layers."""
+    """``[start, end)`` of every stage; the first stages take one more when uneven."""
     if pipeline_parallel_size < 1:
         raise ValueError(f"pipeline_parallel_size must be >= 1, got {pipeline_parallel_size}")
     if num_layers < pipeline_parallel_size:
@@ -38,12 +31,28 @@ def layer_ranges(num_layers: int, pipeline_parallel_size: int) -> list[tuple[int
     return ranges
 
 
-def cuda_device_index(gpu_ids: Sequence[int | str], visible_devices: str | None) -> int:
-    """This process's CUDA device index for the first GPU Ray assigned it (``ray.get_gpu_ids()``).
+def device_name(kind: str, index: int) -> str:
+    """A worker's device: ``cuda:{index}``, never a bare ``cuda`` (Ray runs compiled-graph steps
+    on its own thread, where no device is current)."""
+    if kind not in BACKENDS:
+        raise ValueError(f"device must be one of {sorted(BACKENDS)}, got {kind!r}")
+    if index < 0:
+        raise ValueError(f"device index must be >= 0, got {index}")
+    return f"cuda:{index}" if kind == "cuda" else "cpu"
 
-    Ray normally hides the other GPUs (``CUDA_VISIBLE_DEVICES`` lists the assigned ones), so the
-    index is the assigned id's place in that list; where nothing hides them (unset), it is the
-    id itself."""
+
+def explicit_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index: a bare ``cuda`` becomes the one current on this thread now."""
+    import torch
+
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+def cuda_device_index(gpu_ids: Sequence[int | str], visible_devices: str | None) -> int:
+    """Ray's first assigned GPU's place in ``CUDA_VISIBLE_DEVICES`` (the id itself if unset)."""
     if not gpu_ids:
         raise ValueError("no GPU is assigned to this process (ray.get_gpu_ids() is empty)")
     first = str(gpu_ids[0])
@@ -56,12 +65,8 @@ def cuda_device_index(gpu_ids: Sequence[int | str], visible_devices: str | None)
 
 
 class TensorParallelGroup:
-    """One stage's tensor-parallel process group, seen from one rank.
-
-    On CUDA the rank's device is made current (``torch.cuda.set_device``) when the group object is
-    made, before the worker builds its model, and is handed to ``init_process_group`` as
-    ``device_id``: NCCL then binds the communicator to that device at once instead of guessing
-    it from the current device later (which, with every GPU visible, is device 0 for all ranks)."""
+    """One stage's tensor-parallel process group, seen from one rank. On CUDA the rank's device is
+    set at once and passed as ``device_id``, else NCCL may guess device 0 for every rank."""
 
     def __init__(self, device: str, device_index: int = 0) -> None:
         if device not in BACKENDS:
@@ -79,7 +84,6 @@ class TensorParallelGroup:
             torch.cuda.set_device(device_index)
 
     def process_group_options(self) -> dict[str, Any]:
-        """Extra ``init_process_group`` arguments: the rank's device on CUDA, none on CPU."""
         if self.device != "cuda":
             return {}
         import torch
@@ -93,21 +97,31 @@ class TensorParallelGroup:
         return self.world_size == 1 or dist.is_initialized()
 
     def init(self, master_addr: str, port: int, world_size: int, rank: int, timeout_s: float) -> None:
-        """Join the group; blocks until all ``world_size`` ranks have called it (or ``timeout_s``)."""
         import torch.distributed as dist
 
         if not 0 <= rank < world_size:
             raise ValueError(f"tp rank {rank} outside world_size {world_size}")
         self.world_size, self.rank = world_size, rank
         if world_size == 1:
-            return  # a single rank reduces nothing: no group, no rendezvous
-        # timeout= matters: gloo's default is 30 minutes, so a rank whose peer died would hang.
+            return
+        # gloo's default timeout is 30 minutes: a rank whose peer died would hang that long.
         dist.init_process_group(self.backend, init_method=f"tcp://{master_addr}:{port}",
                                 world_size=world_size, rank=rank, timeout=timedelta(seconds=timeout_s),
                                 **self.process_group_options())
 
+    def all_gather(self, part: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``part`` (same shape) concatenated along dim 0 in rank order."""
+        import torch
+        import torch.distributed as dist
+
+        if self.world_size == 1:
+            return part
+        out = torch.empty((self.world_size * part.shape[0], *part.shape[1:]), dtype=part.dtype, device=part.device)
+        dist.all_gather_single(out, part)
+        return out
+
     def all_reduce(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The callable the model's row-parallel layers use: sum in place over the group."""
+        """For the row-parallel layers: sum in place over the group."""
 
         def reduce(x: torch.Tensor) -> torch.Tensor:
             import torch.distributed as dist

@@ -1,25 +1,11 @@
 """The pipeline executor: P stages × T tensor-parallel ranks of ``StageWorker``s behind one plan API.
 
-``PipelineExecutor`` owns the workers' lifecycle — placement, start-up, the TP groups, the
-transport (``fastserve.worker.transport``), failure detection and teardown — and satisfies the engine loop's
-executor protocol (``max_inflight``, ``async execute(plan) -> StepOutput``, ``async shutdown()``),
-the same one the in-process executor serves. Up to ``max_inflight = P`` plans are in flight; the
-caller guarantees a job is in at most one of them (paper §4.3).
-
-Placement: one bundle per stage holding its T ranks (a bundle lives on one node, so a stage's TP
-ranks are packed; stages may span nodes). The executor creates that placement group, or uses a
-caller's (a Serve ``Engine`` replica reserves its model copy in its own group: bundle 0 is the
-replica, ``bundle_offset`` 1 the first stage). ``ParallelSpec.stage_bundles`` says what to reserve;
-``fastserve.worker.placement`` checks the layout and a given group and starts the workers in it, and
-``fastserve.worker.liveness`` tells a dead worker from a slow one.
-
-Failure: a worker that dies surfaces as ``PipelineError`` from ``execute`` within seconds (workers
-are pinged while a plan is overdue), never a hang; the executor kills its workers at once, stays
-closed (recovery is the caller's: build a new executor) and finishes the teardown in the
-background (``shutdown`` awaits it). A plan that fails on live workers (its own data: a worker
-raised) is ``PlanFailed``: only that plan's jobs fail and the pipeline stays open. Its swaps
-settle on every worker before the step returns; the control plane discards the KV of every job
-that plan touched, so stores that applied different parts of it never matter.
+``PipelineExecutor`` owns the workers' lifecycle (placement, start-up, TP groups, transport,
+failure detection, teardown) and serves the engine loop's executor protocol, up to P plans in
+flight (paper §4.3). One bundle per stage, in its own placement group or a caller's from
+``bundle_offset``. A dead worker is a ``PipelineError`` within seconds and closes the executor
+(recovery is the caller's); a plan that fails on live workers is ``PlanFailed`` and only its jobs
+fail (the control plane discards their KV, so partly applied swaps never matter).
 """
 
 from __future__ import annotations
@@ -47,7 +33,7 @@ from fastserve.worker.placement import (
     worker_specs,
 )
 from fastserve.worker.spec import EngineSpec
-from fastserve.worker.transport import Transport, check_nccl_binding, make_transport, uses_nccl_channels
+from fastserve.worker.transport import Transport, make_transport
 from fastserve.worker.worker import StageInput, StepRecord
 
 log = logging.getLogger(__name__)
@@ -66,16 +52,13 @@ class PipelineExecutor:
 
     def __init__(self, spec: EngineSpec, placement_group: PlacementGroup | None = None,
                  bundle_offset: int = 0) -> None:
-        """``placement_group``: place the workers in it, stage s in bundle ``bundle_offset + s``;
-        None = the executor creates (and removes) its own."""
+        """Stage s goes in ``placement_group``'s bundle ``bundle_offset + s``; None: one of its own."""
         if bundle_offset < 0:
             raise ValueError(f"bundle_offset must be >= 0, got {bundle_offset}")
         self.spec = spec
         self.timeouts = spec.timeouts
         self.config = spec.model.load_config()
         check_layout(spec, self.config)
-        if uses_nccl_channels(spec.parallel.transport, spec.model.device, spec.parallel.pipeline_parallel_size):
-            check_nccl_binding()   # before any worker is placed or any weight loaded
         self._given_pg = placement_group
         self._bundle_offset = bundle_offset
         self._specs = worker_specs(spec, self.config)
@@ -99,10 +82,7 @@ class PipelineExecutor:
 
     @property
     def workers(self) -> list[list[ActorHandle]]:
-        """``[stage][tp_rank]`` handles (for tests and diagnostics)."""
         return [list(stage) for stage in self._grid]
-
-    # ---- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Place and start the workers, join their TP groups, compile the transport."""
@@ -181,8 +161,6 @@ class PipelineExecutor:
     def _worker_names(self) -> list[str]:
         return [ws.name for stage in self._specs for ws in stage] if self._grid else []
 
-    # ---- running plans -----------------------------------------------------------------------
-
     async def execute(self, plan: BatchPlan) -> StepOutput:
         """Run ``plan`` through every stage; returns once its swaps are settled everywhere."""
         async with self._slots:
@@ -256,10 +234,7 @@ class PipelineExecutor:
         assert self._liveness is not None
         return await self._liveness.failed_worker()
 
-    # ---- diagnostics -------------------------------------------------------------------------
-
     async def stats(self) -> list[dict[str, Any]]:
-        """Per worker: stage, tp_rank, steps, swapped_out_blocks, swapped_in_blocks."""
         self._check_open()
         return list(await asyncio.gather(*[w.stats.remote() for w in self._all_workers()]))
 
@@ -269,8 +244,6 @@ class PipelineExecutor:
         records: list[list[Any]] = await asyncio.gather(*[w.timeline.remote() for w in self._all_workers()])
         keys = [(ws.stage_index, ws.tp_rank) for stage in self._specs for ws in stage]
         return {k: [StepRecord(*r) for r in recs] for k, recs in zip(keys, records, strict=True)}
-
-    # ---- teardown ----------------------------------------------------------------------------
 
     def _mark_closed(self, reason: str) -> None:
         if self._closed_reason is None:

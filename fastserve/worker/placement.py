@@ -1,10 +1,6 @@
-"""Where a pipeline's stage workers go and what they start with.
-
-Owns the answers ``PipelineExecutor`` needs before any worker runs: whether the model can be cut
-as the spec says (``check_layout``), each worker's ``WorkerSpec`` (``worker_specs``), whether a
-caller's placement group holds the stage bundles (``check_given_group``), what to tell the
-operator when the cluster cannot place them (``placement_failure``), the workers' environment
-(``worker_runtime_env``) and their creation in their stage's bundle (``create_workers``).
+"""Where a pipeline's stage workers go and what they start with: the layout check, each worker's
+``WorkerSpec``, the placement group check and failure message, the workers' environment, and their
+creation in their stage's bundle.
 """
 
 from __future__ import annotations
@@ -18,6 +14,7 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from fastserve.worker.model.config import ModelConfig
+from fastserve.worker.nccl import uses_nccl_channels
 from fastserve.worker.parallel import BACKENDS, layer_ranges
 from fastserve.worker.spec import OMP_WAIT_POLICY_ENV, EngineSpec, PipelineTimeouts
 from fastserve.worker.transport import TRANSPORTS
@@ -27,8 +24,7 @@ CHANNEL_BUFFER_ENV = "RAY_CGRAPH_buffer_size_bytes"
 
 
 class PlacementError(RuntimeError):
-    """The stage workers cannot be placed as asked (``PipelineExecutor`` reports it as a
-    ``PipelineError``)."""
+    """The stage workers cannot be placed as asked."""
 
 
 def check_layout(spec: EngineSpec, config: ModelConfig) -> None:
@@ -47,9 +43,9 @@ def check_layout(spec: EngineSpec, config: ModelConfig) -> None:
 
 
 def worker_specs(spec: EngineSpec, config: ModelConfig) -> list[list[WorkerSpec]]:
-    """``[stage][tp_rank]`` → the worker's spec."""
     p, t = spec.parallel.pipeline_parallel_size, spec.parallel.tensor_parallel_size
-    return [[WorkerSpec(spec.model, config, s, p, lo, hi, r, t) for r in range(t)]
+    nccl = uses_nccl_channels(spec.parallel.transport, spec.model.device, p)
+    return [[WorkerSpec(spec.model, config, s, p, lo, hi, r, t, nccl) for r in range(t)]
             for s, (lo, hi) in enumerate(layer_ranges(config.num_hidden_layers, p))]
 
 
@@ -81,8 +77,7 @@ def placement_failure(spec: EngineSpec, bundles: list[dict[str, float]]) -> str:
 
 
 def worker_runtime_env(timeouts: PipelineTimeouts, environ: Mapping[str, str]) -> dict[str, Any]:
-    """The stage workers' ``runtime_env``: the channel size, and the replica's OpenMP wait policy
-    (from its own ``runtime_env``) so that it holds in the workers that run the model."""
+    """The stage workers' ``runtime_env``: the channel size, and the replica's OpenMP wait policy."""
     inherited = {k: environ[k] for k in (OMP_WAIT_POLICY_ENV,) if k in environ}
     return {"env_vars": {**inherited, CHANNEL_BUFFER_ENV: str(timeouts.channel_buffer_bytes)}}
 

@@ -93,6 +93,7 @@ class StageRunner:
         ``hidden`` (None on the first stage), sample when ``sample``, settle the swaps — even when
         the forward fails, so no copy lands in a block the control plane reuses."""
         start = time.perf_counter()
+        self.make_current()
         timings: dict[str, float] = {}
         handles = self.begin_swaps(plan)
         tokens: dict[str, int] = {}
@@ -118,6 +119,13 @@ class StageRunner:
         timings["total"] = time.perf_counter() - start
         in_flight = self.kv.swaps_in_flight() if self.kv.settles_lazily else frozenset()
         return StageOutput(tokens, out, timings, logprobs, in_flight)
+
+    def make_current(self) -> None:
+        """Make this runner's device the calling thread's current one. CUDA's current device is
+        per thread, and a step may run on any (Ray runs compiled-graph steps on a thread of its
+        own): what torch or a library makes there without naming a device then goes to ours."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
 
     def begin_swaps(self, plan: BatchPlan) -> list[SwapHandle]:
         return [self.kv.swap(cmd) for cmd in (*plan.swap_out, *plan.swap_in)]

@@ -1,31 +1,15 @@
-"""How a ``StageInput`` travels through the grid of stage workers: the transport interface.
+"""How a ``StageInput`` travels through the grid ``grid[stage][tp_rank]`` of stage workers.
 
-The grid is ``grid[stage][tp_rank]``. Every rank of stage 0 receives ``(plan, None)``; rank ``r``
-of stage ``s + 1`` consumes rank ``r``'s output of stage ``s`` (all TP ranks hold the same
-all-reduced hidden states, and every output must be consumed); the last stage's outputs are
-collected, rank 0's is the ``StepOutput``.
-
-Two implementations behind one interface:
-
-- ``CompiledGraphTransport`` (default): a Ray compiled graph, compiled once at ``start`` and run
-  with ``execute_async`` from the caller's event loop, up to ``max_inflight`` executions in flight
-  (the pipeline depth). On GPU the activations between stages go over NCCL channels
-  (``with_tensor_transport``); that path cannot run on a CPU-only machine and is untested here.
-  Ray builds those channels' communicator with CuPy's NCCL binding (``cupy.cuda.nccl``), so a
-  pipeline that needs them checks for it first (``check_nccl_binding``).
-- ``ActorCallTransport`` (``transport: actor``): plain chained ``.remote()`` calls, one per
-  worker per plan, passing object refs along. Slower; for debugging and platforms where compiled
-  graphs misbehave. Ray runs one submitter's calls to an actor in submission order, so plans stay
-  ordered on every worker.
-
-``submit`` returns once the plan is enqueued (so the order of plans is fixed when it returns) and
-hands back an awaitable of the last stage's outputs.
+Stage 0's ranks receive ``(plan, None)``; rank ``r`` of stage ``s + 1`` consumes rank ``r``'s output
+of stage ``s`` (its 1/TP part of the hidden states); rank 0's last output is the ``StepOutput``.
+``CompiledGraphTransport`` (default) runs a Ray compiled graph ``max_inflight`` deep, over NCCL
+channels on GPU; ``ActorCallTransport`` chains plain actor calls (Ray keeps one submitter's calls
+in order). ``submit`` returns once the plan's order is fixed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Sequence
 from typing import Any, Literal
@@ -33,48 +17,16 @@ from typing import Any, Literal
 import ray
 from ray.actor import ActorHandle
 
+from fastserve.worker.nccl import uses_nccl_channels
 from fastserve.worker.worker import StageInput
 
 TransportKind = Literal["compiled", "actor"]
 TRANSPORTS: tuple[TransportKind, ...] = ("compiled", "actor")
 Grid = Sequence[Sequence[ActorHandle]]
-#: Ray's tensor transport for activations between GPU stages ("accelerator" is its newer alias).
 GPU_TENSOR_TRANSPORT = "nccl"
-#: The module Ray's NCCL channels import (``ray.experimental.channel.nccl_group``,
-#: ``ray.util.collective``'s ``nccl_util``): CuPy's binding of libnccl.
-NCCL_BINDING = "cupy.cuda.nccl"
-
-
-def uses_nccl_channels(kind: str, device: str, num_stages: int) -> bool:
-    """Whether a ``kind`` transport over ``num_stages`` stages on ``device`` sends activations
-    over Ray's NCCL channels (a compiled graph between GPU stages)."""
-    return kind == "compiled" and device == "cuda" and num_stages > 1
-
-
-def check_nccl_binding() -> None:
-    """Fail now, naming what is missing, if Ray's NCCL channels could not be built here: Ray
-    imports ``cupy.cuda.nccl`` only when it compiles the graph, and its error then says neither
-    which module nor how to get it. CuPy's module imports even without libnccl, with
-    ``available`` false and none of the functions Ray calls."""
-    fix = ("install the gpu extra (pip install -e '.[gpu]', which brings cupy-cuda13x) in every "
-           "node's image, or set parallel.transport: actor (plain actor calls, no NCCL channels)")
-    try:
-        nccl = importlib.import_module(NCCL_BINDING)
-    except ImportError as exc:
-        raise RuntimeError(f"a GPU pipeline's compiled graph sends activations over Ray's NCCL channels, "
-                           f"which need {NCCL_BINDING} (CuPy's NCCL binding); importing it failed: {exc}. "
-                           f"Fix: {fix}") from exc
-    if not getattr(nccl, "available", False) or not hasattr(nccl, "get_unique_id"):
-        raise RuntimeError(f"{NCCL_BINDING} is installed but could not load libnccl (its `available` is "
-                           "false), and Ray's NCCL channels need it: install NCCL for CUDA 13 on the node "
-                           "(e.g. the nvidia-nccl-cu13 wheel torch ships with, or "
-                           "`python -m cupyx.tools.install_library --library nccl --cuda 13.x`), "
-                           "or set parallel.transport: actor")
 
 
 class Transport(ABC):
-    """Carries plans (and activations) through the worker grid."""
-
     def __init__(self, grid: Grid) -> None:
         if not grid or not grid[0]:
             raise ValueError("a transport needs at least one stage with one worker")
@@ -84,20 +36,18 @@ class Transport(ABC):
 
     @abstractmethod
     async def start(self) -> None:
-        """Prepare to carry plans (compile, ...); the workers exist and their TP groups are up."""
+        """Prepare to carry plans; the workers and their TP groups are up."""
 
     @abstractmethod
     async def submit(self, msg: StageInput) -> Awaitable[list[Any]]:
-        """Enqueue one plan; the awaitable yields the last stage's outputs, rank by rank."""
+        """Enqueue one plan; the awaitable yields the last stage's outputs."""
 
     @abstractmethod
     async def close(self, kill_actors: bool) -> None:
-        """Stop carrying plans; may block (callers bound it with a timeout)."""
+        """May block: callers bound it."""
 
 
 class CompiledGraphTransport(Transport):
-    """A Ray compiled graph over the grid, executed asynchronously, ``max_inflight`` deep."""
-
     def __init__(self, grid: Grid, max_inflight: int, tensor_transport: str | None = None) -> None:
         super().__init__(grid)
         self.max_inflight = max_inflight
@@ -131,16 +81,13 @@ class CompiledGraphTransport(Transport):
         if dag is None:
             return
         await asyncio.to_thread(dag.teardown, kill_actors=kill_actors)
-        # The graph's driver-side proxy actor lives until the graph object is collected, which a
-        # reference cycle can delay; end it now so a shutdown leaves no actor behind.
+        # Its proxy actor lives until the graph is collected (a cycle can delay that): end it now.
         proxy = getattr(dag, "_proxy_actor", None)
         if proxy is not None:
             ray.kill(proxy)
 
 
 class ActorCallTransport(Transport):
-    """Plain chained actor calls: each worker's output ref is the next stage's argument."""
-
     async def start(self) -> None:
         return None
 
@@ -151,7 +98,7 @@ class ActorCallTransport(Transport):
         return _await_in_order(upstream)
 
     async def close(self, kill_actors: bool) -> None:
-        return None  # nothing of its own to release; the pipeline kills the workers
+        return None
 
 
 async def _await_in_order(awaitables: Sequence[Awaitable[Any]]) -> list[Any]:
@@ -160,7 +107,6 @@ async def _await_in_order(awaitables: Sequence[Awaitable[Any]]) -> list[Any]:
 
 
 def make_transport(kind: str, grid: Grid, max_inflight: int, device: str) -> Transport:
-    """The transport named ``kind`` (``compiled`` or ``actor``) for a grid on ``device``."""
     if kind == "compiled":
         tensor = GPU_TENSOR_TRANSPORT if uses_nccl_channels(kind, device, len(grid)) else None
         return CompiledGraphTransport(grid, max_inflight, tensor)

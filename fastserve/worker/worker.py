@@ -8,7 +8,9 @@ It owns that slice of the model (only its own weights are loaded), its slice of 
 travel with the activations (paper §4.3, Fig. 10), so there is no separate control call per stage:
 the worker starts the plan's swaps on its own KV, runs its layers (overlapped with the swaps,
 waiting only on swaps touching its blocks), waits for its swaps, and passes ``(plan, hidden)`` on.
-The last stage's TP rank 0 samples and returns the ``StepOutput``; its other ranks return None.
+At TP > 1 each rank passes on only its 1/TP of the hidden states and the next stage's ranks
+all-gather them on arrival (``hidden_part``). The last stage's TP rank 0 samples and returns the
+``StepOutput``; its other ranks return None.
 
 Plain ``.remote()`` calls (``ping``, ``stats``, ``timeline``) run in their own concurrency group,
 concurrently with the graph's thread: they read counters only, never the KV cache, and run no
@@ -27,6 +29,7 @@ import ray
 
 from fastserve.worker.messages import BatchPlan, StepOutput
 from fastserve.worker.model.config import ModelConfig
+from fastserve.worker.nccl import check_worker_can_use_nccl_channels
 from fastserve.worker.parallel import TensorParallelGroup, cuda_device_index
 from fastserve.worker.ports import free_port
 from fastserve.worker.spec import ModelSpec
@@ -46,13 +49,27 @@ class StageInput(NamedTuple):
     """What flows between stages: the plan (with its swap commands) and the hidden states.
 
     ``hidden`` is None into the first stage, and whenever the plan has no entries (swaps only).
-    ``timings`` accumulates the stages' phase times so far (summed over stages): the scheduler
-    charges a plan's ``total`` — its execution time summed over the stages it crossed (§4.3).
+    With ``hidden_shape`` set, ``hidden`` is one TP rank's part of them (``hidden_part``): the
+    receiving stage's ranks all-gather the parts and reshape. ``timings`` accumulates the stages'
+    phase times so far (summed over stages): the scheduler charges a plan's ``total`` — its
+    execution time summed over the stages it crossed (§4.3).
     """
 
     plan: BatchPlan
     hidden: torch.Tensor | None
     timings: dict[str, float] | None = None
+    hidden_shape: tuple[int, ...] | None = None
+
+
+def hidden_part(hidden: torch.Tensor, tp_rank: int, tp_size: int) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+    """What TP rank ``tp_rank`` sends to the next stage, and the shape to rebuild there (None: sent
+    whole). Every rank of a stage holds the same all-reduced hidden states, so each sends its
+    1/TP of them (flattened), and the next stage's ranks all-gather on arrival: 1/TP of the bytes
+    between stages, as vLLM sends them. The part is a copy: a view would be serialised with its
+    whole storage. Whole when TP is 1 or the elements do not split evenly."""
+    if tp_size == 1 or hidden.numel() % tp_size:
+        return hidden, None
+    return hidden.reshape(tp_size, -1)[tp_rank].clone(), tuple(hidden.shape)
 
 
 class StepRecord(NamedTuple):
@@ -76,6 +93,8 @@ class WorkerSpec:
     layer_end: int
     tp_rank: int
     tp_size: int
+    #: Whether this worker's activations travel over Ray's NCCL channels (``fastserve.worker.nccl``).
+    nccl_channels: bool = False
 
     @property
     def is_last(self) -> bool:
@@ -98,10 +117,15 @@ def _add_timings(upstream: dict[str, float], own: dict[str, float]) -> dict[str,
     return summed
 
 
-def _device_index(device: str) -> int:
-    """The CUDA index of the GPU Ray assigned this worker (0 on CPU)."""
+def assigned_device_index(device: str) -> int:
+    """The CUDA index of the GPU Ray assigned this process (a stage worker, or an Engine replica
+    that runs its model in process); outside Ray, the current device; 0 on CPU."""
     if device != "cuda":
         return 0
+    if not ray.is_initialized():
+        import torch
+
+        return int(torch.cuda.current_device())
     return cuda_device_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
@@ -111,7 +135,7 @@ def _build_runner(spec: WorkerSpec, tp: TensorParallelGroup) -> StageRunner:
 
     shard = StageShard(spec.layer_start, spec.layer_end, spec.config.num_hidden_layers,
                        spec.tp_rank, spec.tp_size)
-    return build_runner(spec.model, spec.config, shard, all_reduce=tp.all_reduce())
+    return build_runner(spec.model, spec.config, shard, all_reduce=tp.all_reduce(), device_index=tp.device_index)
 
 
 @ray.remote(concurrency_groups={CONTROL_GROUP: 1})  # type: ignore[call-overload]
@@ -119,10 +143,12 @@ class StageWorker:
     """One stage × one TP rank. Create through ``fastserve.worker.pipeline``, which places and wires it."""
 
     def __init__(self, spec: WorkerSpec) -> None:
+        check_worker_can_use_nccl_channels(spec.nccl_channels)   # before any weight is read
         self.spec = spec
-        self.tp = TensorParallelGroup(spec.model.device, _device_index(spec.model.device))
+        self.tp = TensorParallelGroup(spec.model.device, assigned_device_index(spec.model.device))
         self.runner = _build_runner(spec, self.tp)
         self._steps = 0
+        self._hidden_bytes_sent = 0
         self._timeline: deque[StepRecord] = deque(maxlen=TIMELINE_CAPACITY)
 
     def tp_address(self) -> tuple[str, int]:
@@ -140,22 +166,37 @@ class StageWorker:
     def step(self, msg: StageInput) -> StageInput | StepOutput | None:
         """Run one plan on this worker (the compiled graph's method; see the module docstring)."""
         start = time.time()
+        self.runner.make_current()
         msg = StageInput(*msg)  # a plain (plan, hidden) tuple is accepted too
-        plan, hidden, upstream = msg
+        plan, hidden, upstream, shape = msg
         if not self.tp.initialized:
             raise RuntimeError(f"{self.spec.name}: step before init_tp_group (tp_size {self.spec.tp_size})")
         if plan.entries and self.spec.stage_index > 0 and hidden is None:
             raise ValueError(f"{self.spec.name}: plan {plan.step_id} has {len(plan.entries)} entries "
                              "but no hidden states came from the previous stage")
-        if hidden is not None and hidden.device != self.runner.device:
-            hidden = hidden.to(self.runner.device)
+        gather_s = 0.0
+        if hidden is not None:
+            if hidden.device != self.runner.device:
+                hidden = hidden.to(self.runner.device)
+            if shape is not None:
+                began = time.perf_counter()
+                hidden = self.tp.all_gather(hidden).reshape(shape)
+                gather_s = time.perf_counter() - began
         result = self.runner.run(plan, hidden, sample=self.spec.samples)
         end = time.time()
         self._steps += 1
         self._timeline.append(StepRecord(plan.step_id, start, end))
-        summed = _add_timings(upstream or {}, result.timings)
+        own = dict(result.timings)
+        if gather_s:
+            own["hidden_gather"] = gather_s
+            own["total"] = own.get("total", 0.0) + gather_s
+        summed = _add_timings(upstream or {}, own)
         if not self.spec.is_last:
-            return StageInput(plan, result.hidden, summed)
+            if result.hidden is None:
+                return StageInput(plan, None, summed)
+            part, full = hidden_part(result.hidden, self.spec.tp_rank, self.spec.tp_size)
+            self._hidden_bytes_sent += part.numel() * part.element_size()
+            return StageInput(plan, part, summed, full)
         return StepOutput(plan.step_id, result.tokens, summed, result.logprobs) if self.spec.samples else None
 
     @ray.method(concurrency_group=CONTROL_GROUP)
@@ -165,10 +206,11 @@ class StageWorker:
     @ray.method(concurrency_group=CONTROL_GROUP)
     def stats(self) -> dict[str, Any]:
         """Counters only: safe while the graph runs (no KV access, no collectives). The swapped
-        blocks are the KV store's own counts."""
+        blocks are the KV store's own counts; ``hidden_bytes_sent`` what this rank passed on."""
         kv = self.runner.kv
         return {"stage": self.spec.stage_index, "tp_rank": self.spec.tp_rank, "steps": self._steps,
-                "swapped_out_blocks": kv.swapped_out_blocks, "swapped_in_blocks": kv.swapped_in_blocks}
+                "swapped_out_blocks": kv.swapped_out_blocks, "swapped_in_blocks": kv.swapped_in_blocks,
+                "hidden_bytes_sent": self._hidden_bytes_sent}
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def timeline(self) -> list[StepRecord]:

@@ -164,8 +164,8 @@ def test_swap_wait_is_the_compute_streams_stall_read_after_the_device_passed_it(
 
 
 def test_cupys_nccl_binding_loads_libnccl_beside_torch() -> None:
-    """What Ray's NCCL channels import (``fastserve.worker.transport.check_nccl_binding`` checks it at a GPU
-    pipeline's start): with torch loaded first, as in a stage worker, CuPy's binding finds the
+    """What Ray's NCCL channels import (``fastserve.worker.nccl`` checks it in each stage worker of a GPU
+    pipeline as it starts): with torch loaded first, as in a stage worker, CuPy's binding finds the
     libnccl torch's wheel brought, and has the call Ray makes. Skipped where CuPy is absent."""
     pytest.importorskip("cupy")
     import cupy.cuda.nccl as nccl

@@ -3,7 +3,8 @@ small object store, explicit CPUs and ports) and ``serve run`` on a copy of a co
 only in ``http_options.port`` (a free port, so a test never collides with a server on 8000).
 Teardown stops exactly the processes it started, walking their process trees: ``ray stop`` would
 also kill every other Ray on the machine. ``private_ray_head`` alone is for a test that starts its own
-command on the head (``fastserve serve MODEL_DIR --address ...``).
+command on the head (``fastserve serve MODEL_DIR --address ...``); ``serve_run`` alone runs an app on a
+cluster the test started itself (``tests.harness.ray_nodes``).
 
 Also the dummy-OPT config most integration tests serve (``dummy_opt_yaml``), its tokenizer and
 the Engine deployment options: no test module imports another.
@@ -65,7 +66,7 @@ def _proc_table() -> dict[int, tuple[int, str]]:
     return table
 
 
-def _tree(root: int) -> dict[int, str]:
+def process_tree(root: int) -> dict[int, str]:
     """``root`` and all its descendants: pid -> start time (to never signal a reused pid)."""
     table = _proc_table()
     out, frontier = {}, [root]
@@ -77,7 +78,8 @@ def _tree(root: int) -> dict[int, str]:
     return out
 
 
-def _signal_all(pids: dict[int, str], sig: int) -> None:
+def signal_all(pids: dict[int, str], sig: int) -> None:
+    """Send ``sig`` to each of ``pids`` that is still the process recorded (same start time)."""
     table = _proc_table()
     for pid, started in pids.items():
         if table.get(pid, (0, ""))[1] == started:
@@ -85,29 +87,30 @@ def _signal_all(pids: dict[int, str], sig: int) -> None:
                 os.kill(pid, sig)
 
 
-def _alive(pids: dict[int, str]) -> list[int]:
+def alive(pids: dict[int, str]) -> list[int]:
+    """Those of ``pids`` still running (not reused, not zombies)."""
     table = _proc_table()
-    alive = []
+    running = []
     for pid, started in pids.items():
         if table.get(pid, (0, ""))[1] != started:
             continue
         try:
             if Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z":
-                alive.append(pid)
+                running.append(pid)
         except OSError:
             pass
-    return alive
+    return running
 
 
 def stop_tree(proc: subprocess.Popen[bytes], grace_s: float) -> None:
     """SIGTERM a process and all its descendants, SIGKILL what outlives ``grace_s``."""
-    pids = _tree(proc.pid)
-    _signal_all(pids, signal.SIGTERM)
+    pids = process_tree(proc.pid)
+    signal_all(pids, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while _alive(pids) and time.monotonic() < deadline:
+    while alive(pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    pids.update(_tree(proc.pid))   # anything started meanwhile
-    _signal_all(pids, signal.SIGKILL)
+    pids.update(process_tree(proc.pid))   # anything started meanwhile
+    signal_all(pids, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=10)
 
@@ -175,6 +178,15 @@ def private_ray_head(tmp: Path) -> Iterator[RayHead]:
 def serve_app(tmp: Path, config: dict[str, Any], health_path: str = "/health", model: str = MODEL) -> Iterator[Server]:
     """A private Ray head and ``serve run`` of ``config`` (on a free port), stopped afterwards;
     ready once ``model`` answers a first completion."""
+    with private_ray_head(tmp) as head, serve_run(tmp, config, head, health_path, model) as srv:
+        yield srv
+
+
+@contextlib.contextmanager
+def serve_run(tmp: Path, config: dict[str, Any], head: RayHead, health_path: str = "/health",
+              model: str = MODEL) -> Iterator[Server]:
+    """``serve run`` of ``config`` (on a free port) on the running cluster ``head`` names, stopped
+    afterwards by process tree; ready once ``model`` answers a first completion."""
     http = free_port()
     config = copy.deepcopy(config)
     # One fixed GEMM path in every process of the app: tests compare tokens across processes, and
@@ -188,25 +200,24 @@ def serve_app(tmp: Path, config: dict[str, Any], health_path: str = "/health", m
     config_path = tmp / "config.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     serve_log = tmp / "serve.log"
-    with private_ray_head(tmp) as head:
-        serve_run: subprocess.Popen[bytes] | None = None
-        try:
-            serve_run = subprocess.Popen([str(BIN / "serve"), "run", str(config_path)], cwd=ROOT, env=head.env,
-                                         stdout=serve_log.open("wb"), stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-            srv = Server(f"http://127.0.0.1:{http}", serve_log, head.address)
-            wait_for(health_path, lambda: httpx.get(srv.url(health_path), timeout=5).status_code == 200,
-                      STARTUP_TIMEOUT_S, serve_log)
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        proc = subprocess.Popen([str(BIN / "serve"), "run", str(config_path)], cwd=ROOT, env=head.env,
+                                     stdout=serve_log.open("wb"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        srv = Server(f"http://127.0.0.1:{http}", serve_log, head.address)
+        wait_for(health_path, lambda: httpx.get(srv.url(health_path), timeout=5).status_code == 200,
+                 STARTUP_TIMEOUT_S, serve_log)
 
-            def scheduler_ready() -> bool:
-                resp = httpx.post(srv.url("/v1/completions"), headers=AUTH, timeout=REQUEST_TIMEOUT_S,
-                                  json={"model": model, "prompt": "warm up", "max_tokens": 1})
-                return resp.status_code == 200
-            wait_for("a first completion", scheduler_ready, STARTUP_TIMEOUT_S, serve_log)
-            yield srv
-        finally:
-            if serve_run is not None:
-                stop_tree(serve_run, grace_s=5)
+        def scheduler_ready() -> bool:
+            resp = httpx.post(srv.url("/v1/completions"), headers=AUTH, timeout=REQUEST_TIMEOUT_S,
+                              json={"model": model, "prompt": "warm up", "max_tokens": 1})
+            return resp.status_code == 200
+        wait_for("a first completion", scheduler_ready, STARTUP_TIMEOUT_S, serve_log)
+        yield srv
+    finally:
+        if proc is not None:
+            stop_tree(proc, grace_s=5)
 
 
 #: The OPT tokenizer the dummy-OPT servers use (``config/opt125m-dummy.yaml``).

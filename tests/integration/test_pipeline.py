@@ -2,7 +2,8 @@
 
 - TP=2/PP=1, TP=1/PP=2, TP=2/PP=2 (compiled graph) and TP=2/PP=2 (plain actor calls) give exactly
   the in-process greedy tokens for the same sequence of plans, with a device pool small enough
-  that jobs are swapped out and back in mid-generation, on every stage.
+  that jobs are swapped out and back in mid-generation, on every stage; at TP=2 each rank sends
+  the next stage half of the hidden states' bytes (the parts are all-gathered on arrival).
 - With PP=2 two plans are in flight: stage 0 starts plan k+1 before the last stage ends plan k;
   no job is ever in two in-flight plans (asserted by the driver on every submission).
 - Start → run → shutdown leaves no live actor; a killed worker is a ``PipelineError`` within 30 s;
@@ -82,10 +83,14 @@ def test_greedy_tokens_match_in_process_with_swaps(runs: Callable[[int, int, str
     assert run.tokens == reference.tokens
     assert run.generated == reference.generated
     assert len(run.stats) == tp * pp
+    # Every token's float32 hidden states cross each stage boundary once, split over the TP ranks.
+    tokens = sum(len(e.token_ids) for plan in reference.plans for e in plan.entries)
+    crossing = tokens * TINY.hidden_size * 4
     for s in run.stats:
         where = f"stage {s['stage']} tp rank {s['tp_rank']}"
         assert s["steps"] == len(reference.plans), where
         assert s["swapped_out_blocks"] > 0 and s["swapped_in_blocks"] > 0, where
+        assert s["hidden_bytes_sent"] == (crossing // tp if s["stage"] < pp - 1 else 0), where
 
 
 def test_pp2_keeps_two_plans_in_flight(runs: Callable[[int, int, str], Run]) -> None:

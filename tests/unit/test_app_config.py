@@ -234,6 +234,30 @@ def test_pipeline_bundles_reserve_each_stage_with_its_tp_gpus() -> None:
     assert "num_gpus" not in parsed.engine_deployment_defaults()["ray_actor_options"]
 
 
+def test_stage_resources_pin_each_stage_bundle_to_a_node() -> None:
+    args = demo_args()
+    args["parallel"].update(pipeline_parallel_size=2, worker_cpus=0.5,
+                            stage_resources=[{"node_a": 0.001}, {"node_b": 0.001}])
+    parsed = AppArgs.model_validate(args)
+    assert parsed.placement_group_bundles() == [
+        {"CPU": 0.01}, {"CPU": 0.5, "node_a": 0.001}, {"CPU": 0.5, "node_b": 0.001}]
+
+
+@pytest.mark.parametrize("update,words", [
+    ({"pipeline_parallel_size": 2, "stage_resources": [{"node_a": 1}]},
+     "stage_resources has 1 entries; it needs one per pipeline stage (pipeline_parallel_size=2)"),
+    ({"pipeline_parallel_size": 2, "stage_resources": [{"node_a": 1}, {"GPU": 1}]},
+     "stage_resources[1] names ['GPU']"),
+    ({"pipeline_parallel_size": 2, "stage_resources": [{"node_a": 1}, {"node_b": 0}]},
+     "stage_resources[1]['node_b'] must be > 0, got 0"),
+    ({"stage_resources": [{"node_a": 1}]}, "the model runs inside the Engine replica: pin it with replica_bundle"),
+])
+def test_stage_resources_it_cannot_honour_are_refused(update: dict[str, object], words: str) -> None:
+    args = demo_args()
+    args["parallel"].update(update)
+    assert words in error_of(args)
+
+
 def test_profile_tp_mismatch_is_reported_when_the_file_is_present() -> None:
     args = demo_args()
     args["parallel"].update(tensor_parallel_size=2)

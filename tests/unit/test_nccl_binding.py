@@ -1,6 +1,8 @@
-"""A GPU pipeline whose compiled graph needs Ray's NCCL channels checks for CuPy's NCCL binding
-first (``fastserve.worker.transport.check_nccl_binding``) and fails naming the module, before placing a
-worker; the binding's absence is simulated here (this machine has no CuPy)."""
+"""A GPU pipeline whose compiled graph needs Ray's NCCL channels checks for CuPy's NCCL binding in
+each stage worker as it starts (``fastserve.worker.nccl``), after importing torch and before reading
+a weight, and fails naming the module; the Engine replica that builds the pipeline, which holds no
+GPU and has not loaded torch, does not check. The binding's absence is simulated here (this
+machine has no CuPy)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ import types
 import pytest
 
 from fastserve.config import AppArgs
+from fastserve.worker.nccl import NCCL_BINDING, check_nccl_binding, uses_nccl_channels
 from fastserve.worker.pipeline import PipelineExecutor
+from fastserve.worker.placement import worker_specs
 from fastserve.worker.spec import EngineSpec
-from fastserve.worker.transport import NCCL_BINDING, check_nccl_binding, uses_nccl_channels
+from fastserve.worker.worker import StageWorker, WorkerSpec
 from tests.harness.app_config import demo_args
 
 
@@ -54,9 +58,30 @@ def test_a_binding_without_libnccl_is_named(monkeypatch: pytest.MonkeyPatch) -> 
     check_nccl_binding()
 
 
-def test_a_gpu_pipeline_fails_at_construction_naming_the_module(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before any placement group or worker: the executor's constructor makes no Ray call."""
+def test_the_replica_builds_a_gpu_pipeline_without_the_binding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The executor's constructor makes no Ray call and no check: the replica may lack CuPy."""
     monkeypatch.setitem(sys.modules, NCCL_BINDING, None)
+    PipelineExecutor(gpu_pipeline_spec("compiled"), None)
+
+
+@pytest.mark.parametrize(("transport", "needed"), [("compiled", True), ("actor", False)])
+def test_each_worker_of_a_compiled_gpu_pipeline_is_told_to_check(transport: str, needed: bool) -> None:
+    spec = gpu_pipeline_spec(transport)
+    grid = worker_specs(spec, spec.model.load_config())
+    assert [[ws.nccl_channels for ws in stage] for stage in grid] == [[needed], [needed]]
+
+
+def test_a_worker_without_the_binding_fails_before_reading_a_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check comes first in the worker's constructor: its error, not a later one, names the
+    cause (the model build is made to fail loudly here, and is never reached)."""
+    monkeypatch.setitem(sys.modules, NCCL_BINDING, None)
+    monkeypatch.setattr("fastserve.worker.worker._build_runner", _never)
+    spec = gpu_pipeline_spec("compiled")
+    first: WorkerSpec = worker_specs(spec, spec.model.load_config())[0][0]
+    body = StageWorker.__ray_metadata__.modified_class   # the class Ray runs in the actor
     with pytest.raises(RuntimeError, match=r"need cupy\.cuda\.nccl"):
-        PipelineExecutor(gpu_pipeline_spec("compiled"), None)
-    PipelineExecutor(gpu_pipeline_spec("actor"), None)   # no NCCL channels: no check
+        body(first)
+
+
+def _never(*args: object) -> None:
+    raise AssertionError("weights were loaded before the NCCL binding was checked")

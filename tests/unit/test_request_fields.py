@@ -54,8 +54,12 @@ BAD_VALUE: dict[str, Any] = {"tools": [{"type": "function"}],
                              "bad_words": ["x"]}
 
 
-@pytest.mark.parametrize("field", sorted(REFUSED))
-@pytest.mark.parametrize("chat", [False, True])
+#: Refused on completions only: chat requests declare and honour them (``test_tool_requests``).
+CHAT_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
+
+
+@pytest.mark.parametrize(("field", "chat"), [(f, chat) for f in sorted(REFUSED) for chat in (False, True)
+                                             if not (chat and f in CHAT_FIELDS)])
 def test_every_refused_field_is_a_400_naming_it(field: str, chat: bool) -> None:
     backend = script()
     value = BAD_VALUE.get(field, True if REFUSED[field] == (False,) else "x")
@@ -82,8 +86,9 @@ def test_unknown_fields_are_refused_and_harmless_ones_listed() -> None:
 
 
 @pytest.mark.parametrize("message,param", [
-    ({"role": "user", "content": "hi", "name": "ann"}, "messages[0].name"),
-    ({"role": "assistant", "content": None, "tool_calls": []}, "messages[0].tool_calls"),
+    ({"role": "assistant", "content": "hi", "refusal": "no"}, "messages[0].refusal"),
+    ({"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
+     "messages[0].function_call"),
     ({"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]},
      "messages[0].content[0].cache_control"),
 ])

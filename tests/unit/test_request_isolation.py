@@ -207,6 +207,38 @@ def test_a_lost_executor_is_rebuilt_and_jobs_resume_with_their_exact_tokens() ->
     engine.scheduler.check_invariants()
 
 
+def test_the_replica_stays_healthy_while_its_lost_pipeline_is_rebuilt() -> None:
+    """Serve replaces a replica whose health check fails: during a rebuild that would end every
+    job waiting to resume, so a closed executor is a problem only when no rebuild is under way."""
+    from fastserve.engine.replica import EngineReplica
+
+    seen: list[tuple[bool, bool, str | None]] = []
+
+    async def run() -> dict[str, str]:
+        replica = EngineReplica.__new__(EngineReplica)
+        dying = DyingExecutor(new_executor(), survive=2)
+        go = asyncio.Event()
+
+        async def rebuild() -> ThreadedExecutor:
+            seen.append((replica.engine.executor is dying and dying.closed, replica.engine.recovering,
+                         replica.health_problem()))
+            await go.wait()
+            return new_executor()
+
+        replica.engine = AsyncEngine(tiny_scheduler(), dying, rebuild=rebuild)  # type: ignore[arg-type]
+        await replica.engine.start()
+        asyncio.get_running_loop().call_later(0.5, go.set)
+        try:
+            _, reasons = await collect(replica.engine, {k: (p, greedy(n)) for k, (p, n) in GOOD.items()})
+        finally:
+            await replica.engine.stop()
+        return reasons
+
+    reasons = asyncio.run(run())
+    assert seen == [(True, True, None)]
+    assert set(reasons.values()) == {"length"}
+
+
 def test_past_the_rebuild_deadline_every_job_ends_with_an_error() -> None:
     async def never() -> ThreadedExecutor:
         raise RuntimeError("no GPUs left in the placement group")

@@ -202,3 +202,11 @@ def test_a_server_bound_beyond_loopback_requires_an_api_key(monkeypatch: pytest.
     app = app_args(folder_args(host="0.0.0.0"), Path("p.json"), None)
     with pytest.raises(ValueError, match="require_api_key is set but no API key"):
         AppArgs.model_validate(app, context=NO_PROFILE).server.resolved_api_key()
+
+
+def test_the_tool_call_parser_option_reaches_the_server_section() -> None:
+    assert "server" not in app_args(folder_args(), Path("p.json"), None)
+    app = app_args(folder_args(tool_call_parser="pythonic"), Path("p.json"), None)
+    assert AppArgs.model_validate(app, context=NO_PROFILE).server.tool_call_parser == "pythonic"
+    args = cli.parser().parse_args(["serve", str(require_smollm2()), "--tool-call-parser", "llama3_json"])
+    assert args.tool_call_parser == "llama3_json"

@@ -14,7 +14,7 @@ Paper (FastServe vs FastServe-FCFS): 13B ShareGPT ≈4.0–4.5 vs ≈2.5 req/s; 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from fastserve.bench import metrics as M
 from fastserve.bench import plots
@@ -29,6 +29,7 @@ from fastserve.bench.experiments.common import (
     run_point,
 )
 from fastserve.bench.sim import PAPER_PROFILES, CostModel, SimSetup
+from fastserve.scheduler.config import PolicyName
 
 POLICIES = ("fcfs", "skip_join_mlfq")
 LOAD_GRID = {True: (0.6, 1.2, 2.0, 3.0), False: (0.4, 0.6, 0.8, 1.0, 1.2, 1.4, 1.7, 2.0, 2.5, 3.0)}
@@ -44,7 +45,7 @@ def sweep(model: str, dataset: str, options: RunOptions,
           setups: Mapping[str, SimSetup] | None = None) -> dict[str, Any]:
     """Mean per-token latency over the rate grid and throughput at the SLO, for each of
     ``setups`` (label -> setup; default: FCFS and skip-join, keyed by policy)."""
-    setups = setups or {policy: SimSetup(policy=policy) for policy in POLICIES}
+    setups = setups or {policy: SimSetup(policy=cast(PolicyName, policy)) for policy in POLICIES}
     cost = CostModel.from_json(PAPER_PROFILES[model])
     pairs = dataset_pairs(dataset)
     batch = cost.serving.max_batch_size or SimSetup().max_batch_size or 1

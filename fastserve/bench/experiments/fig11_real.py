@@ -1,12 +1,9 @@
 """Figure 11 for real: skip-join MLFQ vs FCFS over HTTP against our server on this machine.
 
-Starts ``serve run`` of the demo config (OPT-125M shapes, dummy weights, CPU) with one app per
-policy (``server.ServeApps``), or measures an already running server given by ``--base-url``
-(whatever its policy). Replays ShareGPT and Alpaca with Poisson arrivals through
-``fastserve.bench.client`` at a few rates, lengths scaled down uniformly by ``LENGTH_SCALE`` (full-length
-ShareGPT takes minutes per request on two cores), and computes throughput at an SLO of 10x this
-machine's profiled decode iteration (the paper's rule). Rates are fractions of the capacity the
-CPU profile predicts for the scaled jobs. Records are saved as JSONL beside the results.
+One ``serve run`` app per policy (or ``--base-url``), ShareGPT and Alpaca with Poisson arrivals at
+fractions of the CPU profile's capacity, lengths scaled by ``LENGTH_SCALE`` (full ShareGPT takes
+minutes a request on two cores), throughput at an SLO of 10× the profiled decode iteration (the
+paper's rule), beside the simulator's prediction.
 """
 
 from __future__ import annotations
@@ -29,16 +26,12 @@ POLICIES = ("fcfs", "skip_join_mlfq")
 EXTERNAL = "external"
 SLO_DECODE_MULTIPLE = 10.0
 LENGTH_SCALE = {True: 1 / 16, False: 1 / 4}
-#: Fractions of the CPU profile's capacity. Alpaca's short outputs stay under the SLO well past it.
-#: The real server runs below the profile's capacity (HTTP, tokenization and per-step Python on
-#: the same two cores), so the full grid is dense where both policies cross the SLO.
+#: Dense where both policies cross the SLO: the real server runs below the profile's capacity.
 LOAD_GRID = {(True, "sharegpt"): (0.6, 1.4), (True, "alpaca"): (0.6, 1.4),
              (False, "sharegpt"): (0.2, 0.35, 0.5, 0.65, 0.8, 1.0), (False, "alpaca"): (0.4, 0.8, 1.2, 1.6, 2.0)}
 NUM_REQUESTS = {True: 8, False: 60}
 BATCH = 16
-#: The paper's setting: every request is admitted and queued, so the policy (not the demo's
-#: admission limits, which answer 429 under overload) decides each request's latency; and the
-#: paper's batch limit of 16 (the demo's own limit is 32, measured on this CPU).
+#: The paper's setting: every request admitted (the policy decides latency, not a 429), batch 16.
 ADMIT_ALL = {"engine": {"max_jobs": 100_000},
              "scheduler": {"admission_queue_limit": 100_000, "max_batch_size": BATCH}}
 #: A point may run this much longer than its arrivals span (plus its longest request at

@@ -1,25 +1,11 @@
 """Figure 14: scheduling policies across the input/output length ratio, normalized to FCFS.
 
-Simulated OPT-13B on one A100. For each ratio r in 0.25 .. 256 the workload keeps ShareGPT's
-job-size distribution but moves its balance: prompt and output lengths are drawn *independently*
-from ShareGPT's prompt and output distributions and scaled so that mean prompt / mean output = r
-at ShareGPT's mean total length (so input length says nothing about output length, as in the
-paper, where fixed priority is not SRPT). Arrivals are Poisson at each of ``LOADS`` x capacity
-(``capacity_rate``; the paper does not state its rate): 0.9, a stable load, and 1.2, an overload.
-
-Every point runs for ``--seeds`` arrival and length seeds (3 by default): one seed's ranking of
-two close policies did not hold on the next. Reported per policy and ratio, each as the mean
-over seeds with the least and most in brackets: mean per-token latency ÷ FCFS's (the paper's
-Figure 14 has FCFS at 1.0), and the same for the P99 and the worst job's per-token latency;
-skip-join ÷ the SRPT oracle and fixed priority ÷ skip-join.
-
-The naive MLFQ here is the paper's Figure 14 baseline: every job enters level 1 and its first
-iteration runs whole (``naive_preempts_first_iteration: false``); the variant that cuts a first
-iteration at the quantum and loses the work is Figure 7(b)'s (``naive_mlfq``'s default), which
-at prefill-heavy ratios turns load 0.9 into overload. Two ablation rows: skip-join without
-starvation promotion (α = ∞), and skip-join with the paper's fixed α (300 ms, no floor, no
-backlog rounds, no backoff). Paper: FCFS 1.0; skip-join 0.11 (r = 0.25) → 0.07 (r = 256); naive
-MLFQ ≈ 0.45–0.5 at 256; fixed priority ≈ 0.70 at 0.25 → 0.10.
+Simulated OPT-13B on one A100. Per ratio r in 0.25 .. 256, prompt and output lengths are drawn
+independently from ShareGPT's and scaled to mean ratio r at its mean total (so input length says
+nothing of output length, as in the paper); Poisson arrivals at ``LOADS`` × capacity; ``--seeds``
+seeds, each cell the mean [least–most]. The naive MLFQ is the paper's Figure 14 baseline (first
+iteration run whole); ablations: no starvation promotion, and the paper's fixed α. Results and the
+paper's values: docs/paper.md.
 """
 
 from __future__ import annotations
@@ -73,8 +59,7 @@ STATS = {"mean": "per_token_mean", "P99": "per_token_p99", "max": "per_token_max
 
 
 def independent_ratio_pairs(source: list[W.LengthPair], ratio: float, n: int, seed: int) -> list[W.LengthPair]:
-    """Prompts and outputs sampled independently, rescaled to mean ratio ``ratio`` at the source's
-    mean total length; clipped to OPT's 2,048-token window (each at least one token)."""
+    """Clipped to OPT's 2,048-token window, each at least one token."""
     prompts = np.array([p.prompt_len for p in W.sample_pairs(source, n, seed)], dtype=float)
     outputs = np.array([p.output_len for p in W.sample_pairs(source, n, seed + 1)], dtype=float)
     total = prompts.mean() + outputs.mean()
@@ -88,7 +73,6 @@ def independent_ratio_pairs(source: list[W.LengthPair], ratio: float, n: int, se
 
 
 def simulate_point(task: tuple[float, float, int, int, str]) -> dict[str, Any]:
-    """One (load, ratio, seed, requests, setup) point: its summary, with the rate it ran at."""
     load, ratio, seed, n, name = task
     cost = CostModel.from_json(PAPER_PROFILES[MODEL])
     pairs = independent_ratio_pairs(dataset_pairs("sharegpt"), ratio, n, seed)

@@ -1,24 +1,11 @@
 """Figure 15: KV-cache swap modes where memory binds below saturation (15a), and the latency
 breakdown (15b).
 
-Simulated OPT-13B on one A100 with skip-join MLFQ, ShareGPT, Poisson arrivals at ``LOADS`` ×
-the capacity ``capacity_rate`` measures (1.84 req/s at batch 16), and a device KV pool shrunk to
-``DEVICE_BLOCKS`` (200 blocks of 16 tokens: ~8 ShareGPT jobs at their mean length, half the
-batch limit; the largest job, 2,048 tokens, still fits). So memory, not the batch limit, binds
-— the batch runs ~6 jobs where a full pool runs ~9 at load 0.7 — while the arrival rate stays
-below what the accelerator can serve. (The figure used to sweep 0.5–3.5 req/s over a 600-block
-pool: past 1.84 req/s the batch limit binds, and below it that pool rarely did.)
-
-Modes: ``proactive`` (ENST-ordered swaps overlapped with compute), ``reactive`` (swap in when
-scheduled, the forward waits), ``recompute`` (drop KV, redo the prefill); ``bound``: proactive
-with a pool no job outgrows, the latency no swap policy can beat. Two rows with the paper's fixed
-α (300 ms, no floor, no backlog rounds, no backoff), proactive and reactive: what our α does to
-the swap traffic, which is what reactive pays for. Every point runs for ``--seeds`` arrival
-seeds; each cell is the mean over seeds [least–most]. Beside the per-token mean, its P99 and
-max; evictions per job, the seconds the PCIe link was busy (swap traffic) and the jobs a step
-decoded. 15b: shares of E2E that are queueing, execution and swap-blocked, from the scheduler's
-per-job accounting (proactive). Paper: at 2.5 req/s proactive ≈0.10–0.12, reactive ≈0.18–0.20,
-recompute ≈0.28–0.30 s/token (1.7x and 2.7x); swapping < 5 % of latency at every rate.
+Simulated OPT-13B on one A100, skip-join MLFQ, ShareGPT, Poisson arrivals at ``LOADS`` × capacity,
+and a device pool shrunk to ``DEVICE_BLOCKS`` (~8 mean jobs, half the batch limit), so memory, not
+the batch limit, binds below saturation. Modes: proactive, reactive, recompute, ``bound`` (a pool
+no job outgrows), and proactive/reactive with the paper's fixed α. ``--seeds`` seeds, each cell the
+mean [least–most]. Results and the paper's values: docs/paper.md.
 """
 
 from __future__ import annotations
@@ -69,7 +56,6 @@ def capacity() -> float:
 
 
 def simulate_point(task: tuple[float, int, int, str]) -> dict[str, Any]:
-    """One (load, seed, requests, row) point, with jobs decoded per step and the rate."""
     load, seed, n, row = task
     cost = CostModel.from_json(PAPER_PROFILES[MODEL])
     rate = load * capacity()
@@ -128,8 +114,7 @@ def run(options: RunOptions) -> dict[str, Any]:
     plots.latency_vs_rate({f"{MODEL} ShareGPT, {DEVICE_BLOCKS} device blocks": curves}, {}, report.plot_path("modes"))
     plots.breakdown_bars([f"{load:g}" for load in loads], shares, report.plot_path("breakdown"),
                          f"{MODEL} (sim) proactive: latency breakdown")
-    # The headline point: the highest load still below saturation, where proactive's mean stays
-    # within NEAR_BOUND of the unlimited pool's (the least load if none does).
+    # The headline: the highest load where proactive stays within NEAR_BOUND of the bound.
     near = [load for load, r in zip(loads, ratios[("proactive", "bound")], strict=True) if r.mean <= NEAR_BOUND]
     at = loads.index(max(near)) if near else 0
     report.data = {"loads": list(loads), "capacity_req_s": cap, "seeds": seeds,

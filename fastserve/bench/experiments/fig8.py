@@ -9,7 +9,7 @@ in 1..20, Poisson arrivals at load 1.0 (``capacity_rate``). Paper: ≈2 GB (FCFS
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -17,6 +17,7 @@ from fastserve.bench import plots
 from fastserve.bench import workloads as W
 from fastserve.bench.experiments.common import Report, RunOptions, capacity_rate, dataset_pairs, run_point
 from fastserve.bench.sim import OPT_2_7B_PROFILE, CostModel, SimSetup
+from fastserve.scheduler.config import PolicyName
 from fastserve.worker.messages import blocks_for
 
 MAX_OUTPUT_LEN = 20
@@ -49,7 +50,7 @@ def run(options: RunOptions) -> dict[str, Any]:
     block_gb = cost.profile.swap_bytes_per_block / GB
     rows, curves, peaks = [], {}, {}
     for policy in POLICIES:
-        result, point = run_point(requests, cost, SimSetup(policy=policy, max_batch_size=BATCH,
+        result, point = run_point(requests, cost, SimSetup(policy=cast(PolicyName, policy), max_batch_size=BATCH,
                                                            num_device_blocks=unbounded, num_host_blocks=unbounded))
         peaks[policy] = result.kv.peak_device_blocks * block_gb
         times = [p[0] for p in result.kv.points]

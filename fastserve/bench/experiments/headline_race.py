@@ -1,27 +1,10 @@
 """The paper's headline on real servers: ours against vLLM's CPU build where KV memory binds.
 
-``python -m fastserve.bench.experiments.headline_race --start-vllm`` (or ``--vllm-url URL`` for a
-vLLM already started as below) gives both servers the same device KV budget, small enough that
-memory binds (``--kv-tokens``, 8,192 by default): vLLM at its defaults apart from
-``--num-gpu-blocks-override`` (budget ÷ its block size, checked against its ``/metrics``) and
-``--max-model-len``; ours ``config/demo.yaml`` with ``num_device_blocks`` = budget ÷ 16 and the
-demo's host pool, in four applications of one ``serve run``: skip-join MLFQ with proactive swaps
-(the paper's system), FCFS, and skip-join with reactive swaps and with recompute. Both serve the
-demo's SmolLM2-135M-Instruct in bf16 where the CPU has native bf16 (else fp32), greedy chat
-requests ending at the model's EOS (max_tokens capped from the reference length), every request
-admitted.
-
-For each dataset and rate (Poisson arrivals, ``--num-prompts`` each, each rate its own prompts)
-every system gets the same requests, one system at a time. Reported per system and rate:
-per-token latency mean / P95 / P99, TTFT mean / P95, output tokens/s, and per job the
-preemptions and swaps — ours from each response's ``job_stats`` (swap-outs, recomputes,
-promotions), vLLM's from its ``/metrics`` (``vllm:num_preemptions``, read before and after the
-point) — and where the time goes: ours queueing / execution / swap-blocked shares of each job's
-latency and the engine's step breakdown (``/debug/engine``); vLLM's queue, prefill and decode
-time per request (its request histograms). Then each system's throughput at the SLO (10× vLLM's
-per-token mean at the lowest rate, the issue's definition, or ``--slo``) on the mean and on the
-P95 per-token latency, and ratios to vLLM and to our FCFS. A table per dataset, the curves as a
-PNG under ``--out``, and, last, one JSON object.
+Both servers get the same device KV budget (``--kv-tokens``), SmolLM2-135M-Instruct, greedy chat
+to the model's EOS, every request admitted; ours as four apps (skip-join proactive, FCFS, reactive,
+recompute). Per dataset and rate, one system at a time: per-token latency, TTFT, tokens/s,
+preemptions and swaps per job, where the time goes; then throughput at the SLO (10× vLLM's
+per-token mean at the lowest rate, or ``--slo``) and ratios to vLLM and to our FCFS.
 """
 
 from __future__ import annotations
@@ -71,8 +54,7 @@ OURS: dict[str, dict[str, dict[str, Any]]] = {
     "recompute": {"scheduler": {"policy": "skip_join_mlfq"}, "kv_cache": {"swap_mode": "recompute"}},
 }
 SYSTEMS = (VLLM, *OURS)
-#: Past both servers' SLO crossings where the previous race put them (vLLM's P95 at ~2 req/s, ours
-#: not by 4); 200 prompts a rate bound the overload, so the highest rates are near a burst.
+#: Past both servers' SLO crossings; 200 prompts a rate bound the overload at the highest.
 DEFAULT_RATES = {"sharegpt": (0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0),
                  "alpaca": (2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0)}
 DEFAULT_KV_TOKENS = 8192
@@ -87,7 +69,6 @@ VLLM_COUNTERS = ("vllm:num_preemptions", "vllm:request_queue_time_seconds", "vll
                  "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds")
 
 
-# ---- vLLM ------------------------------------------------------------------------------------
 def vllm_metrics(url: str) -> dict[str, float]:
     """Sums over engines of vLLM's counters, and its cache config (``kv_cache_size_tokens``)."""
     text = httpx.get(url + "/metrics", timeout=METRICS_TIMEOUT_S).text
@@ -119,8 +100,7 @@ def vllm_point(before: dict[str, float], after: dict[str, float], jobs: int) -> 
 
 
 class VllmServer:
-    """vLLM's CPU build started by ``fastserve/bench/peers/vllm_cpu.sh`` (its own process group),
-    stopped on exit; or, with ``url``, one already running."""
+    """vLLM's CPU build from ``peers/vllm_cpu.sh`` (own process group, stopped on exit), or ``url``'s."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -154,10 +134,7 @@ class VllmServer:
             self.started = False
 
 
-# ---- ours ------------------------------------------------------------------------------------
 def our_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """What every one of our applications changes in the demo: the KV budget, vLLM's context,
-    every request admitted (vLLM refuses none)."""
     return {"kv_cache": {"num_device_blocks": args.kv_tokens // DEFAULT_BLOCK_SIZE,
                          "num_host_blocks": args.host_blocks},
             "model": {"max_model_len": MAX_MODEL_LEN},
@@ -166,8 +143,7 @@ def our_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 
 def our_jobs(records: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """Per job, from ``job_stats``: swap-outs, recomputes, promotions, and the shares of its
-    latency spent queueing, executing and blocked on swaps."""
+    """Per job, from ``job_stats``: swaps, recomputes, promotions, and latency shares."""
     stats = [r["server"] for r in records if r.get("server")]
     if not stats:
         return {}
@@ -182,7 +158,6 @@ def our_jobs(records: Sequence[dict[str, Any]]) -> dict[str, float]:
                for k in ("queue_s", "exec_s", "swap_blocked_s")}}
 
 
-# ---- one point -------------------------------------------------------------------------------
 def run_point(system: str, url: str, requests: Sequence[Any], args: argparse.Namespace, out: Path) -> dict[str, Any]:
     config = ClientConfig(base_url=url, prompt_mode="text", mode="chat", max_total_s=args.max_total_s,
                           progress=False, temperature=args.temperature, seed=args.seed,
@@ -241,14 +216,12 @@ def run_dataset(dataset: P.Dataset, urls: dict[str, str], args: argparse.Namespa
 
 
 def slo_ratios(at_slo: dict[str, dict[str, ThroughputAtSLO]]) -> dict[str, dict[str, dict[str, Any]]]:
-    """Throughput at the SLO of each of ours ÷ vLLM's and skip-join ÷ our FCFS, marked ≥ / ≤
-    where a side held the SLO at every rate (``fastserve.bench.metrics.slo_ratio``)."""
+    """Throughput at the SLO of each of ours ÷ vLLM's, and skip-join ÷ our FCFS."""
     pairs = [(name, VLLM) for name in OURS] + [("skip_join", "fcfs")]
     return {f"{a}/{b}": {stat: slo_ratio(at_slo[a][stat], at_slo[b][stat]).to_dict() for stat in ("mean", "p95")}
             for a, b in pairs if a in at_slo and b in at_slo}
 
 
-# ---- output ----------------------------------------------------------------------------------
 def print_dataset(res: dict[str, Any]) -> None:
     print(f"\n{res['dataset']}: SLO {res['slo_s']:.3f} s/token")
     print("| system | req/s | done | per-token mean | P95 | P99 | TTFT mean | TTFT P95 | tok/s | preempt/job "

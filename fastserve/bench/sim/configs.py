@@ -1,9 +1,5 @@
-"""Scheduler and KV-cache configs for a simulated run, from a profile's serving defaults.
-
-Owns the defaults a simulated run uses when the caller does not say: pool sizes and batch limits
-from the profile's ``serving`` section (paper-scale profiles) or the scheduler's own defaults,
-and ``simulate``, the one-call entry point the experiments and tests use.
-"""
+"""Scheduler and KV configs for a simulated run (the profile's ``serving`` defaults, else the
+scheduler's), and ``simulate``, the one-call entry point the experiments and tests use."""
 
 from __future__ import annotations
 
@@ -41,15 +37,11 @@ class SimSetup:
     max_num_batched_tokens: int | None = None
     starvation_alpha_s: float | None = None
     reserved_blocks: int = 0
-    #: naive_mlfq: cut a first iteration at its quantum and lose the work (the paper's baseline)
-    #: or run it whole (the variant we had).
+    #: naive_mlfq: cut a first iteration at its quantum (Figure 7(b)) or run it whole (Figure 14).
     naive_preempts_first_iteration: bool = True
     #: Chunked prefill with chunks of this many tokens (None: off, first iterations run whole).
     chunk_tokens: int | None = None
-    #: Automatic prefix caching. Off by default: the paper's system has none, and the synthetic
-    #: prompts share no prefix, so the cache could only keep a job's own KV after it was dropped
-    #: or evicted — which turns recompute's drops into swaps to the host tier and hides what
-    #: Figure 15 compares.
+    #: Off: the paper has none, and here it would turn recompute's drops into host swaps (Figure 15).
     prefix_caching: bool = False
     #: Any other ``SchedulerConfig`` field, by name (e.g. starvation_backoff).
     scheduler_options: Mapping[str, object] = field(default_factory=dict)

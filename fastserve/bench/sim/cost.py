@@ -1,18 +1,8 @@
-"""The simulator's cost model: how long a ``BatchPlan`` computes and how long its swaps take.
-
-Owns the mapping from a plan's composition to seconds, read from a profile JSON through the
-scheduler's own ``fastserve.scheduler.profile.Profile`` (the same interpolation the scheduler uses):
-
-* compute = Σ (or max, or t_init of the summed tokens) of ``t_init(len)`` over first-iteration
-  entries, plus ``t_dec(#decode entries)`` when the plan decodes — see ``PrefillCombine``;
-  a chunk of a chunked prefill is priced like a first iteration of its own tokens, ``t_init``
-  of the chunk (the price the scheduler charges it as service). The profile has no term for a
-  chunk's attention over its cached prefix, so long prompts' later chunks are priced a little
-  low; each chunk does pay ``t_init``'s fixed per-iteration part again;
-* swaps = blocks × ``swap.seconds_per_block``, on a PCIe resource separate from compute;
-* pipeline parallelism: a plan visits ``pp`` stages, each taking compute / pp.
-
-Pure arithmetic; the event loop that schedules these durations is ``fastserve.bench.sim.simulator``.
+"""The simulator's cost model: seconds a ``BatchPlan`` computes and its swaps take, from a profile
+through the scheduler's own ``Profile``. Compute: first iterations and chunks at ``t_init`` of their
+tokens (combined per ``PrefillCombine``; a chunk's attention over its prefix is not priced), plus
+``t_dec(decodes)``; each of ``pp`` stages takes compute / pp. Swaps: blocks × seconds per block,
+on a link apart from compute.
 """
 
 from __future__ import annotations
@@ -26,9 +16,8 @@ from typing import Any, Literal
 from fastserve.scheduler.profile import Profile
 from fastserve.worker.messages import BatchPlan
 
-#: How first iterations sharing a plan combine. ``sum``: they run back to back (compute-bound
-#: work does not overlap; the default, an upper bound). ``max``: perfectly parallel (a lower
-#: bound). ``tokens``: one first iteration over all their tokens (one weight pass).
+#: First iterations in one plan: back to back (``sum``, an upper bound), perfectly parallel (``max``,
+#: a lower bound), or one pass over all their tokens (``tokens``).
 PrefillCombine = Literal["sum", "max", "tokens"]
 PREFILL_COMBINES: tuple[PrefillCombine, ...] = ("sum", "max", "tokens")
 DEFAULT_PREFILL_COMBINE: PrefillCombine = "sum"
@@ -78,7 +67,6 @@ class CostModel:
         return max(self.profile.pp, 1)
 
     def compute_seconds(self, plan: BatchPlan) -> float:
-        """Time the plan's forward occupies the whole pipeline (sum over its stages)."""
         prefill = [len(e.token_ids) for e in plan.entries if e.is_prefill]
         decodes = sum(1 for e in plan.entries if not e.is_prefill)
         total = 0.0

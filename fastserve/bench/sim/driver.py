@@ -1,15 +1,6 @@
-"""A test's jobs through the simulator's loop, and a scripted executor priced by its cost model.
-
-``drive`` runs arrivals through an ``EngineCore`` over a given ``Scheduler`` on the simulator's
-own ``EventLoop`` and ``SimPipeline`` (up to ``pipeline_depth`` plans in flight), calling an
-observer after every plan and every update (the rule and property tests) and collecting each
-job's tokens, finish and finish time. The executor makes the tokens (a script, or a real model
-whose tokens a test checks); the cost model prices the plans. For paper-scale replays with
-metrics, use ``fastserve.bench.sim.simulate``.
-
-``CostModelExecutor`` is the same pricing for callers that run one plan at a time on a clock of
-their own (``AsyncEngine`` tests, ``fastserve.bench.bench_scheduler``): a plan's time is what an
-idle ``SimPipeline`` says it takes.
+"""A test's jobs through the simulator's ``EventLoop`` (``drive``, for the rule and property tests),
+and ``CostModelExecutor``, the same pricing for callers with a clock of their own. For paper-scale
+replays with metrics, use ``fastserve.bench.sim.simulate``.
 """
 
 from __future__ import annotations
@@ -30,8 +21,7 @@ __all__ = ["CostModelExecutor", "DriveResult", "SimStalled", "TokenScript", "con
 
 
 class CostModelExecutor:
-    """Tokens from a script; a plan's timings from the cost model, as an idle pipeline runs it
-    (the forward waits for the swaps touching its blocks; the rest overlap it)."""
+    """Tokens from a script; timings as an idle ``SimPipeline`` prices the plan."""
 
     max_inflight = 1
 
@@ -60,11 +50,8 @@ Observer = Callable[[Scheduler, BatchPlan | None, float], None]
 def drive(scheduler: Scheduler, executor: SyncExecutor, arrivals: Iterable[tuple[float, JobRequest]], *,
           cost: CostModel | None = None, pipeline_depth: int = 1, max_plans: int | None = None,
           observe: Observer | None = None) -> DriveResult:
-    """Run until every job finished, from t = 0. ``executor`` makes each plan's tokens, ``cost``
-    (default: a ``CostModelExecutor``'s own) prices it on a ``pipeline_depth``-stage pipeline.
-    ``observe(scheduler, plan, now)`` runs after every plan (plan) and update (None). Raises
-    ``SimStalled`` when work remains that nothing will run, ``RuntimeError`` past ``max_plans``
-    plans (a livelock)."""
+    """Until every job finished; ``observe(scheduler, plan, now)`` after every plan and update (None).
+    ``SimStalled`` when nothing will run the rest; ``RuntimeError`` past ``max_plans`` (a livelock)."""
     if cost is None:
         if not isinstance(executor, CostModelExecutor):
             raise TypeError("drive: pass cost= to price an executor that is not a CostModelExecutor")

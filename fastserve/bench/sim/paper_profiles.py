@@ -1,12 +1,8 @@
 """Paper-scale cost profiles, derived from the FastServe paper's own numbers.
 
-Owns the arithmetic that turns a handful of figures quoted in the paper (§4.1 Figure 5 for
-OPT-2.7B on one A100; §4.2 for OPT-175B on 16 A100s) and the OPT shapes in
-``config/models/opt_model_dims.csv`` into profile JSONs in the schema ``fastserve/engine/profiler.py`` writes
-(``t_init``, ``t_dec``, ``swap``), plus ``serving`` (pool sizes), ``source`` and ``assumptions``.
-
-``python -m fastserve.bench.sim.paper_profiles`` rewrites ``config/profiles/opt-{2.7b,13b,66b,175b}-a100-*``.
-Every number used is a named constant below; fastserve/bench/sim/ASSUMPTIONS.md explains each.
+Figure 5 (OPT-2.7B on one A100), §4.2 (OPT-175B on 16 A100s) and OPT's shapes become
+``config/profiles/opt-*-a100-*`` JSONs: ``python -m fastserve.bench.sim.paper_profiles``. Each
+constant is explained in ``fastserve/bench/sim/ASSUMPTIONS.md``.
 """
 
 from __future__ import annotations
@@ -28,7 +24,6 @@ GB = 1e9
 GIB = 2**30
 FP16_BYTES = 2
 
-# ---- the paper's anchors ----------------------------------------------------------------------
 #: Figure 5 (OPT-2.7B, one A100): first-iteration time at two prompt lengths, and decode time.
 ANCHOR_SMALL_MODEL = "opt-2.7b"
 ANCHOR_SMALL_T_INIT: dict[int, float] = {128: 0.010, 1024: 0.090}
@@ -40,12 +35,9 @@ ANCHOR_LARGE_TP = 8
 ANCHOR_LARGE_T_DEC = 0.060
 ANCHOR_SWAP_TOKENS = 512
 ANCHOR_SWAP_SECONDS = 0.036
-#: One direction of one GPU's PCIe 4.0 x16 link (16 GT/s x 16 lanes x 128/130 / 8). The §4.2
-#: example's 2.3 GB in 36 ms is 64 GB/s, both directions of one link; a swap moves one way, so a
-#: setting with fewer GPUs than that takes cannot move a block faster than its links allow.
+#: One direction of one PCIe 4.0 x16 link; §4.2's 64 GB/s is both directions, and a swap moves one way.
 PCIE4_X16_BYTES_PER_S = 31.5e9
 
-# ---- hardware and serving settings (A100 80 GB, the project's serving defaults) --------------
 GPU_MEMORY_GIB = 80.0
 #: Fraction of device memory the engine may use (vLLM's default gpu_memory_utilization).
 GPU_MEMORY_UTILIZATION = 0.9
@@ -139,8 +131,7 @@ def fit_cost_params(dims: dict[str, ModelDims]) -> CostParams:
 
 
 def swap_bytes_per_s(setting: Setting, params: CostParams) -> float:
-    """A logical block's swap rate: the §4.2 anchor's, but never more than the setting's links carry
-    one way (OPT-13B on one A100: 31.5, not 64 GB/s; the anchor's 16 GPUs are not link-bound)."""
+    """The §4.2 anchor's swap rate, never more than the setting's links carry one way."""
     return min(params.swap_bytes_per_s, setting.num_gpus * PCIE4_X16_BYTES_PER_S)
 
 

@@ -1,16 +1,9 @@
 """The simulated data plane: pipeline stages and a PCIe link as timed resources.
 
-Owns *when* a dispatched ``BatchPlan`` completes, given the ``CostModel``: the plan's swaps run
-on one PCIe resource (FIFO across plans, swap-outs then swap-ins as ``fastserve/worker/stage.py`` issues
-them) overlapped with compute; its forward waits only for same-plan swaps touching its entries'
-blocks (the reactive cases) and then visits the stages in order, each a server that takes
-compute / stages and handles one plan at a time. The output returns at max(last stage, swaps) —
-the ``StepOutput`` contract — with the executor's timing keys, so the scheduler's accounting (its
-quantum charge is ``timings["total"]``) sees what it would see from real workers.
-
-What a plan *produces* is its ``tokens`` executor's: ``ScriptedTokens`` (a token per sampling
-entry from a script) or a real one (a model whose tokens and KV the test checks); only its
-timings are replaced.
+When a plan completes: its swaps run on one link (FIFO, outs then ins, as the stage issues them)
+beside compute; its forward waits only for same-plan swaps on its blocks, then visits each stage
+(one plan at a time, compute / stages). The output returns at max(last stage, swaps) with the
+executor's timing keys. Its tokens are the ``tokens`` executor's (a script, or a real model).
 """
 
 from __future__ import annotations
@@ -31,8 +24,7 @@ def constant_tokens(token_id: int) -> TokenScript:
 
 
 class ScriptedTokens:
-    """A data plane that only answers: one token per sampling entry, from ``script``; no
-    timings (whoever runs it prices the plan)."""
+    """One token per sampling entry from ``script``; no timings (the caller prices the plan)."""
 
     def __init__(self, script: TokenScript) -> None:
         self.script = script
@@ -44,7 +36,6 @@ class ScriptedTokens:
 
 @dataclass(frozen=True)
 class Dispatch:
-    """When a dispatched plan comes back, and its output."""
 
     completion: float
     output: StepOutput
@@ -65,9 +56,7 @@ class SimPipeline:
         self.busy_pcie_s = 0.0
 
     def _swaps(self, plan: BatchPlan, now: float) -> tuple[float, float]:
-        """Run the plan's swaps on the link; returns (all done, the forward may start): the
-        forward waits for every swap touching its entries' blocks (a reactive swap-in, or a
-        swap-out whose blocks it reuses), as ``fastserve/worker/stage.py`` does."""
+        """Returns (swaps done, forward may start: after the swaps touching its blocks)."""
         used = {b for e in plan.entries for b in e.block_table}
         clock = max(now, self.pcie_free)
         reactive_ready = now

@@ -1,19 +1,10 @@
 """Discrete-event replay of a workload through the real ``Scheduler`` and ``KVCacheManager``.
 
-Owns the one simulated-time loop (``EventLoop``) and what the simulator observes through it. The
-loop drives the server's own ``EngineCore`` on a ``VirtualClock``: arrivals are ``add``ed at their
-arrival time; whenever fewer plans than the pipeline's stages are in flight it takes the step's
-first half (``schedule``) and hands the plan to ``SimPipeline`` (the cost model), and at each
-plan's completion it applies the second half (``update``) — the engine loop of DESIGN.md with
-simulated time, and the very objects the server runs (no copies of their logic; no Ray, no
-torch). ``Simulator`` replays a workload through it; ``fastserve.bench.sim.driver.drive`` runs a
-test's jobs through it.
-
-Output lengths are fixed (``ignore_eos`` semantics): every entry emits a fake token and the
-scheduler finishes the job at ``max_tokens`` = the request's output length. Observed per request:
-arrival, every token time, end, and the scheduler's own accounting (queueing, execution,
-swap-blocked seconds) as ``fastserve.bench.metrics.RequestRecord``; device/host KV blocks in use over
-time (Figure 8) and the scheduler's counters.
+Owns the one simulated-time loop (``EventLoop``): it drives the server's own ``EngineCore`` on a
+``VirtualClock`` — ``schedule`` while a pipeline stage is free, ``SimPipeline`` (the cost model)
+prices the plan, ``update`` at its completion — with no copy of the server's logic, Ray or torch.
+Outputs have fixed lengths (``ignore_eos``). Observed: per-request records, KV blocks in use over
+time (Figure 8), the scheduler's counters.
 """
 
 from __future__ import annotations
@@ -38,7 +29,6 @@ from fastserve.scheduler.profile import Profile
 from fastserve.scheduler.scheduler import Scheduler
 from fastserve.worker.messages import BatchPlan, SamplingParams, StepOutput
 
-#: OPT's end-of-sequence id (``</s>``, the same id as BOS).
 OPT_EOS_TOKEN_ID = BOS_TOKEN_ID
 #: The id every simulated step "samples": an ordinary token, never EOS (ignore_eos anyway).
 FAKE_TOKEN_ID = 4
@@ -50,7 +40,7 @@ MAX_IDLE_POLLS = 100_000
 
 
 class SimStalled(RuntimeError):
-    """Jobs remain but the scheduler would run nothing, and no time-driven rule freed it."""
+    """Jobs remain, the scheduler runs nothing, and no time-driven rule freed it."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +51,6 @@ class SimOptions:
     idle_poll_s: float = EngineConfig().idle_poll_s
     #: Stop replaying at this simulated time; requests not done are "unfinished".
     max_sim_time_s: float = math.inf
-    #: Run the scheduler's integrity check after every update (tests; O(blocks) per step).
     check_invariants: bool = False
 
 
@@ -124,10 +113,7 @@ class _Trace:
 
 @dataclass(frozen=True)
 class LoopHooks:
-    """What ``EventLoop.run`` calls: ``deltas`` with each update's deltas (after it, at its time);
-    ``plan`` with each plan dispatched; ``settled`` after each round of dispatching (the state
-    until the next event); ``refused`` with a request the scheduler refused (without it, the
-    refusal is raised)."""
+    """``settled``: after each round of dispatching; without ``refused`` a refusal is raised."""
 
     deltas: Callable[[list[TokenDelta], float], None]
     plan: Callable[[BatchPlan, float], None] | None = None
@@ -136,12 +122,8 @@ class LoopHooks:
 
 
 class EventLoop:
-    """Simulated time around one ``EngineCore``: arrivals are added at their time, up to the
-    pipeline's stages of plans are in flight on ``pipeline``, and each plan's output is applied
-    at its completion, in order. While work waits with nothing in flight and nothing arriving, the
-    scheduler is asked again every ``idle_poll_s`` (its time-driven rules, starvation promotion,
-    may free it), ``max_idle_polls`` times at most (then ``SimStalled``). ``max_plans`` bounds the
-    plans of one run (past it: ``RuntimeError``, a livelock); ``max_time_s`` its simulated time."""
+    """Simulated time around one ``EngineCore``. Idle with work waiting, the scheduler is asked again
+    every ``idle_poll_s`` (starvation promotion may free it); ``max_plans`` bounds a livelock."""
 
     def __init__(self, core: EngineCore, clock: VirtualClock, pipeline: SimPipeline, *,
                  idle_poll_s: float = EngineConfig().idle_poll_s, max_time_s: float = math.inf,
@@ -158,7 +140,6 @@ class EventLoop:
         self._seq = count()
 
     def run(self, arrivals: Iterable[tuple[float, JobRequest]], hooks: LoopHooks) -> None:
-        """Until every job is done (or ``max_time_s``); ``arrivals`` in time order."""
         pending = iter(arrivals)
         upcoming = next(pending, None)
         idle_polls = 0
@@ -197,7 +178,6 @@ class EventLoop:
             hooks.refused(req, exc)
 
     def _dispatch(self, hooks: LoopHooks) -> None:
-        """Fill the pipeline: a plan per free stage while the scheduler has one."""
         while self.core.scheduler.num_inflight() < self.pipeline.stages:
             plan = self.core.schedule()
             if plan is None:
@@ -216,8 +196,7 @@ class Simulator:
 
     def __init__(self, cost: CostModel, scheduler_config: SchedulerConfig, kv_config: KVCacheConfig,
                  options: SimOptions | None = None, scheduler_profile: Profile | None = None) -> None:
-        """``scheduler_profile``: what the scheduler believes (skip-join levels, quanta), when it
-        differs from the simulated hardware ``cost`` (profiling-error studies, tests)."""
+        """``scheduler_profile``: what the scheduler believes, when not the simulated ``cost``."""
         self.cost = cost
         self.options = options or SimOptions()
         self.scheduler = Scheduler(scheduler_config, kv_config, scheduler_profile or cost.profile,
@@ -229,12 +208,10 @@ class Simulator:
         self.loop = EventLoop(self.core, self.clock, self.pipeline, idle_poll_s=self.options.idle_poll_s,
                               max_time_s=self.options.max_sim_time_s)
         self._fillers: dict[int, tuple[int, ...]] = {}
-        # Every prompt's second token is its own, so no two requests share a KV block: with the
-        # prefix cache on, identical synthetic prompts would all hit one cached prefix.
+        # A prompt's second token is its own: identical synthetic prompts would share one cached prefix.
         self._prompt_tags = count(max(BOS_TOKEN_ID, OPT_EOS_TOKEN_ID, self.options.token_id) + 1)
 
     def _prompt(self, n: int) -> tuple[int, ...]:
-        """A prompt of n tokens no other request of this run shares a block with."""
         if n <= 1:
             return (BOS_TOKEN_ID,)[:n]
         if n not in self._fillers:

@@ -1,15 +1,8 @@
-"""Attention over the paged KV cache for one mixed batch, shared by every model's layers.
-
-``paged_self_attention`` is the one place a model's attention meets the cache: it writes the
-batch's new K/V to their slots, then runs prefill attention over the prefill part (varlen causal;
-a chunk of a chunked prefill also attends to the prefix its earlier chunks cached) and paged
-decode attention over the decode part. A model computes q/k/v (and applies its own position
-scheme, e.g. rotary embeddings, before calling) and projects the result; the batch layout and the
-cache are this function's business. Grouped-query attention is the kernels' business: ``key`` and
-``value`` may carry fewer heads than ``query`` (a divisor of them); query head ``h`` reads KV head
-``h // (num_heads / num_kv_heads)``. A sliding window (``window``: Gemma 3's local layers) is
-passed to the kernels only for the part of the batch whose context it cuts, so windowed layers
-take the fast kernels (which know no window) while every context fits in the window.
+"""``paged_self_attention``: where every model's attention meets the paged KV cache. It writes the
+batch's new K/V to their slots, then runs varlen causal prefill (a later chunk also reads its cached
+prefix) and paged decode. Models apply their position scheme first; GQA (``key``/``value`` with fewer
+heads) is the kernels'. A sliding ``window`` reaches the kernels only for the part whose context it
+cuts, so windowed layers take the fast (windowless) kernels while every context fits.
 """
 
 from __future__ import annotations
@@ -23,13 +16,8 @@ from fastserve.worker.model.batch import ForwardBatch
 def paged_self_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          layer_cache: torch.Tensor, batch: ForwardBatch,
                          scale: float, window: int | None = None) -> torch.Tensor:
-    """Attention of every token of ``batch``: ``query [T, H, D]``, ``key``/``value [T, KV, D]`` →
-    ``[T, H, D]``.
-
-    ``layer_cache`` is one layer's view ``[num_blocks, 2, block_size, KV, D]`` of the
-    stage's block-major cache; the new K/V are written into it first. ``window``: each token
-    attends to the last ``window`` positions up to itself only; None is full causal attention.
-    """
+    """``query [T, H, D]``, ``key``/``value [T, KV, D]`` → ``[T, H, D]``. ``layer_cache``: one
+    layer's ``[num_blocks, 2, block_size, KV, D]``; ``window`` None is full causal attention."""
     key_cache, value_cache = layer_cache[:, 0], layer_cache[:, 1]
     kernels.write_kv(key_cache, value_cache, key, value, batch.slot_mapping)
     p = batch.num_prefill_tokens
@@ -55,8 +43,7 @@ def _prefill_window(batch: ForwardBatch, window: int | None) -> int | None:
 
 
 def _decode_window(batch: ForwardBatch, window: int | None) -> int | None:
-    """``window`` where some decode context is longer than it, else None (a host read of the
-    lengths: one sync per windowed layer on CUDA, where the reference then runs anyway)."""
+    """``window`` where some decode context is longer than it, else None (one host sync per layer)."""
     if window is None or not batch.num_decode:
         return None
     return window if int(batch.decode_context_lens.max()) > window else None
@@ -68,12 +55,10 @@ def _prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     tables = batch.prefill_block_tables
     if (window is None and tables is not None and batch.prefill_cu_q is not None and batch.prefill_cu_k is not None
             and kernels.varlen_prefill_supported(query, key_cache)):
-        # One flash call over every prompt and chunk (a GPU with fp16/bf16; it knows no window).
         return kernels.varlen_prefill_attention(query, key, value, key_cache, value_cache, batch.prefill_cu_q,
                                                 batch.prefill_cu_k, batch.prefill_max_q, batch.prefill_max_k,
                                                 batch.prefill_start_pos, tables, scale)
-    # Where the kernel reads keys and values from the cache (just written above), every prefill
-    # goes through it; otherwise only chunks that continue a cached prefix need the cache.
+    # Only chunks that continue a cached prefix need the cache, unless the kernel always reads it.
     if tables is None or not (any(batch.prefill_start_pos) or kernels.prefill_reads_cache(query, key_cache)):
         return kernels.prefill_attention(query, key, value, batch.prefill_cu_seqlens, scale, window)
     return kernels.context_prefill_attention(query, key, value, key_cache, value_cache,

@@ -1,20 +1,6 @@
-"""The tensor layout of one mixed iteration, built from a plan's entries.
-
-A batch packs every job's new tokens into one flat sequence: first-iteration (prefill) jobs
-first, with their whole token run, then decode jobs, one token each. Attention runs varlen causal
-attention over the prefill part and paged attention over the decode part; every token's K/V is
-written to its cache slot first. ``sample_index[i]`` is where entry ``i``'s last token sits, so
-outputs come back in the plan's entry order.
-
-A prefill entry may be a chunk of a first iteration (chunked prefill) starting at
-``start_pos > 0``: its tokens then also attend to the prefix its earlier chunks cached, which
-``prefill_start_pos`` and ``prefill_block_tables`` locate (see ``fastserve.worker.model.attention``).
-
-On a GPU the index tensors travel in one host-to-device copy that never blocks the host:
-``StepBuffers`` packs them into persistent page-locked staging memory and copies it
-``non_blocking`` into one persistent device buffer, whose typed views the batch holds. The same
-packing fills the fixed layout a CUDA graph was captured on (``GraphInputs``).
-"""
+"""The tensor layout of one mixed iteration: every job's new tokens in one flat sequence, prefill
+entries first, then decodes; ``sample_index[i]`` is where entry ``i``'s last token sits. On a GPU
+``StepBuffers`` stages the index arrays and sends them in one non-blocking copy."""
 
 from __future__ import annotations
 
@@ -26,6 +12,7 @@ import numpy as np
 import torch
 
 from fastserve.worker.messages import BatchEntry, blocks_for
+from fastserve.worker.parallel import explicit_device
 
 
 @dataclass
@@ -34,28 +21,22 @@ class ForwardBatch:
     positions: torch.Tensor  # int64 [num_tokens], 0-based (OPT's offset is the model's business)
     slot_mapping: torch.Tensor  # int64 [num_tokens], block_id * block_size + offset
     num_prefill_tokens: int
-    #: Cumulative starts [num_prefill_seqs + 1] of the prefill sequences, kept on the host:
-    #: attention slices by them in every layer, and reading them from a device tensor would
-    #: stall the host on the GPU once per layer.
+    #: Cumulative prefill starts [num_prefill_seqs + 1], on the host: read in every layer.
     prefill_cu_seqlens: tuple[int, ...]
     decode_block_tables: torch.Tensor  # int32 [num_decode_seqs, max_blocks]
     decode_context_lens: torch.Tensor  # int32 [num_decode_seqs]
     sample_index: torch.Tensor  # int64 [num_entries], in entry order
     block_ids: frozenset[int]  # every device block this batch reads or writes
-    #: Per prefill sequence, the position its tokens start at (> 0: a chunk with a cached prefix).
+    #: Per prefill sequence, its first position (> 0: a chunk with a cached prefix).
     prefill_start_pos: tuple[int, ...] = ()
-    #: int32 [num_prefill_seqs, max_blocks]: where each prefill's blocks live (its cached prefix
-    #: and its new tokens, padded with 0); None when the batch has no prefill.
+    #: int32 [num_prefill_seqs, max_blocks], 0-padded; None without prefill, as cu_q and cu_k.
     prefill_block_tables: torch.Tensor | None = None
-    #: int32 [num_prefill_seqs + 1] cumulative new tokens and cumulative context lengths (prefix
-    #: plus new tokens), on the device: what a varlen attention call takes (None without prefill).
+    #: int32 [num_prefill_seqs + 1] cumulative new tokens and context lengths, on the device.
     prefill_cu_q: torch.Tensor | None = None
     prefill_cu_k: torch.Tensor | None = None
-    #: The longest prefill's new tokens and context, host-side.
     prefill_max_q: int = 0
     prefill_max_k: int = 0
-    #: int64 [num_sampling_entries]: ``sample_index`` of the entries that sample, in entry order
-    #: (the rows the LM head projects; an index tensor made per step would cost a host copy).
+    #: int64: ``sample_index`` of the entries that sample (the rows the LM head projects).
     logit_index: torch.Tensor | None = None
 
     @property
@@ -74,14 +55,12 @@ class ForwardBatch:
         device: torch.device | str = "cpu",
         buffers: StepBuffers | None = None,
     ) -> ForwardBatch:
-        """The batch of ``entries``: its tensors on ``device``, made from Python lists (``buffers``
-        None: the CPU path) or packed into ``buffers`` and copied in one non-blocking transfer."""
+        """The batch of ``entries`` on ``device``, through ``buffers`` where given."""
         host = HostBatch.of(entries, block_size)
         return buffers.upload(host) if buffers is not None else cls.build_from(host, device)
 
     @classmethod
     def build_from(cls, host: HostBatch, device: torch.device | str) -> ForwardBatch:
-        """The batch's tensors made on ``device`` from its host arrays, one tensor each."""
         as_long = {"dtype": torch.int64, "device": device}
         as_int = {"dtype": torch.int32, "device": device}
         prefill_tables = cu_q = cu_k = None
@@ -102,18 +81,18 @@ class ForwardBatch:
 
 @dataclass
 class HostBatch:
-    """A batch's index arrays on the host (numpy), before they reach the device."""
+    """A batch's index arrays on the host (numpy; dtypes and shapes as ``ForwardBatch``'s)."""
 
-    ids: np.ndarray            # int64 [T]
-    positions: np.ndarray      # int64 [T]
-    slots: np.ndarray          # int64 [T]
-    sample_index: np.ndarray   # int64 [E]
-    logit_index: np.ndarray    # int64 [entries that sample]
-    decode_tables: np.ndarray  # int32 [Sd, Wd]
-    decode_lens: np.ndarray    # int32 [Sd]
-    prefill_tables: np.ndarray  # int32 [Sp, Wp]
-    cu_q: np.ndarray           # int32 [Sp + 1]
-    cu_k: np.ndarray           # int32 [Sp + 1]
+    ids: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    sample_index: np.ndarray
+    logit_index: np.ndarray
+    decode_tables: np.ndarray
+    decode_lens: np.ndarray
+    prefill_tables: np.ndarray
+    cu_q: np.ndarray
+    cu_k: np.ndarray
     cu_seqlens: tuple[int, ...]
     start_pos: tuple[int, ...]
     block_ids: frozenset[int]
@@ -165,7 +144,6 @@ class HostBatch:
               decode_block_tables: torch.Tensor, decode_context_lens: torch.Tensor, sample_index: torch.Tensor,
               logit_index: torch.Tensor, prefill_block_tables: torch.Tensor | None,
               prefill_cu_q: torch.Tensor | None, prefill_cu_k: torch.Tensor | None) -> ForwardBatch:
-        """The ``ForwardBatch`` over these tensors (this batch's, wherever they were put)."""
         return ForwardBatch(
             input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
             num_prefill_tokens=self.cu_seqlens[-1], prefill_cu_seqlens=self.cu_seqlens,
@@ -175,7 +153,7 @@ class HostBatch:
             prefill_max_q=self.max_q, prefill_max_k=self.max_k, logit_index=logit_index)
 
 
-#: Alignment of each packed array (bytes): keeps every typed view aligned, int64 included.
+#: Alignment of each packed array (bytes), so every typed view is aligned.
 PACK_ALIGN = 16
 #: Host staging slots used in turn, so filling one never waits on the copy out of the other.
 STAGING_SLOTS = 2
@@ -186,8 +164,6 @@ def _aligned(nbytes: int) -> int:
 
 
 class Packing:
-    """Byte offsets of named arrays in one flat buffer, in order; each start aligned."""
-
     def __init__(self, fields: Sequence[tuple[str, Any, tuple[int, ...]]]) -> None:
         self.fields: dict[str, tuple[int, np.dtype, tuple[int, ...]]] = {}
         offset = 0
@@ -197,7 +173,6 @@ class Packing:
         self.nbytes = offset
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Typed views of ``flat`` (uint8, at least ``nbytes``), one per field."""
         out = {}
         for name, (offset, dtype, shape) in self.fields.items():
             count = int(np.prod(shape, dtype=np.int64))
@@ -217,18 +192,15 @@ def _batch_packing(host: HostBatch) -> Packing:
 
 
 class StepBuffers:
-    """Persistent staging for a step's index tensors on one CUDA device: page-locked host slots
-    (used in turn) and one device buffer, grown when a batch outgrows them. ``upload`` packs a
-    batch into a host slot and copies it with one ``non_blocking`` copy on the current stream; the
-    host waits only for the copy out of the same slot two steps ago (an event long completed)."""
+    """Persistent staging for a step's index tensors: pinned host slots used in turn and one device
+    buffer, grown as needed. The host waits only for the copy out of the same slot two steps ago."""
 
     def __init__(self, device: torch.device | str) -> None:
-        self.device = torch.device(device)
+        self.device = explicit_device(device)
         self._host = [torch.empty(0, dtype=torch.uint8) for _ in range(STAGING_SLOTS)]
         self._copied: list[torch.cuda.Event | None] = [None] * STAGING_SLOTS
         self._turn = 0
         self._device_flat = torch.empty(0, dtype=torch.uint8, device=self.device)
-        # Elsewhere (tests on the CPU) the same packing runs with plain memory and no events.
         self._on_cuda = self.device.type == "cuda"
 
     def reserve(self, nbytes: int) -> None:
@@ -243,13 +215,12 @@ class StepBuffers:
         self._turn = (self._turn + 1) % STAGING_SLOTS
         event = self._copied[slot]
         if event is not None:
-            event.synchronize()   # the copy out of this slot, issued two steps ago
+            event.synchronize()
         if self._host[slot].numel() < nbytes:
             self._host[slot] = torch.empty(_grown(nbytes), dtype=torch.uint8, pin_memory=self._on_cuda)
         return self._host[slot], slot
 
     def send(self, host: torch.Tensor, slot: int, device_flat: torch.Tensor, nbytes: int) -> None:
-        """Copy ``host[:nbytes]`` to ``device_flat[:nbytes]`` without blocking the host."""
         device_flat[:nbytes].copy_(host[:nbytes], non_blocking=True)
         if not self._on_cuda:
             return
@@ -275,12 +246,10 @@ class StepBuffers:
 
 
 def _grown(nbytes: int) -> int:
-    """Capacity for ``nbytes``: the next power of two (a buffer regrows rarely)."""
     return 1 << max(nbytes - 1, 0).bit_length()
 
 
 def fill(views: dict[str, torch.Tensor], batch: HostBatch) -> None:
-    """Write each of ``batch``'s arrays into the host view of the same name (at its start)."""
     for name in views:
         src = getattr(batch, name)
         dst = views[name].numpy()

@@ -1,12 +1,6 @@
-"""Model hyper-parameters, read from a Hugging Face ``config.json``: the model-agnostic interface
-(``ModelConfig``), the factory that picks an architecture from ``model_type``
-(``load_model_config``), and the OPT family's own config (``OPTConfig``).
-
-Only what the forward pass needs; everything else in the JSON is ignored. Owned here so that the
-model, the weight loader, the KV store sizing, the profiler and the control plane agree on one
-definition. The LLaMA family's config lives in ``fastserve.worker.model.llama_config``, Gemma 3's in
-``fastserve.worker.model.gemma3_config``. No torch here: the
-control plane imports this module to validate its settings.
+"""Model hyper-parameters from a Hugging Face ``config.json``: the architecture-agnostic
+``ModelConfig``, the factory that picks an architecture by ``model_type``, and ``OPTConfig``.
+Only what the forward pass needs. No torch: the control plane imports this to validate settings.
 """
 
 from __future__ import annotations
@@ -28,7 +22,7 @@ class ModelConfig(Protocol):
     def name(self) -> str: ...
     @property
     def architecture(self) -> str:
-        """The model family (``"opt"``, ``"llama"``, ``"gemma3"``): which stage class serves it."""
+        """The model family (``"opt"``, ``"llama"``, ``"gemma3"``)."""
         ...
     @property
     def vocab_size(self) -> int: ...
@@ -40,7 +34,7 @@ class ModelConfig(Protocol):
     def num_attention_heads(self) -> int: ...
     @property
     def num_kv_heads(self) -> int:
-        """K/V heads per layer (the KV cache stores only these; < query heads under GQA)."""
+        """K/V heads per layer (< query heads under GQA)."""
         ...
     @property
     def head_dim(self) -> int: ...
@@ -56,7 +50,7 @@ class ModelConfig(Protocol):
         ...
 
     def kv_heads_per_rank(self, tp_size: int) -> int:
-        """KV heads each tensor-parallel rank stores (its KV cache's head count)."""
+        """KV heads each tensor-parallel rank stores."""
         ...
 
     def check_tensor_parallel(self, tp_size: int) -> None:
@@ -151,7 +145,7 @@ class OPTConfig:
         return cls.from_dict(raw, name=name)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The equivalent Hugging Face config fields (used to build a reference model in tests)."""
+        """The equivalent Hugging Face config fields."""
         return {
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -179,8 +173,7 @@ GEMMA3_MODEL_TYPES = frozenset({"gemma3_text"})
 
 
 def read_config_json(path: str | Path) -> tuple[dict[str, Any], str]:
-    """The parsed ``config.json`` at ``path`` (a file, or the folder holding it) and the model's
-    default name (its folder's name)."""
+    """The parsed ``config.json`` at ``path`` (file or folder) and its folder's name."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
@@ -190,8 +183,7 @@ def read_config_json(path: str | Path) -> tuple[dict[str, Any], str]:
 
 
 def model_config_from_dict(raw: dict[str, Any], name: str = "model") -> ModelConfig:
-    """The config of the architecture ``raw["model_type"]`` names. A config without
-    ``model_type`` is taken as OPT (this project's configs predate the field's use)."""
+    """The config of the architecture ``raw["model_type"]`` names; none is OPT."""
     model_type = raw.get("model_type", "opt")
     if model_type in OPT_MODEL_TYPES:
         return OPTConfig.from_dict(raw, name=name)
@@ -208,11 +200,9 @@ def model_config_from_dict(raw: dict[str, Any], name: str = "model") -> ModelCon
 
 
 def load_model_config(path: str | Path) -> ModelConfig:
-    """Read a Hugging Face ``config.json`` (file or folder) into its architecture's config."""
     raw, name = read_config_json(path)
     return model_config_from_dict(raw, name=name)
 
 
 def as_model_config(model: str | Path | ModelConfig) -> ModelConfig:
-    """A config object as is; a path read with ``load_model_config``."""
     return load_model_config(model) if isinstance(model, (str, Path)) else model

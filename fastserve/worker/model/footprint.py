@@ -1,10 +1,6 @@
-"""What one rank of a served stage holds, worked out from the model's config alone: the shape of
-every parameter (``stage_weight_shapes``, named and shaped as ``OPTStage``/``LlamaStage`` build
-them), the bytes of its weights and of one of its KV blocks.
-
-No torch: the dry-run planner (``fastserve.plan``) and the pipeline's startup timeout read it
-without building a model. ``tests/unit/test_plan.py`` checks the shapes against the real modules
-built on torch's meta device, so the two cannot drift apart unnoticed.
+"""What one rank of a served stage holds, from the config alone: parameter shapes (named as the
+stage modules build them; ``tests/unit/test_plan.py`` checks them against the real modules), weight
+bytes and KV block bytes. No torch: the dry-run planner reads it without building a model.
 """
 
 from __future__ import annotations
@@ -91,12 +87,12 @@ def stage_weight_shapes(config: ModelConfig, shard: StageShard) -> Shapes:
 
 
 def stage_weight_bytes(config: ModelConfig, shard: StageShard, dtype_bytes: int) -> int:
-    """Bytes of the weights one rank of ``shard`` holds (replicated pieces included)."""
+    """Replicated pieces included."""
     return sum(prod(s) for s in stage_weight_shapes(config, shard).values()) * dtype_bytes
 
 
 def rank_kv_bytes_per_block(config: ModelConfig, shard: StageShard, block_size: int, dtype_bytes: int) -> int:
-    """Bytes one KV block takes on one rank: K and V of its layers and of the KV heads it stores."""
+    """K and V of the rank's layers and of the KV heads it stores."""
     return 2 * shard.num_layers * config.kv_heads_per_rank(shard.tp_size) * config.head_dim * block_size * dtype_bytes
 
 
@@ -104,16 +100,14 @@ def rank_kv_bytes_per_block(config: ModelConfig, shard: StageShard, block_size: 
 LOGIT_BYTES = 4
 #: Live logit-sized tensors while sampling: the logits and their softmax.
 LOGIT_COPIES = 2
-#: Hidden-width tensors live at once inside a layer: the residual stream, its normed copy, and
-#: the attention or MLP output about to be added to it.
+#: Hidden-width tensors live in a layer: the residual, its normed copy, the output to add.
 HIDDEN_COPIES = 3
 
 
 def rank_activation_bytes(config: ModelConfig, shard: StageShard, tokens: int, max_seqs: int,
                           dtype_bytes: int) -> int:
-    """An estimate of one rank's peak activations for an iteration of ``tokens`` tokens: one
-    layer's live tensors (layers run one after another, each freeing the last's), plus on the
-    last stage the float32 logits of the ``max_seqs`` jobs that sample."""
+    """Peak activations estimate: one layer's live tensors (layers free their predecessor's), plus
+    on the last stage the float32 logits of ``max_seqs`` sampling jobs."""
     shapes = stage_weight_shapes(config, StageShard(0, 1, config.num_hidden_layers,
                                                     shard.tp_rank, shard.tp_size))
     proj = ("q_proj", "k_proj", "v_proj")

@@ -1,30 +1,6 @@
-"""Which GEMM multiplies each of a model's linear shapes on this CPU: timed, chosen, cached, reported.
-
-Owns the choice between the GEMMs that can run a CPU linear layer here — our bf16 kernel on
-``vdpbf16ps`` or on AMX tiles (``fastserve.kernels.cpu_linear``), oneDNN's prepacked GEMM through torch
-(AMX where the CPU has it), ``F.linear`` (MKL for float32) — made by measuring them, never by the
-CPU's vendor. The candidates differ by more than a CPU family can say: on the 2-core Intel Xeon
-with AMX our AMX path beat oneDNN's at 8-64 rows and lost to it on 512-row prompts, while
-``vdpbf16ps`` was fastest at 1-4 rows; on the AMD EPYC Zen 4 (no AMX) ``vdpbf16ps`` beat oneDNN at
-every row count (docs/engine.md).
-
-For each shape (``GemmRole``: out x in features, dtype, and the layers' weights of that shape),
-``choose`` times every candidate on the model's own weights at the row counts of ``DECODE_ROWS``
-(over all the layers' weights, cold as in a step) and ``PREFILL_ROWS`` (over ``PREFILL_LAYERS``
-of them: compute-bound there), in interleaved rounds, and keeps the fastest per row count
-(``GemmChoice``: row ranges → path). The result is cached per CPU model string under
-``~/.cache/fastserve/gemm-choice`` (written atomically), keyed by everything the timing depends
-on (shape, layers, threads, torch, the kernel's source), and reported: the start log and
-``report()`` (``/debug/engine``). ``engine.gemm_choice`` says how: ``cached`` (the default:
-measure once, then read), ``measure`` (every start) or ``fixed`` (no timing: our kernel where it
-builds, on AMX tiles where they run, else oneDNN, else ``F.linear``).
-
-With ``batch_invariant`` only paths whose per-row sums do not depend on the row count run (our
-kernel's ``dpbf16_uniform`` and ``amx``), one path per shape for every row count, chosen by the
-same timing.
-
-Torch is imported; the kernels are not: the candidates' runs are given by the caller
-(``fastserve.worker.model.linear``), so this module knows paths only by name.
+"""Which GEMM runs each of a model's linear shapes on this CPU, chosen by timing, never by vendor:
+``choose`` times the caller's candidates on the model's own weights per row count, keeps the fastest
+per count and caches it per CPU. Method and figures: docs/engine.md.
 """
 
 from __future__ import annotations
@@ -48,7 +24,7 @@ import torch
 from fastserve.kernels.cpu_features import cpu_flags, cpu_name
 from fastserve.kernels.cpu_linear import LINEAR_SOURCE
 
-#: Paths by name: our kernel's three (``fastserve.kernels.cpu_linear``), oneDNN's prepacked GEMM, torch's.
+#: Paths by name: our kernel's three, oneDNN's prepacked GEMM, torch's.
 DPBF16 = "dpbf16"
 UNIFORM = "dpbf16_uniform"
 AMX = "amx"
@@ -56,30 +32,23 @@ ONEDNN = "onednn"
 TORCH = "torch"
 #: Paths whose per-row sums do not depend on how many rows share the call.
 BATCH_INVARIANT_PATHS = (UNIFORM, AMX)
-#: ``engine.gemm_choice``'s values.
 CACHED, MEASURE, FIXED = "cached", "measure", "fixed"
 MODES = (CACHED, MEASURE, FIXED)
-#: Row counts timed over all the layers' weights (decode batches: bound by reading the weights).
+#: Row counts timed over all the layers' weights (decode: bound by reading them).
 DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)
-#: Row counts timed over ``PREFILL_LAYERS`` weights (prompt chunks: bound by arithmetic); a larger
-#: count takes the largest's choice.
+#: Row counts timed over ``PREFILL_LAYERS`` weights (compute-bound); larger counts take the last's.
 PREFILL_ROWS = (128, 256, 512)
 PREFILL_LAYERS = 2
-#: Rounds per row count, every candidate once a round (interleaved), the fastest of each kept:
-#: the least disturbed run on a shared machine.
+#: Interleaved rounds per row count; each call's fastest is kept (the least disturbed).
 DECODE_ROUNDS = 5
 PREFILL_ROUNDS = 3
 #: A candidate this many times slower than the best at a row count is not timed at larger ones.
 PRUNE_RATIO = 4.0
-#: Passes this many times their fastest calls' sum (median): other work had the cores; the
-#: timing is made once more (the less disturbed attempt counts) and, still so, not trusted
-#: beyond this process: not cached.
+#: Median pass over its fastest calls' sum above this: disturbed, timed again, else not cached.
 BUSY_SPREAD = 1.5
 #: Seconds of timing one process spends at most; shapes left after it take the ``FIXED`` path.
-#: SmolLM2-135M's five shapes take ~35 s on one thread of the 2-core Xeon (docs/engine.md).
 MEASURE_BUDGET_S = 180.0
-#: At most this many bytes of a shape's weights are timed (the first layers'): bounds the
-#: temporary copies each candidate's layout needs.
+#: Bytes of a shape's weights timed at most (the first layers'): bounds the candidates' copies.
 MEASURE_BYTES = 256 << 20
 CACHE_DIR_ENV = "FASTSERVE_GEMM_CHOICE_CACHE"
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "fastserve" / "gemm-choice"
@@ -91,9 +60,8 @@ _log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class GemmPolicy:
-    """How a model's GEMM paths are chosen (``engine.gemm_choice``, ``engine.batch_invariant``).
-    ``FIXED`` unless asked: a model built directly (tests, tools) takes the same paths on every
-    run; a server's config asks for ``CACHED`` by default."""
+    """``engine.gemm_choice`` and ``engine.batch_invariant``. ``FIXED`` unless asked, so a model built
+    directly (tests, tools) takes the same paths every run."""
 
     mode: str = FIXED
     batch_invariant: bool = False
@@ -105,8 +73,7 @@ class GemmPolicy:
 
 @dataclass(frozen=True)
 class GemmChoice:
-    """The path per row count: ``ranges`` ``((max_rows, path), ...)`` ascending, the last one
-    covering every larger count."""
+    """The path per row count: ``((max_rows, path), ...)`` ascending, the last covering all larger."""
 
     ranges: tuple[tuple[int, str], ...]
 
@@ -120,8 +87,8 @@ class GemmChoice:
 
     @classmethod
     def of_points(cls, points: Sequence[tuple[int, str]]) -> GemmChoice:
-        """From the fastest path at each measured row count (ascending): a count between two
-        measured ones takes the larger's; equal neighbours merge."""
+        """From the fastest path per measured row count (ascending): a count between two takes the
+        larger's."""
         ranges: list[tuple[int, str]] = []
         for rows, path in points:
             if ranges and ranges[-1][1] == path:
@@ -142,7 +109,6 @@ class GemmChoice:
         return frozenset(p for _, p in self.ranges)
 
     def describe(self) -> str:
-        """``"1-4 dpbf16, 5-64 amx, 65+ onednn"``."""
         parts, low = [], 1
         for max_rows, path in self.ranges:
             parts.append(f"{low}+ {path}" if max_rows == UNBOUNDED else f"{low}-{max_rows} {path}")
@@ -152,8 +118,8 @@ class GemmChoice:
 
 @dataclass(frozen=True)
 class GemmRole:
-    """One shape of a model's GEMMs: every weight of it (one per layer, ``[out, in]``), what uses
-    it (for the report), and the most rows it is called with (the LM head: a decode batch)."""
+    """One shape of a model's GEMMs: its weights (one per layer, ``[out, in]``), a label for the
+    report, and the most rows it is called with (the LM head: a decode batch)."""
 
     label: str
     weights: tuple[torch.Tensor, ...]
@@ -187,8 +153,7 @@ class _Report:
 
 
 _REPORT = _Report()
-#: Choices timed or read in this process (key -> choice): every stage built here that asks for
-#: a measured choice agrees (a ``FIXED`` one is not kept: it is no measurement).
+#: Choices timed or read in this process, so every stage built here agrees.
 _CHOSEN: dict[str, GemmChoice] = {}
 
 
@@ -200,8 +165,7 @@ def report() -> dict[str, Any]:
 
 
 def choose(role: GemmRole, candidates: Candidates, policy: GemmPolicy, fixed: str) -> GemmChoice:
-    """The path per row count for ``role``, among ``candidates`` (each a path this machine can run
-    for the role's shape), by ``policy``; ``fixed`` is the path ``FIXED`` mode takes."""
+    """The path per row count for ``role`` among ``candidates``; ``fixed`` is ``FIXED`` mode's."""
     _REPORT.mode, _REPORT.batch_invariant = policy.mode, policy.batch_invariant
     if policy.batch_invariant:
         candidates = {p: c for p, c in candidates.items() if p in BATCH_INVARIANT_PATHS}
@@ -216,7 +180,7 @@ def choose(role: GemmRole, candidates: Candidates, policy: GemmPolicy, fixed: st
                              "used_by": role.label, "layers": len(role.weights)}
     if len(candidates) == 1 or policy.mode == FIXED:
         choice, entry["source"] = GemmChoice.single(fixed), FIXED
-    elif key in _CHOSEN:   # another stage of this process measured it (measure mode: once a process)
+    elif key in _CHOSEN:
         choice, entry["source"] = _CHOSEN[key], "this process"
     elif policy.mode == CACHED and (cached := _read_cache(key)) is not None:
         choice = GemmChoice(tuple((int(r), str(p)) for r, p in cached["ranges"]))
@@ -227,7 +191,7 @@ def choose(role: GemmRole, candidates: Candidates, policy: GemmPolicy, fixed: st
     else:
         start = time.perf_counter()
         timings, spread = time_candidates(role, candidates)
-        if spread > BUSY_SPREAD:   # once more; the less disturbed attempt counts
+        if spread > BUSY_SPREAD:
             again, spread_again = time_candidates(role, candidates)
             if spread_again < spread:
                 timings, spread = again, spread_again
@@ -245,7 +209,7 @@ def choose(role: GemmRole, candidates: Candidates, policy: GemmPolicy, fixed: st
             _log.warning("GEMM timing for %s %s was disturbed (passes %.1fx their fastest calls): its choice "
                          "serves this process and is not cached", entry["dtype"], entry["shape"], spread)
     if entry["source"] != FIXED and "budget" not in entry["source"]:
-        _CHOSEN[key] = choice   # timed (or read): the process's other stages take it, untimed
+        _CHOSEN[key] = choice
     entry["choice"] = choice.describe()
     _REPORT.roles[key] = entry
     _log.info("GEMM %s %s (%s, %d layers) on %s, %d threads: %s [%s%s]", entry["dtype"], entry["shape"], role.label,
@@ -256,12 +220,9 @@ def choose(role: GemmRole, candidates: Candidates, policy: GemmPolicy, fixed: st
 
 def time_candidates(role: GemmRole, candidates: Candidates, grid: Sequence[int] | None = None,
                     prune_ratio: float = PRUNE_RATIO) -> tuple[dict[int, dict[str, float]], float]:
-    """Seconds of one pass over the weights per candidate and row count: each call timed on its
-    own, its fastest over the rounds kept, the pass their sum (a call the OS preempted in one round
-    counts its undisturbed time from another); and how disturbed the machine was (the median,
-    over row counts, of the winner's median pass over that sum). A candidate ``PRUNE_RATIO``
-    behind at one row count is not timed at larger ones. ``grid``: the row counts (default: the
-    role's)."""
+    """Seconds of one pass over the weights per row count and candidate (the sum of each call's
+    fastest over the rounds), and the spread: median over row counts of the winner's median pass
+    over that sum."""
     decode_layers = _decode_layers(role)
     calls: dict[tuple[str, int], list[Call]] = {}
     spreads: list[float] = []
@@ -278,7 +239,7 @@ def time_candidates(role: GemmRole, candidates: Candidates, grid: Sequence[int] 
             for path in live:
                 if (path, layers) not in calls:
                     calls[(path, layers)] = candidates[path](role.weights[:layers])
-                calls[(path, layers)][0](x)   # warm: first-call setup (oneDNN's primitive cache)
+                calls[(path, layers)][0](x)   # first-call setup (oneDNN's primitive cache)
             best = {p: [math.inf] * layers for p in live}
             passes: dict[str, list[float]] = {p: [] for p in live}
             for _ in range(rounds):
@@ -299,14 +260,13 @@ def time_candidates(role: GemmRole, candidates: Candidates, grid: Sequence[int] 
 
 
 def _decode_layers(role: GemmRole) -> int:
-    """How many of the role's weights a decode row count is timed over: all, up to MEASURE_BYTES."""
     per_weight = role.weights[0].numel() * role.weights[0].element_size()
     return max(1, min(len(role.weights), MEASURE_BYTES // max(per_weight, 1)))
 
 
 def _pick(timings: dict[int, dict[str, float]], single: bool) -> GemmChoice:
-    """The fastest path per row count; with ``single``, the one path whose times are closest to
-    the fastest over all the row counts (the sum of log ratios, so each count weighs alike)."""
+    """The fastest path per row count; with ``single``, the one path of least summed log ratio to
+    the fastest (each row count weighs alike)."""
     if single:
         paths = set.intersection(*(set(ts) for ts in timings.values()))
 
@@ -317,15 +277,12 @@ def _pick(timings: dict[int, dict[str, float]], single: bool) -> GemmChoice:
     return GemmChoice.of_points([(rows, min(ts, key=ts.__getitem__)) for rows, ts in sorted(timings.items())])
 
 
-# ---- the cache ------------------------------------------------------------------------------
-
 def _cache_dir() -> Path:
     return Path(os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR)
 
 
 def cache_file() -> Path:
-    """This CPU's cache file: its model string (and a hash of its flags: a VM may name different
-    CPUs alike)."""
+    """This CPU's cache file: model string plus a flags hash (a VM may name different CPUs alike)."""
     name = re.sub(r"[^A-Za-z0-9]+", "-", cpu_name()).strip("-")[:80]
     flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
     return _cache_dir() / f"{name}-{flags}.json"
@@ -354,8 +311,7 @@ def _read_cache(key: str) -> dict[str, Any] | None:
 
 
 def _write_cache(key: str, entry: dict[str, Any]) -> None:
-    """Add ``entry`` to this CPU's file, atomically (a reader sees the old file or the new one);
-    a failure to write is logged, never raised: the choice stands for this process."""
+    """Add ``entry`` to this CPU's file atomically; a failure is logged, never raised."""
     path = cache_file()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

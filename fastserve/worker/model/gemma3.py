@@ -1,25 +1,10 @@
-"""Gemma 3's text decoder, written for serving: one pipeline stage, one tensor-parallel shard, paged
-KV — the machinery of ``fastserve.worker.model.llama``, with Gemma 3's own layer.
-
-What differs from the LLaMA layer (``fastserve.worker.model.gemma3_config`` holds the settings):
-
-* the token embedding is multiplied by ``sqrt(hidden_size)`` (rounded to the weights' dtype, as
-  transformers does);
-* every RMSNorm scales by ``1 + weight`` and stays in float32 until after the scale
-  (``GemmaRMSNorm``); q and k are normed per head (QK norm) before the rotation;
-* each layer norms its attention output and its MLP output too (post-attention and
-  post-feedforward norms) before the residual adds, and norms the MLP's input apart
-  (pre-feedforward norm);
-* the MLP is ``down(gelu_tanh(gate(x)) * up(x))``;
-* sliding-window layers attend to the last ``sliding_window`` positions with the local rotary
-  base; global layers attend to every position with the global base (and its rope scaling);
-* queries are scaled by ``query_pre_attn_scalar ** -0.5``; final logits are soft-capped
-  (``cap * tanh(logits / cap)``) where ``final_logit_softcapping`` is set.
-
-Tensor parallelism splits heads and MLP columns as the LLaMA stage does (q/gate/up column-parallel,
-o/down row-parallel with an all-reduce, K/V heads split or replicated); the QK norms act per head
-and are replicated. Module names mirror transformers' ``Gemma3TextModel``, so checkpoint names map
-one-to-one. The layers run module by module (no fused C step: that run is the LLaMA layer's).
+"""Gemma 3's text decoder as one served stage and tensor-parallel shard: ``llama``'s machinery with
+Gemma's layer. The differences: the embedding is scaled by ``sqrt(hidden_size)``; every RMSNorm
+scales by ``1 + weight`` in float32; q and k are normed per head before the rotation; attention and
+MLP outputs are normed before the residual adds; the MLP is ``down(gelu_tanh(gate(x)) * up(x))``;
+sliding layers use the local rotary base and window, global ones the global base; queries scale by
+``query_pre_attn_scalar ** -0.5``; logits are soft-capped (``cap * tanh(logits / cap)``). Module
+names mirror transformers' ``Gemma3TextModel``.
 """
 
 from __future__ import annotations
@@ -47,8 +32,7 @@ from fastserve.worker.model.opt import AllReduce
 from fastserve.worker.model.rope import Rotary
 from fastserve.worker.model.shard import StageShard
 
-#: Checkpoint names: ``model.*``; the LM head is the embedding (tied), never stored apart. Norm
-#: weights are offsets from 1: a dummy model's are zeros (the identity scale).
+#: The LM head is the tied embedding. Norm weights are offsets from 1: a dummy model's are zeros.
 GEMMA3_WEIGHTS = WeightLayout(
     prefixes=("model.",),
     column_parallel=("self_attn.q_proj.", "mlp.gate_proj.", "mlp.up_proj."),
@@ -64,8 +48,7 @@ def _no_reduce(x: torch.Tensor) -> torch.Tensor:
 
 
 class GemmaRMSNorm(nn.Module):
-    """RMSNorm scaled by ``1 + weight``, all in float32, cast back last (transformers' Gemma 3
-    norm, bit for bit: ``F.rms_norm`` without a weight is its pow/mean/rsqrt/mul)."""
+    """RMSNorm scaled by ``1 + weight`` in float32, cast back last: transformers', bit for bit."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -78,7 +61,7 @@ class GemmaRMSNorm(nn.Module):
 
 
 def _reduce_then_bias(out: torch.Tensor, layer: ServingLinear, all_reduce: AllReduce) -> torch.Tensor:
-    """A row-parallel layer's partial sums, reduced over the ranks; its bias added exactly once."""
+    """A row-parallel layer's partial sums reduced over the ranks; its bias added once."""
     out = all_reduce(out)
     return out if layer.bias is None else out + layer.bias
 
@@ -167,7 +150,7 @@ class Gemma3Stage(nn.Module):
         self.shard = shard
         self.rotary = {SLIDING: Rotary(config.head_dim, config.local_rope_theta, config.local_rope_scaling),
                        FULL: Rotary(config.head_dim, config.global_rope_theta, config.global_rope_scaling)}
-        # The embedding's scale, as a float32 scalar rounded to the weights' dtype at use.
+        # Rounded to the weights' dtype at use, as transformers does.
         self.embed_scale = torch.tensor(config.hidden_size**0.5)
         if shard.is_first or shard.is_last:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -182,7 +165,6 @@ class Gemma3Stage(nn.Module):
 
     @property
     def num_local_kv_heads(self) -> int:
-        """Heads of this rank's KV cache: its share of the KV heads, or the one it replicates."""
         return self.config.kv_heads_per_rank(self.shard.tp_size)
 
     @property
@@ -194,9 +176,7 @@ class Gemma3Stage(nn.Module):
         return first * self.config.head_dim, self.num_local_kv_heads * self.config.head_dim
 
     def pack_linear_weights(self, policy: GemmPolicy | None = None) -> int:
-        """Prepack every decoder linear (q/k/v and gate/up merged) and the tied head for CPU GEMMs,
-        each on the paths chosen for its shape (``fastserve.worker.model.linear.pack_linears``,
-        ``policy``); returns how many GEMM weights were packed."""
+        """Prepack the decoder linears and the tied head for CPU GEMMs; how many were packed."""
         head = self.embed_tokens.weight if self.shard.is_last else None
         packed, self._head_packed = pack_linears(self.layers, policy, head)
         place_on_huge_pages(self.layers, self._head_packed)
@@ -204,10 +184,7 @@ class Gemma3Stage(nn.Module):
 
     def forward(self, batch: ForwardBatch, cache: torch.Tensor,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """Run this stage's layers over ``hidden`` (None on the first stage: embed the tokens).
-
-        ``cache`` is this stage's block-major KV cache; layer ``i`` of the stage uses ``cache[:, i]``.
-        """
+        """This stage's layers over ``hidden`` (None: embed the tokens); layer ``i`` uses ``cache[:, i]``."""
         if hidden is None:
             weight = self.embed_tokens.weight
             x = self.embed_tokens(batch.input_ids) * self.embed_scale.to(device=weight.device, dtype=weight.dtype)
@@ -219,7 +196,7 @@ class Gemma3Stage(nn.Module):
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm, the tied LM head and the soft cap; float32 logits for the rows given."""
+        """Final norm, tied LM head and soft cap: float32 logits."""
         logits = multiply_widened(self.norm(hidden), self.embed_tokens.weight, self._head_packed)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -1,17 +1,8 @@
-"""Gemma 3 text-model hyper-parameters (``model_type: gemma3_text``), read from a Hugging Face ``config.json``.
-
-What sets Gemma 3 apart from the LLaMA family, all of it here as fields: each layer is either a
-sliding-window layer (attends to the last ``sliding_window`` positions, itself included; its own
-rotary base, ``rope_local_base_freq``) or a global one (full causal attention; the global base,
-with rope scaling where configured), listed per layer in ``layer_types`` (older configs give a
-``sliding_window_pattern``: every n-th layer global); queries are scaled by
-``query_pre_attn_scalar ** -0.5``; the MLP is GELU (tanh approximation); logits may be soft-capped.
-
-Both spellings of the rotary settings are read: transformers 5's ``rope_parameters`` keyed by
-layer type, and the older ``rope_theta``/``rope_scaling`` (global) with ``rope_local_base_freq``
-(local). Fields we do not honour are refused, naming them: attention-score soft-capping
-(transformers' Gemma 3 does not apply it either), bidirectional attention, another activation.
-No torch here: the control plane reads configs to validate its settings.
+"""Gemma 3 text-model hyper-parameters (``model_type: gemma3_text``) from a ``config.json``. Each layer
+is sliding-window (its own rotary base) or global, per ``layer_types`` (older configs: every n-th of
+``sliding_window_pattern`` global). Rotary settings are read in transformers 5's ``rope_parameters``
+and the older spelling. Fields not honoured (attention-score soft-capping, bidirectional attention,
+another activation) are refused by name. No torch here.
 """
 
 from __future__ import annotations
@@ -54,8 +45,7 @@ class Gemma3Config:
     tie_word_embeddings: bool = True
     hidden_activation: str = GELU_TANH
     bos_token_id: int = 2
-    #: The first of the config's end tokens; the server stops on all of them
-    #: (``fastserve.generation_config.eos_token_ids``).
+    #: The first of the config's end tokens (the server stops on all of them).
     eos_token_id: int = 1
     model_type: str = "gemma3_text"
     name: str = "gemma3"
@@ -94,12 +84,11 @@ class Gemma3Config:
         return float(self.query_pre_attn_scalar) ** -0.5
 
     def window(self, layer: int) -> int | None:
-        """The attention window of layer ``layer`` (counted over the whole model):
-        ``sliding_window``, or None (full attention)."""
+        """Layer ``layer``'s (whole-model index) window, or None (full attention)."""
         return self.sliding_window if self.layer_types[layer] == SLIDING else None
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        # Sliding layers keep every position too: the paged cache is one layout for all layers.
+        # Sliding layers keep every position too: one paged layout for all layers.
         return 2 * self.num_hidden_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     def kv_heads_per_rank(self, tp_size: int) -> int:
@@ -156,7 +145,7 @@ class Gemma3Config:
         return cls(**values)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """Fields transformers' ``Gemma3TextConfig`` accepts (to build a reference model in tests)."""
+        """Fields transformers' ``Gemma3TextConfig`` accepts."""
         return {
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,

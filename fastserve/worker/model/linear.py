@@ -1,21 +1,7 @@
 """``ServingLinear``: an ``nn.Linear`` whose CPU GEMMs run on the path measured fastest for its shape.
-
-Owns how a model's linear layers multiply on CPU. After the weights are loaded, ``pack_linears``
-groups every GEMM weight by shape (a ``GemmRole``: q/k/v merged, o, gate/up merged, down, the
-LM head...), has ``fastserve.worker.model.gemm_choice`` choose a path per row count for each shape — timed on
-the model's own weights, cached per CPU model string, never by vendor — and packs each weight
-once for the layouts its choice uses (``PackedWeight``):
-
-* ``dpbf16`` / ``dpbf16_uniform`` / ``amx``: our bf16 kernel (``fastserve.kernels.cpu_linear``), one layout for
-  the three: ``vdpbf16ps`` (the lone row on four chains, or every row on one), or AMX tiles;
-* ``onednn``: oneDNN's prepacked GEMM (``torch.ops.mkldnn``, what torch's inductor runs frozen CPU
-  linears on; AMX where the CPU has it), float32 or bfloat16 on a CPU with native bf16;
-* ``torch``: ``F.linear`` on the weight as loaded (MKL for float32), nothing packed.
-
-Packing skips MKL's per-call packing of the weight, which dominates the few-row GEMMs of decode
-steps. Every call runs its row count's path; values equal ``F.linear``'s to the dtype's rounding.
-Parameter names stay ``weight``/``bias``, so checkpoints load as into ``nn.Linear``. On another
-device or dtype, or before packing, it is exactly ``nn.Linear``.
+``pack_linears`` has ``gemm_choice`` pick a path per row count and packs each weight once for it
+(MKL's per-call packing dominates decode's few-row GEMMs). Values equal ``F.linear``'s to the
+dtype's rounding; unpacked (or off CPU) it is exactly ``nn.Linear``.
 """
 
 from __future__ import annotations
@@ -34,7 +20,7 @@ from fastserve.kernels.cpu_features import cpu_has_bf16
 from fastserve.worker.model import gemm_choice as G
 from fastserve.worker.model.gemm_choice import GemmChoice, GemmPolicy, GemmRole
 
-#: Row count oneDNN's packed layout is tuned for (a decode batch); any row count is served.
+#: Row count oneDNN's packed layout is tuned for (a decode batch); any count is served.
 PACK_BATCH_HINT = 16
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 #: Our kernel's paths, by name, as ``cpu_linear`` numbers them.
@@ -45,8 +31,7 @@ _log = logging.getLogger(__name__)
 
 @functools.cache
 def onednn_linear_available(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether this torch build has oneDNN's prepacked linear for ``dtype`` (probed once per dtype,
-    on a tiny case); bfloat16 only on a CPU with native bf16."""
+    """Whether oneDNN's prepacked linear runs ``dtype`` here (probed once; bf16 needs native bf16)."""
     if dtype == torch.bfloat16 and not cpu_has_bf16():
         return False
     try:
@@ -60,11 +45,8 @@ def onednn_linear_available(dtype: torch.dtype = torch.float32) -> bool:
 
 
 def candidate_paths(weight: torch.Tensor, batch_invariant: bool = False) -> list[str]:
-    """The paths that can multiply ``weight`` ([out, in]) here, the one ``FIXED`` mode takes
-    first: our kernel, on AMX tiles where they run (on the 2-core Xeon with AMX 0.7-1.0x
-    ``vdpbf16ps`` at 1-8 rows and 2-7x faster from 16, docs/engine.md), else on ``vdpbf16ps``;
-    then oneDNN, then torch. Empty where nothing is packed (another device or dtype):
-    ``F.linear`` alone."""
+    """The paths that can multiply ``weight`` here, ``FIXED`` mode's first: our kernel (AMX, else
+    ``vdpbf16ps``), oneDNN, torch. Empty on another device or dtype (``F.linear`` alone)."""
     if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES:
         return []
     paths: list[str] = []
@@ -83,9 +65,7 @@ def candidate_paths(weight: torch.Tensor, batch_invariant: bool = False) -> list
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A linear weight packed once for the paths its shape's ``choice`` runs, each layout kept
-    only where a path reads it: ``ours`` (``fastserve.kernels.cpu_linear``'s), ``onednn`` (oneDNN's),
-    ``plain`` (the weight itself, for ``torch``)."""
+    """A linear weight packed once for the paths ``choice`` runs; a layout is kept only where read."""
 
     choice: GemmChoice
     ours: torch.Tensor | None = None
@@ -93,11 +73,10 @@ class PackedWeight:
     plain: torch.Tensor | None = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, widened: bool = False) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` for a 2-d ``x``, on its row count's path; with
-        ``widened``, as float32 (``.float()``'s bits; our kernel writes them itself)."""
+        """``F.linear(x, weight, bias)`` for a 2-d ``x`` on its row count's path; ``widened``: float32."""
         path = self.choice.path(x.shape[0])
         if path in OUR_PATHS:
-            assert self.ours is not None   # pack_weight keeps each chosen path's layout
+            assert self.ours is not None
             return cpu_linear.linear(x, self.ours, bias, widened, OUR_PATHS[path])
         if path == G.ONEDNN:
             assert self.onednn is not None
@@ -108,15 +87,13 @@ class PackedWeight:
         return out.float() if widened else out
 
     def step_gemm(self) -> cpu_step.StepGemm:
-        """This weight as ``fastserve.kernels.cpu_step`` runs it (no bias): our kernel's paths by number,
-        the others called back through ``matmul``."""
+        """This weight for ``cpu_step`` (no bias): our paths by number, the others called back."""
         ranges = tuple((rows, OUR_PATHS.get(path, cpu_step.OTHER)) for rows, path in self.choice.ranges)
         return cpu_step.StepGemm(self.ours, self.matmul, ranges)
 
 
 def pack_weight(weight: torch.Tensor, choice: GemmChoice) -> PackedWeight | None:
-    """``weight`` ([out, in]) packed for the layouts ``choice`` uses; None where the weight is
-    not a CPU float32/bf16 one."""
+    """``weight`` packed for ``choice``'s layouts; None unless a CPU float32/bf16 weight."""
     if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES:
         return None
     w = weight.detach()
@@ -131,7 +108,7 @@ def _packed_for(weight: torch.Tensor, choice: GemmChoice | None) -> PackedWeight
 
 
 def candidates(paths: Sequence[str]) -> G.Candidates:
-    """Each path's GEMM on each of some weights, for ``gemm_choice`` to time (packed once)."""
+    """Each path's GEMM on each of some weights, for ``gemm_choice`` to time."""
     def ours(path: int, weights: Sequence[torch.Tensor]) -> list[G.Call]:
         return [functools.partial(_ours_call, cpu_linear.pack(w), path) for w in weights]
 
@@ -166,7 +143,7 @@ def _plain_call(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def choose_for(role: GemmRole, policy: GemmPolicy) -> GemmChoice | None:
-    """The path per row count for ``role``'s shape (None: nothing to pack for it here)."""
+    """The path per row count for ``role`` (None: nothing to pack here)."""
     paths = candidate_paths(role.weights[0], policy.batch_invariant)
     if not paths:
         if policy.batch_invariant and role.weights[0].device.type == "cpu":
@@ -179,8 +156,7 @@ class ServingLinear(nn.Linear):
     _packed: PackedWeight | None = None
 
     def pack(self, policy: GemmPolicy | None = None) -> bool:
-        """Pack this linear alone, on the paths chosen for its shape; False (it stays
-        ``nn.Linear``) on another device or dtype."""
+        """Pack this linear alone; False (it stays ``nn.Linear``) on another device or dtype."""
         choice = choose_for(GemmRole("linear", (self.weight,)), policy or GemmPolicy())
         self._packed = _packed_for(self.weight, choice)
         return self._packed is not None
@@ -189,54 +165,35 @@ class ServingLinear(nn.Linear):
         return self.multiply(x, with_bias=True)
 
     def step_gemm(self) -> cpu_step.StepGemm | None:
-        """This layer as ``fastserve.kernels.cpu_step`` runs it, where it is packed and has no bias."""
         return self._packed.step_gemm() if self._packed is not None and self.bias is None else None
 
     def kernel_weight(self) -> torch.Tensor | None:
-        """The weight as ``fastserve.kernels.cpu_linear`` packed it, where it is so."""
         return None if self._packed is None else self._packed.ours
 
     def multiply(self, x: torch.Tensor, with_bias: bool) -> torch.Tensor:
-        """``x @ weight.T`` (+ bias when ``with_bias``): row-parallel layers add their bias once,
-        after the all-reduce."""
+        """``x @ weight.T`` (+ bias): row-parallel layers add it once, after the all-reduce."""
         return multiply(x, self.weight, self._packed, self.bias if with_bias else None)
 
 
 def multiply(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None,
              bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, on ``packed``'s path for ``x``'s row count."""
     if packed is None or x.dim() != 2:
         return F.linear(x, weight, bias)
     return packed.matmul(x, bias)
 
 
 def multiply_widened(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None) -> torch.Tensor:
-    """``multiply(x, weight, packed, None).float()``, bit for bit (a model's logits): where our bf16
-    kernel runs the product it writes the float32 values itself, with no pass to widen them."""
+    """``multiply(x, weight, packed, None).float()`` bit for bit, without a widening pass where ours runs."""
     if packed is None or x.dim() != 2:
         return F.linear(x, weight).float()
     return packed.matmul(x, None, widened=True)
 
 
 class MergedLinear:
-    """Linears that read the same input (q/k/v; gate/up), multiplied as one GEMM.
-
-    vLLM merges them at load time (``QKVParallelLinear``, ``MergedColumnParallelLinear``); here
-    the members stay separate ``ServingLinear`` modules, so checkpoints load and shard by their
-    own names, and packing packs their concatenated weight (and biases) once. A decode step
-    then makes one GEMM call where it made two or three: on the 2-core AMD EPYC Zen 4, bf16 on
-    oneDNN, 30 layers of SmolLM2-135M's linears with cold weights took 20.4 ms at 1 row as 7 GEMMs
-    per layer and 15.9 ms as 4 (fewer calls, each streaming a longer weight).
-
-    Not a module (its members are the layer's own, registered there): a plain attribute made with
-    the layer and packed after the weights are loaded. Before packing, or where packing does not
-    apply (another device or dtype, members that disagree on a bias), each member multiplies on
-    its own, exactly as without the merge.
-
-    On a GPU ``pack()`` concatenates the members' weights (and biases) into one tensor and makes
-    each member's parameter a view of its rows (``fuse``), so the merged GEMM costs no extra
-    memory and a checkpoint loaded afterwards still lands in it; every call is then one
-    ``F.linear``.
+    """Linears that read the same input (q/k/v; gate/up), multiplied as one GEMM. Members stay
+    separate modules so checkpoints load and shard by name; packing concatenates them once (on a GPU
+    ``fuse`` makes each member a view of the merged tensor). Not a module: a plain attribute. Unpacked,
+    or where members disagree on a bias, each member multiplies alone.
     """
 
     def __init__(self, *members: ServingLinear) -> None:
@@ -247,18 +204,14 @@ class MergedLinear:
         self._fused: torch.Tensor | None = None
 
     def mergeable(self) -> bool:
-        """Whether the members can be one GEMM: all with a bias or all without."""
         with_bias = [m.bias is not None for m in self.members]
         return all(with_bias) or not any(with_bias)
 
     def merged_weight(self) -> torch.Tensor:
-        """The members' weights concatenated (a copy: kept by the packing only where ``torch``
-        reads it)."""
         return torch.cat([m.weight.detach() for m in self.members])
 
     def pack(self, policy: GemmPolicy | None = None) -> bool:
-        """Pack the merged weight on the paths chosen for its shape; False (members used one by
-        one) where packing does not apply or the members disagree on having a bias."""
+        """Pack the merged weight; False (members used one by one) where packing does not apply."""
         if not self.mergeable():
             return False
         if self.members[0].weight.is_cuda:
@@ -267,7 +220,6 @@ class MergedLinear:
         return self.pack_for(choose_for(GemmRole("merged", (weight,)), policy or GemmPolicy()), weight)
 
     def pack_for(self, choice: GemmChoice | None, weight: torch.Tensor | None = None) -> bool:
-        """Pack the merged weight (``weight``, if made already) for ``choice`` (None: nothing packed)."""
         if choice is None or not self.mergeable():
             return False
         self._packed = pack_weight(self.merged_weight() if weight is None else weight, choice)
@@ -278,13 +230,11 @@ class MergedLinear:
         return True
 
     def step_gemm(self) -> cpu_step.StepGemm | None:
-        """The merged GEMM as ``fastserve.kernels.cpu_step`` runs it, where it is packed and has no bias."""
         if self._packed is None or self._bias is not None:
             return None
         return self._packed.step_gemm()
 
     def fuse(self, with_bias: bool) -> bool:
-        """One weight (and bias) tensor for all members, each member's parameter a view of it."""
         weight = torch.cat([m.weight.detach() for m in self.members])
         bias = torch.cat([m.bias.detach() for m in self.members if m.bias is not None]) if with_bias else None
         for m, rows in zip(self.members, weight.split(self.widths), strict=True):
@@ -297,11 +247,10 @@ class MergedLinear:
         return True
 
     def kernel_weight(self) -> torch.Tensor | None:
-        """The merged weight as ``fastserve.kernels.cpu_linear`` packed it, where it is so."""
         return None if self._packed is None else self._packed.ours
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Each member's ``F.linear(x, weight, bias)``, in order (views of one output when merged)."""
+        """Each member's ``F.linear(x, weight, bias)``, in order."""
         if self._fused is not None:
             return list(F.linear(x, self._fused, self._bias).split(self.widths, dim=-1))
         if self._packed is None or x.dim() != 2:
@@ -310,10 +259,8 @@ class MergedLinear:
 
 
 def place_on_huge_pages(root: nn.Module, *extra: PackedWeight | None) -> int:
-    """Move the weights packed for ``fastserve.kernels.cpu_linear`` under ``root`` (and ``extra``: a head
-    packed apart) onto one huge-page mapping, in place (``fastserve.kernels.huge_pages.relocate``: why);
-    returns the bytes moved (0 where huge pages are not available or nothing is in that layout:
-    oneDNN's packed weights are opaque tensors and stay where oneDNN put them)."""
+    """Move our kernel's packed weights under ``root`` (and ``extra``) onto one huge-page mapping in
+    place; the bytes moved (oneDNN's opaque packed weights stay put)."""
     found = [m._packed for m in root.modules() if isinstance(m, ServingLinear)]
     found += [v._packed for m in root.modules() for v in vars(m).values() if isinstance(v, MergedLinear)]
     data = {id(d): d for d in (p.ours for p in (*found, *extra) if p is not None) if d is not None}
@@ -322,7 +269,7 @@ def place_on_huge_pages(root: nn.Module, *extra: PackedWeight | None) -> int:
 
 @dataclass(frozen=True)
 class _Unit:
-    """One GEMM weight to pack: a merged group, a lone linear, or a head apart (``head``)."""
+    """One GEMM weight to pack: a merged group, a lone linear, or a head."""
 
     label: str
     weight: torch.Tensor
@@ -330,8 +277,7 @@ class _Unit:
 
 
 def _units(root: nn.Module) -> list[_Unit]:
-    """Every GEMM weight under ``root``: each mergeable ``MergedLinear`` (an attribute of a module)
-    as one, every other ``ServingLinear`` alone; labelled by where it sits."""
+    """Every GEMM weight under ``root``: each mergeable ``MergedLinear`` as one, other linears alone."""
     units: list[_Unit] = []
     covered: set[int] = set()
     for name, module in root.named_modules():
@@ -352,14 +298,10 @@ def _role_label(names: Sequence[str]) -> str:
 
 def pack_linears(root: nn.Module, policy: GemmPolicy | None = None,
                  head: torch.Tensor | None = None) -> tuple[int, PackedWeight | None]:
-    """Pack every linear under ``root`` for CPU GEMMs, each on the paths chosen for its shape
-    (``fastserve.worker.model.gemm_choice``; ``policy`` says how, default: cached measurements): each
-    ``MergedLinear`` (an attribute of a module under ``root``) as one weight, every other
-    ``ServingLinear`` alone, and ``head`` (an LM head packed apart, called with one row per
-    sampled sequence: timed at decode row counts), whose packing is returned. Returns (how many
-    GEMM weights were packed, the head's)."""
+    """Pack every linear under ``root`` for CPU GEMMs on the paths chosen per shape, and ``head``
+    (timed at decode row counts: one row per sampled sequence). Returns (weights packed, the head's)."""
     if any(p.is_cuda for p in root.parameters()):
-        # A GPU runs every linear on F.linear (cuBLAS): merged groups are fused in place, nothing packed.
+        # A GPU runs F.linear (cuBLAS): merged groups are fused in place, nothing packed.
         fused = [v for m in root.modules() for v in vars(m).values() if isinstance(v, MergedLinear)]
         return sum(group.pack() for group in fused), None
     policy = policy or GemmPolicy()

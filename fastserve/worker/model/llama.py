@@ -1,20 +1,8 @@
-"""LLaMA-family decoder (LLaMA 2/3, Mistral, Qwen2), written for serving: one pipeline stage, one
-tensor-parallel shard, paged KV — the same machinery as ``fastserve.worker.model.opt``.
-
-``LlamaStage`` runs layers ``[layer_start, layer_end)`` on one tensor-parallel rank: RMSNorm before
-attention and MLP, rotary positions (``fastserve.worker.model.rope``) on q and k, grouped-query attention
-through the shared paged-attention helper (``fastserve.worker.model.attention``; the KV cache holds KV heads
-only), a SwiGLU MLP, a final RMSNorm and an LM head (its own ``lm_head`` or, with
-``tie_word_embeddings``, the token embedding).
-
-Tensor parallelism (Megatron-style): q_proj, gate_proj and up_proj are column-parallel (each rank
-owns ``num_heads / tp`` query heads and ``intermediate_size / tp`` MLP columns); o_proj and
-down_proj are row-parallel, followed by an all-reduce, their biases added once after it. K/V heads
-are *split* across ranks when ``tp`` divides ``num_key_value_heads``; otherwise (``tp`` a multiple
-of it) each rank holds the single KV head its query heads share, i.e. KV heads are *replicated*
-``tp / num_key_value_heads`` times — each rank's cache still stores only that head. Embeddings and
-the LM head are replicated on the ranks that need them. Module names mirror Hugging Face's
-``LlamaModel`` so checkpoint names map one-to-one.
+"""LLaMA-family decoder (LLaMA 2/3, Mistral, Qwen2) as one served stage and tensor-parallel shard:
+pre-norm RMSNorm, rotary q/k, grouped-query paged attention, SwiGLU MLP, an own or tied LM head.
+Megatron-style TP: q/gate/up column-parallel, o/down row-parallel then all-reduced (bias added once).
+K/V heads split when ``tp`` divides them, else each rank holds (and caches) the one its query heads
+share. Module names mirror HF's ``LlamaModel``.
 """
 
 from __future__ import annotations
@@ -43,7 +31,6 @@ from fastserve.worker.model.opt import AllReduce
 from fastserve.worker.model.rope import Rotary
 from fastserve.worker.model.shard import StageShard
 
-#: Checkpoint names: ``model.*`` and a top-level ``lm_head.weight``.
 LLAMA_WEIGHTS = WeightLayout(
     prefixes=("model.",),
     column_parallel=("self_attn.q_proj.", "mlp.gate_proj.", "mlp.up_proj."),
@@ -51,7 +38,7 @@ LLAMA_WEIGHTS = WeightLayout(
     kv_parallel=("self_attn.k_proj.", "self_attn.v_proj."),
     ones=("norm.weight", "layernorm.weight"),
 )
-#: The same, for a tied head: a checkpoint's ``lm_head.weight`` (if saved) is the embedding.
+#: For a tied head: a saved ``lm_head.weight`` is the embedding, skipped.
 LLAMA_TIED_WEIGHTS = WeightLayout(
     prefixes=LLAMA_WEIGHTS.prefixes, column_parallel=LLAMA_WEIGHTS.column_parallel,
     row_parallel=LLAMA_WEIGHTS.row_parallel, kv_parallel=LLAMA_WEIGHTS.kv_parallel,
@@ -64,8 +51,7 @@ def _no_reduce(x: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 and cast back before the scale (as HF does);
-    ``kernels.rms_norm`` (one C pass for bf16 on CPUs with AVX-512 BF16)."""
+    """RMSNorm in float32, cast back before the scale (as HF does)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -76,12 +62,12 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm(x, self.weight, self.eps)[1]
 
     def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual add and the norm after it in one pass: (``x + delta``, its norm)."""
+        """(``x + delta``, its norm) in one pass."""
         return kernels.rms_norm(x, self.weight, self.eps, delta)
 
 
 def _reduce_then_bias(out: torch.Tensor, layer: ServingLinear, all_reduce: AllReduce) -> torch.Tensor:
-    """A row-parallel layer's partial sums, reduced over the ranks; its bias added exactly once."""
+    """A row-parallel layer's partial sums reduced over the ranks; its bias added once."""
     out = all_reduce(out)
     return out if layer.bias is None else out + layer.bias
 
@@ -151,8 +137,7 @@ class LlamaStage(nn.Module):
 
     #: The LM head packed for CPU GEMMs (last stage, after ``pack_linear_weights``).
     _head_packed: PackedWeight | None = None
-    #: The layers as ``fastserve.kernels.cpu_step`` runs a step over them (after
-    #: ``pack_linear_weights``, where it can: see ``_step_run_layers``).
+    #: The layers as ``cpu_step`` runs them (where ``_step_run_layers`` allows).
     _step_run: tuple[cpu_step.LayerDims, tuple[cpu_step.StepLayer, ...]] | None = None
 
     def __init__(self, config: LlamaConfig, shard: StageShard | None = None,
@@ -177,7 +162,6 @@ class LlamaStage(nn.Module):
 
     @property
     def num_local_kv_heads(self) -> int:
-        """Heads of this rank's KV cache: its share of the KV heads, or the one it replicates."""
         return self.config.kv_heads_per_rank(self.shard.tp_size)
 
     @property
@@ -189,9 +173,7 @@ class LlamaStage(nn.Module):
         return first * self.config.head_dim, self.num_local_kv_heads * self.config.head_dim
 
     def pack_linear_weights(self, policy: GemmPolicy | None = None) -> int:
-        """Prepack every decoder linear for CPU GEMMs, q/k/v and gate/up each merged into one, on
-        the paths chosen for each shape (``fastserve.worker.model.linear.pack_linears``, ``policy``); returns
-        how many GEMM weights were packed."""
+        """Prepack the decoder linears and head for CPU GEMMs; how many were packed."""
         head = self._head_weight() if self.shard.is_last else None
         packed, self._head_packed = pack_linears(self.layers, policy, head)
         place_on_huge_pages(self.layers, self._head_packed)
@@ -199,10 +181,8 @@ class LlamaStage(nn.Module):
         return packed
 
     def _step_run_layers(self) -> tuple[cpu_step.LayerDims, tuple[cpu_step.StepLayer, ...]] | None:
-        """The layers' weights for ``fastserve.kernels.cpu_step``, or None where it does not apply: tensor
-        parallel (the run has no all-reduce), a linear not packed or with a bias, a non-bf16 norm,
-        shapes the kernels do not take, or the kernels not built here. Each GEMM runs in the run on
-        the path chosen for its shape: our kernel's by a C call, any other by a call back."""
+        """The layers' weights for ``cpu_step``; None under tensor parallelism (no all-reduce there), a
+        linear unpacked or with a bias, shapes the kernels do not take, or kernels not built."""
         decoder_layers = [cast(DecoderLayer, m) for m in self.layers]
         if self.shard.tp_size != 1 or not decoder_layers or not cpu_step.available():
             return None
@@ -226,15 +206,11 @@ class LlamaStage(nn.Module):
 
     def forward(self, batch: ForwardBatch, cache: torch.Tensor,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """Run this stage's layers over ``hidden`` (None on the first stage: embed the tokens).
-
-        ``cache`` is this stage's block-major KV cache; layer ``i`` of the stage uses ``cache[:, i]``.
-        """
+        """This stage's layers over ``hidden`` (None: embed the tokens); layer ``i`` uses ``cache[:, i]``."""
         x = self.embed_tokens(batch.input_ids) if hidden is None else hidden
         cos, signed_sin = self.rotary.cos_sin(batch.positions, x.dtype)
         run = self._step_run
-        # The run's prefill attention is the C kernel the module path takes where the prefill
-        # rows come with block tables (``fastserve.worker.model.attention``).
+        # The run's prefill attention needs the prefill rows' block tables.
         if (run is not None and x.dtype == cache.dtype == torch.bfloat16 and kernels.cpu_step_allowed()
                 and (batch.num_prefill_tokens == 0 or batch.prefill_block_tables is not None)):
             prefill = None
@@ -248,5 +224,5 @@ class LlamaStage(nn.Module):
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head; float32 logits for the rows given."""
+        """Final norm and LM head: float32 logits."""
         return multiply_widened(self.norm(hidden), self._head_weight(), self._head_packed)

@@ -1,17 +1,8 @@
-"""LLaMA-family hyper-parameters (LLaMA 2/3, Mistral, Qwen2), read from a Hugging Face ``config.json``.
-
-One dataclass covers the family: RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention,
-an optional untied LM head and optional biases. The members differ only in config fields:
-
-* ``llama``: ``attention_bias`` puts a bias on q/k/v *and* o_proj; ``mlp_bias`` on the MLP.
-* ``qwen2``: q/k/v always carry a bias, o_proj never does.
-* ``mistral``: a ``sliding_window``; attention over the last ``sliding_window`` tokens equals full
-  attention while the context fits in the window, so the context is capped at the window (we
-  do not implement windowed attention) — ``max_position_embeddings`` becomes ``min(max, window)``.
-
-Rotary scaling (``rope_scaling``, or transformers 5's ``rope_parameters``): none/``default``,
-``linear`` and ``llama3`` (Llama 3.1+). Other kinds (``dynamic``, ``yarn``, ...) are rejected,
-naming the kind. No torch here: the control plane reads configs to validate its settings.
+"""LLaMA-family hyper-parameters (LLaMA 2/3, Mistral, Qwen2) from a ``config.json``; the members
+differ only in fields. ``llama``: ``attention_bias`` biases q/k/v and o, ``mlp_bias`` the MLP;
+``qwen2``: q/k/v always biased, o never; ``mistral``: a ``sliding_window``, served by capping the
+context at it (equal to full attention while the context fits). Rotary scaling: ``default``,
+``linear``, ``llama3``; other kinds are refused by name. No torch here.
 """
 
 from __future__ import annotations
@@ -19,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-#: The rope kinds served; "default" in a config means plain RoPE (no scaling).
 ROPE_KINDS = ("linear", "llama3")
 #: How transformers names plain, unscaled RoPE.
 ROPE_DEFAULT = "default"
@@ -49,8 +39,7 @@ class RopeScaling:
 
     @classmethod
     def parse(cls, raw: dict[str, Any] | None) -> RopeScaling | None:
-        """From a config's ``rope_scaling``/``rope_parameters`` dict (either key spelling of the
-        kind: ``rope_type`` or the older ``type``); None for no scaling."""
+        """From a ``rope_scaling``/``rope_parameters`` dict (``rope_type`` or ``type``); None: unscaled."""
         if not raw:
             return None
         kind = raw.get("rope_type", raw.get("type", ROPE_DEFAULT))
@@ -81,7 +70,7 @@ class LlamaConfig:
     num_attention_heads: int
     #: None = multi-head attention (as many KV heads as query heads).
     num_key_value_heads: int | None = None
-    #: None = hidden_size / num_attention_heads (Mistral-Nemo-style configs set it explicitly).
+    #: None = hidden_size / num_attention_heads.
     explicit_head_dim: int | None = None
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6
@@ -93,8 +82,7 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
     bos_token_id: int = 1
-    #: A config's list of end tokens is reduced to its first here; the server stops on all of
-    #: them (``fastserve.generation_config.eos_token_ids``, which also reads generation_config.json).
+    #: The first of the config's end tokens (the server stops on all of them).
     eos_token_id: int = 2
     model_type: str = "llama"
     name: str = "llama"
@@ -125,7 +113,6 @@ class LlamaConfig:
 
     @property
     def queries_per_kv(self) -> int:
-        """Query heads sharing one KV head (the GQA group size)."""
         return self.num_attention_heads // self.num_kv_heads
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
@@ -179,8 +166,7 @@ class LlamaConfig:
         return cls(**values)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """Fields transformers' ``LlamaConfig``/``Qwen2Config``/``MistralConfig`` accept (the class
-        is chosen by ``model_type``)."""
+        """Fields transformers' config class for ``model_type`` accepts."""
         out: dict[str, Any] = {
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,

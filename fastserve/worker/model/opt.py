@@ -1,17 +1,7 @@
-"""OPT decoder, written for serving: one pipeline stage, one tensor-parallel shard, paged KV.
-
-``OPTStage`` runs layers ``[layer_start, layer_end)`` of an OPT model on one tensor-parallel rank.
-The first stage embeds tokens and positions; the last applies the final norm/projection and the
-tied LM head. Tensor parallelism is Megatron-style: q/k/v and fc1 are column-parallel (each rank
-owns ``num_heads / tp`` heads and ``ffn_dim / tp`` columns), out_proj and fc2 row-parallel and
-followed by an all-reduce; their biases are added once, after the reduce. Embeddings and the LM
-head are replicated on the ranks that need them (simpler than vocab-parallel; OPT-175B's table is
-1.2 GB in fp16, small next to its layers).
-
-Attention reads and writes K/V through ``fastserve.worker.model.attention.paged_self_attention`` (the
-helper every model shares; it calls ``kernels``) on the stage's block-major cache
-``[num_blocks, num_layers, 2, block_size, heads, head_dim]`` (see ``fastserve.worker.kv_store``).
-Module names mirror Hugging Face's ``OPTDecoder`` so that checkpoint names map one-to-one.
+"""OPT decoder as one served stage and tensor-parallel shard. Megatron-style TP: q/k/v and fc1
+column-parallel, out_proj and fc2 row-parallel then all-reduced (bias added once). Embeddings and the
+tied LM head are replicated where needed, not vocab-parallel (OPT-175B's table is 1.2 GB in fp16).
+Module names mirror HF's ``OPTDecoder``.
 """
 
 from __future__ import annotations
@@ -41,7 +31,6 @@ __all__ = ["AllReduce", "OPTStage", "StageShard"]
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
-#: Checkpoint names: ``model.decoder.*`` (or ``decoder.*``); q/k/v and fc1 column-parallel.
 OPT_WEIGHTS = WeightLayout(
     prefixes=("model.decoder.", "decoder.", "model."),
     column_parallel=("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", "fc1."),
@@ -66,7 +55,7 @@ class Attention(nn.Module):
         self.q_proj = ServingLinear(config.hidden_size, local, bias=bias)
         self.k_proj = ServingLinear(config.hidden_size, local, bias=bias)
         self.v_proj = ServingLinear(config.hidden_size, local, bias=bias)
-        # Row-parallel: the bias is added after the all-reduce, exactly once.
+        # Row-parallel: the bias is added once, after the all-reduce.
         self.out_proj = ServingLinear(local, config.hidden_size, bias=bias)
         self.qkv = MergedLinear(self.q_proj, self.k_proj, self.v_proj)
         self.all_reduce = all_reduce
@@ -110,8 +99,7 @@ class DecoderLayer(nn.Module):
 class OPTStage(nn.Module):
     """One pipeline stage × one tensor-parallel rank of an OPT model."""
 
-    #: The tied LM head packed for CPU GEMMs (last stage, after ``pack_linear_weights``): at batch
-    #: 16 the vocabulary projection is the largest GEMM of a decode step (9.5 vs 13.7 ms here).
+    #: The tied LM head packed for CPU GEMMs (last stage, after ``pack_linear_weights``).
     _head_packed: PackedWeight | None = None
 
     def __init__(self, config: OPTConfig, shard: StageShard | None = None,
@@ -121,7 +109,7 @@ class OPTStage(nn.Module):
         shard.check(config)
         self.config = config
         self.shard = shard
-        if shard.is_first or shard.is_last:  # the last stage needs it as the tied LM head
+        if shard.is_first or shard.is_last:  # the last stage's tied LM head
             self.embed_tokens = nn.Embedding(config.vocab_size, config.proj_dim)
         if shard.is_first:
             self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET,
@@ -142,7 +130,6 @@ class OPTStage(nn.Module):
 
     @property
     def num_local_kv_heads(self) -> int:
-        """Heads of this rank's KV cache (all its query heads: OPT has no GQA)."""
         return self.num_local_heads
 
     @property
@@ -154,9 +141,7 @@ class OPTStage(nn.Module):
         return self.shard.tp_rank * rows, rows
 
     def pack_linear_weights(self, policy: GemmPolicy | None = None) -> int:
-        """Prepack every decoder linear for CPU GEMMs after the weights are loaded, q/k/v merged
-        into one, on the paths chosen for each shape (``fastserve.worker.model.linear.pack_linears``,
-        ``policy``); returns how many GEMM weights were packed (0 where packing does not apply)."""
+        """Prepack the decoder linears and head for CPU GEMMs; how many were packed."""
         head = self.embed_tokens.weight if self.shard.is_last else None
         packed, self._head_packed = pack_linears(self.layers, policy, head)
         place_on_huge_pages(self.layers, self._head_packed)
@@ -170,18 +155,14 @@ class OPTStage(nn.Module):
 
     def forward(self, batch: ForwardBatch, cache: torch.Tensor,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """Run this stage's layers. ``hidden`` comes from the previous stage (None on the first).
-
-        ``cache`` is this stage's block-major KV cache; layer ``i`` of the stage uses ``cache[:, i]``.
-        Returns hidden states for every token (the next stage's input, or ``logits``' input).
-        """
+        """This stage's layers over ``hidden`` (None: embed the tokens); layer ``i`` uses ``cache[:, i]``."""
         x = self.embed(batch) if hidden is None else hidden
         for i, layer in enumerate(self.layers):
             x = layer(x, batch, cache[:, i])
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm, projection and tied LM head; float32 logits for the rows given."""
+        """Final norm, projection and tied LM head: float32 logits."""
         if hasattr(self, "final_layer_norm"):
             hidden = self.final_layer_norm(hidden)
         if hasattr(self, "project_out"):

@@ -1,8 +1,4 @@
-"""Which stage class serves a model config: the one place that maps architectures to model code.
-
-``build_model`` is what the executor and the stage workers call; adding an architecture is a
-config class (``fastserve.worker.model.config.model_config_from_dict``) plus an entry here.
-"""
+"""``build_model``: the one place that maps a model config's architecture to its stage class."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Rotary position embeddings (RoPE) for the LLaMA family, with ``linear`` and ``llama3`` scaling.
-
-Owns the frequencies (computed once, in float32, from ``rope_theta`` and the scaling) and their
-application to queries and keys at the batch's 0-based positions. The rotation is the
-"half-split" form Hugging Face checkpoints are trained with: dimension ``i`` pairs with
-``i + head_dim/2`` (not adjacent pairs). cos/sin are computed per batch from the positions in
-float32 and cast to the activations' dtype, as transformers does.
-"""
+"""Rotary position embeddings for the LLaMA family (``linear`` and ``llama3`` scaling), in the
+half-split form HF checkpoints use: dimension ``i`` pairs with ``i + head_dim/2``. Frequencies are
+float32; cos/sin are computed per batch in float32 and cast to the activations' dtype."""
 
 from __future__ import annotations
 
@@ -24,7 +19,6 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
     if scaling is None:
         return inv_freq
     if scaling.kind == "linear":
-        # Positions divided by the factor, i.e. every frequency divided by it.
         return inv_freq / scaling.factor
     return _llama3_frequencies(inv_freq, scaling)
 
@@ -50,8 +44,7 @@ class Rotary:
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None) -> None:
         # A plain attribute, not a buffer: ``module.to(float16)`` must not round the frequencies.
         self.inv_freq = inverse_frequencies(head_dim, theta, scaling)
-        # One copy per device, made once: a copy per forward is a host-to-device transfer that
-        # waits for the device (and cannot be captured in a CUDA graph).
+        # One copy per device: a per-forward copy syncs and cannot be captured in a CUDA graph.
         self._on_device: dict[torch.device, torch.Tensor] = {self.inv_freq.device: self.inv_freq}
 
     def frequencies_on(self, device: torch.device) -> torch.Tensor:
@@ -61,8 +54,7 @@ class Rotary:
         return freq
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos`` and the signed ``sin`` (first half negated), each ``[T, 1, head_dim]`` (broadcast
-        over heads), for ``positions [T]``: what ``apply`` takes."""
+        """``cos`` and signed ``sin`` (first half negated), each ``[T, 1, head_dim]``, for ``positions [T]``."""
         inv_freq = self.frequencies_on(positions.device)
         angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
         sin = angles.sin()
@@ -71,7 +63,5 @@ class Rotary:
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x [T, heads, head_dim]`` by the per-token angles (``kernels.rotate``:
-        transformers' ``x * cos + rotate_half(x) * sin``, one C pass for bf16 on CPUs with
-        AVX-512 BF16)."""
+        """Rotate ``x [T, heads, head_dim]``: ``x * cos + rotate_half(x) * sin``."""
         return kernels.rotate(x, cos, signed_sin)

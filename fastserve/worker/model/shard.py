@@ -1,8 +1,4 @@
-"""``StageShard``: which slice of a model one worker holds — a layer range and a tensor-parallel rank.
-
-Shared by every architecture (``fastserve.worker.model.opt``, ``fastserve.worker.model.llama``); what a rank may split
-is the config's business (``ModelConfig.check_tensor_parallel``).
-"""
+"""``StageShard``: the slice of a model one worker holds, a layer range and a tensor-parallel rank."""
 
 from __future__ import annotations
 

@@ -1,22 +1,8 @@
-"""Weight loading for any served stage (OPT, LLaMA): Hugging Face checkpoints or seeded dummy weights.
-
-Checkpoint names map one-to-one onto our module names once the architecture's prefix
-(``model.decoder.`` for OPT, ``model.`` for LLaMA; see each model's ``WeightLayout``) is stripped
-and the global layer index is rebased onto the stage. Each stage and tensor-parallel rank takes
-only the slices it owns (a ``Cut``): column-parallel weights (OPT q/k/v and fc1; LLaMA q, gate, up)
-are split by output rows, row-parallel weights (out_proj/o_proj, fc2/down_proj) by input columns;
-K/V projections under grouped-query attention take the rows of the KV heads the rank stores (a
-split when TP divides the KV heads, else the one shared head, replicated); biases of row-parallel
-layers and everything else are replicated.
-
-A rank reads only what it holds: safetensors checkpoints are read through ``get_slice`` (only the
-rank's rows or columns leave the file), and a sharded checkpoint's ``model.safetensors.index.json``
-says which files to open at all. Torch pickles are memory-mapped and sliced.
-
-``load_format="dummy"`` (as vLLM's ``--load-format dummy``) draws each matrix line by line (rows,
-or columns for row-parallel weights, so a rank's slice is whole lines) from generators seeded by
-``(seed, name, line)``: a rank draws only its own lines, and any TP/PP split of the same seed holds
-exactly the same model as the unsplit one.
+"""Weight loading for any served stage: Hugging Face checkpoints or seeded dummy weights. Names map
+onto ours once the ``WeightLayout`` prefix is stripped and the layer index rebased onto the stage;
+each rank takes only its slice (a ``Cut``) and reads only that (safetensors ``get_slice``, mmapped
+pickles). Dummy weights (vLLM's ``--load-format dummy``) are drawn line by line from generators
+seeded by ``(seed, name, line)``, so any TP/PP split of a seed holds exactly the unsplit model.
 """
 
 from __future__ import annotations
@@ -38,16 +24,13 @@ from fastserve.worker.model.layout import WeightLayout
 from fastserve.worker.model.shard import StageShard
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-#: Hugging Face's OPT/LLaMA initialisation scale (``initializer_range``), reused for dummy
-#: weights so activations stay sane.
+#: HF's ``initializer_range`` for OPT/LLaMA, so dummy activations stay sane.
 DUMMY_INIT_STD = 0.02
-#: The index of a sharded safetensors checkpoint (maps each tensor to its shard file).
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 _SEED_MASK = (1 << 63) - 1
 
 
 class ServedStage(Protocol):
-    """What the loader needs of a stage module (``OPTStage``, ``LlamaStage``)."""
 
     @property
     def config(self) -> ModelConfig: ...
@@ -75,7 +58,6 @@ class Cut:
         return full.narrow(self.dim, self.start, self.length)
 
     def index(self) -> tuple[slice, ...]:
-        """The same cut as a subscript (what a safetensors slice takes)."""
         return (slice(None),) * self.dim + (slice(self.start, self.start + self.length),)
 
     def shape(self, full_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -95,7 +77,6 @@ def _suffix(local: str) -> str:
 
 
 def _local_name(stage: ServedStage, name: str) -> str | None:
-    """Our parameter name for a checkpoint tensor, or None if this stage does not hold it."""
     m = _LAYER.match(name)
     if m is None:
         return name
@@ -125,7 +106,7 @@ def tensor_cut(stage: ServedStage, local: str, full_shape: tuple[int, ...]) -> C
     layout, suffix = stage.weight_layout, _suffix(local)
     if suffix.startswith(layout.kv_parallel):
         rows = stage.config.num_kv_heads * stage.config.head_dim
-        if full_shape[0] != rows:   # checked here: a wrong tensor's slice could fit by accident
+        if full_shape[0] != rows:   # a wrong tensor's slice could fit by accident
             raise ValueError(f"checkpoint tensor {local!r} has {full_shape[0]} rows; the model's "
                              f"{stage.config.num_kv_heads} KV heads x {stage.config.head_dim} need {rows}")
         return Cut(0, *stage.kv_rows())
@@ -137,7 +118,7 @@ def tensor_cut(stage: ServedStage, local: str, full_shape: tuple[int, ...]) -> C
 
 
 class _Filler:
-    """Copies pieces into a stage's parameters, checking each shape, and says what is missing."""
+    """Copies pieces into a stage's parameters, checking shapes, and reports what is missing."""
 
     def __init__(self, stage: ServedStage) -> None:
         self.stage = stage
@@ -145,7 +126,6 @@ class _Filler:
         self.loaded: set[str] = set()
 
     def target(self, raw_name: str) -> str | None:
-        """The parameter a checkpoint tensor fills, or None if this stage does not hold it."""
         name = canonical_name(raw_name, self.stage.weight_layout)
         if name in self.stage.weight_layout.skipped:
             return None
@@ -171,7 +151,7 @@ class _Filler:
 
 
 def load_weights(stage: ServedStage, tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
-    """Copy full checkpoint tensors (already in memory) into ``stage``, taking this stage's slices."""
+    """Copy in-memory full tensors into ``stage``, taking its slices."""
     filler = _Filler(stage)
     for raw_name, full in tensors:
         local = filler.target(raw_name)
@@ -184,7 +164,6 @@ def load_weights(stage: ServedStage, tensors: Iterable[tuple[str, torch.Tensor]]
 
 
 class CheckpointReader(Protocol):
-    """A checkpoint read tensor by tensor, and only in part where a rank holds part."""
 
     def names(self) -> Iterable[str]: ...
     def shape(self, name: str) -> tuple[int, ...]: ...
@@ -192,7 +171,7 @@ class CheckpointReader(Protocol):
 
 
 def load_checkpoint(stage: ServedStage, reader: CheckpointReader, strict: bool = True) -> None:
-    """Fill ``stage`` from ``reader``, reading only the tensors it holds and only their slices."""
+    """Fill ``stage`` from ``reader``, reading only its tensors' slices."""
     filler = _Filler(stage)
     for raw_name in reader.names():
         local = filler.target(raw_name)
@@ -205,8 +184,7 @@ def load_checkpoint(stage: ServedStage, reader: CheckpointReader, strict: bool =
 
 
 class SafetensorsReader:
-    """Safetensors files, opened only when a tensor in them is wanted (the index says where each
-    tensor lives; without one every file's header is read to learn it). Use as a context manager."""
+    """Safetensors files opened on demand (without an index every header is read). A context manager."""
 
     def __init__(self, files: Iterable[Path], weight_map: dict[str, str] | None = None) -> None:
         self._files = {f.name: f for f in files}
@@ -267,8 +245,7 @@ class PickleReader:
 
 
 def _line_dim(name: str, layout: WeightLayout) -> int:
-    """The dimension a dummy matrix is drawn along, line by line: columns for row-parallel
-    weights (a rank holds whole columns), rows otherwise (a rank holds whole rows)."""
+    """The dimension a dummy matrix is drawn along: the one whose whole lines a rank holds."""
     return 1 if _suffix(name) in layout.row_parallel else 0
 
 
@@ -282,7 +259,7 @@ def _line_seed(key: int, line: int) -> int:
 
 def dummy_tensor(name: str, full_shape: tuple[int, ...], seed: int, layout: WeightLayout,
                  cut: Cut | None = None) -> torch.Tensor:
-    """The ``cut`` part (all, if None) of the dummy tensor ``name``: the same values whatever the cut."""
+    """The ``cut`` part of the dummy tensor ``name``: the same values whatever the cut."""
     shape = full_shape if cut is None else cut.shape(full_shape)
     if name.endswith(layout.ones):
         return torch.ones(shape)
@@ -305,7 +282,6 @@ def dummy_tensor(name: str, full_shape: tuple[int, ...], seed: int, layout: Weig
 
 
 def full_shapes(stage: ServedStage) -> dict[str, tuple[int, ...]]:
-    """Unsharded shapes, keyed by global checkpoint name, of every tensor this stage holds."""
     layout, config = stage.weight_layout, stage.config
     shapes: dict[str, tuple[int, ...]] = {}
     for local, p in stage.named_parameters():
@@ -322,14 +298,12 @@ def full_shapes(stage: ServedStage) -> dict[str, tuple[int, ...]]:
 
 
 def dummy_weights(stage: ServedStage, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every full (unsharded) tensor this stage holds, drawn from ``seed``, by our name."""
     layout = stage.weight_layout
     for name, shape in full_shapes(stage).items():
         yield name, dummy_tensor(name, shape, seed, layout)
 
 
 def load_dummy(stage: ServedStage, seed: int) -> None:
-    """Fill ``stage`` with its own slices of the dummy model ``seed``, drawing nothing else."""
     filler = _Filler(stage)
     for name, shape in full_shapes(stage).items():
         local = filler.target(name)
@@ -351,8 +325,7 @@ def _safetensors_index(path: Path) -> dict[str, str] | None:
 
 
 def checkpoint_files(path: Path) -> list[Path]:
-    """The weight files of a local Hugging Face model folder: safetensors preferred (the shards an
-    index names, when there is one), else .bin."""
+    """A local model folder's weight files: safetensors preferred, else .bin."""
     weight_map = _safetensors_index(path)
     if weight_map is not None:
         shards = sorted(set(weight_map.values()))
@@ -368,7 +341,6 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 
 def open_checkpoint(path: Path) -> SafetensorsReader | PickleReader:
-    """A reader over a local model folder's weights (safetensors preferred)."""
     files = checkpoint_files(path)
     if files[0].suffix == ".safetensors":
         return SafetensorsReader(files, _safetensors_index(path))
@@ -376,7 +348,7 @@ def open_checkpoint(path: Path) -> SafetensorsReader | PickleReader:
 
 
 def iter_checkpoint(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every full tensor of ``files`` (for tools that want whole tensors; serving uses ``open_checkpoint``)."""
+    """Every full tensor of ``files`` (for tools; serving uses ``open_checkpoint``)."""
     files = list(files)
     reader: SafetensorsReader | PickleReader
     if files and files[0].suffix == ".safetensors":
@@ -390,7 +362,7 @@ def iter_checkpoint(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]
 
 
 def resolve_model_path(model: str) -> Path:
-    """A local folder, or a hub id downloaded where the machine is online (never in tests)."""
+    """A local folder, or a hub id downloaded unless ``HF_HUB_OFFLINE``."""
     path = Path(model)
     if path.exists():
         return path
@@ -402,7 +374,6 @@ def resolve_model_path(model: str) -> Path:
 
 
 def load_stage_weights(stage: ServedStage, load_format: str, model_path: str | None = None, seed: int = 0) -> None:
-    """Fill ``stage`` from ``load_format``: ``dummy`` (seeded random) or ``auto`` (a checkpoint)."""
     if load_format == "dummy":
         load_dummy(stage, seed)
         return
