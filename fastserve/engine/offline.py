@@ -16,7 +16,7 @@ import yaml
 
 from fastserve.config import AppArgs
 from fastserve.engine.async_engine import AsyncEngine
-from fastserve.engine.replica import build_scheduler, in_process_executor
+from fastserve.engine.replica import build_grammars, build_scheduler, in_process_executor
 from fastserve.worker.messages import SamplingParams
 
 DEFAULT_PROMPTS = (
@@ -42,7 +42,7 @@ async def generate_all(args: AppArgs, prompts: Sequence[str], sampling: Sampling
     """Each prompt as a completion, or with ``chat`` as one user message in the chat template."""
     tokenizer = args.model.tokenizer()
     executor = await in_process_executor(args.engine_spec())
-    engine = AsyncEngine(build_scheduler(args), executor, config=args.engine)
+    engine = AsyncEngine(build_scheduler(args), executor, config=args.engine, grammars=build_grammars(args))
     await engine.start()
 
     async def one(i: int, prompt: str) -> dict[str, Any]:

@@ -94,7 +94,8 @@ def build_grammars(args: AppArgs) -> JobGrammars:
     at the first constrained request)."""
     model = args.model
     space = TokenSpace(model.tokenizer(), model.hf_config().vocab_size, model.eos_token_ids())
-    return JobGrammars(GrammarCompiler(space, args.engine.structured_outputs.compile_cache_size))
+    config = args.engine.structured_outputs
+    return JobGrammars(GrammarCompiler(space, config.compile_cache_size), config.mask_threads)
 
 
 def warn_if_profile_dtype_differs(profile: Profile, path: str, dtype: str) -> None:

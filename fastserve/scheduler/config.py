@@ -151,6 +151,11 @@ class StructuredOutputsConfig(_Strict):
     #: Distinct compiled constraints kept (least recently used goes first): a client sending the
     #: same schema again pays no compile. Each holds a pristine matcher (kilobytes).
     compile_cache_size: int = Field(default=256, ge=1)
+    #: Threads that compute a plan's grammar masks together (llguidance's pool; it drops the
+    #: GIL); 0: row after row on the engine's thread. 0 by default: on 2 cores the pool was no
+    #: faster and may take the cores from the next forward (``fastserve.structured``). A
+    #: many-core host serving large constrained batches may want a few.
+    mask_threads: int = Field(default=0, ge=0)
 
 
 class EngineConfig(_Strict):

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from fastserve.kernels import cpu_greedy
+from fastserve.kernels import cpu_greedy, cpu_token_mask
 from fastserve.worker.messages import SamplingContext, SamplingParams, TokenLogprobs
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio multiplier: spreads (seed, step) over 63 bits
@@ -82,7 +82,10 @@ class Sampler:
             # values cannot overflow a float64 sum); one reduction instead of a mask over the vocabulary.
             finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float64)).tolist()
         if token_masks is not None:
-            logits = apply_token_masks(logits, token_masks, finite)
+            moved = apply_token_masks(logits, token_masks, finite)
+            if greedy is not None:   # the masked rows' maxima moved
+                for row, token in moved.items():
+                    greedy[row] = token
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None and finite[i]]
         raw_logprobs = torch.log_softmax(logits[lp_rows].float(), dim=-1) if lp_rows else None
         logits = steer_logits(logits, params, finite)
@@ -205,27 +208,46 @@ def steer_logits(logits: torch.Tensor, params: Sequence[SamplingParams], finite:
     return out
 
 
-def apply_token_masks(logits: torch.Tensor, masks: Sequence[bytes | None], finite: list[bool]) -> torch.Tensor:
-    """``logits`` with each masked row's disallowed tokens at -inf (a copy; the same tensor when
-    no row has a mask). A mask is one bit per token id, little-endian 32-bit words; a token past
-    its bits is disallowed, bits past the logits' width are ignored. A row whose mask leaves no
-    token is marked not ``finite``: its job alone fails (its grammar failed)."""
-    rows = [i for i, m in enumerate(masks) if m is not None and finite[i]]
-    if not rows:
-        return logits
-    vocab = logits.shape[-1]
-    packed = np.frombuffer(b"".join(masks[i] for i in rows), dtype=np.uint8).reshape(len(rows), -1)
-    bits = np.unpackbits(packed, axis=1, count=min(vocab, 8 * packed.shape[1]), bitorder="little")
-    allowed = torch.zeros((len(rows), vocab), dtype=torch.bool)
-    allowed[:, : bits.shape[1]] = torch.from_numpy(bits).bool()
-    allowed = allowed.to(logits.device)
-    out = logits.clone()
-    out[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
-    for i, some in zip(rows, allowed.any(dim=-1).tolist(), strict=True):
+def apply_token_masks(logits: torch.Tensor, masks: Sequence[bytes | None], finite: list[bool]) -> dict[int, int]:
+    """Set each masked row's disallowed tokens to -inf, in place (the step's logits are the
+    sampler's to change); each masked row's greedy token after it, by row. A mask is one bit per token id in
+    little-endian 32-bit words; a token past its bits is disallowed, bits past the logits' width
+    are ignored. A row whose mask allows nothing is marked not ``finite``: its job alone fails
+    (its grammar failed).
+
+    On CPU float32 logits one C pass reads each mask word once (``fastserve.kernels.cpu_token_mask``);
+    elsewhere the packed masks are inverted (a few KB a row) and unpacked into a byte per token
+    that ``masked_fill_`` reads as booleans, without a copy."""
+    picked = [(i, m) for i, m in enumerate(masks) if m is not None and finite[i]]
+    if not picked:
+        return {}
+    rows = [i for i, _ in picked]
+    packed = np.frombuffer(b"".join(m for _, m in picked), dtype=np.uint8).reshape(len(rows), -1)
+    if cpu_token_mask.fits(logits) and packed.shape[1] % 4 == 0:
+        allows, tokens = cpu_token_mask.mask_rows(logits, rows, packed)
+    else:
+        allows = _masked_fill_rows(logits, rows, packed)
+        tokens = logits[rows].argmax(dim=-1).tolist()
+    for i, some in zip(rows, allows, strict=True):
         if not some:
             log.warning("a grammar mask allows no token: its request fails")
             finite[i] = False
-    return out
+    return dict(zip(rows, tokens, strict=True))
+
+
+def _masked_fill_rows(logits: torch.Tensor, rows: list[int], packed: np.ndarray) -> list[bool]:
+    """``apply_token_masks``'s torch path (any device and dtype)."""
+    vocab = logits.shape[-1]
+    banned = np.ones((len(rows), vocab), dtype=np.uint8)
+    width = min(vocab, 8 * packed.shape[1])
+    banned[:, :width] = np.unpackbits(np.invert(packed), axis=1, count=width, bitorder="little")
+    ban = torch.from_numpy(banned).view(torch.bool).to(logits.device, non_blocking=True)
+    if len(rows) == logits.shape[0]:
+        logits.masked_fill_(ban, float("-inf"))
+    else:
+        for k, i in enumerate(rows):
+            logits[i].masked_fill_(ban[k], float("-inf"))
+    return [bool(packed[k].any()) for k in range(len(rows))]
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:

@@ -27,7 +27,7 @@ from fastserve.scheduler.config import SwapMode
 from fastserve.scheduler.job import JobRequest
 from fastserve.structured import GrammarCompiler, GrammarError, JobGrammars, TokenSpace, check_constraint
 from fastserve.tokenizer import Tokenizer
-from fastserve.worker.messages import BatchPlan, OutputConstraint, SamplingParams, StepOutput
+from fastserve.worker.messages import BatchEntry, BatchPlan, OutputConstraint, SamplingParams, StepOutput
 from fastserve.worker.sampler import Sampler, apply_token_masks
 from tests.harness.engine_driver import CoreDriver
 from tests.harness.scheduling import make
@@ -175,6 +175,21 @@ def test_each_distinct_constraint_compiles_once_and_the_cache_is_bounded() -> No
     assert grammars.state("j1").consumed == 0
 
 
+def test_a_plans_masks_computed_together_equal_each_computed_alone() -> None:
+    together, alone = JobGrammars(compiler(), mask_threads=2), JobGrammars(compiler())
+    entries = []
+    for i, case in enumerate(sorted(CASES)):
+        for grammars in (together, alone):
+            grammars.add(case, CASES[case][0])
+        entries.append(BatchEntry(case, (10,), 0, (0,), True, SamplingParams(), samples=i != 1))
+    plan = together.with_masks(BatchPlan(0, tuple(entries)))
+    masked = {e.job_id: e.token_mask for e in plan.entries}
+    skipped = sorted(CASES)[1]
+    assert masked == {case: None if case == skipped else alone.mask(case) for case in CASES}
+    assert together.with_masks(BatchPlan(1, (BatchEntry("free", (10,), 0, (0,), True, SamplingParams()),))) \
+        == BatchPlan(1, (BatchEntry("free", (10,), 0, (0,), True, SamplingParams()),))
+
+
 def test_a_token_the_grammar_rejects_fails_the_matcher_and_empties_its_mask() -> None:
     grammars = JobGrammars(compiler())
     grammars.add("j", OutputConstraint.choice(["yes", "no"]))
@@ -207,12 +222,16 @@ def test_the_sampler_masks_each_row_before_greedy_and_logprobs() -> None:
 
 
 def test_a_mask_shorter_than_the_logits_disallows_the_rest_and_a_longer_one_is_cut() -> None:
-    logits = torch.zeros((1, 40))
-    short = apply_token_masks(logits, [packed({1, 31}, 32)], [True])
-    assert torch.isfinite(short[0]).nonzero().flatten().tolist() == [1, 31]
-    long = apply_token_masks(logits, [packed({1, 39, 50}, 64)], [True])
-    assert torch.isfinite(long[0]).nonzero().flatten().tolist() == [1, 39]
-    assert apply_token_masks(logits, [None], [True]) is logits
+    logits = torch.zeros((3, 40))
+    finite = [True, True, True]
+    logits[0, 31] = logits[2, 1] = 1.0
+    assert apply_token_masks(logits, [packed({1, 31}, 32), None, None], finite) == {0: 31}
+    assert apply_token_masks(logits, [None, None, packed({1, 39, 50}, 64)], finite) == {2: 1}
+    assert [torch.isfinite(row).nonzero().flatten().tolist() for row in logits] == [[1, 31], list(range(40)), [1, 39]]
+    assert apply_token_masks(logits, [None, None, None], finite) == {} and finite == [True, True, True]
+    whole, both = torch.zeros((2, 40)), [True, True]
+    assert apply_token_masks(whole, [packed({0}, 40), packed(set(), 40)], both)[0] == 0
+    assert torch.isfinite(whole[0]).nonzero().flatten().tolist() == [0] and both == [True, False]
 
 
 # ---- through the scheduler -----------------------------------------------------------------------

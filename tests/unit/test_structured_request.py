@@ -10,13 +10,19 @@ from typing import Any
 
 import pytest
 
+from fastserve.scheduler.job import Finish, TokenDelta
 from fastserve.worker.messages import OutputConstraint
-from tests.harness.http_backends import MODEL, FakeBackend, post
+from tests.harness.http_backends import MODEL, STATS, ScriptedBackend, post
 
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"]}
+
+
+def backend() -> ScriptedBackend:
+    """Answers every job with one token and a finish."""
+    return ScriptedBackend(lambda req: [TokenDelta(req.job_id, (5,), Finish("length", STATS))])
 
 
 def body(chat: bool, **fields: Any) -> dict[str, Any]:
@@ -27,10 +33,10 @@ def body(chat: bool, **fields: Any) -> dict[str, Any]:
 
 
 def constraint_of(chat: bool, **fields: Any) -> OutputConstraint | None:
-    backend = FakeBackend([5, 6])
-    resp = post(backend, CHAT if chat else CMPL, body(chat, **fields))
+    server = backend()
+    resp = post(server, CHAT if chat else CMPL, body(chat, **fields))
     assert resp.status_code == 200, resp.json()
-    return backend.requests[0].sampling.constraint
+    return server.requests[0].sampling.constraint
 
 
 @pytest.mark.parametrize("chat", [False, True])
@@ -101,12 +107,12 @@ def test_disable_additional_properties_closes_every_listed_object() -> None:
 @pytest.mark.parametrize("chat", [False, True])
 def test_a_malformed_or_second_constraint_is_a_400_naming_it(chat: bool, fields: dict[str, Any], param: str,
                                                               message: str) -> None:
-    backend = FakeBackend([5])
-    resp = post(backend, CHAT if chat else CMPL, body(chat, **fields))
+    server = backend()
+    resp = post(server, CHAT if chat else CMPL, body(chat, **fields))
     assert resp.status_code == 400
     err = resp.json()["error"]
     assert (err["param"], err["message"]) == (param, message)
-    assert backend.requests == []
+    assert server.requests == []
 
 
 @pytest.mark.parametrize("fields,param", [
@@ -116,5 +122,5 @@ def test_a_malformed_or_second_constraint_is_a_400_naming_it(chat: bool, fields:
     ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
 ])
 def test_options_we_do_not_honour_are_refused(fields: dict[str, Any], param: str) -> None:
-    resp = post(FakeBackend([5]), CHAT, body(True, **fields))
+    resp = post(backend(), CHAT, body(True, **fields))
     assert resp.status_code == 400 and resp.json()["error"]["param"] == param
