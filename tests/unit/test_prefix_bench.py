@@ -19,7 +19,9 @@ def test_cache_setup_differs_only_in_prefix_caching() -> None:
     on, off = (AppArgs.model_validate(a["args"]) for a in raw["applications"])
     assert (on.kv_cache.prefix_caching, off.kv_cache.prefix_caching) == (True, False)
     assert on.model.dtype == off.model.dtype == "float32"
-    assert on.kv_cache.num_device_blocks == off.kv_cache.num_device_blocks == 1024   # the demo's
+    demo = AppArgs.model_validate(variant_config({"demo": {}}, 8123, DEMO, {"model": {"dtype": "float32"}})
+                                  ["applications"][0]["args"])
+    assert on.kv_cache.num_device_blocks == off.kv_cache.num_device_blocks == demo.kv_cache.num_device_blocks
     assert on.model_dump(exclude={"kv_cache"}) == off.model_dump(exclude={"kv_cache"})
 
 

@@ -62,9 +62,19 @@ def variant_config(variants: Mapping[str, Mapping[str, Mapping[str, Any]]], port
         for overrides in (args_overrides or {}, own):
             for section, settings in overrides.items():
                 app["args"].setdefault(section, {}).update(settings)
+                if section == "kv_cache":
+                    _blocks_replace_memory(app["args"]["kv_cache"], settings)
         apps.append(app)
     raw["applications"] = apps
     return raw
+
+
+def _blocks_replace_memory(kv: dict[str, Any], settings: Mapping[str, Any]) -> None:
+    """A block count an override sets replaces the base's memory size for that tier (the config
+    refuses both)."""
+    for tier in ("device", "host"):
+        if settings.get(f"num_{tier}_blocks") is not None and f"{tier}_memory_gib" not in settings:
+            kv.pop(f"{tier}_memory_gib", None)
 
 
 def serve_env(ray_tmpdir: str) -> dict[str, str]:
