@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from fastserve.bench.race import cpu_model
 from fastserve.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,18 +157,8 @@ def model_vocab(folder: Path) -> int:
     return int(config.get("vocab_size") or config["text_config"]["vocab_size"])
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
 def run(models: list[str], engines: list[str], rounds: int, model_root: Path = MODEL_ROOT) -> dict[str, Any]:
-    results: dict[str, Any] = {"cpu": cpu_name(), "rounds": rounds, "engines": {}, "rows": []}
+    results: dict[str, Any] = {"cpu": cpu_model(), "rounds": rounds, "engines": {}, "rows": []}
     for model in models:
         folder = model_root / MODELS[model]
         if not (folder / "tokenizer.json").exists():
