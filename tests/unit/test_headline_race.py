@@ -44,3 +44,13 @@ def test_both_servers_get_the_same_device_kv() -> None:
     args = H.parse_args(["--vllm-url", "http://127.0.0.1:8100", "--kv-tokens", "8192"])
     assert H.our_overrides(args)["kv_cache"]["num_device_blocks"] * 16 == 8192
     assert 8192 // H.VLLM_BLOCK_SIZE == 64
+
+
+def test_a_system_past_its_crossing_counts_only_points_over_at_both_statistics() -> None:
+    points = [{"per_token_mean_s": 0.1, "per_token_p95_s": 0.2},
+              {"per_token_mean_s": 0.3, "per_token_p95_s": 0.9},      # P95 over only: still under at the mean
+              {"per_token_mean_s": 0.7, "per_token_p95_s": 1.5},
+              {"per_token_mean_s": math.nan, "per_token_p95_s": math.nan}]
+    assert H.points_over(points, 0.5) == 2
+    assert H.curve_cell(None, 0.5) == "–"
+    assert H.curve_cell(points[1], 0.5) == "0.300 / 0.900*"
