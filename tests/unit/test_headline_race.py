@@ -54,3 +54,10 @@ def test_a_system_past_its_crossing_counts_only_points_over_at_both_statistics()
     assert H.points_over(points, 0.5) == 2
     assert H.curve_cell(None, 0.5) == "–"
     assert H.curve_cell(points[1], 0.5) == "0.300 / 0.900*"
+
+
+def test_our_requests_are_bounded_by_the_point_not_the_demos_request_timeout() -> None:
+    # vLLM ends no request on a timer: a shorter one on our side would drop our slowest jobs from the figures.
+    args = H.parse_args(["--vllm-url", "http://127.0.0.1:8100", "--max-total-s", "1500"])
+    server = H.our_overrides(args)["server"]
+    assert server["request_timeout_s"] == server["admission_timeout_s"] == 1500

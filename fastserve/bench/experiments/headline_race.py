@@ -139,7 +139,7 @@ def our_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
                          "num_host_blocks": args.host_blocks},
             "model": {"max_model_len": MAX_MODEL_LEN},
             "scheduler": {"admission_queue_limit": 100_000}, "engine": {"max_jobs": 100_000},
-            "server": {"admission_timeout_s": args.max_total_s}}
+            "server": {"admission_timeout_s": args.max_total_s, "request_timeout_s": args.max_total_s}}
 
 
 def our_jobs(records: Sequence[dict[str, Any]]) -> dict[str, float]:
