@@ -307,7 +307,7 @@ class _Walk:
         if freed < short:
             self.failed_short = short
             return None
-        return chosen
+        return _without_spare(chosen, freed - short)
 
     def _preempt_latest(self, job: Job) -> None:
         """vLLM: growth does not fit, so preempt the latest admitted idle job (dropped if the host is full)."""
@@ -333,3 +333,15 @@ class _Walk:
         else:
             res.free_host -= on_host
             self.spare_release += n     # released when this plan returns
+
+
+def _without_spare(chosen: list[tuple[str, int]], spare: int) -> list[tuple[str, int]]:
+    """Victims the others already cover stay resident, the highest ranked first (they run soonest):
+    each victim taken is one the scan would take anyway, so the claimant gets the same room."""
+    kept = list(chosen)
+    for i in range(len(kept) - 1, -1, -1):
+        n = kept[i][1]
+        if n <= spare:
+            spare -= n
+            del kept[i]
+    return kept
