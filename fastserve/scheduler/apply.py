@@ -137,7 +137,7 @@ class Applier:
         samples = run.wasted or run.end == job.num_tokens
         context = (job.sampling.context(job.prompt_ids, job.generated, s.eos_token_ids)
                    if samples else None)
-        out.entries.append(BatchEntry(job.job_id, job.tokens()[run.start:run.end], run.start,
+        out.entries.append(BatchEntry(job.job_id, job.tokens_between(run.start, run.end), run.start,
                                       table, not job.decoding, job.sampling,
                                       len(job.generated), samples, context,
                                       prompt_targets=job.prompt_targets(run.start, run.end)))

@@ -38,6 +38,10 @@ class _Walk:
         self.admit_new = admit_new
         self.res = BatchDecision(free_device=self.view.kv.num_free_device,
                                  free_host=self.view.kv.num_free_host)
+        cfg = self.view.config
+        self.max_jobs = cfg.max_batch_size
+        self.max_tokens = cfg.max_num_batched_tokens
+        self.chunk_limit = cfg.chunk_limit()
         self.tokens = 0
         self.picked: set[str] = set()
         self.evicted: set[str] = set()
@@ -59,8 +63,7 @@ class _Walk:
         self.spare_release = releasing - from_release   # releasing, no claim holds them
 
     def full(self) -> bool:
-        cfg = self.view.config
-        return len(self.picked) >= cfg.max_batch_size or self.tokens >= cfg.max_num_batched_tokens
+        return len(self.picked) >= self.max_jobs or self.tokens >= self.max_tokens
 
     def run(self) -> BatchDecision:
         popped: list[tuple[PrioritySet, Key, str]] = []
@@ -131,27 +134,32 @@ class _Walk:
 
     def _chunk_room(self) -> int | None:
         """Tokens a prefill chunk may feed now (the budget's rest, ≤ ``chunk_tokens``); None when off."""
-        limit = self.view.config.chunk_limit()
+        limit = self.chunk_limit
         if limit is None:
             return None
-        return max(min(limit, self.view.config.max_num_batched_tokens - self.tokens), 1)
+        return max(min(limit, self.max_tokens - self.tokens), 1)
 
-    def _resident_run(self, job: Job, swap_in_first: bool = False) -> Run:
+    def _resident_end(self, job: Job) -> int:
         """From its computed tokens to its end, or a chunk of that which fits the budget."""
         end = job.num_tokens
-        room = self._chunk_room()
-        if room is not None:
+        if self.chunk_limit is not None:
+            room = self._chunk_room()
+            assert room is not None
             end = min(end, job.num_computed_tokens + room)
-        return Run(job.job_id, job.num_computed_tokens, end, swap_in_first=swap_in_first)
+        return end
+
+    def _resident_run(self, job: Job, swap_in_first: bool = False) -> Run:
+        return Run(job.job_id, job.num_computed_tokens, self._resident_end(job), swap_in_first=swap_in_first)
 
     def _try_resident(self, job: Job) -> None:
-        run = self._resident_run(job)
-        need = self.view.kv.device_blocks_needed(job.job_id, run.end)
+        end = self._resident_end(job)
+        need = self.view.kv.device_blocks_needed(job.job_id, end)
         if need > self.res.free_device and self.view.policy.evicts_during_batch:
             self._preempt_latest(job)
         room = self._make_room(job, need)
         if room == "now":
-            self._pick(run, need)
+            # A run is built only for a pick (the budget it reads has not moved since).
+            self._pick(Run(job.job_id, job.num_computed_tokens, end), need)
         elif room is None:
             self.res.growth_needs[job.job_id] = need
             if self.res.focus is None:
@@ -299,7 +307,7 @@ class _Walk:
         if freed < short:
             self.failed_short = short
             return None
-        return chosen
+        return _without_spare(chosen, freed - short)
 
     def _preempt_latest(self, job: Job) -> None:
         """vLLM: growth does not fit, so preempt the latest admitted idle job (dropped if the host is full)."""
@@ -325,3 +333,15 @@ class _Walk:
         else:
             res.free_host -= on_host
             self.spare_release += n     # released when this plan returns
+
+
+def _without_spare(chosen: list[tuple[str, int]], spare: int) -> list[tuple[str, int]]:
+    """Victims the others already cover stay resident, the highest ranked first (they run soonest):
+    each victim taken is one the scan would take anyway, so the claimant gets the same room."""
+    kept = list(chosen)
+    for i in range(len(kept) - 1, -1, -1):
+        n = kept[i][1]
+        if n <= spare:
+            spare -= n
+            del kept[i]
+    return kept

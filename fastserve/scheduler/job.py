@@ -195,13 +195,22 @@ class Job:
     def tokens(self) -> tuple[int, ...]:
         return self.prompt_ids + tuple(self.generated)
 
+    def tokens_between(self, start: int, end: int) -> tuple[int, ...]:
+        """``tokens()[start:end]`` without building the whole sequence (a decode feeds one token)."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return tuple(self.generated[start - n:end - n])
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + tuple(self.generated[:end - n])
+
     @property
     def num_generated(self) -> int:
         return len(self.generated)
 
     @property
     def num_tokens(self) -> int:
-        return self.prompt_len + len(self.generated)
+        return len(self.prompt_ids) + len(self.generated)
 
     @property
     def decoding(self) -> bool:

@@ -55,8 +55,10 @@ class PrioritySet:
         return None
 
     def pop(self) -> tuple[Key, str] | None:
-        top = self.peek()
-        if top is not None:
-            heapq.heappop(self._heap)
-            del self._live[top[1]]
-        return top
+        heap, live = self._heap, self._live
+        while heap:
+            key, token, job_id = heapq.heappop(heap)
+            if live.get(job_id) == token:
+                del live[job_id]
+                return key, job_id
+        return None

@@ -8,6 +8,7 @@ import math
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +105,7 @@ class Profile:
                 hi = mid - 1
         return lo
 
-    @property
+    @cached_property
     def q1(self) -> float:
         """The highest level's quantum: the smallest decode-iteration time (§4.1)."""
         return min(self.dec_seconds)

@@ -27,8 +27,7 @@ class StarvationClocks:
         return job_id in self._due
 
     def add(self, job_id: str, due: float) -> None:
-        self._due.discard(job_id)
-        self._due.add(job_id, due)
+        self._due.add(job_id, due)   # a job's earlier entry goes stale
 
     def discard(self, job_id: str) -> None:
         self._due.discard(job_id)

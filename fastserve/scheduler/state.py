@@ -72,6 +72,9 @@ class SchedulerState:
         self.reserve = ArrivalReserve(kv_config)
         self.totals: Counter[str] = Counter()
         self._decode_iteration = profile.t_dec(config.max_batch_size)
+        #: α's two fixed floors, read at every placement and promotion check.
+        self._alpha_floor = max(config.starvation_alpha_s,
+                                config.starvation_min_iterations * self._decode_iteration)
         self.step_time_s: float | None = None   # running mean of measured steps
         self.blocked: set[str] = set()          # wanted off the device (``Job.blocked_since``)
         self.claims: dict[str, Claim] = {}
@@ -82,10 +85,9 @@ class SchedulerState:
         and at rounds of the backlog ahead."""
         cfg = self.config
         ahead = len(self.jobs) if level is None else sum(self.queues.counts[:level])
-        floor = cfg.starvation_min_iterations * self.decode_iteration()
         rounds = math.ceil(ahead / cfg.max_batch_size)
         backlog = cfg.starvation_backlog_batches * rounds * self.step_time_estimate()
-        return max(cfg.starvation_alpha_s, floor, backlog)
+        return max(self._alpha_floor, backlog)
 
     def decode_iteration(self) -> float:
         return self._decode_iteration

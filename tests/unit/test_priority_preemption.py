@@ -193,3 +193,41 @@ def test_a_claim_is_held_while_its_swap_out_is_in_flight() -> None:
     assert evicted == [(4, "L2", "short")]
     assert "short" not in ran[4] + ran[5] and "short" in ran[6]
     assert s.kv.swapped_out_blocks == 2
+
+
+def test_a_victim_the_later_ones_cover_stays_resident() -> None:
+    """Batch 1, a 4-block pool of 16-token blocks: A (3-token prompt, 1 block) decodes alone
+    until level 4; B (40 tokens, 3 blocks, level 3) runs once and the pool is full; S (20
+    tokens, level 2) arrives needing 2 blocks. The scan takes A (lowest) then B, 4 blocks for a
+    2-block need; B alone covers it, so A stays (before: both went out and A came back a plan
+    later) and, resident, runs in the very plan that swaps B out. S runs once that plan returned."""
+    s = make(batch=1, device=4, host=64, block=16, cache=False)
+    evicted: list[tuple[int, str, str | None]] = []
+    apply = s.applier.apply
+
+    def record(decision: Decision, now: float, out: Applied) -> None:
+        evicted.extend((decision.step, a.job_id, a.for_job)
+                       for a in decision.batch.actions if isinstance(a, Evict))
+        apply(decision, now, out)
+
+    s.applier.apply = record  # type: ignore[method-assign]
+    now = 0.0
+    s.add(req("A", 3, 13), now)
+    while s.jobs()["A"].level < 4:
+        step(s, now, 1.0)
+        now += 1.0
+    assert (now, s.kv.num_blocks("A")) == (10.0, 1)
+    s.add(req("B", 40, 8), now)
+    plan, _ = step(s, now, 1.0)
+    now += 1.0
+    assert [e.job_id for e in plan.entries] == ["B"] and s.jobs()["B"].level == 3
+    assert s.kv.num_blocks("B") == 3 and s.kv.num_free_device == 0
+    s.add(req("S", 20, 4), now)
+    ran = []
+    for _ in range(2):
+        plan, _ = step(s, now, 1.0)
+        now += 1.0
+        ran.append(([e.job_id for e in plan.entries], [c.job_id for c in plan.swap_out],
+                     [c.job_id for c in plan.swap_in]))
+    assert ran == [(["A"], ["B"], []), (["S"], [], [])]
+    assert evicted == [(11, "B", "S")]
