@@ -41,6 +41,14 @@ from fastserve.worker.messages import SamplingContext, SamplingParams, TokenLogp
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio multiplier: spreads (seed, step) over 63 bits
 _SEED_BITS = (1 << 63) - 1
 
+#: Most likely tokens top-p sorts first, and the factor it widens them by until they hold the
+#: nucleus (speed only: the kept tokens are the same for any window).
+NUCLEUS_WINDOW = 256
+NUCLEUS_GROWTH = 8
+#: A batch is drawn over its rows' non-zero tokens alone where the widest row has at most a
+#: 1/this share of the vocabulary (speed only: the same tokens either way).
+SPARSE_DRAW_FRACTION = 8
+
 log = logging.getLogger(__name__)
 
 
@@ -155,7 +163,8 @@ class Sampler:
         probs = batched_filtered_probs(logits[rows].float(), picked)
         uniforms = torch.cat([torch.rand(1, generator=self._generator(params[i], step_indices[i]),
                                          dtype=torch.float64) for i in rows])
-        tokens, ok = draw_rows(probs, uniforms.to(probs.device))
+        filtered = all(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in picked)
+        tokens, ok = draw_rows(probs, uniforms.to(probs.device), filtered)
         out: dict[int, int | None] = {}
         for i, token, good in zip(rows, tokens.tolist(), ok.tolist(), strict=True):
             if not good:
@@ -265,20 +274,55 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     return min(index, int(torch.count_nonzero(cdf < total)))
 
 
-def draw_rows(probs: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_rows(probs: torch.Tensor, uniforms: torch.Tensor, filtered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``draw`` for every row of ``probs`` ([rows, vocab]) at once, with row r's uniform variate
     ``uniforms[r]`` (float64): the drawn indices, and whether each row had finite positive mass
-    (a row without gets an arbitrary index)."""
-    cdf = probs.double().cumsum(-1)
-    total = cdf[:, -1]
-    ok = (total > 0) & torch.isfinite(total)
-    index = torch.searchsorted(cdf, (uniforms * total)[:, None], right=True)[:, 0]
-    return torch.minimum(index, torch.count_nonzero(cdf < total[:, None], dim=-1)), ok
+    (a row without gets an arbitrary index).
+
+    The CDF is each row's float64 running sum in token order, as ``draw``'s. Where every row was
+    ``filtered`` (top-k, top-p or min-p) and kept few tokens with mass, the sum runs over those
+    tokens alone (``_draw_sparse_rows``): adding a zero leaves a float64 sum unchanged, so it is
+    the same CDF at the tokens that can be drawn, without a float64 copy of the whole vocabulary."""
+    rows, vocab = probs.shape
+    if filtered and rows and probs.device.type == "cpu":
+        support = torch.count_nonzero(probs, dim=-1)
+        width = int(support.max())
+        if width * SPARSE_DRAW_FRACTION <= vocab:
+            return _draw_sparse_rows(probs, uniforms, support, width)
+    cdf = torch.cumsum(probs, -1, dtype=torch.float64)
+    total = cdf[:, -1:].contiguous()
+    ok = (total[:, 0] > 0) & torch.isfinite(total[:, 0])
+    index = torch.searchsorted(cdf, uniforms[:, None] * total, right=True)[:, 0]
+    # The rounding limit: the first index whose CDF reaches the total (the count of entries below it).
+    return torch.minimum(index, torch.searchsorted(cdf, total)[:, 0]), ok
+
+
+def _draw_sparse_rows(probs: torch.Tensor, uniforms: torch.Tensor, support: torch.Tensor,
+                      width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``draw_rows`` over each row's ``support`` tokens of non-zero probability (at most ``width``),
+    packed left in token order; the packed CDF is the full one at those tokens, and the first full
+    index whose CDF passes a point is the packed one's token."""
+    rows = probs.shape[0]
+    if width == 0:
+        return torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.bool)
+    row, col = torch.nonzero(probs, as_tuple=True)   # row-major: each row's tokens in order
+    slot = torch.arange(row.numel()) - (torch.cumsum(support, 0) - support)[row]
+    tokens = torch.zeros(rows, width, dtype=torch.long)
+    tokens[row, slot] = col
+    mass = torch.zeros(rows, width, dtype=torch.float64)
+    mass[row, slot] = probs[row, col].double()
+    cdf = mass.cumsum(-1)   # trailing zeros keep each row's total
+    total = cdf[:, -1:].contiguous()
+    ok = (total[:, 0] > 0) & torch.isfinite(total[:, 0])
+    index = torch.searchsorted(cdf, uniforms[:, None] * total, right=True)
+    last = torch.searchsorted(cdf, total)
+    return tokens.gather(-1, torch.minimum(index, last))[:, 0], ok
 
 
 def batched_filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """``filtered_probs`` of every row of ``logits`` ([rows, vocab]) with its own params, in one
-    pass per filter (a filter no row uses is skipped)."""
+    pass per filter (a filter no row uses is skipped). Top-k and top-p read only the most likely
+    tokens they need (``torch.topk``, ``nucleus``), never a sort of the whole vocabulary."""
     rows, vocab = logits.shape
     column = {"dtype": logits.dtype, "device": logits.device}
     scaled = logits / torch.tensor([p.temperature for p in params], **column)[:, None]  # type: ignore[arg-type]
@@ -290,17 +334,59 @@ def batched_filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(top_k):
         k = torch.tensor(top_k, dtype=torch.long, device=logits.device)[:, None]
-        kth = scaled.sort(dim=-1, descending=True).values.gather(-1, (k - 1).clamp(min=0))
+        # The k-th largest value, as the k-th of a full descending sort (ties counted).
+        kth = scaled.topk(max(top_k), dim=-1).values.gather(-1, (k - 1).clamp(min=0))
         scaled = scaled.masked_fill((scaled < kth) & (k > 0), float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     if any(p.top_p < 1.0 for p in params):
         top_p = torch.tensor([p.top_p for p in params], **column)[:, None]  # type: ignore[arg-type]
-        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
-        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
-        drop[:, 0] = False
-        kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+        kept = probs.masked_fill(~nucleus(probs, top_p), 0.0)
         probs = torch.where(top_p < 1.0, kept / kept.sum(dim=-1, keepdim=True), probs)
     return probs
+
+
+def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Bool [rows, vocab]: the tokens top-p keeps (all of a row whose ``top_p[row]`` is 1), exactly
+    those a stable descending sort of the whole row keeps: each token whose mass strictly above
+    it (the running sum less itself, in ``probs``' dtype) stays below ``top_p``, and the first.
+
+    Only a window of the most likely tokens is sorted (``torch.topk``), widened until it settles
+    the row: its last token is dropped (every later token then is, its running sum being no
+    smaller and its probability no larger), its last probability is 0 (later tokens carry no
+    mass, kept or not), or it spans the vocabulary. Tokens of equal probability keep the sort's
+    order, lowest id first (``_keep_tied_by_id``); ``torch.topk`` does not promise one."""
+    rows, vocab = probs.shape
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    todo: list[int] = (top_p[:, 0] < 1.0).nonzero()[:, 0].tolist()
+    window = min(vocab, NUCLEUS_WINDOW)
+    while todo:
+        index = torch.tensor(todo, dtype=torch.long, device=probs.device)
+        values, order = probs[index].topk(window, dim=-1)
+        drop = (values.cumsum(-1) - values) >= top_p[index]
+        drop[:, 0] = False   # the most likely token survives any top_p, even one that underflows
+        settled = drop[:, -1] | (values[:, -1] == 0) | (window == vocab)
+        done = settled.nonzero()[:, 0]
+        if done.numel():
+            rows_done = index[done]
+            keep[rows_done] = torch.zeros_like(keep[rows_done]).scatter_(-1, order[done], ~drop[done])
+            _keep_tied_by_id(keep, probs, rows_done, values[done], drop[done])
+        todo = [r for r, ok in zip(todo, settled.tolist(), strict=True) if not ok]
+        window = min(vocab, window * NUCLEUS_GROWTH)
+    return keep
+
+
+def _keep_tied_by_id(keep: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor, values: torch.Tensor,
+                     drop: torch.Tensor) -> None:
+    """Where top-p keeps some of the tokens of one probability and drops others (the cut falls
+    in a run of ties; within a run the running sum only grows, so the kept ones come first), keep
+    the lowest ids among them, as a stable sort orders them."""
+    cut = (values[:, :-1] == values[:, 1:]) & ~drop[:, :-1] & drop[:, 1:] & (values[:, 1:] > 0)
+    for k, j in cut.nonzero().tolist():
+        row, value = int(rows[k]), values[k, j]
+        kept = int((values[k, : j + 1] == value).sum())
+        tied = (probs[row] == value).nonzero()[:, 0]
+        keep[row, tied] = False
+        keep[row, tied[:kept]] = True
 
 
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
