@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from fastserve.kernels import cpu_greedy, cpu_token_mask
+from fastserve.kernels import cpu_draw, cpu_greedy, cpu_token_mask
 from fastserve.worker.messages import SamplingContext, SamplingParams, TokenLogprobs
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio multiplier: spreads (seed, step) over 63 bits
@@ -45,9 +45,6 @@ _SEED_BITS = (1 << 63) - 1
 #: nucleus (speed only: the kept tokens are the same for any window).
 NUCLEUS_WINDOW = 256
 NUCLEUS_GROWTH = 8
-#: A batch is drawn over its rows' non-zero tokens alone where the widest row has at most a
-#: 1/this share of the vocabulary (speed only: the same tokens either way).
-SPARSE_DRAW_FRACTION = 8
 
 log = logging.getLogger(__name__)
 
@@ -160,11 +157,10 @@ class Sampler:
         uniform variate comes from the same generator, in the same row order, as
         ``sample_row`` draws it, so both give the same tokens."""
         picked = [params[i] for i in rows]
-        probs = batched_filtered_probs(logits[rows].float(), picked)
+        probs = batched_filtered_probs((logits if len(rows) == logits.shape[0] else logits[rows]).float(), picked)
         uniforms = torch.cat([torch.rand(1, generator=self._generator(params[i], step_indices[i]),
                                          dtype=torch.float64) for i in rows])
-        filtered = all(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in picked)
-        tokens, ok = draw_rows(probs, uniforms.to(probs.device), filtered)
+        tokens, ok = draw_rows(probs, uniforms.to(probs.device))
         out: dict[int, int | None] = {}
         for i, token, good in zip(rows, tokens.tolist(), ok.tolist(), strict=True):
             if not good:
@@ -274,49 +270,22 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     return min(index, int(torch.count_nonzero(cdf < total)))
 
 
-def draw_rows(probs: torch.Tensor, uniforms: torch.Tensor, filtered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_rows(probs: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``draw`` for every row of ``probs`` ([rows, vocab]) at once, with row r's uniform variate
     ``uniforms[r]`` (float64): the drawn indices, and whether each row had finite positive mass
     (a row without gets an arbitrary index).
 
-    The CDF is each row's float64 running sum in token order, as ``draw``'s. Where every row was
-    ``filtered`` (top-k, top-p or min-p) and kept few tokens with mass, the sum runs over those
-    tokens alone (``_draw_sparse_rows``): adding a zero leaves a float64 sum unchanged, so it is
-    the same CDF at the tokens that can be drawn, without a float64 copy of the whole vocabulary."""
-    rows, vocab = probs.shape
-    if filtered and rows and probs.device.type == "cpu":
-        support = torch.count_nonzero(probs, dim=-1)
-        width = int(support.max())
-        if width * SPARSE_DRAW_FRACTION <= vocab:
-            return _draw_sparse_rows(probs, uniforms, support, width)
+    The CDF is each row's float64 running sum in token order, as ``draw``'s. On CPU float32 rows one
+    C pass keeps only every block's sum (``fastserve.kernels.cpu_draw``); elsewhere torch writes the
+    whole CDF and searches it."""
+    if cpu_draw.fits(probs):
+        return cpu_draw.draw_rows(probs, uniforms)
     cdf = torch.cumsum(probs, -1, dtype=torch.float64)
     total = cdf[:, -1:].contiguous()
     ok = (total[:, 0] > 0) & torch.isfinite(total[:, 0])
     index = torch.searchsorted(cdf, uniforms[:, None] * total, right=True)[:, 0]
     # The rounding limit: the first index whose CDF reaches the total (the count of entries below it).
     return torch.minimum(index, torch.searchsorted(cdf, total)[:, 0]), ok
-
-
-def _draw_sparse_rows(probs: torch.Tensor, uniforms: torch.Tensor, support: torch.Tensor,
-                      width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``draw_rows`` over each row's ``support`` tokens of non-zero probability (at most ``width``),
-    packed left in token order; the packed CDF is the full one at those tokens, and the first full
-    index whose CDF passes a point is the packed one's token."""
-    rows = probs.shape[0]
-    if width == 0:
-        return torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.bool)
-    row, col = torch.nonzero(probs, as_tuple=True)   # row-major: each row's tokens in order
-    slot = torch.arange(row.numel()) - (torch.cumsum(support, 0) - support)[row]
-    tokens = torch.zeros(rows, width, dtype=torch.long)
-    tokens[row, slot] = col
-    mass = torch.zeros(rows, width, dtype=torch.float64)
-    mass[row, slot] = probs[row, col].double()
-    cdf = mass.cumsum(-1)   # trailing zeros keep each row's total
-    total = cdf[:, -1:].contiguous()
-    ok = (total[:, 0] > 0) & torch.isfinite(total[:, 0])
-    index = torch.searchsorted(cdf, uniforms[:, None] * total, right=True)
-    last = torch.searchsorted(cdf, total)
-    return tokens.gather(-1, torch.minimum(index, last))[:, 0], ok
 
 
 def batched_filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -361,7 +330,7 @@ def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     window = min(vocab, NUCLEUS_WINDOW)
     while todo:
         index = torch.tensor(todo, dtype=torch.long, device=probs.device)
-        values, order = probs[index].topk(window, dim=-1)
+        values, order = (probs if len(todo) == rows else probs[index]).topk(window, dim=-1)
         drop = (values.cumsum(-1) - values) >= top_p[index]
         drop[:, 0] = False   # the most likely token survives any top_p, even one that underflows
         settled = drop[:, -1] | (values[:, -1] == 0) | (window == vocab)

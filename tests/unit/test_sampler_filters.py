@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from fastserve.kernels import cpu_draw
 from fastserve.worker import sampler as S
 from fastserve.worker.messages import SamplingParams
 
@@ -103,22 +104,26 @@ def test_top_k_keeps_every_token_tied_with_the_kth() -> None:
     assert (kept[0] > 0).nonzero()[:, 0].tolist() == [1, 2, 4]
 
 
-def test_the_packed_draw_equals_the_full_cdf() -> None:
-    """Rows of few tokens drawn over those alone pick what the whole-vocabulary CDF picks, at the
-    ends of the unit interval too (0, and 1 where rounding puts the point at the total)."""
+@pytest.mark.parametrize("kernel", [True, False])
+def test_the_draw_equals_the_full_cdf_search(kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C draw (where it builds) and torch's pick what searching the whole float64 CDF picks,
+    on dense rows and rows of few tokens, at the ends of the unit interval too (0, and 1 where
+    rounding puts the point at the total)."""
+    if not kernel:
+        monkeypatch.setattr(cpu_draw, "fits", lambda probs: False)
+    elif not cpu_draw.fits(torch.zeros(1, 1)):
+        pytest.skip("the C draw kernel did not build here")
     gen = torch.Generator().manual_seed(1)
     for case in range(30):
-        probs = torch.rand(5, 3000, generator=gen) ** 4
-        probs[probs < 0.9] = 0.0
+        probs = torch.rand(6, 3000, generator=gen) ** 4
+        if case % 2:
+            probs[probs < 0.9] = 0.0                       # few tokens, as after top-k or top-p
         probs[1] = 0.0                                     # a row without mass
         probs[2, 7] = 1e-30                                # mass that a float64 sum may not see
-        uniforms = torch.rand(5, generator=gen, dtype=torch.float64)
+        probs[5, 11] = float("nan")                        # a row that is not a distribution
+        uniforms = torch.rand(6, generator=gen, dtype=torch.float64)
         uniforms[3], uniforms[4] = 0.0, 1.0
-        got, ok = S.draw_rows(probs, uniforms, filtered=True)
+        got, ok = S.draw_rows(probs, uniforms)
         want, want_ok = full_cdf_draw(probs, uniforms)
-        assert torch.equal(ok, want_ok) and ok.tolist() == [True, False, True, True, True]
+        assert ok.tolist() == want_ok.tolist() == [True, False, True, True, True, False]
         assert torch.equal(got[ok], want[ok]), case
-        dense, dense_ok = S.draw_rows(probs, uniforms)
-        assert torch.equal(dense[ok], want[ok]) and torch.equal(dense_ok, want_ok)
-    assert S.draw_rows(torch.zeros(2, 9), torch.zeros(2, dtype=torch.float64), filtered=True)[1].tolist() == [False,
-                                                                                                            False]
