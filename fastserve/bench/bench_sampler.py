@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
@@ -80,7 +80,7 @@ def baseline_module(ref: str) -> ModuleType | None:
     return module
 
 
-def interleaved_ms(repeats: int, calls: dict[str, Call]) -> dict[str, float]:
+def interleaved_ms(repeats: int, calls: Mapping[str, Call]) -> dict[str, float]:
     """Median ms of each call, the calls taking turns (after one warm-up each)."""
     times: dict[str, list[float]] = {name: [] for name in calls}
     for call in calls.values():
@@ -121,7 +121,7 @@ def bench(repeats: int, history: int, ref: str, scale: float, hidden: int,
         logits = real_shaped_logits(batch, scale, gen)
         x = torch.randn(batch, hidden, generator=gen).bfloat16()
         with torch.inference_mode():
-            head_ms = interleaved_ms(repeats, {"lm_head": lambda x=x: head(x)})["lm_head"]
+            head_ms = interleaved_ms(repeats, {"lm_head": functools.partial(head, x)})["lm_head"]
         for case, pattern in CASES.items():
             params = [pattern[i % len(pattern)] for i in range(batch)]
             contexts = [ctx] * batch if case == "penalties" else None
