@@ -81,15 +81,18 @@ def baseline_module(ref: str) -> ModuleType | None:
 
 
 def interleaved_ms(repeats: int, calls: Mapping[str, Call]) -> dict[str, float]:
-    """Median ms of each call, the calls taking turns (after one warm-up each)."""
+    """Median ms of each call, the calls taking turns (after one warm-up each), their order
+    reversed every other round so none always runs right after the same neighbour."""
     times: dict[str, list[float]] = {name: [] for name in calls}
     for call in calls.values():
         call()
+    order = list(calls)
     for _ in range(repeats):
-        for name, call in calls.items():
+        for name in order:
             start = time.perf_counter()
-            call()
+            calls[name]()
             times[name].append(time.perf_counter() - start)
+        order.reverse()
     return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 
