@@ -177,7 +177,9 @@ def _c_run_split(steps: list[tuple[dict[str, float], dict[str, float]]], head_s:
     split = {f: median([kernels.get(f, 0.0) for kernels, _ in steps]) for f in families}
     mean = {k: median([t.get(k, 0.0) for _, t in steps]) for k in ("total", "build", "forward", "sample")}
     split["forward_outside_kernels"] = mean["forward"] - sum(split.values())
-    split["lm_head"] = head_s * 1e3
+    # The step's own head time where it reports one (CPU), else the head timed alone.
+    measured = [t["lm_head"] for _, t in steps if "lm_head" in t]
+    split["lm_head"] = median(measured) if len(measured) == len(steps) else head_s * 1e3
     split["sampler"] = mean["sample"] - split["lm_head"]
     split["build"] = mean["build"]
     split["step_rest"] = mean["total"] - mean["forward"] - mean["sample"] - mean["build"]
