@@ -319,43 +319,42 @@ def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     those a stable descending sort of the whole row keeps: each token whose mass strictly above
     it (the running sum less itself, in ``probs``' dtype) stays below ``top_p``, and the first.
 
-    Only a window of the most likely tokens is sorted (``torch.topk``), widened until it settles
-    the row: its last token is dropped (every later token then is, its running sum being no
-    smaller and its probability no larger), its last probability is 0 (later tokens carry no
-    mass, kept or not), or it spans the vocabulary. Tokens of equal probability keep the sort's
-    order, lowest id first (``_keep_tied_by_id``); ``torch.topk`` does not promise one."""
+    Only a window of the most likely tokens is sorted (``torch.topk``), tied probabilities put in
+    id order as the stable sort has them, and the window is widened until it settles the row: its
+    last token is dropped (every later token then is, its running sum being no smaller and its
+    probability no larger) and none of that token's ties is kept (one outside the window might
+    have a lower id), or its last probability is 0 (later tokens carry no mass, kept or not), or
+    it spans the vocabulary."""
     rows, vocab = probs.shape
     keep = torch.ones_like(probs, dtype=torch.bool)
     todo: list[int] = (top_p[:, 0] < 1.0).nonzero()[:, 0].tolist()
     window = min(vocab, NUCLEUS_WINDOW)
     while todo:
         index = torch.tensor(todo, dtype=torch.long, device=probs.device)
-        values, order = (probs if len(todo) == rows else probs[index]).topk(window, dim=-1)
+        values, order = _sorted_window(probs if len(todo) == rows else probs[index], window)
         drop = (values.cumsum(-1) - values) >= top_p[index]
         drop[:, 0] = False   # the most likely token survives any top_p, even one that underflows
-        settled = drop[:, -1] | (values[:, -1] == 0) | (window == vocab)
+        last_kept = ((values == values[:, -1:]) & ~drop).any(dim=-1)
+        settled = (drop[:, -1] & ~last_kept) | (values[:, -1] == 0) | (window == vocab)
         done = settled.nonzero()[:, 0]
         if done.numel():
-            rows_done = index[done]
-            keep[rows_done] = torch.zeros_like(keep[rows_done]).scatter_(-1, order[done], ~drop[done])
-            _keep_tied_by_id(keep, probs, rows_done, values[done], drop[done])
+            kept = torch.zeros(done.numel(), vocab, dtype=torch.bool, device=probs.device)
+            keep[index[done]] = kept.scatter_(-1, order[done], ~drop[done])
         todo = [r for r, ok in zip(todo, settled.tolist(), strict=True) if not ok]
         window = min(vocab, window * NUCLEUS_GROWTH)
     return keep
 
 
-def _keep_tied_by_id(keep: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor, values: torch.Tensor,
-                     drop: torch.Tensor) -> None:
-    """Where top-p keeps some of the tokens of one probability and drops others (the cut falls
-    in a run of ties; within a run the running sum only grows, so the kept ones come first), keep
-    the lowest ids among them, as a stable sort orders them."""
-    cut = (values[:, :-1] == values[:, 1:]) & ~drop[:, :-1] & drop[:, 1:] & (values[:, 1:] > 0)
-    for k, j in cut.nonzero().tolist():
-        row, value = int(rows[k]), values[k, j]
-        kept = int((values[k, : j + 1] == value).sum())
-        tied = (probs[row] == value).nonzero()[:, 0]
-        keep[row, tied] = False
-        keep[row, tied[:kept]] = True
+def _sorted_window(probs: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``window`` largest values, descending, and their ids, equal values in id order
+    (``torch.topk`` does not promise an order among ties): one integer sort by (run of equal
+    values, id)."""
+    values, order = probs.topk(window, dim=-1)
+    if window > 1:
+        run = torch.zeros_like(order)
+        run[:, 1:] = torch.cumsum(values[:, 1:] != values[:, :-1], dim=-1)
+        order = (run * probs.shape[-1] + order).sort(dim=-1).values % probs.shape[-1]
+    return values, order
 
 
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
