@@ -9,7 +9,9 @@ logprobs), and sampled with penalties over a ``--history``-token output and prom
 
 Each case runs the sampler of ``--baseline-ref`` (its ``fastserve/worker/sampler.py`` read from git
 into a module of its own) and this tree's alternately, call by call in one process, so a busy
-machine slows both alike; the figure is each one's median and their ratio. Beside them, the LM
+machine slows both alike; the figure is each one's median and their ratio. On one thread (the
+default) the clock is this thread's CPU time, which leaves out the time other processes hold the
+core; on more, wall time. Beside them, the LM
 head on the same rows (the model's packed bf16 GEMM for a ``--hidden``-wide model, its float32
 output): the engine's ``sample`` phase is the head and the sampler together.
 
@@ -39,7 +41,7 @@ from fastserve.kernels.cpu_features import cpu_name
 from fastserve.worker.messages import SamplingContext, SamplingParams
 from fastserve.worker.model.gemm_choice import DECODE_ROWS, GemmPolicy, GemmRole
 from fastserve.worker.model.linear import choose_for, multiply_widened, pack_weight
-from fastserve.worker.sampler import Sampler
+from fastserve.worker.sampler import Sampler, batched_filtered_probs
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 49_152   # SmolLM2
@@ -80,18 +82,18 @@ def baseline_module(ref: str) -> ModuleType | None:
     return module
 
 
-def interleaved_ms(repeats: int, calls: Mapping[str, Call]) -> dict[str, float]:
-    """Median ms of each call, the calls taking turns (after one warm-up each), their order
-    reversed every other round so none always runs right after the same neighbour."""
+def interleaved_ms(repeats: int, calls: Mapping[str, Call], clock: Callable[[], float]) -> dict[str, float]:
+    """Median ms of each call on ``clock``, the calls taking turns (after one warm-up each), their
+    order reversed every other round so none always runs right after the same neighbour."""
     times: dict[str, list[float]] = {name: [] for name in calls}
     for call in calls.values():
         call()
     order = list(calls)
     for _ in range(repeats):
         for name in order:
-            start = time.perf_counter()
+            start = clock()
             calls[name]()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
         order.reverse()
     return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
@@ -111,6 +113,10 @@ def lm_head(hidden: int, gen: torch.Generator) -> Callable[[torch.Tensor], torch
 
 def bench(repeats: int, history: int, ref: str, scale: float, hidden: int,
           batches: tuple[int, ...]) -> dict[str, Any]:
+    # On one thread every op (and the C kernels' OpenMP) runs on this thread: its CPU time leaves
+    # out the time other processes take the core, which wall time on a shared machine does not.
+    one_thread = torch.get_num_threads() == 1
+    clock = time.thread_time if one_thread else time.perf_counter
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (2 * history,), generator=gen).tolist()
     ctx = SamplingContext(output_ids=tuple(ids[:history]), prompt_ids=tuple(ids[history:]))
@@ -124,28 +130,27 @@ def bench(repeats: int, history: int, ref: str, scale: float, hidden: int,
         logits = real_shaped_logits(batch, scale, gen)
         x = torch.randn(batch, hidden, generator=gen).bfloat16()
         with torch.inference_mode():
-            head_ms = interleaved_ms(repeats, {"lm_head": functools.partial(head, x)})["lm_head"]
+            head_ms = interleaved_ms(repeats, {"lm_head": functools.partial(head, x)}, clock)["lm_head"]
         for case, pattern in CASES.items():
             params = [pattern[i % len(pattern)] for i in range(batch)]
             contexts = [ctx] * batch if case == "penalties" else None
             steps = list(range(batch))
             calls = {name: functools.partial(s.sample_with_logprobs, logits, params, steps, contexts)
                      for name, s in samplers.items()}
-            row: dict[str, Any] = interleaved_ms(repeats, calls)
+            row: dict[str, Any] = interleaved_ms(repeats, calls, clock)
             if "old" in row:
                 row["ratio"] = row["old"] / row["new"]
             row["lm_head"] = head_ms
             row["kept_tokens"] = kept_tokens(logits, params)
             rows[f"{case}/b{batch}"] = row
-    return {"cpu": cpu_name(), "threads": torch.get_num_threads(), "vocab": VOCAB, "hidden": hidden,
+    return {"cpu": cpu_name(), "threads": torch.get_num_threads(), "clock": "thread_cpu" if one_thread else "wall",
+            "vocab": VOCAB, "hidden": hidden,
             "logit_scale": scale, "history_tokens": history, "top_logprobs": TOP_LOGPROBS,
             "baseline_ref": ref if base is not None else None, "repeats": repeats, "ms_per_batch": rows}
 
 
 def kept_tokens(logits: torch.Tensor, params: list[SamplingParams]) -> float | None:
     """Mean tokens with mass after the sampled rows' filters (None: no sampled row)."""
-    from fastserve.worker.sampler import batched_filtered_probs
-
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return None
@@ -154,7 +159,8 @@ def kept_tokens(logits: torch.Tensor, params: list[SamplingParams]) -> float | N
 
 
 def print_table(result: dict[str, Any]) -> None:
-    print(f"sampler ms per batch on {result['cpu']}, {result['threads']} threads, vocab {result['vocab']}, "
+    print(f"sampler ms per batch ({result['clock']} time) on {result['cpu']}, {result['threads']} threads, "
+          f"vocab {result['vocab']}, "
           f"logit scale {result['logit_scale']}; old = {result['baseline_ref']}, new = this tree")
     print(f"{'case':<22}{'old':>10}{'new':>10}{'old/new':>9}{'LM head':>10}{'kept tok':>10}")
     for name, row in result["ms_per_batch"].items():
