@@ -305,12 +305,17 @@ def batched_filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams
         k = torch.tensor(top_k, dtype=torch.long, device=logits.device)[:, None]
         # The k-th largest value, as the k-th of a full descending sort (ties counted).
         kth = scaled.topk(max(top_k), dim=-1).values.gather(-1, (k - 1).clamp(min=0))
-        scaled = scaled.masked_fill((scaled < kth) & (k > 0), float("-inf"))
+        below = scaled < kth
+        # ``scaled`` is this function's own tensor (the division made it): masked in place.
+        scaled.masked_fill_(below if all(top_k) else below & (k > 0), float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     if any(p.top_p < 1.0 for p in params):
         top_p = torch.tensor([p.top_p for p in params], **column)[:, None]  # type: ignore[arg-type]
-        kept = probs.masked_fill(~nucleus(probs, top_p), 0.0)
-        probs = torch.where(top_p < 1.0, kept / kept.sum(dim=-1, keepdim=True), probs)
+        # In place: a row whose top_p is 1 keeps every token, so it is left as it was.
+        probs.masked_fill_(~nucleus(probs, top_p), 0.0)
+        kept = probs / probs.sum(dim=-1, keepdim=True)
+        filtered = top_p < 1.0   # in float32, as the nucleus reads it (0.999999999 is 1 there)
+        probs = kept if bool(filtered.all()) else torch.where(filtered, kept, probs)
     return probs
 
 
