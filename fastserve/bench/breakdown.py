@@ -6,7 +6,8 @@ reads the engine replica's step totals (``GET /debug/engine``) before and after,
 cover exactly these requests. It reports, per load:
 
 - the engine's decode step (``schedule``, batch ``build``, ``forward``, ``sample`` = LM head and
-  sampler, ``update``) and its busy cycle, whose part outside the model is the loop's overhead;
+  sampler, of which ``head`` the LM head on CPU, ``update``) and its busy cycle, whose part outside
+  the model is the loop's overhead;
 - per token as the client sees it: TPOT beside the engine's decode cycle (tokens leave at the
   engine's pace), and the delivery delay from the scheduler to the ingress
   (``job_stats.delivery_s``, measured there), which overlaps the next step: it adds latency to
@@ -176,7 +177,9 @@ def _c_run_split(steps: list[tuple[dict[str, float], dict[str, float]]], head_s:
     split = {f: median([kernels.get(f, 0.0) for kernels, _ in steps]) for f in families}
     mean = {k: median([t.get(k, 0.0) for _, t in steps]) for k in ("total", "build", "forward", "sample")}
     split["forward_outside_kernels"] = mean["forward"] - sum(split.values())
-    split["lm_head"] = head_s * 1e3
+    # The step's own head time where it reports one (CPU), else the head timed alone.
+    measured = [t["lm_head"] for _, t in steps if "lm_head" in t]
+    split["lm_head"] = median(measured) if len(measured) == len(steps) else head_s * 1e3
     split["sampler"] = mean["sample"] - split["lm_head"]
     split["build"] = mean["build"]
     split["step_rest"] = mean["total"] - mean["forward"] - mean["sample"] - mean["build"]
@@ -191,14 +194,16 @@ def _ms(value: float | None) -> str:
 def print_tables(result: dict[str, Any]) -> None:
     print(f"CPU: {result['cpu']}; {result['output_tokens']} output tokens per request, ShareGPT prompts")
     print(f"{'load':>14} | {'TTFT':>6} | {'TPOT':>6} {'cycle':>6} {'deliver':>7} ms | "
-          f"{'batch':>5} | {'sched':>5} {'build':>5} {'fwd':>6} {'sample':>6} {'update':>6} | {'overhead':>8}")
+          f"{'batch':>5} | {'sched':>5} {'build':>5} {'fwd':>6} {'sample':>6} {'head':>5} {'update':>6} | "
+          f"{'overhead':>8}")
     for label, m in result["loads"].items():
         d = m["steps"].get("decode", {})
         split = m["per_token_split_s"]
         print(f"{label:>14} | {_ms(m['client']['ttft_s']):>6} | {_ms(m['client']['tpot_s']):>6} "
               f"{_ms(split['engine_cycle']):>6} {_ms(split['delivery_delay']):>7}    | "
               f"{d.get('entries', 0):>5.1f} | {d.get('schedule_ms', 0):>5.2f} {d.get('build_ms', 0):>5.2f} "
-              f"{d.get('forward_ms', 0):>6.1f} {d.get('sample_ms', 0):>6.1f} {d.get('update_ms', 0):>6.2f} | "
+              f"{d.get('forward_ms', 0):>6.1f} {d.get('sample_ms', 0):>6.1f} {d.get('lm_head_ms', 0):>5.1f} "
+              f"{d.get('update_ms', 0):>6.2f} | "
               f"{100 * d.get('overhead_share', 0):>7.1f}%")
     for b, row in result.get("model_profile", {}).items():
         print(f"model decode step, batch {b}: {row['step_ms']:.1f} ms = linear {row['linear']:.1f} + "

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 StepKind = Literal["decode", "mixed"]
-#: Executor-reported phases the breakdown keeps (``StepOutput.timings`` keys).
-EXECUTOR_PHASES = ("build", "forward", "sample", "swap_wait", "swap_tail", "total")
+#: Executor-reported phases the breakdown keeps (``StepOutput.timings`` keys). ``lm_head`` is the
+#: part of ``sample`` spent in the final norm and vocabulary projection (CPU only; 0 elsewhere).
+EXECUTOR_PHASES = ("build", "forward", "sample", "lm_head", "swap_wait", "swap_tail", "total")
 
 
 @dataclass

@@ -35,11 +35,16 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from fastserve.kernels import cpu_greedy, cpu_token_mask
+from fastserve.kernels import cpu_draw, cpu_greedy, cpu_token_mask
 from fastserve.worker.messages import SamplingContext, SamplingParams, TokenLogprobs
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio multiplier: spreads (seed, step) over 63 bits
 _SEED_BITS = (1 << 63) - 1
+
+#: Most likely tokens top-p sorts first, and the factor it widens them by until they hold the
+#: nucleus (speed only: the kept tokens are the same for any window).
+NUCLEUS_WINDOW = 256
+NUCLEUS_GROWTH = 8
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +157,7 @@ class Sampler:
         uniform variate comes from the same generator, in the same row order, as
         ``sample_row`` draws it, so both give the same tokens."""
         picked = [params[i] for i in rows]
-        probs = batched_filtered_probs(logits[rows].float(), picked)
+        probs = batched_filtered_probs((logits if len(rows) == logits.shape[0] else logits[rows]).float(), picked)
         uniforms = torch.cat([torch.rand(1, generator=self._generator(params[i], step_indices[i]),
                                          dtype=torch.float64) for i in rows])
         tokens, ok = draw_rows(probs, uniforms.to(probs.device))
@@ -268,17 +273,25 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
 def draw_rows(probs: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``draw`` for every row of ``probs`` ([rows, vocab]) at once, with row r's uniform variate
     ``uniforms[r]`` (float64): the drawn indices, and whether each row had finite positive mass
-    (a row without gets an arbitrary index)."""
-    cdf = probs.double().cumsum(-1)
-    total = cdf[:, -1]
-    ok = (total > 0) & torch.isfinite(total)
-    index = torch.searchsorted(cdf, (uniforms * total)[:, None], right=True)[:, 0]
-    return torch.minimum(index, torch.count_nonzero(cdf < total[:, None], dim=-1)), ok
+    (a row without gets an arbitrary index).
+
+    The CDF is each row's float64 running sum in token order, as ``draw``'s. On CPU float32 rows one
+    C pass keeps only every block's sum (``fastserve.kernels.cpu_draw``); elsewhere torch writes the
+    whole CDF and searches it."""
+    if cpu_draw.fits(probs):
+        return cpu_draw.draw_rows(probs, uniforms)
+    cdf = torch.cumsum(probs, -1, dtype=torch.float64)
+    total = cdf[:, -1:].contiguous()
+    ok = (total[:, 0] > 0) & torch.isfinite(total[:, 0])
+    index = torch.searchsorted(cdf, uniforms[:, None] * total, right=True)[:, 0]
+    # The rounding limit: the first index whose CDF reaches the total (the count of entries below it).
+    return torch.minimum(index, torch.searchsorted(cdf, total)[:, 0]), ok
 
 
 def batched_filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """``filtered_probs`` of every row of ``logits`` ([rows, vocab]) with its own params, in one
-    pass per filter (a filter no row uses is skipped)."""
+    pass per filter (a filter no row uses is skipped). Top-k and top-p read only the most likely
+    tokens they need (``torch.topk``, ``nucleus``), never a sort of the whole vocabulary."""
     rows, vocab = logits.shape
     column = {"dtype": logits.dtype, "device": logits.device}
     scaled = logits / torch.tensor([p.temperature for p in params], **column)[:, None]  # type: ignore[arg-type]
@@ -290,17 +303,63 @@ def batched_filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(top_k):
         k = torch.tensor(top_k, dtype=torch.long, device=logits.device)[:, None]
-        kth = scaled.sort(dim=-1, descending=True).values.gather(-1, (k - 1).clamp(min=0))
-        scaled = scaled.masked_fill((scaled < kth) & (k > 0), float("-inf"))
+        # The k-th largest value, as the k-th of a full descending sort (ties counted).
+        kth = scaled.topk(max(top_k), dim=-1).values.gather(-1, (k - 1).clamp(min=0))
+        below = scaled < kth
+        # ``scaled`` is this function's own tensor (the division made it): masked in place.
+        scaled.masked_fill_(below if all(top_k) else below & (k > 0), float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     if any(p.top_p < 1.0 for p in params):
         top_p = torch.tensor([p.top_p for p in params], **column)[:, None]  # type: ignore[arg-type]
-        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
-        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
-        drop[:, 0] = False
-        kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
-        probs = torch.where(top_p < 1.0, kept / kept.sum(dim=-1, keepdim=True), probs)
+        # In place: a row whose top_p is 1 keeps every token, so it is left as it was.
+        probs.masked_fill_(~nucleus(probs, top_p), 0.0)
+        kept = probs / probs.sum(dim=-1, keepdim=True)
+        filtered = top_p < 1.0   # in float32, as the nucleus reads it (0.999999999 is 1 there)
+        probs = kept if bool(filtered.all()) else torch.where(filtered, kept, probs)
     return probs
+
+
+def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Bool [rows, vocab]: the tokens top-p keeps (all of a row whose ``top_p[row]`` is 1), exactly
+    those a stable descending sort of the whole row keeps: each token whose mass strictly above
+    it (the running sum less itself, in ``probs``' dtype) stays below ``top_p``, and the first.
+
+    Only a window of the most likely tokens is sorted (``torch.topk``), tied probabilities put in
+    id order as the stable sort has them, and the window is widened until it settles the row: its
+    last token is dropped (every later token then is, its running sum being no smaller and its
+    probability no larger) and none of that token's ties is kept (one outside the window might
+    have a lower id), or its last probability is 0 (later tokens carry no mass, kept or not), or
+    it spans the vocabulary."""
+    rows, vocab = probs.shape
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    todo: list[int] = (top_p[:, 0] < 1.0).nonzero()[:, 0].tolist()
+    window = min(vocab, NUCLEUS_WINDOW)
+    while todo:
+        index = torch.tensor(todo, dtype=torch.long, device=probs.device)
+        values, order = _sorted_window(probs if len(todo) == rows else probs[index], window)
+        drop = (values.cumsum(-1) - values) >= top_p[index]
+        drop[:, 0] = False   # the most likely token survives any top_p, even one that underflows
+        last_kept = ((values == values[:, -1:]) & ~drop).any(dim=-1)
+        settled = (drop[:, -1] & ~last_kept) | (values[:, -1] == 0) | (window == vocab)
+        done = settled.nonzero()[:, 0]
+        if done.numel():
+            kept = torch.zeros(done.numel(), vocab, dtype=torch.bool, device=probs.device)
+            keep[index[done]] = kept.scatter_(-1, order[done], ~drop[done])
+        todo = [r for r, ok in zip(todo, settled.tolist(), strict=True) if not ok]
+        window = min(vocab, window * NUCLEUS_GROWTH)
+    return keep
+
+
+def _sorted_window(probs: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``window`` largest values, descending, and their ids, equal values in id order
+    (``torch.topk`` does not promise an order among ties): one integer sort by (run of equal
+    values, id)."""
+    values, order = probs.topk(window, dim=-1)
+    if window > 1:
+        run = torch.zeros_like(order)
+        run[:, 1:] = torch.cumsum(values[:, 1:] != values[:, :-1], dim=-1)
+        order = (run * probs.shape[-1] + order).sort(dim=-1).values % probs.shape[-1]
+    return values, order
 
 
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],

@@ -211,6 +211,8 @@ class StageRunner:
         index = batch.logit_index if batch.logit_index is not None else batch.sample_index[
             [i for i, e in enumerate(plan.entries) if e.samples]]
         logits = self.model.logits(hidden[index])
+        if not hidden.is_cuda:   # on a GPU the head is only launched here: its time shows in the sampler's wait
+            timings["lm_head"] = time.perf_counter() - start
         if hidden.is_cuda and all(plain_greedy(e) for e in entries):
             pending = self._fetch_greedy([e.job_id for e in entries], greedy_rows(logits))
             timings["sample"] = time.perf_counter() - start

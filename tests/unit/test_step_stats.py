@@ -9,11 +9,18 @@ import pytest
 from fastserve.engine.async_engine import RequestStream
 from fastserve.engine.step_stats import StepStats, diff_totals, summarize
 from fastserve.scheduler.job import Finish, JobStats, TokenDelta
+from fastserve.worker.executor import InProcessExecutor
+from fastserve.worker.messages import BatchEntry, BatchPlan, SamplingParams
+from fastserve.worker.model.config import OPTConfig
+from fastserve.worker.spec import ModelSpec
+
+TINY = OPTConfig(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 ffn_dim=128, max_position_embeddings=256, name="tiny")
 
 
 def test_step_stats_means_per_kind_and_overhead_share() -> None:
     stats = StepStats()
-    timings = {"build": 0.001, "forward": 0.080, "sample": 0.010, "total": 0.095}
+    timings = {"build": 0.001, "forward": 0.080, "sample": 0.010, "lm_head": 0.008, "total": 0.095}
     # Two back-to-back decode steps of 100 ms cycles, and one decode step after an idle spell.
     stats.record("decode", 16, 16, 0.002, 0.096, 0.001, timings, cycle_s=0.100)
     stats.record("decode", 16, 16, 0.002, 0.096, 0.001, timings, cycle_s=0.100)
@@ -24,6 +31,7 @@ def test_step_stats_means_per_kind_and_overhead_share() -> None:
     assert decode["steps"] == 3 and decode["entries"] == 12 and decode["tokens"] == 12
     assert decode["forward_ms"] == pytest.approx((80 + 80 + 40) / 3)
     assert decode["schedule_ms"] == pytest.approx(5 / 3)
+    assert decode["lm_head_ms"] == pytest.approx((8 + 8) / 3)   # a part of sample_ms, not added to it
     assert decode["cycle_ms"] == pytest.approx(100.0)      # idle-preceded steps have no cycle
     assert decode["overhead_ms"] == pytest.approx(10.0)    # 100 − (80 + 10)
     assert decode["overhead_share"] == pytest.approx(0.1)
@@ -33,6 +41,13 @@ def test_step_stats_means_per_kind_and_overhead_share() -> None:
     only_last = summarize(diff_totals(stats.totals(), before))
     assert only_last["decode"]["steps"] == 1 and only_last["decode"]["entries"] == 8
     assert only_last["decode"]["overhead_ms"] == pytest.approx(5.0) and "mixed" not in only_last
+
+
+def test_a_cpu_step_reports_its_lm_head_inside_its_sample_phase() -> None:
+    executor = InProcessExecutor(ModelSpec(TINY, 8, 0, 4, seed=0))
+    entry = BatchEntry("a", (2, 11, 57), 0, (0,), True, SamplingParams(temperature=0.0))
+    timings = executor.execute(BatchPlan(0, (entry,))).timings
+    assert 0.0 < timings["lm_head"] <= timings["sample"]
 
 
 def test_request_stream_ready_takes_what_is_queued_up_to_the_finish() -> None:
