@@ -1,8 +1,5 @@
-"""The in-process executor: the whole model in this process, one plan at a time.
-
-Used by the scheduler's engine loop when no pipeline is configured, by the profiler, by the GPU
-checks (which run without Ray) and by tests. It owns the model, the KV store and the sampler; a
-plan names every block and swap, so the executor never decides anything.
+"""The in-process executor: the whole model, KV store and sampler in this process, one plan at a time
+(no pipeline configured, the profiler, the GPU checks, tests). A plan names every block and swap.
 """
 
 from __future__ import annotations
@@ -69,8 +66,7 @@ def build_stage(config: ModelConfig, shard: StageShard, dtype: str, device: str,
     """Build one stage of ``config``'s architecture on ``device`` and load its weights (dummy or
     checkpoint); its CPU linears are packed on the GEMM paths ``gemm`` chooses."""
     target = torch_dtype(resolve_dtype(dtype, device))
-    # Built where it runs and in its dtype: an 8B model is not first made in fp32 on the CPU
-    # (32 GB, then copied). The weights (dummy or checkpoint) are cast as they are copied in.
+    # Built where it runs and in its dtype, never first in fp32 on the CPU.
     with torch.device(device), default_dtype(target):
         stage = build_model(config, shard, all_reduce)
     load_stage_weights(stage, load_format, model_path, seed)

@@ -1,10 +1,8 @@
 """The KV store of one worker: a device pool and a host pool of paged blocks, and swaps between them.
 
-Pool layout ``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``: block-major, so a
-block's swap is one copy; layer ``l`` reads ``pool[:, l]``. Swaps run on a GPU on one side stream
-per direction, ordered by events against the other direction's swaps on the same blocks; on CPU on
-one copy thread in issue order. A step waits only for swaps touching its blocks (``wait_for``).
-Which block belongs to which job is ``fastserve.kv``'s business. More in docs/engine.md.
+Block-major pools ``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``, so a block swaps in
+one copy. Swaps run on a side stream per direction (GPU) or one copy thread (CPU); a step waits only
+for those touching its blocks. Which block is whose is ``fastserve.kv``'s.
 """
 
 from __future__ import annotations

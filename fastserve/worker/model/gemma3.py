@@ -1,10 +1,6 @@
 """Gemma 3's text decoder as one served stage and tensor-parallel shard: ``llama``'s machinery with
-Gemma's layer. The differences: the embedding is scaled by ``sqrt(hidden_size)``; every RMSNorm
-scales by ``1 + weight`` in float32; q and k are normed per head before the rotation; attention and
-MLP outputs are normed before the residual adds; the MLP is ``down(gelu_tanh(gate(x)) * up(x))``;
-sliding layers use the local rotary base and window, global ones the global base; queries scale by
-``query_pre_attn_scalar ** -0.5``; logits are soft-capped (``cap * tanh(logits / cap)``). Module
-names mirror transformers' ``Gemma3TextModel``.
+Gemma's layer (scaled embedding, ``1 + weight`` RMSNorms, per-head q/k norms, post-norms, gelu-tanh
+MLP, sliding and global rotary bases, soft-capped logits). Names mirror transformers' ``Gemma3TextModel``.
 """
 
 from __future__ import annotations
