@@ -1,10 +1,6 @@
-"""The ingress's request side: what it knows of the served model, and a request made into jobs.
-
-Owns ``ServerContext`` (model name, tokenizer, limits, API key), ``Prepared`` (a parsed request
-and the ``JobRequest`` per choice it asks for) and ``RequestPreparer``: authentication, parsing
-and checking a body (``fastserve.server.protocol``), tokenization and chat templating (``fastserve.tokenizer``), the
-one validation (``fastserve.errors.validate_request``) and how a refusal reads to the client. The
-generation side, ``fastserve.server.ingress.OpenAIServer``, holds one. Imports no ray and no FastAPI.
+"""The ingress's request side: ``ServerContext`` (what it knows of the served model), ``Prepared`` (a
+parsed request and a ``JobRequest`` per choice) and ``RequestPreparer`` (auth, parsing, templating,
+tokenization, the one validation, how a refusal reads). No ray, no FastAPI.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
-"""Tool-call parsers: a model's output split into content and OpenAI ``tool_calls``, whole or
-while it streams.
+"""Tool-call parsers: a model's output split into content and OpenAI ``tool_calls``, whole or streamed.
 
-Owns ``ToolCallParser`` (one per choice: ``push(text)`` returns the content and call deltas that
-may be sent now, ``finish()`` what it held) and its formats, by vLLM's ``--tool-call-parser``
-names (``PARSERS``): ``hermes`` (``<tool_call>{json}</tool_call>``), ``llama3_json``
-(``{"name", "parameters"}`` objects joined by ``;``), ``pythonic`` (``[f(a=1)]``, read with
-``ast``, never evaluated); and the shapes the grammar forces for ``tool_choice`` required
-(``ForcedArrayParser``) and named (``ForcedArgumentsParser``). ``parse`` is a parser fed at
-once, so the whole answer is by construction what the streamed deltas add up to. What counts
-as content and how a broken call reads: docs/configs.md, "Tool calling".
-
-Our own parsers rather than vLLM's: theirs are bound to vLLM's request, tokenizer and delta
-classes, re-parse the whole text at every token, and run separate code for streamed and whole
-outputs, which can disagree; here one character-level scanner serves both and never retracts
-what it sent.
+``ToolCallParser`` (one per choice) releases on each ``push`` what may be sent now; its formats go by
+vLLM's ``--tool-call-parser`` names (``PARSERS``), plus the shapes the grammar forces for
+``tool_choice`` required and named. ``parse`` feeds a parser at once, so whole and streamed answers agree.
+Our own rather than vLLM's, which are bound to vLLM's request and delta classes and re-parse the whole
+text at every token: one character-level scanner here serves both and never retracts what it sent.
 """
 
 from __future__ import annotations
