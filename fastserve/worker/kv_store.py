@@ -81,8 +81,7 @@ class TimingEvent(Protocol):
 
 
 class DeviceStalls:
-    """Compute-stream stalls on swaps: timing-event pairs around each wait, read without a sync
-    once the device has passed them."""
+    """Compute-stream stalls on swaps: event pairs around each wait, read once the device passed them."""
 
     def __init__(self) -> None:
         self._pending: list[tuple[TimingEvent, TimingEvent]] = []
@@ -183,8 +182,7 @@ class KVStore:
             return frozenset(h.job_id for h in self._inflight if h.direction == direction and not h.done())
 
     def wait_for(self, device_blocks: Iterable[int]) -> float:
-        """Wait for the swaps touching ``device_blocks``; seconds the host waited (0 on a GPU,
-        where the compute stream waits and ``device_wait_s`` reads the stall)."""
+        """Wait for the swaps touching ``device_blocks``; seconds the host waited (0 on a GPU: the stream waits)."""
         wanted = frozenset(device_blocks)
         with self._lock:
             touching = [h for h in self._inflight if h.device_blocks & wanted]

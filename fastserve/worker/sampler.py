@@ -97,9 +97,8 @@ class Sampler:
 
     def _adjusted(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                   contexts: Sequence[SamplingContext | None], finite: list[bool]) -> torch.Tensor:
-        """``logits`` with penalties and masks applied to the rows that have a context (a copy;
-        the same tensor when none has). A row whose context names a token outside the
-        vocabulary is marked not ``finite``: its job alone fails."""
+        """``logits`` with the contexts' penalties and masks (a copy, where any row has one); a row
+        naming a token outside the vocabulary is marked not ``finite``."""
         vocab = logits.shape[-1]
         rows = []
         for i, c in enumerate(contexts):
@@ -126,10 +125,8 @@ class Sampler:
 
     def _sample_rows(self, logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams],
                      step_indices: Sequence[int]) -> dict[int, int | None]:
-        """The sampled rows, all at once where the logits are (one host read for all of them);
-        ``None`` for a row whose filtered distribution has no finite positive mass. Each row's
-        uniform variate comes from the same generator, in the same row order, as
-        ``sample_row`` draws it, so both give the same tokens."""
+        """The sampled rows, at once where the logits are (one host read); ``None`` for a row without
+        finite positive mass. The variates come as ``sample_row`` draws them, so both agree."""
         picked = [params[i] for i in rows]
         probs = batched_filtered_probs(logits[rows].float(), picked)
         uniforms = torch.cat([torch.rand(1, generator=self._generator(params[i], step_indices[i]),
@@ -160,10 +157,8 @@ class Sampler:
 
 
 def steer_logits(logits: torch.Tensor, params: Sequence[SamplingParams], finite: list[bool]) -> torch.Tensor:
-    """``logits`` with each row's ``allowed_token_ids`` (every other token at -inf) and
-    ``logit_bias`` applied (a copy; the same tensor when no row has either). A row naming a
-    token outside the vocabulary is marked not ``finite``: its job alone fails (the ingress
-    refuses such a request, so only a caller that skipped it gets here)."""
+    """``logits`` with each row's ``allowed_token_ids`` and ``logit_bias`` (a copy, where any row has
+    either); a row naming a token outside the vocabulary is marked not ``finite``."""
     rows = [i for i, p in enumerate(params) if (p.logit_bias or p.allowed_token_ids is not None) and finite[i]]
     if not rows:
         return logits

@@ -1,8 +1,5 @@
-"""Gemma 3 text-model hyper-parameters (``model_type: gemma3_text``) from a ``config.json``. Each layer
-is sliding-window (its own rotary base) or global, per ``layer_types`` (older configs: every n-th of
-``sliding_window_pattern`` global). Rotary settings are read in transformers 5's ``rope_parameters``
-and the older spelling. Fields not honoured (attention-score soft-capping, bidirectional attention,
-another activation) are refused by name. No torch here.
+"""Gemma 3 text-model hyper-parameters (``model_type: gemma3_text``) from a ``config.json``: sliding or
+global layers, each with its rotary base; fields we do not honour are refused by name. No torch here.
 """
 
 from __future__ import annotations

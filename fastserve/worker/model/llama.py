@@ -1,8 +1,6 @@
-"""LLaMA-family decoder (LLaMA 2/3, Mistral, Qwen2) as one served stage and tensor-parallel shard:
-pre-norm RMSNorm, rotary q/k, grouped-query paged attention, SwiGLU MLP, an own or tied LM head.
-Megatron-style TP: q/gate/up column-parallel, o/down row-parallel then all-reduced (bias added once).
-K/V heads split when ``tp`` divides them, else each rank holds (and caches) the one its query heads
-share. Module names mirror HF's ``LlamaModel``.
+"""LLaMA-family decoder (LLaMA 2/3, Mistral, Qwen2) as one served stage and tensor-parallel shard, with
+Megatron-style TP (q/gate/up by columns, o/down by rows, then all-reduced). K/V heads split when ``tp``
+divides them, else each rank keeps the one its query heads share. Names mirror HF's ``LlamaModel``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""LLaMA-family hyper-parameters (LLaMA 2/3, Mistral, Qwen2) from a ``config.json``; the members
-differ only in fields. ``llama``: ``attention_bias`` biases q/k/v and o, ``mlp_bias`` the MLP;
-``qwen2``: q/k/v always biased, o never; ``mistral``: a ``sliding_window``, served by capping the
-context at it (equal to full attention while the context fits). Rotary scaling: ``default``,
-``linear``, ``llama3``; other kinds are refused by name. No torch here.
+"""LLaMA-family hyper-parameters (LLaMA 2/3, Mistral, Qwen2) from a ``config.json``: the members differ
+only in fields (biases, a sliding window, rotary scaling ``default``/``linear``/``llama3``). No torch here.
 """
 
 from __future__ import annotations
