@@ -340,7 +340,41 @@ class _JsonCall:
             self.name = name
 
 
-class _JsonCallsParser(ToolCallParser):
+class _JsonObjectParser(ToolCallParser):
+    """A format whose calls are JSON objects, each streamed as it is read: its header once its name
+    is known, then its arguments. A call that breaks before its name is content, as written."""
+
+    args_keys: ClassVar[tuple[str, ...]] = ("parameters", "arguments")
+    initial_state: ClassVar[str]
+    #: Format text before the object that is content again when no call follows.
+    call_prefix: ClassVar[str] = ""
+
+    def __init__(self, max_calls: int | None = None) -> None:
+        super().__init__(max_calls)
+        self._state = self.initial_state
+        self._pending = ""
+        self._call: _JsonCall | None = None
+        self._sent_open = False
+
+    def _advance_call(self, call: _JsonCall, buf: str, i: int) -> int:
+        i = call.feed(buf, i)
+        if call.name is not None and not self._sent_open:
+            self._open_call(call.name)
+            self._sent_open = True
+        if self._sent_open:
+            self._call_args(call.take_args())
+        return i
+
+    def _flush(self) -> None:
+        if self._call is not None and not self._sent_open:
+            self._outside(self.call_prefix + "".join(self._call.raw))
+        self._call = None
+        if self._pending:
+            self._outside(self._pending)
+            self._pending = ""
+
+
+class _JsonCallsParser(_JsonObjectParser):
     """Outputs that are JSON call objects one after another: an optional ``leader`` token, an
     optional ``opener`` (``[``), objects separated by ``separator``, an optional ``closer``;
     whatever follows, or an output that does not start so, is content."""
@@ -349,14 +383,7 @@ class _JsonCallsParser(ToolCallParser):
     opener: ClassVar[str | None] = None
     separator: ClassVar[str] = ";"
     closer: ClassVar[str | None] = None
-    args_keys: ClassVar[tuple[str, ...]] = ("parameters", "arguments")
-
-    def __init__(self, max_calls: int | None = None) -> None:
-        super().__init__(max_calls)
-        self._state = "lead"
-        self._pending = ""
-        self._call: _JsonCall | None = None
-        self._sent_open = False
+    initial_state = "lead"
 
     def _feed(self, text: str) -> None:
         buf, self._pending = self._pending + text, ""
@@ -399,12 +426,7 @@ class _JsonCallsParser(ToolCallParser):
                 return i
             self._call, self._sent_open = _JsonCall(self.args_keys), False
         call = self._call
-        i = call.feed(buf, i)
-        if call.name is not None and not self._sent_open:
-            self._open_call(call.name)
-            self._sent_open = True
-        if self._sent_open:
-            self._call_args(call.take_args())
+        i = self._advance_call(call, buf, i)
         if call.done or call.error:
             self._end_call(call)
         return i
@@ -433,14 +455,6 @@ class _JsonCallsParser(ToolCallParser):
             return i + 1
         self._state = "plain"
         return i
-
-    def _flush(self) -> None:
-        if self._pending:
-            self._outside(self._pending)
-            self._pending = ""
-        if self._call is not None and not self._sent_open:
-            self._outside("".join(self._call.raw))
-        self._call = None
 
     @classmethod
     def render_calls(cls, calls: Iterable[Mapping[str, Any]]) -> str:
@@ -472,20 +486,15 @@ class ForcedArrayParser(_JsonCallsParser):
 
 # ---- hermes ---------------------------------------------------------------------------------
 
-class HermesParser(ToolCallParser):
+class HermesParser(_JsonObjectParser):
     """vLLM's ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``."""
 
     OPEN = "<tool_call>"
     CLOSE = "</tool_call>"
     markers = (OPEN, CLOSE)
     args_keys = ("arguments", "parameters")
-
-    def __init__(self, max_calls: int | None = None) -> None:
-        super().__init__(max_calls)
-        self._state = "outside"
-        self._pending = ""
-        self._call: _JsonCall | None = None
-        self._sent_open = False
+    initial_state = "outside"
+    call_prefix = OPEN
 
     def _feed(self, text: str) -> None:
         buf, self._pending = self._pending + text, ""
@@ -513,17 +522,12 @@ class HermesParser(ToolCallParser):
     def _read_call(self, buf: str, i: int) -> int:
         call = self._call
         assert call is not None
-        i = call.feed(buf, i)
-        if call.name is not None and not self._sent_open:
-            self._open_call(call.name)
-            self._sent_open = True
-        if self._sent_open:
-            self._call_args(call.take_args())
+        i = self._advance_call(call, buf, i)
         if call.done or call.error:
             self._call = None
             if not self._sent_open:
                 self._state = "outside"
-                self._outside(self.OPEN + "".join(call.raw))
+                self._outside(self.call_prefix + "".join(call.raw))
             else:
                 if call.done and not call.has_args:
                     self._call_args("{}")
@@ -549,14 +553,6 @@ class HermesParser(ToolCallParser):
             self._close_call()
             self._state = "outside"
         return i
-
-    def _flush(self) -> None:
-        if self._call is not None and not self._sent_open:
-            self._outside(self.OPEN + "".join(self._call.raw))
-        self._call = None
-        if self._pending:
-            self._outside(self._pending)
-            self._pending = ""
 
     @classmethod
     def render_calls(cls, calls: Iterable[Mapping[str, Any]]) -> str:
