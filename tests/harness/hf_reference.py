@@ -9,8 +9,10 @@ test reports as such — or a clear preference, which is a bug.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -27,6 +29,15 @@ class Reference:
     @property
     def min_gap(self) -> float:
         return min(self.top2_gaps)
+
+
+def hf_prompt_ids(folder: Path, chats: Sequence[list[dict[str, str]]], completions: Sequence[str]) -> list[list[int]]:
+    """``chats`` (the folder's template, with the generation prompt) then ``completions``, tokenized by
+    ``transformers.AutoTokenizer`` on the folder: ids that do not depend on our tokenizer module."""
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    rendered: list[Any] = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)
+                           for c in chats]
+    return [list(c["input_ids"]) for c in rendered] + [list(tok(t)["input_ids"]) for t in completions]
 
 
 def hf_greedy_reference(model: transformers.PreTrainedModel, prompt: list[int], max_new_tokens: int,
