@@ -175,8 +175,7 @@ class OpenAIServer:
             async for delta in stream:
                 delay.observe(delta.emitted_at)
                 text, ids = [], []
-                # A job the scheduler stopped on EOS or a stop token id: that token counts as
-                # generated but is not text, unless include_stop_str_in_output (vLLM).
+                # A stop token counts as generated but is no text, unless include_stop_str_in_output.
                 last_silent = delta.finish_reason == "stop" and not include_stop
                 for k, token_id in enumerate(delta.token_ids):
                     ids.append(token_id)

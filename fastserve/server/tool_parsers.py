@@ -341,8 +341,7 @@ class _JsonCall:
 
 
 class _JsonObjectParser(ToolCallParser):
-    """A format whose calls are JSON objects, each streamed as it is read: its header once its name
-    is known, then its arguments. A call that breaks before its name is content, as written."""
+    """A format whose calls are JSON objects, each streamed as read (header, then arguments)."""
 
     args_keys: ClassVar[tuple[str, ...]] = ("parameters", "arguments")
     initial_state: ClassVar[str]

@@ -230,8 +230,7 @@ class KVStore:
             return handle
         if self._streams:
             stream = self._streams[handle.direction]
-            # The side stream must not start before the compute that wrote these blocks, nor
-            # before a copy of the other direction that reads or writes any of them.
+            # Not before the compute that wrote these blocks, nor another direction's copy of them.
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with self._lock:
                 self._inflight = [h for h in self._inflight if not h.done()]

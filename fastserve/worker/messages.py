@@ -12,8 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-#: Why a job stopped. ``stop`` = EOS or a stop token/string, ``length`` = ``max_tokens`` reached,
-#: ``abort`` = the client went away or the job was cancelled, ``error`` = the engine failed it.
+#: Why a job stopped: EOS or a stop token/string, ``max_tokens``, cancelled or gone, the engine failed it.
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 SwapDirection = Literal["out", "in"]

@@ -57,8 +57,7 @@ class Sampler:
         if cpu_greedy.fits(logits):   # argmax and the finiteness check in one C pass a row
             greedy, finite = cpu_greedy.greedy_rows(logits)
         else:
-            # A row holds a NaN or an infinity exactly when its float64 sum is not finite (float32
-            # values cannot overflow a float64 sum); one reduction instead of a mask over the vocabulary.
+            # Non-finite float64 sum exactly when a float32 row holds a NaN or an infinity.
             finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float64)).tolist()
         if token_masks is not None:
             moved = apply_token_masks(logits, token_masks, finite)
