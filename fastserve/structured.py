@@ -1,24 +1,8 @@
-"""Structured outputs' grammar engine: each job's grammar state and its next-token mask.
-
-Owns, over llguidance (``docs/api.md`` says why that engine):
-
-* ``grammar_of``: an ``OutputConstraint`` as llguidance's grammar (JSON schema, any JSON object,
-  regex, choice, Lark or GBNF), and ``check_constraint``, the ingress's check of one without a
-  tokenizer (a payload it cannot compile is refused with the engine's message, a 400);
-* ``GrammarCompiler``: the model's token index (built once, on first use) and the compiled
-  constraints, each compiled once and cached by value (a pristine matcher that jobs copy);
-* ``JobGrammars``: the grammar state of every constrained job, by job id (vLLM v1's
-  ``StructuredOutputManager``): created when the job is added, advanced by every token the
-  job is given, dropped when it ends. It gives each sampling entry of a plan its packed
-  token bitmask (``BatchEntry.token_mask``), which the sampler applies to that row.
-
-The state belongs to the job, not to its KV: preemption, swaps, recompute and prefix caching
-move KV and never the tokens a job has, so they leave it as it is. A token reaches a job's
-matcher only once the scheduler has given it to the job (a naive-MLFQ cut discards its token
-and never shows it here), and a job is in at most one plan in flight, so its mask is computed
-after its previous token arrived. When the grammar is complete the mask allows only EOS; a
-matcher that fails (a token it rejects) gets an empty mask, so the sampler finds no token and
-the scheduler fails that job alone. Imports no torch.
+"""Structured outputs' grammar engine, over llguidance: ``grammar_of`` and the ingress's tokenizer-free
+``check_constraint``; ``GrammarCompiler`` (the token index and each distinct constraint compiled once);
+``JobGrammars``, each constrained job's matcher, advanced by the tokens the scheduler gives it, and the
+per-row masks of a plan. The state is the job's, not its KV's, so preemption, swaps and recompute
+leave it alone. How and why: docs/configs.md, "Structured outputs". Imports no torch.
 """
 
 from __future__ import annotations
@@ -166,13 +150,8 @@ class JobGrammar:
 
 
 class JobGrammars:
-    """The grammar state of every constrained job (one owner: the engine core drives it).
-
-    A plan's masks are written into one buffer, row after row on the engine's thread
-    (``mask_threads`` 0), or together on llguidance's thread pool (``mask_threads`` > 0; it drops
-    the GIL). The pool is not the default: on the 2-core Intel Xeon with AMX it computed 32 masks
-    no faster (0.22 against 0.21 ms on one thread), and in a run on a busy machine the batch-32
-    forward after it took twice as long, which its threads spinning after their work would explain."""
+    """The grammar state of every constrained job (one owner: the engine core drives it). A plan's masks
+    go into one buffer, on the engine's thread or on llguidance's pool (``mask_threads``)."""
 
     def __init__(self, compiler: GrammarCompiler, mask_threads: int = 0) -> None:
         self.compiler = compiler

@@ -5,34 +5,11 @@
     python -m fastserve.bench.bench_gpu --report DIR          # the table and one JSON of DIR's parts
     python -m fastserve.bench.bench_gpu --smoke               # anywhere: tiny shapes on the CPU
 
-``tests/gpu/run_on_device.sh`` runs each part in its own process under its own timeout (a part
-that fails or hangs costs only itself), then ``--report``. The parts, each against a ceiling
-measured on the same device (a previous part's ``ceilings.json`` when there is one):
-
-- ``ceilings``: a device-to-device copy of a large buffer (bytes read + written per second: what a
-  memory-bound kernel can reach), and one large pinned host<->device copy each way.
-- ``attention``: decode attention of one LLaMA-3-8B layer (32 query / 8 KV heads, 128 dims, block
-  16) at batch 1/16/64 x context 1K/4K/16K, the split kernel (v2) and the one-block kernel (v1):
-  KV bytes read per second / the copy rate.
-- ``swaps``: the KV store's swaps out + in (runs of blocks, and every other block) / pinned rate.
-- ``engine``: an 8B-shaped bf16 model (random weights), decode steps at batch 1/16/64 at context
-  1K, eager and replaying CUDA graphs, against the floor of reading every weight once at half the
-  copy rate; and for one graphed step: the syncs torch's debug mode reports and the launches
-  outside the graph (the profiler's runtime/driver launch calls).
-- ``prefill``: prefill attention of one 8B layer over 8 x 1K-token prompts (and 8 chunks of 512
-  over a 512-token cached prefix): our path, one direct FlashAttention-2 varlen call on the same
-  tensors, and the per-sequence SDPA reference.
-- ``llama70b_tp8`` / ``opt175b_tp8_stage0``: one tensor-parallel rank of Llama-3.1-70B at TP 8
-  (80 layers, 8 query / 1 KV head) and of OPT-175B's first pipeline stage at TP 8 (48 of 96
-  layers, 12 heads), random weights, KV pools at their configs' sizes: peak memory after a
-  prefill of the config's token budget, decode step time at batch 1/16/64 (graphs). One rank
-  alone: the all-reduces are not there.
-- ``host_register``: ``cudaHostRegister`` of a 37.5 GiB host pool (llama3-70b.yaml's swap space per
-  rank), after the pool's pages are touched, as the KV store does it.
-
-Timings: CUDA events (perf_counter on the CPU) around each call, median of ``repeats`` after
-``warmup``. A step's time is its whole ``StageRunner.run``, which ends when its tokens are on the
-host. A readable table first; the last line printed is one JSON object.
+``tests/gpu/run_on_device.sh`` runs each part in its own process under its own timeout, then ``--report``.
+Each part (``PARTS``: copy ceilings, decode attention v1/v2, swaps, the 8B-shaped engine eager and
+graphed, prefill, one TP8 rank of Llama-3.1-70B and of OPT-175B's first stage, ``cudaHostRegister`` of a
+pool) is set against a ceiling measured on the same device. Timings: CUDA events around each call,
+median of ``repeats`` after ``warmup``. A table, then one JSON object.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Grammar engines side by side, per token: ``python -m fastserve.bench.bench_grammar``.
 
-How the structured-outputs engine was chosen (docs/api.md): llguidance and xgrammar each compile
-the same constraints (a JSON schema, any JSON object, a regex, a choice) for a model folder's
-tokenizer, then walk a valid output token by token: at each token, the next-token bitmask is
-computed (what the engine pays per constrained row per decode step) and the token consumed.
-Measured at the vocabularies of SmolLM2 (49,152) and Gemma 3 (262,144), in rounds that
-interleave the engines (A/B in one process). The first round is cold (the constraint just
-compiled, as for the first request that sends it); the later rounds start from the cached
-compiled constraint, as the server does for a constraint it has seen (llguidance: a copy of the
-pristine matcher; xgrammar: a matcher over the compiled grammar): medians over those. Also timed:
-building each engine's tokenizer index (once per process) and compiling each constraint cold
-(once per distinct constraint: the engine caches it).
-
-An engine that is not installed is reported as such (xgrammar is not a dependency: it imports
-torch and transformers and pulls in triton; llguidance needs nothing). Prints a table and,
-last, one JSON object.
+llguidance and xgrammar (when installed) compile the same constraints for a model folder's tokenizer
+and walk a valid output, computing the next-token bitmask at each token; at SmolLM2's and Gemma 3's
+vocabularies, the engines interleaved round by round. The first round is cold, the medians are over
+the later ones (from the compiled cache); index builds and cold compiles are timed too. A table, then
+one JSON object.
 """
 
 from __future__ import annotations

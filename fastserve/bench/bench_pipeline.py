@@ -1,20 +1,10 @@
 """Per-iteration time in process vs through the Ray pipeline: ``python -m fastserve.bench.bench_pipeline``.
 
-One fixed mixed iteration (``DECODES`` decode jobs at context ``CONTEXT`` + one ``PREFILL``-token
-prefill) of the demo model (opt-125m shapes, dummy weights, CPU, float32), run by the in-process
-executor and by ``PipelineExecutor`` at TP×PP = 1×1, 2×1, 1×2, each over the compiled graph and
-over plain actor calls. Two disjoint copies of the batch alternate, so a 2-stage pipeline may
-keep two plans in flight without a job in both. Two figures per pipeline:
-
-- ``serial``: one plan at a time — the step latency the engine loop sees;
-- ``pipelined``: up to ``max_inflight`` (= PP) plans in flight — the engine loop's steady rate.
-
-Every worker, and the in-process executor, gets ``--threads`` torch threads (default 1): one
-core stands in for one GPU, so TP and PP use more cores the way they would use more GPUs. (On a
-shared 2-core box a 2-thread torch collapses under outside load — OpenMP barriers spin on busy
-cores — which would swamp what this measures.) Prints a table; the last line is one JSON object
-with the figures (ms per iteration) and their ratios to in-process. Starts and shuts down its own
-Ray instance.
+One fixed mixed iteration of the demo model's shapes (dummy weights, CPU, float32) run in process and by
+``PipelineExecutor`` at TP×PP = 1×1, 2×1, 1×2, over the compiled graph and over plain actor calls:
+``serial`` (one plan at a time, the step latency) and ``pipelined`` (PP plans in flight, the steady
+rate). Each worker gets ``--threads`` torch threads, one core standing in for one GPU. A table, then one
+JSON object; starts and stops its own Ray instance.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """What structured outputs cost a decode step: ``python -m fastserve.bench.bench_structured``.
 
-The demo's model (``config/demo.yaml``: SmolLM2-135M-Instruct, in this process, no Ray) decodes a
-full batch (32) of chat requests, greedy, in two arms interleaved in one process (A/B, then B/A,
-round after round): free text, and the same requests held to a JSON schema (``--constraint``).
-Only decode steps with the whole batch in them count. Per step: the engine core's ``schedule``
-(the grammar masks are computed there, ``fastserve.structured``), the executor (forward and
-sampling, where each row's mask is applied) and ``update`` (each matcher advanced). Decode
-tokens/s is the batch over the median step; the ratio constrained / free is the cost.
-
-On a machine that others share, step times drift between the arms however finely they are
-interleaved; so the constrained steps also time their own structured-output work (computing
-the masks, applying them in the sampler, advancing the matchers: the three are wrapped with a
-timer in this process) and report its share of the same steps, which drifts with them.
-
-The default constraint is a JSON array of free strings that cannot be complete within
-``--max-tokens`` (``minItems``), so every row stays under its grammar, mostly inside strings,
-where a mask admits almost every token (the dearest masks to compute). Prints a table and, last,
+The demo's model, in this process, decodes a full batch of 32 greedy chat requests free and held to a
+JSON schema (``--constraint``; by default one that stays open, mostly inside strings), interleaved round
+by round. Over the full-batch decode steps: tokens/s per arm and their ratio, and the constrained steps'
+own mask, apply and advance times, whose share drifts with the steps on a shared machine. A table, then
 one JSON object.
 """
 

@@ -1,23 +1,10 @@
 """Where the time per token goes: ``python -m fastserve.bench.breakdown --base-url URL``.
 
-Against a running server of ours, at light load (one stream at a time) and at saturating load
-(``--concurrency`` streams at once), it sends real ShareGPT prompts with a fixed output length and
-reads the engine replica's step totals (``GET /debug/engine``) before and after, so the figures
-cover exactly these requests. It reports, per load:
-
-- the engine's decode step (``schedule``, batch ``build``, ``forward``, ``sample`` = LM head and
-  sampler, of which ``head`` the LM head on CPU, ``update``) and its busy cycle, whose part outside
-  the model is the loop's overhead;
-- per token as the client sees it: TPOT beside the engine's decode cycle (tokens leave at the
-  engine's pace), and the delivery delay from the scheduler to the ingress
-  (``job_stats.delivery_s``, measured there), which overlaps the next step: it adds latency to
-  each token, not time between tokens;
-- TTFT, of which queueing and the first iteration.
-
-``--model-profile`` adds (``--model-only``: alone, no server), in this process, the model's own
-decode step at ``--batches`` (``--model-config``, ``--dtype``) split by operator family (linear
-layers, LM head, decode attention, other) with torch's profiler, and the operators with the most
-self time. Prints tables and, last, one JSON object with every figure and the CPU model.
+At light and saturating load (``--concurrency``), real ShareGPT prompts with a fixed output length,
+the engine's step totals (``GET /debug/engine``) read before and after: the decode step by phase (``sample``'s LM head apart, on CPU) and
+the loop's overhead, TPOT beside the engine's cycle, the delivery delay, TTFT. ``--model-profile``
+(``--model-only``: without a server) adds the model's decode step by operator family from torch's
+profiler. Tables, then one JSON object with every figure and the CPU model.
 """
 
 from __future__ import annotations

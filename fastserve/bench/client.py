@@ -1,19 +1,10 @@
 """HTTP load client: replays a workload against any OpenAI-compatible server, streaming.
 
-Owns the client side of a real run: for each ``fastserve.bench.workloads.Request`` it waits until the
-request's arrival time, then, in the default ``completions`` mode (the paper's experiments on the
-dummy model), POSTs ``/v1/completions`` with ``stream: true``, ``max_tokens`` = the output length
-and ``ignore_eos`` (vLLM's extension; fixed output lengths make runs comparable), and a prompt of
-exactly ``prompt_len`` tokens — a token-id list (vLLM and our server accept ``prompt: [ids]``) or
-the synthesized text of ``fastserve.bench.workloads``. In ``chat`` mode (a real model) it POSTs
-``/v1/chat/completions`` with the prompt text as one user message and no ``ignore_eos``, so the
-output ends at the model's EOS or at ``max_tokens`` (``fastserve.bench.chat`` owns that body and the cap
-rule). It timestamps every streamed chunk, keeps ``completion_tokens`` from the usage chunk and
-the ``finish_reason``, and the server's per-job accounting when the final chunk carries it (our
-server's ``job_stats``). Records are ``fastserve.bench.metrics.RequestRecord``-compatible dicts, saved as JSONL.
-
-Safety: only loopback hosts unless ``allow_remote``; the whole run is bounded by ``max_total_s``.
-``python -m fastserve.bench.client --help`` for the CLI; its last output line is one JSON summary.
+Each ``fastserve.bench.workloads.Request`` is sent at its arrival time: ``completions`` mode posts a
+prompt of exactly ``prompt_len`` tokens with ``max_tokens`` and ``ignore_eos`` (fixed lengths make runs
+comparable); ``chat`` mode posts the text as one user message (``fastserve.bench.chat``). Every streamed
+chunk is timestamped; records (``fastserve.bench.metrics.RequestRecord``) are saved as JSONL. Loopback
+only unless ``allow_remote``; the run is bounded by ``max_total_s``. Last output line: one JSON summary.
 """
 
 from __future__ import annotations

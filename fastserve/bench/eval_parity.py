@@ -1,24 +1,11 @@
 """lm-evaluation-harness on our server against ``transformers`` on the same folder:
 ``python -m fastserve.bench.eval_parity``.
 
-Two tasks built from local data (no hub): a multiple-choice **loglikelihood** task and a greedy
-**generation** task, both from the Alpaca records shipped in ``fastserve/bench/data`` (CC BY-NC
-4.0, ``fastserve/bench/data/PROVENANCE.md``). A multiple-choice item asks an instruction with
-its own answer among ``CHOICES`` answers of other items (the gold one at position ``index %
-CHOICES``); a generation item asks the instruction and reads the answer up to a newline. The
-records are the first that fit ``MAX_QUESTION_CHARS`` and ``MAX_ANSWER_CHARS``, in file order.
-
-lm-eval 0.4.13 runs each task twice: ``--model local-completions`` against a running server
-(its loglikelihood requests are token-id prompts with ``echo``, ``logprobs: 1``, ``max_tokens: 1``;
-its generations token-id prompts with ``stop``), and ``--model hf`` on the folder in float32, one
-item at a time on both (``batch_size=1``: no padding in the reference). ``compare`` pairs the
-items: accuracy of each, each choice's loglikelihood difference against ``tolerance`` nats per
-continuation token, and which generations differ.
-
-The benchmark starts ``config/demo.yaml`` in float32 (``--dtype``) on a free port
-(``fastserve.bench.experiments.server``), runs ``--items`` items of each task (the issue's 200 by
-default), prints a table, then one JSON object (also written to ``--out``). lm-eval is a test
-dependency (the ``dev`` extra), imported only here.
+Two tasks from the Alpaca records in ``fastserve/bench/data`` (no hub): multiple choice by
+loglikelihood (an instruction's own answer among ``CHOICES``) and greedy generation up to a newline.
+lm-eval runs each on ``local-completions`` against ``config/demo.yaml`` in float32 and on ``hf`` in
+float32, one item at a time; ``compare`` pairs the items (accuracy, loglikelihood differences against
+``tolerance`` nats per token, generations that differ). A table, then one JSON object.
 """
 
 from __future__ import annotations

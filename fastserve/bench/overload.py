@@ -1,19 +1,10 @@
 """Overload a server and watch it hold: ``python -m fastserve.bench.overload --base-url URL --factor 3 --duration 60``.
 
-Three phases against one of our servers, with real ShareGPT prompts (outputs scaled):
-
-1. capacity: ``--probe`` requests at once, twice; completed requests per second of the second
-   burst (the first warms a fresh server: its first steps pay allocation and kernel set-up, which
-   had read a capacity 2-3x too low and made "3x capacity" no overload at all), or ``--capacity``
-   to skip it;
-2. overload: Poisson arrivals at ``--factor`` × capacity for ``--duration`` seconds;
-3. recovery: arrivals at ``--recovery-load`` × capacity for ``--recovery`` seconds, to see the
-   latency of admitted requests come back to its light-load level.
-
-Per 10 s window of arrival times: requests offered, accepted (200), refused with 429 (and
-whether each carried ``Retry-After``), other errors, and the P50/P95 per-token latency of the
-admitted ones; the engine replica's RSS at start and end (``/debug/engine``). Prints a
-table and, last, one JSON object.
+Three phases with real ShareGPT prompts: capacity (two bursts of ``--probe`` requests, the second
+counted, as the first warms a fresh server; or ``--capacity``), overload (Poisson arrivals at
+``--factor`` × capacity), recovery (``--recovery-load`` × capacity). Per 10 s window: requests offered,
+accepted, refused with 429 (with ``Retry-After`` or not), other errors, P50/P95 per-token latency; the
+engine replica's RSS. A table, then one JSON object.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """The ``Engine`` deployment: one replica = one model copy, its executor and its engine loop.
 
-Owns the replica side of a request: ``EngineReplica.generate`` submits the ingress's
-``JobRequest`` to the replica's ``AsyncEngine`` and streams the job's events back through the
-ingress's ``DeploymentHandle`` (``fastserve.engine.delivery``): ``Accepted``, or ``Refused`` with the
-``ErrorCode`` that picks the HTTP answer (admission queue full → 429, invalid → 400), then its
-``TokenDelta``s, the last with its ``Finish`` (reason and ``JobStats``). A cancelled stream (client
-gone, stop string matched) aborts the job, which frees its KV blocks. ``subscribe`` holds each
-ingress replica's delivery channel: its jobs' deltas travel there, one message per step, instead
-of on their own streams.
-
-It also owns executor construction (``build_executor``): in process (``ThreadedExecutor`` over
-``InProcessExecutor``) for TP·PP = 1, else the Ray pipeline of stage-worker actors placed in this
-replica's own placement group (bundle 0 is the replica, bundle 1 + s is stage s), and the
-replica's metrics (``fastserve.engine.metrics.EngineMetrics``): every ``metrics_sample_interval_s``, the
-engine's per-step token counts and per-request timing since the last tick, finished jobs'
-accounting and the scheduler's state, recorded into Ray's metrics pipeline; and, every
-``server.stats_log_interval_s``, one stats line in the log (``fastserve.engine.stats_log``).
+``EngineReplica.generate`` submits an ingress's ``JobRequest`` and streams back ``Accepted`` or
+``Refused``; the job's token deltas travel on the ingress replica's delivery channel (``subscribe``,
+``fastserve.engine.delivery``). A cancelled stream aborts the job. ``build_executor`` runs the model in
+process (TP·PP = 1) or as a Ray pipeline in this replica's placement group (stage s in bundle 1 + s).
+The replica records its metrics and stats line on their own intervals.
 """
 
 from __future__ import annotations
@@ -99,11 +88,8 @@ def build_grammars(args: AppArgs) -> JobGrammars:
 
 
 def warn_if_profile_dtype_differs(profile: Profile, path: str, dtype: str) -> None:
-    """Skip-join places a job by its profiled first-iteration time in units of a decode step,
-    and that ratio moves with the dtype (SmolLM2 on the 2-core AMD EPYC Zen 4: a 128-token
-    prompt was 3.5 decode steps in the old fp32 profile, 7.7 in bf16), so a profile of another
-    dtype misplaces jobs. Checked here, where ``auto`` is resolved for this machine (the config
-    check runs before that)."""
+    """Skip-join places a job by its profiled first-iteration time in decode steps, a ratio that moves
+    with the dtype; checked here, where ``auto`` is resolved for this machine."""
     if profile.dtype != dtype:
         warnings.warn(f"profile {path} was measured in {profile.dtype}, but this replica runs "
                       f"{dtype}: skip-join levels and quanta will be inaccurate "
@@ -161,13 +147,9 @@ class EngineReplica:
         return self.engine.scheduler
 
     async def generate(self, req: JobRequest, ingress_id: str = "") -> AsyncIterator[JobEvent]:
-        """Stream one job's events: ``Accepted`` or ``Refused``, then its deltas, merged per
-        read, the last with its finish. Cancellation (the caller went away) aborts the job and
-        frees its blocks.
-
-        When ``ingress_id``'s replica has a delivery channel open here, the job's deltas travel
-        on the channel instead (``Accepted`` names it), and this stream stays open, silent, until
-        the job ends: cancelling it still aborts the job."""
+        """Stream one job's events: ``Accepted`` or ``Refused``, then its deltas, the last with its finish;
+        with ``ingress_id``'s channel open here the deltas go there and this stream stays open, silent.
+        Cancelling it aborts the job."""
         channel = self._channels.get(ingress_id) if ingress_id else None
         if channel is not None and channel.closed:   # ended idle; its subscribe call is returning
             channel = None
@@ -205,11 +187,9 @@ class EngineReplica:
 
     async def subscribe(self, ingress_id: str, channel_id: str,
                         pinned_replica: str) -> AsyncIterator[Message]:
-        """An ingress replica's delivery channel (``fastserve.engine.delivery``): an empty message once it is
-        open, then one message per step with the deltas of that replica's jobs on it. Routed here
-        by ``pinned_replica`` (``fastserve.server.routing``). Ending it (the ingress went away) aborts them.
-        It returns by itself once no job has been on it for ``server.channel_idle_close_s``: an
-        open call is a request in flight, which Serve's graceful shutdown waits for."""
+        """An ingress replica's delivery channel: an empty message once open, then one per step with its
+        jobs' deltas; ending it aborts them. It returns once idle for ``server.channel_idle_close_s``,
+        since an open call is a request Serve's graceful shutdown waits for."""
         if pinned_replica != self.replica_id:
             raise ValueError(f"subscribe for replica {pinned_replica!r} reached replica {self.replica_id!r}")
         channel = Channel(channel_id, idle_close_s=self.args.server.channel_idle_close_s)
@@ -233,9 +213,7 @@ class EngineReplica:
             self.engine.abort(job_id)
 
     def _record_finished(self) -> None:
-        """Record the engine's timing since the last tick (tokens of every step, per-token
-        latencies, finished requests' intervals) and the finished jobs' accounting (each is kept
-        until drained here)."""
+        """Record the engine's timing and the finished jobs' accounting since the last tick."""
         timing = self.engine.timing.drain()
         self.metrics.record_timing(timing)
         self.stats_log.add_tokens(timing.prompt_tokens, timing.generation_tokens)

@@ -8,6 +8,7 @@ and the fallback for shapes v2 does not take).
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 from fastserve.kernels.cuda_specs import CUDA_KERNEL_SUFFIX, PAGED_ATTENTION_MAX_HEAD_DIM
 
 CUDA_SOURCE_DIR = Path(__file__).resolve().parent / "cuda"
+_LOCAL_INCLUDE = re.compile(r'^#include "([^"/]+)"$', re.MULTILINE)
 PAGED_ATTENTION_SOURCE = "paged_attention.cu"
 PAGED_ATTENTION_V2_SOURCE = "paged_attention_v2.cu"
 WRITE_KV_SOURCE = "write_kv.cu"
@@ -37,7 +39,10 @@ LOG2_E = 1.4426950408889634   # v2 keeps scores in log2 units: exp2 is one instr
 
 @functools.cache
 def _source(filename: str) -> str:
-    return (CUDA_SOURCE_DIR / filename).read_text()
+    """The source as NVRTC compiles it: each ``#include "header"`` of this folder spliced in, so the
+    text CuPy's kernel cache keys on holds the headers too."""
+    text = (CUDA_SOURCE_DIR / filename).read_text()
+    return _LOCAL_INCLUDE.sub(lambda m: _source(m.group(1)), text)
 
 
 @functools.cache

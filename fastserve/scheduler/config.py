@@ -142,19 +142,11 @@ class KVCacheConfig(_Strict):
 class StructuredOutputsConfig(_Strict):
     """Structured outputs' grammar engine (``fastserve.structured``, llguidance)."""
 
-    #: How long the engine waits for one constraint to compile (on a worker thread, off its
-    #: loop) before refusing the request with a 400. llguidance's own limits bound the work
-    #: (its lexer fuel and grammar size: a typical JSON schema compiles in about a millisecond);
-    #: this bounds the wait on a busy machine. vLLM has no such bound (its compile future is
-    #: awaited while the request waits); ours is generous, far above any schema a client sends.
+    #: The wait for one constraint's compile before a 400 (llguidance's own limits bound the work).
     compile_timeout_s: float = Field(default=10.0, gt=0)
-    #: Distinct compiled constraints kept (least recently used goes first): a client sending the
-    #: same schema again pays no compile. Each holds a pristine matcher (kilobytes).
+    #: Distinct compiled constraints kept, least recently used out first.
     compile_cache_size: int = Field(default=256, ge=1)
-    #: Threads that compute a plan's grammar masks together (llguidance's pool; it drops the
-    #: GIL); 0: row after row on the engine's thread. 0 by default: on 2 cores the pool was no
-    #: faster and may take the cores from the next forward (``fastserve.structured``). A
-    #: many-core host serving large constrained batches may want a few.
+    #: llguidance threads computing a plan's masks; 0: on the engine's thread (docs/configs.md says why).
     mask_threads: int = Field(default=0, ge=0)
 
 

@@ -1,15 +1,7 @@
-"""What a request with several choices or logprobs needs at the ingress, beside ``fastserve.server.ingress``.
-
-Owns the ``n`` fan-out (one job per choice, each through the scheduler like any request, its
-seed derived from the request's as vLLM does: ``seed + index``, so choices differ and repeat),
-merging the choices' event streams into one (each event tagged with its choice index), and the
-OpenAI logprob shapes: chat ``{"content": [{token, logprob, bytes, top_logprobs}]}`` and the
-legacy completions ``{tokens, token_logprobs, top_logprobs, text_offset}`` (with ``echo``, the
-prompt's tokens first, the very first with ``null`` logprobs, as OpenAI and vLLM send them), and
-vLLM's ``prompt_logprobs``: ``[null, {"<token id>": {logprob, rank, decoded_token}}, ...]``, the
-prompt token first, then its alternatives. Logprobs are of the raw model distribution
-(``SamplingParams.logprobs``, ``prompt_logprobs``); -inf is sent as ``LOGPROB_FLOOR`` (JSON has no
-infinity), as vLLM does.
+"""What a request with several choices or logprobs needs at the ingress: the ``n`` fan-out (one job
+per choice, seeded ``seed + index`` as vLLM does), one merged event stream, and OpenAI's and vLLM's
+logprob shapes (chat, legacy completions with ``echo``, ``prompt_logprobs``); -inf is sent as
+``LOGPROB_FLOOR``, since JSON has no infinity.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""The OpenAI-compatible server's generation logic (the HTTP app is ``fastserve.server.http_api``).
-
-Owns what happens once a request is prepared (``fastserve.server.ingress_requests``: auth, parsing,
-tokenization, validation): the call to a ``Engine`` replica through a streaming backend,
-detokenization with stop strings, the non-streaming body and the SSE stream, every failure
-turned into an OpenAI error with the right status, and how each request ended for its client
-(``request_success{finished_reason}``). Imports no ray and no FastAPI.
-
-``OpenAIServer`` holds the logic and talks to a ``Backend`` (the Serve handles in production,
-``fastserve.server.ingress_deployment.ServeBackend``; a fake in unit tests);
-``fastserve.server.http_api.make_api`` builds
-the FastAPI app over it; ``fastserve.server.ingress_deployment.Ingress`` is the Serve deployment class.
+"""The OpenAI-compatible server's generation logic: a prepared request's jobs on an ``Engine`` replica
+(through a ``Backend``), detokenization with stop strings, the body or the SSE stream, each failure as
+an OpenAI error, and how each request ended (``request_success``). No ray, no FastAPI: the app is
+``fastserve.server.http_api``'s, the deployment ``fastserve.server.ingress_deployment``'s.
 """
 
 from __future__ import annotations
@@ -183,8 +175,7 @@ class OpenAIServer:
             async for delta in stream:
                 delay.observe(delta.emitted_at)
                 text, ids = [], []
-                # A job the scheduler stopped on EOS or a stop token id: that token counts as
-                # generated but is not text, unless include_stop_str_in_output (vLLM).
+                # A stop token counts as generated but is no text, unless include_stop_str_in_output.
                 last_silent = delta.finish_reason == "stop" and not include_stop
                 for k, token_id in enumerate(delta.token_ids):
                     ids.append(token_id)

@@ -1,10 +1,6 @@
-"""The ingress's request side: what it knows of the served model, and a request made into jobs.
-
-Owns ``ServerContext`` (model name, tokenizer, limits, API key), ``Prepared`` (a parsed request
-and the ``JobRequest`` per choice it asks for) and ``RequestPreparer``: authentication, parsing
-and checking a body (``fastserve.server.protocol``), tokenization and chat templating (``fastserve.tokenizer``), the
-one validation (``fastserve.errors.validate_request``) and how a refusal reads to the client. The
-generation side, ``fastserve.server.ingress.OpenAIServer``, holds one. Imports no ray and no FastAPI.
+"""The ingress's request side: ``ServerContext`` (what it knows of the served model), ``Prepared`` (a
+parsed request and a ``JobRequest`` per choice) and ``RequestPreparer`` (auth, parsing, templating,
+tokenization, the one validation, how a refusal reads). No ray, no FastAPI.
 """
 
 from __future__ import annotations
@@ -169,8 +165,7 @@ class RequestPreparer:
                 f"context of {self.ctx.context_len} tokens", "messages", "context_length_exceeded")
         sampling = self._forced(req, plan, req.to_sampling(room, self.ctx.sampling_defaults))
         if plan.parses and self._markers_are_special(plan):
-            # As vLLM's Hermes parser: the markers must reach the parser even where the
-            # tokenizer calls them special.
+            # As vLLM's Hermes parser: the markers reach the parser even where they are special.
             req = req.model_copy(update={"skip_special_tokens": False})
         return self._prepared(req, f"chatcmpl-{uuid.uuid4().hex}", ids, sampling, True,
                               plan if plan.parses else None)
@@ -222,8 +217,7 @@ class RequestPreparer:
         if req.cache_salt is not None and not req.cache_salt:
             raise bad_request("cache_salt must be a non-empty string if provided", "cache_salt")
         if req.priority and not limits.allow_priority:
-            # As vLLM without its priority policy: refused, not dropped (any caller could jump
-            # the queue, so the config must ask for it).
+            # Refused, not dropped, as vLLM without its priority policy: any caller could jump the queue.
             raise bad_request(f"priority {req.priority} is not honoured: request priorities are off on this "
                               "server (server.allow_priority); send 0 or leave it out", "priority")
 

@@ -1,27 +1,9 @@
-"""The OpenAI-compatible wire format, request side: request models, parsing, and errors.
+"""The OpenAI-compatible wire format, request side: the request models of ``/v1/completions`` and
+``/v1/chat/completions``, their conversion to ``SamplingParams``, ``parse_request`` (a bad body is a 400
+naming the field) and ``APIError``, OpenAI's error body for every non-2xx answer.
 
-Owns what crosses the HTTP boundary inwards and its exact error messages:
-
-* ``CompletionRequest`` / ``ChatCompletionRequest`` (``/v1/completions``, ``/v1/chat/completions``)
-  and their conversion to the data plane's ``SamplingParams`` (``to_sampling``);
-* ``parse_request``: a malformed body or a schema violation becomes a 400 naming the field;
-* ``APIError`` and ``error_body``: the OpenAI error body ``{"error": {message, type, param, code}}``
-  used for every non-2xx answer.
-
-What goes back (response bodies, stream chunks, ``usage``, stop strings) is ``fastserve.server.protocol_output``.
-
-Beyond OpenAI, as vLLM accepts them: ``top_k`` (0 or -1 disables it), ``ignore_eos`` (benchmark
-clients fix output lengths with it), ``return_token_ids`` (the generated ids beside the text), and
-``priority`` (an integer, lower = more urgent: the MLFQ policies shift the job's entry level by it,
-clamped to the existing levels; refused unless ``server.allow_priority``), ``cache_salt`` (only
-requests with the same salt share prefix-cache blocks), and ``prompt_logprobs`` (each prompt
-token's logprob, rank and top alternatives; completions' ``echo`` with ``logprobs`` asks for them
-too, as evaluation harnesses score a continuation by them). Responses carry ``job_stats``: the scheduler's
-per-job accounting (queueing, execution and swap-blocked seconds, demotions, promotions, swaps).
-
-Every other field a client may send is honoured or refused by the table in ``fastserve.server.request_fields``
-(vLLM's sampling extras ``min_p``, ``min_tokens``, ``stop_token_ids``, ``repetition_penalty``,
-``skip_special_tokens`` are honoured; ``n`` fans out into one job per choice at the ingress).
+Fields beyond OpenAI's are vLLM's (docs/configs.md lists them); undeclared ones are judged by
+``fastserve.server.request_fields``. Response bodies are ``fastserve.server.protocol_output``'s.
 """
 
 from __future__ import annotations
@@ -121,26 +103,19 @@ class _GenerationRequest(BaseModel):
     repetition_penalty: float | None = None
     #: Token id (a string, as JSON keys are) → bias added to its logit.
     logit_bias: dict[str, float] | None = None
-    #: vLLM's: only these tokens may be sampled.
     allowed_token_ids: list[int] | None = None
-    #: vLLM's: words never generated (tokenized at the ingress, ``bad_words_ids``).
     bad_words: list[str] | None = None
     n: int | None = None
     best_of: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0
-    #: vLLM's: salts the prefix cache's hash chain, so only requests with the same salt share
-    #: cached KV (one tenant cannot probe another's prompts by timing).
     cache_salt: str | None = None
     return_token_ids: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    #: vLLM's: the matched stop string, or the stop token's text, stays in the output.
     include_stop_str_in_output: bool = False
-    #: vLLM's: logprobs name each token "token_id:<id>".
     return_tokens_as_token_ids: bool = False
-    #: vLLM's: keep only the prompt's last k tokens (-1: the model's context).
     truncate_prompt_tokens: int | None = None
     #: Structured outputs (``fastserve.server.structured_request``): OpenAI's, vLLM's, vLLM's older names.
     response_format: ResponseFormat | None = None
@@ -150,7 +125,6 @@ class _GenerationRequest(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
-    #: vLLM's: each prompt token's logprob (but the first's), rank and this many alternatives.
     prompt_logprobs: int | None = None
 
     @property
@@ -329,9 +303,6 @@ class CompletionRequest(_GenerationRequest):
     add_special_tokens: bool = True
     #: Legacy completions: how many top alternatives per token (0 = only the sampled token's).
     logprobs: int | None = None
-    #: The prompt comes back before the completion (its tokens first in ``logprobs``, the first
-    #: with none); with ``max_tokens: 0`` only the prompt comes back (vLLM: one token is
-    #: generated and not shown).
     echo: bool = False
 
     def logprob_count(self) -> int | None:

@@ -1,47 +1,9 @@
-"""Which request fields we honour and which we refuse: the decision table for every field that
-vLLM's ``ChatCompletionRequest`` / ``CompletionRequest`` (and OpenAI's) define.
+"""Which request fields we honour and which we refuse, for every field vLLM's and OpenAI's
+completion and chat requests define (the table, with why: docs/configs.md, "Request fields refused").
 
-Honoured (declared on the request models in ``fastserve.server.protocol``): ``model``, ``prompt`` /
-``messages``, ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k``,
-``min_p``, ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``,
-``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logit_bias``, ``logprobs`` (chat: bool,
-with ``top_logprobs``; completions: an int), ``n``, ``best_of`` (only 1 or n), ``stream``,
-``stream_options``, ``skip_special_tokens``, ``spaces_between_special_tokens`` (only true: our
-byte-level decode is the fast tokenizer's, which never inserts spaces), ``priority``,
-``cache_salt``, ``return_token_ids``, ``include_stop_str_in_output``, ``truncate_prompt_tokens``,
-``allowed_token_ids``, ``bad_words``, ``return_tokens_as_token_ids``, ``prompt_logprobs`` (not with
-``stream``, as vLLM), ``echo`` (completions),
-``add_special_tokens`` (completions: default true; chat: on top of the template's, default
-false); structured outputs (``response_format``, ``structured_outputs``, ``guided_json``,
-``guided_regex``, ``guided_choice``, ``guided_grammar``, ``guided_decoding_backend``:
-``fastserve.server.structured_request``); chat only: ``add_generation_prompt``,
-``continue_final_message``, ``chat_template_kwargs``, ``tools``, ``tool_choice``,
-``parallel_tool_calls`` (``fastserve.server.tools``; the table below still answers them on
-completions, which has no tools).
-
-Accepted because they change no output: ``HARMLESS`` (``user``, ``metadata``, ``store``,
-``service_tier``).
-
-Refused with a 400 naming the field, unless the value is the one that changes nothing
-(``REFUSED``: field → the values that are no-ops):
-
-| field | accepted as a no-op |
-|---|---|
-| ``tools`` (completions) | ``[]`` |
-| ``tool_choice`` (completions) | ``"none"`` |
-| ``parallel_tool_calls`` (completions) | — |
-| ``functions``, ``function_call`` (OpenAI's deprecated forms of ``tools``) | — |
-| ``echo`` (chat: vLLM's echoes the last message) | ``false`` |
-| ``suffix`` (completions) | ``""`` |
-| ``guided_whitespace_pattern``, ``structural_tag`` | — |
-| ``logits_processors``, ``vllm_xargs``, ``kv_transfer_params``, ``request_id``, ``prompt_embeds`` | — |
-| ``use_beam_search`` | ``false`` |
-| ``length_penalty`` | ``1.0`` (beam search only) |
-| ``chat_template``, ``documents``, ``mm_processor_kwargs`` | — |
-| ``reasoning_effort``, ``include_reasoning``, ``prediction``, ``modalities``, ``audio``, ``web_search_options`` | — |
-
-``null`` is a no-op for every field. Any other field is refused as unknown (it might change the
-output, and we would not know): a field we do not honour is never accepted and ignored.
+Honoured fields are declared on the request models (``fastserve.server.protocol``); ``HARMLESS`` ones
+change no output; a ``REFUSED`` one passes only with a value that changes nothing, and ``null`` always
+does. Any other field is refused as unknown: a field we do not honour is never accepted and ignored.
 """
 
 from __future__ import annotations

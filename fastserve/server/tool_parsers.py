@@ -1,19 +1,10 @@
-"""Tool-call parsers: a model's output split into content and OpenAI ``tool_calls``, whole or
-while it streams.
+"""Tool-call parsers: a model's output split into content and OpenAI ``tool_calls``, whole or streamed.
 
-Owns ``ToolCallParser`` (one per choice: ``push(text)`` returns the content and call deltas that
-may be sent now, ``finish()`` what it held) and its formats, by vLLM's ``--tool-call-parser``
-names (``PARSERS``): ``hermes`` (``<tool_call>{json}</tool_call>``), ``llama3_json``
-(``{"name", "parameters"}`` objects joined by ``;``), ``pythonic`` (``[f(a=1)]``, read with
-``ast``, never evaluated); and the shapes the grammar forces for ``tool_choice`` required
-(``ForcedArrayParser``) and named (``ForcedArgumentsParser``). ``parse`` is a parser fed at
-once, so the whole answer is by construction what the streamed deltas add up to. What counts
-as content and how a broken call reads: docs/configs.md, "Tool calling".
-
-Our own parsers rather than vLLM's: theirs are bound to vLLM's request, tokenizer and delta
-classes, re-parse the whole text at every token, and run separate code for streamed and whole
-outputs, which can disagree; here one character-level scanner serves both and never retracts
-what it sent.
+``ToolCallParser`` (one per choice) releases on each ``push`` what may be sent now; its formats go by
+vLLM's ``--tool-call-parser`` names (``PARSERS``), plus the shapes the grammar forces for
+``tool_choice`` required and named. ``parse`` feeds a parser at once, so whole and streamed answers agree.
+Our own rather than vLLM's, which are bound to vLLM's request and delta classes and re-parse the whole
+text at every token: one character-level scanner here serves both and never retracts what it sent.
 """
 
 from __future__ import annotations
@@ -349,7 +340,40 @@ class _JsonCall:
             self.name = name
 
 
-class _JsonCallsParser(ToolCallParser):
+class _JsonObjectParser(ToolCallParser):
+    """A format whose calls are JSON objects, each streamed as read (header, then arguments)."""
+
+    args_keys: ClassVar[tuple[str, ...]] = ("parameters", "arguments")
+    initial_state: ClassVar[str]
+    #: Format text before the object that is content again when no call follows.
+    call_prefix: ClassVar[str] = ""
+
+    def __init__(self, max_calls: int | None = None) -> None:
+        super().__init__(max_calls)
+        self._state = self.initial_state
+        self._pending = ""
+        self._call: _JsonCall | None = None
+        self._sent_open = False
+
+    def _advance_call(self, call: _JsonCall, buf: str, i: int) -> int:
+        i = call.feed(buf, i)
+        if call.name is not None and not self._sent_open:
+            self._open_call(call.name)
+            self._sent_open = True
+        if self._sent_open:
+            self._call_args(call.take_args())
+        return i
+
+    def _flush(self) -> None:
+        if self._call is not None and not self._sent_open:
+            self._outside(self.call_prefix + "".join(self._call.raw))
+        self._call = None
+        if self._pending:
+            self._outside(self._pending)
+            self._pending = ""
+
+
+class _JsonCallsParser(_JsonObjectParser):
     """Outputs that are JSON call objects one after another: an optional ``leader`` token, an
     optional ``opener`` (``[``), objects separated by ``separator``, an optional ``closer``;
     whatever follows, or an output that does not start so, is content."""
@@ -358,14 +382,7 @@ class _JsonCallsParser(ToolCallParser):
     opener: ClassVar[str | None] = None
     separator: ClassVar[str] = ";"
     closer: ClassVar[str | None] = None
-    args_keys: ClassVar[tuple[str, ...]] = ("parameters", "arguments")
-
-    def __init__(self, max_calls: int | None = None) -> None:
-        super().__init__(max_calls)
-        self._state = "lead"
-        self._pending = ""
-        self._call: _JsonCall | None = None
-        self._sent_open = False
+    initial_state = "lead"
 
     def _feed(self, text: str) -> None:
         buf, self._pending = self._pending + text, ""
@@ -408,12 +425,7 @@ class _JsonCallsParser(ToolCallParser):
                 return i
             self._call, self._sent_open = _JsonCall(self.args_keys), False
         call = self._call
-        i = call.feed(buf, i)
-        if call.name is not None and not self._sent_open:
-            self._open_call(call.name)
-            self._sent_open = True
-        if self._sent_open:
-            self._call_args(call.take_args())
+        i = self._advance_call(call, buf, i)
         if call.done or call.error:
             self._end_call(call)
         return i
@@ -442,14 +454,6 @@ class _JsonCallsParser(ToolCallParser):
             return i + 1
         self._state = "plain"
         return i
-
-    def _flush(self) -> None:
-        if self._pending:
-            self._outside(self._pending)
-            self._pending = ""
-        if self._call is not None and not self._sent_open:
-            self._outside("".join(self._call.raw))
-        self._call = None
 
     @classmethod
     def render_calls(cls, calls: Iterable[Mapping[str, Any]]) -> str:
@@ -481,20 +485,15 @@ class ForcedArrayParser(_JsonCallsParser):
 
 # ---- hermes ---------------------------------------------------------------------------------
 
-class HermesParser(ToolCallParser):
+class HermesParser(_JsonObjectParser):
     """vLLM's ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``."""
 
     OPEN = "<tool_call>"
     CLOSE = "</tool_call>"
     markers = (OPEN, CLOSE)
     args_keys = ("arguments", "parameters")
-
-    def __init__(self, max_calls: int | None = None) -> None:
-        super().__init__(max_calls)
-        self._state = "outside"
-        self._pending = ""
-        self._call: _JsonCall | None = None
-        self._sent_open = False
+    initial_state = "outside"
+    call_prefix = OPEN
 
     def _feed(self, text: str) -> None:
         buf, self._pending = self._pending + text, ""
@@ -522,17 +521,12 @@ class HermesParser(ToolCallParser):
     def _read_call(self, buf: str, i: int) -> int:
         call = self._call
         assert call is not None
-        i = call.feed(buf, i)
-        if call.name is not None and not self._sent_open:
-            self._open_call(call.name)
-            self._sent_open = True
-        if self._sent_open:
-            self._call_args(call.take_args())
+        i = self._advance_call(call, buf, i)
         if call.done or call.error:
             self._call = None
             if not self._sent_open:
                 self._state = "outside"
-                self._outside(self.OPEN + "".join(call.raw))
+                self._outside(self.call_prefix + "".join(call.raw))
             else:
                 if call.done and not call.has_args:
                     self._call_args("{}")
@@ -558,14 +552,6 @@ class HermesParser(ToolCallParser):
             self._close_call()
             self._state = "outside"
         return i
-
-    def _flush(self) -> None:
-        if self._call is not None and not self._sent_open:
-            self._outside(self.OPEN + "".join(self._call.raw))
-        self._call = None
-        if self._pending:
-            self._outside(self._pending)
-            self._pending = ""
 
     @classmethod
     def render_calls(cls, calls: Iterable[Mapping[str, Any]]) -> str:

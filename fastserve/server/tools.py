@@ -31,8 +31,13 @@ ToolMode = Literal["none", "auto", "required", "named"]
 TOOL_RESPONSE = ("<tool_response>", "</tool_response>")
 
 
-class FunctionDefinition(BaseModel):
+class _Closed(BaseModel):
+    """A request part whose every field is known: an unknown one is a 400 naming it."""
+
     model_config = ConfigDict(extra="forbid")
+
+
+class FunctionDefinition(_Closed):
     name: str = Field(pattern=FUNCTION_NAME_PATTERN)
     description: str | None = None
     #: A JSON schema of the arguments object.
@@ -41,32 +46,27 @@ class FunctionDefinition(BaseModel):
     strict: bool | None = None
 
 
-class ToolDefinition(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ToolDefinition(_Closed):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FunctionName(_Closed):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class NamedToolChoice(_Closed):
     type: Literal["function"]
     function: FunctionName
 
 
-class FunctionCallMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FunctionCallMessage(_Closed):
     name: str
     #: A JSON object as a string, as OpenAI sends it back.
     arguments: str
 
 
-class ToolCallMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ToolCallMessage(_Closed):
     id: str
     type: Literal["function"]
     function: FunctionCallMessage

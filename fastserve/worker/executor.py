@@ -1,8 +1,5 @@
-"""The in-process executor: the whole model in this process, one plan at a time.
-
-Used by the scheduler's engine loop when no pipeline is configured, by the profiler, by the GPU
-checks (which run without Ray) and by tests. It owns the model, the KV store and the sampler; a
-plan names every block and swap, so the executor never decides anything.
+"""The in-process executor: the whole model, KV store and sampler in this process, one plan at a time
+(no pipeline configured, the profiler, the GPU checks, tests). A plan names every block and swap.
 """
 
 from __future__ import annotations
@@ -33,10 +30,8 @@ AUTO_DTYPE = "auto"
 
 
 def resolve_dtype(name: str, device: str) -> str:
-    """``name`` itself, or for ``auto`` what this machine computes fastest at full model quality:
-    bfloat16 (weights, activations and KV; fp32 accumulation) on a CPU with native bf16
-    (``fastserve.kernels.cpu_features``: AVX-512 BF16 or AMX) and on a CUDA device that supports it,
-    float32 on any other CPU (bf16 there is emulated, slower than fp32), float16 on other GPUs."""
+    """``name``, or for ``auto`` the fastest at full quality here: bfloat16 where the CPU or GPU has it
+    natively, else float32 on a CPU (emulated bf16 is slower) and float16 on a GPU."""
     if name != AUTO_DTYPE:
         torch_dtype(name)   # refuse an unknown name here, naming it
         return name
@@ -69,8 +64,7 @@ def build_stage(config: ModelConfig, shard: StageShard, dtype: str, device: str,
     """Build one stage of ``config``'s architecture on ``device`` and load its weights (dummy or
     checkpoint); its CPU linears are packed on the GEMM paths ``gemm`` chooses."""
     target = torch_dtype(resolve_dtype(dtype, device))
-    # Built where it runs and in its dtype: an 8B model is not first made in fp32 on the CPU
-    # (32 GB, then copied). The weights (dummy or checkpoint) are cast as they are copied in.
+    # Built where it runs and in its dtype, never first in fp32 on the CPU.
     with torch.device(device), default_dtype(target):
         stage = build_model(config, shard, all_reduce)
     load_stage_weights(stage, load_format, model_path, seed)
@@ -81,9 +75,8 @@ def build_stage(config: ModelConfig, shard: StageShard, dtype: str, device: str,
 
 def build_runner(spec: ModelSpec, config: ModelConfig, shard: StageShard,
                  all_reduce: AllReduce | None = None, device_index: int = 0) -> StageRunner:
-    """One worker's ``StageRunner`` — its shard of the model (weights loaded), its slice of the KV
-    store and a sampler — for the in-process executor and the Ray stage workers alike, all on
-    device ``device_index`` of ``spec.device`` (``cuda:{index}``, never the bare ``cuda``)."""
+    """One worker's ``StageRunner`` (its model shard, KV slice and sampler) on device ``device_index``
+    of ``spec.device``, for the in-process executor and the Ray stage workers alike."""
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)   # per process: this worker owns the model's
     device = device_name(spec.device, device_index)

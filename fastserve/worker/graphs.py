@@ -1,9 +1,6 @@
-"""CUDA graphs for decode steps: one graph per batch-size bucket, captured on first use.
-
-Owns one worker's buckets, the fixed input buffer the graphs read, the graphs and their shared
-pool. A step replays when it is all decodes within the largest bucket and the tables' width, else
-runs eagerly; padding rows write no KV and are never read. Same kernels and arguments as the eager
-step, so equal token for token at the same batch size.
+"""CUDA graphs for decode steps: one graph per batch-size bucket, captured on first use, over one
+fixed input buffer and a shared pool. A step that is all decodes within the largest bucket replays
+(padding rows write no KV); any other runs eagerly, with the same kernels.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The KV store of one worker: a device pool and a host pool of paged blocks, and swaps between them.
 
-Pool layout ``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``: block-major, so a
-block's swap is one copy; layer ``l`` reads ``pool[:, l]``. Swaps run on a GPU on one side stream
-per direction, ordered by events against the other direction's swaps on the same blocks; on CPU on
-one copy thread in issue order. A step waits only for swaps touching its blocks (``wait_for``).
-Which block belongs to which job is ``fastserve.kv``'s business. More in docs/engine.md.
+Block-major pools ``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``, so a block swaps in
+one copy. Swaps run on a side stream per direction (GPU) or one copy thread (CPU); a step waits only
+for those touching its blocks. Which block is whose is ``fastserve.kv``'s.
 """
 
 from __future__ import annotations
@@ -83,8 +81,7 @@ class TimingEvent(Protocol):
 
 
 class DeviceStalls:
-    """Compute-stream stalls on swaps: timing-event pairs around each wait, read without a sync
-    once the device has passed them."""
+    """Compute-stream stalls on swaps: event pairs around each wait, read once the device passed them."""
 
     def __init__(self) -> None:
         self._pending: list[tuple[TimingEvent, TimingEvent]] = []
@@ -185,8 +182,7 @@ class KVStore:
             return frozenset(h.job_id for h in self._inflight if h.direction == direction and not h.done())
 
     def wait_for(self, device_blocks: Iterable[int]) -> float:
-        """Wait for the swaps touching ``device_blocks``; seconds the host waited (0 on a GPU,
-        where the compute stream waits and ``device_wait_s`` reads the stall)."""
+        """Wait for the swaps touching ``device_blocks``; seconds the host waited (0 on a GPU: the stream waits)."""
         wanted = frozenset(device_blocks)
         with self._lock:
             touching = [h for h in self._inflight if h.device_blocks & wanted]
@@ -234,8 +230,7 @@ class KVStore:
             return handle
         if self._streams:
             stream = self._streams[handle.direction]
-            # The side stream must not start before the compute that wrote these blocks, nor
-            # before a copy of the other direction that reads or writes any of them.
+            # Not before the compute that wrote these blocks, nor another direction's copy of them.
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with self._lock:
                 self._inflight = [h for h in self._inflight if not h.done()]

@@ -1,10 +1,7 @@
 """The data plane's contract: what the control plane sends to the workers and what comes back.
 
-Stdlib only (no torch): policy modules in ``fastserve/`` import these types without pulling torch in.
-Everything here is a plain, picklable dataclass; no tensors cross this boundary.
-
-Block ids are *logical*: every pipeline stage and tensor-parallel rank holds the same block ids
-for its own layers and heads, so one plan addresses the whole pipeline.
+Stdlib-only, picklable dataclasses (no torch, no tensors), so policy modules can import them. Block ids
+are logical: every stage and rank holds the same ids for its own layers and heads.
 """
 
 from __future__ import annotations
@@ -15,8 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-#: Why a job stopped. ``stop`` = EOS or a stop token/string, ``length`` = ``max_tokens`` reached,
-#: ``abort`` = the client went away or the job was cancelled, ``error`` = the engine failed it.
+#: Why a job stopped: EOS or a stop token/string, ``max_tokens``, cancelled or gone, the engine failed it.
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 SwapDirection = Literal["out", "in"]
@@ -38,17 +34,9 @@ ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "gramm
 class OutputConstraint:
     """What the generated text must match (structured outputs): one kind and its payload.
 
-    ``json_schema``: ``spec`` is the schema as canonical JSON text (``OutputConstraint.json_schema``
-    writes it with sorted keys, so equal schemas are equal constraints); ``json_object``: any JSON
-    object, ``spec`` empty; ``regex``: the whole output matches the pattern ``spec``; ``choice``:
-    the output is exactly one of ``choices``; ``grammar``: ``spec`` is a context-free grammar in
-    Lark syntax (llguidance's, which may embed a JSON schema as ``%json{...}``) or GBNF (``::=``
-    rules, llama.cpp's / vLLM's EBNF). ``any_whitespace`` (JSON kinds): whether the JSON may hold
-    whitespace beyond single separators (vLLM's ``disable_any_whitespace`` turns it off).
-
-    A value, hashable: the engine compiles each distinct constraint once and caches it by value.
-    The payload is not checked here; the grammar engine (``fastserve.structured``) compiles it,
-    and a constraint it cannot compile fails its request with the engine's message.
+    ``spec`` is a schema as canonical JSON (sorted keys, so equal schemas are equal constraints), a regex
+    the whole output matches, or a Lark/GBNF grammar; ``choices`` for ``choice``. A hashable value: the
+    engine compiles each distinct one once (``fastserve.structured``), and that compile judges the payload.
     """
 
     kind: ConstraintKind
@@ -94,31 +82,13 @@ class OutputConstraint:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding settings (OpenAI / vLLM semantics).
+    """Per-request decoding settings, with OpenAI's and vLLM's meaning for each field.
 
-    ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
-    ``seed`` makes sampling reproducible: the same seed and prompt give the same tokens, whatever
-    else shares the batch (each step draws from a generator seeded by ``(seed, step index)``).
-    ``min_p`` (0 disables it) drops tokens less likely than ``min_p`` times the most likely one.
-
-    ``min_tokens``: neither EOS nor a ``stop_token_ids`` token can end the job before it has
-    generated that many tokens (the sampler masks them, ``BatchEntry.context.suppress_ids``).
-    Penalties follow vLLM: ``presence_penalty`` / ``frequency_penalty`` (OpenAI, over generated
-    tokens) subtract ``presence * [count > 0] + frequency * count``; ``repetition_penalty`` (HF,
-    over prompt and generated tokens) divides positive logits by it and multiplies negative ones.
-    ``logprobs`` (None = not asked) returns the sampled token's log-probability and that many
-    most likely alternatives, of the model's raw distribution (before penalties and temperature).
-    ``prompt_logprobs`` (vLLM's; None = not asked) returns, for every prompt token but the first,
-    its log-probability given the tokens before it, its rank, and that many most likely
-    alternatives (raw distribution too): what evaluation harnesses score a continuation by.
-    ``logit_bias`` (OpenAI's, as (token id, bias) pairs by id) is added to those tokens' logits
-    before penalties, masks and temperature, so it steers greedy decoding too;
-    ``allowed_token_ids`` (vLLM's; None = all) keeps only those tokens sampleable;
-    ``bad_words_ids`` (vLLM's ``bad_words``, tokenized at the ingress) bans a word's last token
-    whenever the tokens generated last are the rest of it (a one-token word: always).
-    ``constraint`` (structured outputs; None = free text) holds the output to a JSON schema,
-    regex, choice or grammar: the engine keeps each job's grammar state and sends a per-row
-    token mask with each step's plan.
+    ``temperature == 0`` is greedy; ``top_k <= 0``, ``top_p == 1``, ``min_p == 0`` disable those filters.
+    A ``seed`` seeds each step's generator with ``(seed, step index)``, so batching cannot change the
+    tokens. ``logprobs`` and ``prompt_logprobs`` (None = not asked) read the raw distribution, before
+    bias, penalties and temperature. ``bad_words_ids`` bans a word's last token once the rest of it
+    was just generated.
     """
 
     max_tokens: int = 16
@@ -206,11 +176,8 @@ class SamplingParams:
 
     def finish_reason(self, token_id: int, num_generated: int,
                       eos_token_ids: frozenset[int]) -> FinishReason | None:
-        """Whether generation stops after emitting ``token_id`` as the ``num_generated``-th token;
-        every id of the model's ``eos_token_ids`` stops it (unless ``ignore_eos``).
-
-        Before ``min_tokens`` tokens nothing but ``max_tokens`` ends the job (as vLLM's stop check;
-        the sampler masks EOS and stop ids until then, so they are not sampled)."""
+        """Whether generation stops after ``token_id``, the ``num_generated``-th token (before
+        ``min_tokens`` only ``max_tokens`` ends it, as in vLLM)."""
         stop_token = (not self.ignore_eos and token_id in eos_token_ids) or token_id in self.stop_token_ids
         if stop_token and num_generated >= self.min_tokens:
             return "stop"
@@ -223,10 +190,8 @@ class SamplingParams:
 class SamplingContext:
     """What one row's sampling needs beyond its ``SamplingParams``; sent only for a row that uses it.
 
-    The data plane keeps no per-job state, so a job whose sampling uses penalties sends its
-    history each step: ``output_ids`` (generated so far: presence, frequency and repetition
-    penalties) and ``prompt_ids`` (repetition penalty only). ``suppress_ids`` are tokens masked
-    this step: EOS and ``stop_token_ids`` while the job has fewer than ``min_tokens`` tokens.
+    The data plane keeps no per-job state, so the penalties' history travels with each step;
+    ``suppress_ids`` are masked this step (EOS and stop ids before ``min_tokens``, banned words).
     """
 
     output_ids: tuple[int, ...] = ()
@@ -236,10 +201,8 @@ class SamplingContext:
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """A token's log-probability and the ``top`` most likely ``(token id, logprob)`` pairs, most
-    likely first (of the raw model distribution; see ``SamplingParams.logprobs``): the sampled
-    token's, or a prompt token's (``SamplingParams.prompt_logprobs``), which also has its
-    ``rank`` in that distribution (1 = the most likely; None where not computed)."""
+    """A token's log-probability, the ``top`` most likely ``(token id, logprob)`` pairs, most likely
+    first, and (prompt tokens) its ``rank``, 1 = the most likely."""
 
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
@@ -248,16 +211,11 @@ class TokenLogprobs:
 
 @dataclass(frozen=True)
 class BatchEntry:
-    """One job's part of one iteration.
+    """One job's part of one iteration: ``token_ids`` fed at positions ``start_pos ..``.
 
-    ``token_ids`` are the tokens fed this step, at positions ``start_pos ..``. A first iteration
-    (``is_prefill``) feeds the whole prompt with ``start_pos == 0``; a recompute after the job's KV
-    was dropped feeds prompt + generated tokens the same way. A decode step feeds one token.
-    With chunked prefill a first iteration is split: each chunk is a prefill entry whose
-    ``start_pos`` is where the previous chunk ended (its KV for ``0 .. start_pos`` is cached), and
-    only the last chunk has ``samples`` set; the others return no token.
-    ``block_table`` lists the device blocks holding positions ``0 .. start_pos + len(token_ids)``.
-    ``step_index`` is how many tokens the job has generated before this step (seeds sampling).
+    A prefill (or a recompute, or one chunk of either) feeds many tokens, a decode one.
+    ``block_table`` holds positions ``0 .. context_len``; ``step_index`` (tokens generated so far)
+    seeds sampling.
     """
 
     job_id: str
@@ -267,19 +225,13 @@ class BatchEntry:
     is_prefill: bool
     sampling: SamplingParams
     step_index: int = 0
-    #: Whether this entry's last position is sampled: False only for a prefill chunk that is not
-    #: its first iteration's last (its logits are discarded; ``StepOutput.tokens`` omits it).
+    #: False for a prefill chunk before the last: no token comes back for it.
     samples: bool = True
     #: Penalty history and masked tokens, only for an entry whose sampling needs them.
     context: SamplingContext | None = None
-    #: Structured outputs: the tokens the job's grammar allows next, one bit per token id
-    #: (little-endian 32-bit words, bit ``t % 32`` of word ``t // 32``); every other token is
-    #: masked before sampling and logprobs. Set by the engine (``fastserve.structured``) on a
-    #: sampling entry of a constrained job; None = no grammar.
+    #: The tokens the grammar allows next, bit ``t % 32`` of little-endian 32-bit word ``t // 32``.
     token_mask: bytes | None = None
-    #: Prompt logprobs (``SamplingParams.prompt_logprobs``): the prompt tokens this entry's first
-    #: rows predict, row ``r``'s logits scoring ``prompt_targets[r]`` (the prompt token at
-    #: position ``start_pos + r + 1``). Empty for an entry that asks none: it pays nothing.
+    #: Row ``r`` scores ``prompt_targets[r]``, the prompt token at ``start_pos + r + 1``.
     prompt_targets: tuple[int, ...] = ()
 
     @property
@@ -289,11 +241,7 @@ class BatchEntry:
 
 @dataclass(frozen=True)
 class SwapCommand:
-    """Copy one job's blocks between tiers: ``out`` = device -> host, ``in`` = host -> device.
-
-    ``src_blocks[k]`` is copied to ``dst_blocks[k]``; ids are device ids on the device side and
-    host ids on the host side.
-    """
+    """Copy one job's blocks between tiers (``out``: device to host): ``src_blocks[k]`` to ``dst_blocks[k]``."""
 
     direction: SwapDirection
     job_id: str
@@ -310,12 +258,9 @@ class SwapCommand:
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """One iteration for the whole pipeline: swaps to start, entries to run.
+    """One iteration for the whole pipeline: swaps to start (out, then in, beside the forward), entries to run.
 
-    Every stage applies ``swap_out`` then ``swap_in`` to its own KV (asynchronously, overlapped with
-    compute), then runs ``entries``. A swap may target blocks no entry of this plan uses: that is
-    the proactive case, finished in the background. The data plane keeps no per-job state, so
-    nothing tells it a job is gone.
+    A swap may move blocks no entry uses (a proactive swap).
     """
 
     step_id: int
@@ -330,24 +275,14 @@ class BatchPlan:
 
 @dataclass
 class StepOutput:
-    """What the last stage returns for one plan: one sampled token per sampling entry, and timings.
+    """What the last stage returns for one plan: one token per sampling entry, and seconds by phase.
 
-    A plan's output comes back only once its swaps have completed on every worker: swaps run
-    beside the plan's forward (overlapped with it, paper Fig. 9b) and are awaited at the end.
-    So when the control plane sees plan k's output, every block that plan swapped is settled:
-    a swapped-in job is resident and a swapped-out job's device blocks may be reused.
-
-    ``timings`` holds seconds by phase: ``swap_wait`` (forward blocked on a swap touching its
-    blocks), ``forward``, ``sample``, ``swap_tail`` (waiting for swaps after the forward), ``total``.
-    ``logprobs`` holds the sampled tokens' log-probabilities for the jobs that asked;
-    ``prompt_logprobs`` each prompt-logprob entry's rows (``BatchEntry.prompt_targets``), in order.
+    It comes back once the plan's swaps are done on every worker, so every block it swapped is settled.
     """
 
     step_id: int
     tokens: dict[str, int]
     timings: dict[str, float] = field(default_factory=dict)
-    #: Only for the jobs whose sampling asked for logprobs (``SamplingParams.logprobs``).
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
-    #: Only for the entries with ``prompt_targets``: one per target, in order.
     prompt_logprobs: dict[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
 

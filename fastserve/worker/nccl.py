@@ -16,8 +16,7 @@ def uses_nccl_channels(kind: str, device: str, num_stages: int) -> bool:
 
 
 def check_nccl_binding() -> None:
-    """Fail now, naming what is missing: Ray's own error at compile time names neither. CuPy's
-    module imports even without libnccl, with ``available`` false."""
+    """Fail now, naming what is missing (Ray's error at compile time names neither)."""
     fix = ("install the gpu extra (pip install -e '.[gpu]', which brings cupy-cuda13x) in every "
            "node's image, or set parallel.transport: actor (plain actor calls, no NCCL channels)")
     try:

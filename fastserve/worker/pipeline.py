@@ -1,11 +1,8 @@
 """The pipeline executor: P stages × T tensor-parallel ranks of ``StageWorker``s behind one plan API.
 
-``PipelineExecutor`` owns the workers' lifecycle (placement, start-up, TP groups, transport,
-failure detection, teardown) and serves the engine loop's executor protocol, up to P plans in
-flight (paper §4.3). One bundle per stage, in its own placement group or a caller's from
-``bundle_offset``. A dead worker is a ``PipelineError`` within seconds and closes the executor
-(recovery is the caller's); a plan that fails on live workers is ``PlanFailed`` and only its jobs
-fail (the control plane discards their KV, so partly applied swaps never matter).
+Owns the workers' lifecycle (placement, start-up, TP groups, transport, failure detection, teardown),
+up to P plans in flight (paper §4.3). A dead worker closes it (``PipelineError``, recovery is the
+caller's); a plan that fails on live workers (``PlanFailed``) fails only its jobs.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""``free_port``: a TCP port free now and likely still free when bound a moment later. Binding port 0
-races with every process taking ephemeral ports (a starting Ray node takes a burst of them), so
-ports are drawn at random between Ray's worker ports and the ephemeral range.
+"""``free_port``: a TCP port free now and likely still free when bound a moment later: drawn at random
+between Ray's worker ports and the ephemeral range, where a starting Ray node takes a burst of ports.
 """
 
 from __future__ import annotations

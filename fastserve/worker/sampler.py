@@ -1,30 +1,9 @@
-"""Token sampling for one batch: grammar masks, penalties, min_tokens masking, greedy,
-temperature, min-p, top-k, top-p, per-request seeds, and logprobs (of sampled tokens, and of
-prompt tokens: ``prompt_token_logprobs``).
+"""Token sampling for one batch, in vLLM's order: grammar mask, raw logprobs, allowed ids and bias,
+penalties and the ``min_tokens`` mask, then greedy argmax or temperature, min-p, top-k, top-p and a draw.
 
-In vLLM's order: a row with a grammar mask (structured outputs, ``BatchEntry.token_mask``) has
-every token its grammar does not allow set to -inf first, as vLLM applies its grammar bitmask
-to the logits before its sampler; the logprobs a row asked for are taken from those logits
-(``log_softmax`` before anything below changes them); then a row's ``allowed_token_ids`` leave only those tokens
-and its ``logit_bias`` is added; then a row with a
-``SamplingContext`` gets its repetition,
-frequency and presence penalties and its ``min_tokens`` mask (EOS and stop ids at -inf); then
-greedy rows take the argmax. Other rows are scaled by temperature, filtered by min-p, top-k then
-top-p (the smallest set of tokens whose probability reaches ``top_p``; the most likely token always
-survives), and sampled.
-
-A batch whose rows use none of these features pays nothing for them: the raw logits are neither
-copied nor normalised, and the adjustments and ``log_softmax`` run only over the rows that ask
-(one vectorised pass per group). A request with a ``seed`` draws from a generator seeded by
-``(seed, step_index)``, so its tokens do not depend on what else shares the batch, on preemption,
-or on recomputation; requests without a seed share the worker's generator.
-
-Stopping (EOS, stop ids, ``max_tokens``) is decided by the control plane with
-``SamplingParams.finish_reason``; the sampler only picks tokens.
-
-One request's data can fail only that request: a row whose sampling raises (or whose logits are
-not finite) gets ``None`` instead of a token, the other rows are sampled as if it were not there,
-and the control plane ends that one job with an error.
+A feature no row uses costs nothing; a seeded row draws from ``(seed, step_index)``, so its tokens do not
+depend on the batch. A row whose sampling fails gets ``None`` and fails only its job. Stopping is the
+control plane's (``SamplingParams.finish_reason``).
 """
 
 from __future__ import annotations
@@ -83,8 +62,7 @@ class Sampler:
         if cpu_greedy.fits(logits):   # argmax and the finiteness check in one C pass a row
             greedy, finite = cpu_greedy.greedy_rows(logits)
         else:
-            # A row holds a NaN or an infinity exactly when its float64 sum is not finite (float32
-            # values cannot overflow a float64 sum); one reduction instead of a mask over the vocabulary.
+            # Non-finite float64 sum exactly when a float32 row holds a NaN or an infinity.
             finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float64)).tolist()
         if token_masks is not None:
             moved = apply_token_masks(logits, token_masks, finite)
@@ -123,9 +101,8 @@ class Sampler:
 
     def _adjusted(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                   contexts: Sequence[SamplingContext | None], finite: list[bool]) -> torch.Tensor:
-        """``logits`` with penalties and masks applied to the rows that have a context (a copy;
-        the same tensor when none has). A row whose context names a token outside the
-        vocabulary is marked not ``finite``: its job alone fails."""
+        """``logits`` with the contexts' penalties and masks (a copy, where any row has one); a row
+        naming a token outside the vocabulary is marked not ``finite``."""
         vocab = logits.shape[-1]
         rows = []
         for i, c in enumerate(contexts):
@@ -152,10 +129,8 @@ class Sampler:
 
     def _sample_rows(self, logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams],
                      step_indices: Sequence[int]) -> dict[int, int | None]:
-        """The sampled rows, all at once where the logits are (one host read for all of them);
-        ``None`` for a row whose filtered distribution has no finite positive mass. Each row's
-        uniform variate comes from the same generator, in the same row order, as
-        ``sample_row`` draws it, so both give the same tokens."""
+        """The sampled rows, at once where the logits are (one host read); ``None`` for a row without
+        finite positive mass. The variates come as ``sample_row`` draws them, so both agree."""
         picked = [params[i] for i in rows]
         probs = batched_filtered_probs((logits if len(rows) == logits.shape[0] else logits[rows]).float(), picked)
         uniforms = torch.cat([torch.rand(1, generator=self._generator(params[i], step_indices[i]),
@@ -186,10 +161,8 @@ class Sampler:
 
 
 def steer_logits(logits: torch.Tensor, params: Sequence[SamplingParams], finite: list[bool]) -> torch.Tensor:
-    """``logits`` with each row's ``allowed_token_ids`` (every other token at -inf) and
-    ``logit_bias`` applied (a copy; the same tensor when no row has either). A row naming a
-    token outside the vocabulary is marked not ``finite``: its job alone fails (the ingress
-    refuses such a request, so only a caller that skipped it gets here)."""
+    """``logits`` with each row's ``allowed_token_ids`` and ``logit_bias`` (a copy, where any row has
+    either); a row naming a token outside the vocabulary is marked not ``finite``."""
     rows = [i for i, p in enumerate(params) if (p.logit_bias or p.allowed_token_ids is not None) and finite[i]]
     if not rows:
         return logits
@@ -214,15 +187,9 @@ def steer_logits(logits: torch.Tensor, params: Sequence[SamplingParams], finite:
 
 
 def apply_token_masks(logits: torch.Tensor, masks: Sequence[bytes | None], finite: list[bool]) -> dict[int, int]:
-    """Set each masked row's disallowed tokens to -inf, in place (the step's logits are the
-    sampler's to change); each masked row's greedy token after it, by row. A mask is one bit per token id in
-    little-endian 32-bit words; a token past its bits is disallowed, bits past the logits' width
-    are ignored. A row whose mask allows nothing is marked not ``finite``: its job alone fails
-    (its grammar failed).
+    """Set each masked row's disallowed tokens to -inf, in place; each masked row's greedy token after it.
 
-    On CPU float32 logits one C pass reads each mask word once (``fastserve.kernels.cpu_token_mask``);
-    elsewhere the packed masks are inverted (a few KB a row) and unpacked into a byte per token
-    that ``masked_fill_`` reads as booleans, without a copy."""
+    A token past the mask's bits is disallowed; a row whose mask allows nothing is marked not ``finite``."""
     picked = [(i, m) for i, m in enumerate(masks) if m is not None and finite[i]]
     if not picked:
         return {}
@@ -256,10 +223,8 @@ def _masked_fill_rows(logits: torch.Tensor, rows: list[int], packed: np.ndarray)
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One index of ``probs`` (1-D, non-negative, any positive sum), drawn by inverting its CDF
-    with one uniform variate. ``torch.multinomial`` draws an exponential variate per vocabulary
-    entry instead: 0.8 ms per row for OPT's 50k tokens on the 2-core Intel, 13 ms per batch-16
-    step. An index of zero probability is never drawn."""
+    """One index of ``probs`` (1-D, non-negative, any positive sum), drawn by inverting its CDF with one
+    uniform variate (``torch.multinomial`` draws one per vocabulary entry); never one of zero probability."""
     cdf = probs.double().cumsum(0)
     total = cdf[-1]
     if not bool(total > 0) or not bool(torch.isfinite(total)):
@@ -364,12 +329,8 @@ def _sorted_window(probs: torch.Tensor, window: int) -> tuple[torch.Tensor, torc
 
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
                     contexts: Sequence[SamplingContext]) -> torch.Tensor:
-    """Rows of ``logits`` ([rows, vocab]) with vLLM's penalties: repetition first (over prompt
-    and generated tokens: a positive logit divided by it, a negative one multiplied), then
-    ``- frequency * count - presence * [count > 0]`` over generated tokens.
-
-    Sparse: only the (row, token) pairs a history names are read and written, so the cost grows
-    with the histories, not with rows x vocabulary."""
+    """Rows of ``logits`` ([rows, vocab]) with vLLM's penalties: repetition (prompt and output), then
+    ``- frequency * count - presence * [count > 0]`` (output); only the pairs a history names are touched."""
     rows, vocab = logits.shape
     out = logits.float().clone()
     flat = out.view(-1)

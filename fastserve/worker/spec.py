@@ -120,22 +120,16 @@ DEFAULT_CHANNEL_BUFFER_BYTES = 64 * 1024 * 1024
 
 @dataclass(frozen=True)
 class PipelineTimeouts:
-    """The Ray pipeline's waits and channel size; also the config's ``pipeline:`` section."""
+    """The Ray pipeline's waits and channel size: the config's ``pipeline:`` section (docs/configs.md)."""
 
     channel_buffer_bytes: Annotated[int, Ge(1024)] = DEFAULT_CHANNEL_BUFFER_BYTES
     placement_timeout_s: Annotated[float, Gt(0)] = 60.0
-    #: At least; longer where the largest rank's weights need it at ``weight_read_bytes_per_s``.
     startup_timeout_s: Annotated[float, Gt(0)] = 300.0
-    #: Per worker: a conservative node volume (1.6 GB/s) shared by 8 ranks.
     weight_read_bytes_per_s: Annotated[float, Gt(0)] = 200e6
-    #: TP rendezvous timeout, also gloo/NCCL's collective timeout (a rank whose peer died).
     tp_timeout_s: Annotated[float, Gt(0)] = 120.0
-    #: While a plan is overdue by this much, the workers are pinged to tell slow from dead.
     liveness_interval_s: Annotated[float, Gt(0)] = 1.0
     ping_timeout_s: Annotated[float, Gt(0)] = 5.0
-    #: A live worker silent this long (wedged) fails the pipeline; a dead one fails it at once.
     unresponsive_s: Annotated[float, Gt(0)] = 60.0
-    #: After a transport error, how long to keep probing for the worker death behind it.
     diagnose_s: Annotated[float, Ge(0)] = 5.0
     teardown_timeout_s: Annotated[float, Gt(0)] = 15.0
 

@@ -1,24 +1,9 @@
-"""One worker's step: start the plan's swaps, run this stage's layers, (last stage) sample.
+"""One worker's step, the same for the in-process executor and the Ray stage workers: start the plan's
+swaps, run this stage's layers (waiting only on swaps that touch their blocks), and on the last stage sample.
 
-Shared by the in-process executor and the Ray stage workers, so both execute a plan the same way:
-swaps are issued first and overlap the forward; the forward waits only on swaps that touch its
-own blocks (the reactive case); the step returns after every swap it issued has completed, which
-is what lets the control plane treat a plan's output as "its swaps are settled" — on CPU. On a GPU
-the swaps are tracked across steps instead (``KVStore.settles_lazily``): each one by its copy's
-event, on one stream per direction; a step returns without waiting for them, and a later step
-that reads or writes their blocks has its compute stream wait for the copy (``KVStore.wait_for``),
-so a swap-in longer than the forward no longer stretches the step that issued it.
-
-On a GPU a step does not wait for the device until its very end: the batch's index tensors go
-over in one non-blocking copy from page-locked staging (``StepBuffers``); a decode step replays a
-CUDA graph of its batch-size bucket (``fastserve.worker.graphs``; eager otherwise); greedy rows
-are sampled on the device (argmax and a finiteness flag) and copied back non-blocking, and the
-host reads them (one event wait) only after the swaps are settled. Other sampling runs through
-``Sampler`` on the logits as before.
-
-Prompt logprobs (``BatchEntry.prompt_targets``) project every row of the entries that ask, not
-only their last, to the vocabulary, a bounded number of rows at a time; a plan with no such entry
-does none of it.
+On CPU a step returns once its swaps are done, so a plan's output means its swaps are settled. On a GPU
+each swap is tracked by its copy's event and a later step that touches its blocks waits on the device
+(``KVStore.settles_lazily``), decode replays a CUDA graph, and the host reads the tokens once, at the end.
 """
 
 from __future__ import annotations
@@ -36,8 +21,7 @@ from fastserve.worker.model.batch import ForwardBatch, HostBatch, StepBuffers
 from fastserve.worker.model.registry import Stage
 from fastserve.worker.sampler import Sampler, prompt_token_logprobs
 
-#: Bytes of float32 logits one prompt-logprobs pass projects at most (it holds them and their
-#: ``log_softmax``): bounds the memory a long prompt's rows take, not what they return.
+#: Bytes of float32 logits one prompt-logprobs pass projects at most: bounds a long prompt's memory.
 PROMPT_LOGITS_PASS_BYTES = 128 * 1024 * 1024
 
 
@@ -53,8 +37,7 @@ class StageOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     #: Each prompt-logprobs entry's rows (``BatchEntry.prompt_targets``), by job.
     prompt_logprobs: dict[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
-    #: Jobs whose swap-in was still copying when the step returned (GPU only; empty on CPU, where
-    #: a step settles its swaps): runnable once their copy completes (``KVStore.swaps_in_flight``).
+    #: Jobs whose swap-in was still copying when the step returned (GPU only).
     swaps_in_flight: frozenset[str] = frozenset()
 
 
@@ -202,8 +185,6 @@ class StageRunner:
     def _sample(self, plan: BatchPlan, batch: ForwardBatch, hidden: torch.Tensor, timings: dict[str, float]
                 ) -> tuple[PendingTokens | None, dict[str, int], dict[str, TokenLogprobs]]:
         start = time.perf_counter()
-        # A prefill chunk short of its first iteration's last samples nothing (its logits would
-        # be discarded), so its row is not even projected to the vocabulary.
         entries = [e for e in plan.entries if e.samples]
         if not entries:
             timings["sample"] = time.perf_counter() - start
@@ -274,9 +255,7 @@ class StageRunner:
                 h.wait()
             self.kv.wait_all()
         timings["swap_tail"] = timings.get("swap_tail", 0.0) + time.perf_counter() - start
-        # On a GPU the forward's swap wait was a stall of the compute stream: read now, after the
-        # step (its sampling already synced the host with that stream on the last stage; a stall
-        # the device has not got past yet counts in a later step).
+        # A GPU's swap wait stalled the compute stream: readable only now; a later step counts the rest.
         stalled = self.kv.device_wait_s()
         if stalled:
             timings["swap_wait"] = timings.get("swap_wait", 0.0) + stalled

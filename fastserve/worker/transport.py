@@ -1,10 +1,6 @@
-"""How a ``StageInput`` travels through the grid ``grid[stage][tp_rank]`` of stage workers.
-
-Stage 0's ranks receive ``(plan, None)``; rank ``r`` of stage ``s + 1`` consumes rank ``r``'s output
-of stage ``s`` (its 1/TP part of the hidden states); rank 0's last output is the ``StepOutput``.
-``CompiledGraphTransport`` (default) runs a Ray compiled graph ``max_inflight`` deep, over NCCL
-channels on GPU; ``ActorCallTransport`` chains plain actor calls (Ray keeps one submitter's calls
-in order). ``submit`` returns once the plan's order is fixed.
+"""How a ``StageInput`` travels through the grid ``grid[stage][tp_rank]`` of stage workers: rank ``r``
+of each stage feeds rank ``r`` of the next. ``CompiledGraphTransport`` (default) is a Ray compiled graph
+(NCCL channels on GPU); ``ActorCallTransport`` chains plain actor calls.
 """
 
 from __future__ import annotations

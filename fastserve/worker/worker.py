@@ -1,20 +1,9 @@
-"""``StageWorker``: the Ray actor holding one pipeline stage's layers for one tensor-parallel rank.
+"""``StageWorker``: the Ray actor holding one pipeline stage's layers for one tensor-parallel rank,
+its slice of the KV store and a ``StageRunner``, so it executes a plan as the in-process executor does.
 
-It owns that slice of the model (only its own weights are loaded), its slice of the KV store
-(local layers × local heads, under the same logical block ids as every other worker) and a
-``StageRunner``, so it executes a plan exactly as the in-process executor does.
-
-``step`` is the compiled-graph method. Its input is ``(plan, hidden)`` — the plan's swap commands
-travel with the activations (paper §4.3, Fig. 10), so there is no separate control call per stage:
-the worker starts the plan's swaps on its own KV, runs its layers (overlapped with the swaps,
-waiting only on swaps touching its blocks), waits for its swaps, and passes ``(plan, hidden)`` on.
-At TP > 1 each rank passes on only its 1/TP of the hidden states and the next stage's ranks
-all-gather them on arrival (``hidden_part``). The last stage's TP rank 0 samples and returns the
-``StepOutput``; its other ranks return None.
-
-Plain ``.remote()`` calls (``ping``, ``stats``, ``timeline``) run in their own concurrency group,
-concurrently with the graph's thread: they read counters only, never the KV cache, and run no
-collectives. torch is imported inside the actor, so the driver can import this module cheaply.
+``step`` is the compiled-graph method: ``(plan, hidden)`` in, swaps started, layers run, ``(plan, hidden)``
+on (the swap commands travel with the activations, paper §4.3); the last stage's rank 0 returns the
+``StepOutput``. ``ping``, ``stats`` and ``timeline`` run in their own concurrency group beside a step.
 """
 
 from __future__ import annotations
@@ -46,13 +35,8 @@ TIMELINE_CAPACITY = 4096
 
 
 class StageInput(NamedTuple):
-    """What flows between stages: the plan (with its swap commands) and the hidden states.
-
-    ``hidden`` is None into the first stage, and whenever the plan has no entries (swaps only).
-    With ``hidden_shape`` set, ``hidden`` is one TP rank's part of them (``hidden_part``): the
-    receiving stage's ranks all-gather the parts and reshape. ``timings`` accumulates the stages'
-    phase times so far (summed over stages): the scheduler charges a plan's ``total`` — its
-    execution time summed over the stages it crossed (§4.3).
+    """What flows between stages: the plan, the hidden states (None into the first stage or with no
+    entries; one rank's part where ``hidden_shape`` is set) and the phase times summed so far.
     """
 
     plan: BatchPlan
@@ -62,11 +46,8 @@ class StageInput(NamedTuple):
 
 
 def hidden_part(hidden: torch.Tensor, tp_rank: int, tp_size: int) -> tuple[torch.Tensor, tuple[int, ...] | None]:
-    """What TP rank ``tp_rank`` sends to the next stage, and the shape to rebuild there (None: sent
-    whole). Every rank of a stage holds the same all-reduced hidden states, so each sends its
-    1/TP of them (flattened), and the next stage's ranks all-gather on arrival: 1/TP of the bytes
-    between stages, as vLLM sends them. The part is a copy: a view would be serialised with its
-    whole storage. Whole when TP is 1 or the elements do not split evenly."""
+    """Rank ``tp_rank``'s 1/TP of the (all-reduced, identical) hidden states, which the next stage
+    all-gathers, and the shape to rebuild (None: sent whole). A copy: a view would pickle its whole storage."""
     if tp_size == 1 or hidden.numel() % tp_size:
         return hidden, None
     return hidden.reshape(tp_size, -1)[tp_rank].clone(), tuple(hidden.shape)

@@ -11,7 +11,6 @@ run to the token limit rather than to ``<end_of_turn>``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ import transformers
 from fastserve.model_folder import GEMMA3_FOLDER, is_complete
 from fastserve.worker.model.config import as_model_config
 from fastserve.worker.model.gemma3_config import Gemma3Config
+from tests.harness.hf_reference import hf_prompt_ids
 
 CHATS: list[list[dict[str, str]]] = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -54,10 +54,7 @@ def gemma3_config(folder: Path) -> Gemma3Config:
 
 def prompt_ids(folder: Path) -> list[list[int]]:
     """The chat prompts' then the completion prompts' token ids (jobs ``"0"``..``"4"``)."""
-    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
-    chats: list[Any] = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)
-                        for c in CHATS]
-    return [list(c["input_ids"]) for c in chats] + [list(tok(t)["input_ids"]) for t in COMPLETIONS]
+    return hf_prompt_ids(folder, CHATS, COMPLETIONS)
 
 
 def hf_model(folder: Path) -> transformers.PreTrainedModel:

@@ -9,8 +9,10 @@ test reports as such — or a clear preference, which is a bug.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -27,6 +29,33 @@ class Reference:
     @property
     def min_gap(self) -> float:
         return min(self.top2_gaps)
+
+
+def hf_prompt_ids(folder: Path, chats: Sequence[list[dict[str, str]]], completions: Sequence[str]) -> list[list[int]]:
+    """``chats`` (the folder's template, with the generation prompt) then ``completions``, tokenized by
+    ``transformers.AutoTokenizer`` on the folder: ids that do not depend on our tokenizer module."""
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    rendered: list[Any] = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)
+                           for c in chats]
+    return [list(c["input_ids"]) for c in rendered] + [list(tok(t)["input_ids"]) for t in completions]
+
+
+def hf_logits(hf: transformers.PreTrainedModel, ids: list[int]) -> torch.Tensor:
+    """HF's float32 logits at every position of ``ids`` (one sequence, no padding)."""
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def hf_greedy(hf: transformers.PreTrainedModel, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens. Our runs ignore EOS; so must this one: ``min_new_tokens`` would instead
+    *mask* EOS (a different sequence), so generation has no EOS at all."""
+    ids = torch.tensor([prompt])
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                          pad_token_id=0)
+    assert out.shape[1] == len(prompt) + n
+    return out[0, len(prompt):].tolist()
 
 
 def hf_greedy_reference(model: transformers.PreTrainedModel, prompt: list[int], max_new_tokens: int,

@@ -125,6 +125,16 @@ class Server:
         return self.base + path
 
 
+def greedy_completion(srv: Server, prompt: str, max_tokens: int, model: str = MODEL) -> list[int]:
+    """The token ids of one greedy, fixed-length ``/v1/completions`` answer."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    resp = httpx.post(srv.url("/v1/completions"), headers=AUTH, json=body, timeout=REQUEST_TIMEOUT_S)
+    assert resp.status_code == 200, resp.text
+    ids: list[int] = resp.json()["choices"][0]["token_ids"]
+    return ids
+
+
 def wait_for(what: str, check: Callable[[], bool], timeout: float, log: Path) -> None:
     """Poll ``check`` each second until it holds; past ``timeout`` fail with ``log``'s tail."""
     deadline = time.monotonic() + timeout

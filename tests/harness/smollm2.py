@@ -11,13 +11,13 @@ EOS and ``"4"``–``"7"`` run to the limit (``EXPECTED_FINISH``); HF's top-2 log
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 import transformers
 
 from fastserve.worker.model.config import as_model_config
 from fastserve.worker.model.llama_config import LlamaConfig
+from tests.harness.hf_reference import hf_prompt_ids
 
 CHATS: list[list[dict[str, str]]] = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -48,10 +48,7 @@ def smollm2_config(folder: Path) -> LlamaConfig:
 
 def prompt_ids(folder: Path) -> list[list[int]]:
     """The chat prompts' then the completion prompts' token ids (jobs ``"0"``..``"7"``)."""
-    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
-    chats: list[Any] = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)
-                        for c in CHATS]
-    return [list(c["input_ids"]) for c in chats] + [list(tok(t)["input_ids"]) for t in COMPLETIONS]
+    return hf_prompt_ids(folder, CHATS, COMPLETIONS)
 
 
 def hf_model(folder: Path) -> transformers.PreTrainedModel:

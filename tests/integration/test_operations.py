@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import os
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -26,23 +25,19 @@ import pytest
 import yaml
 
 from fastserve.config import AppArgs
-from fastserve.config_server import API_KEY_ENV
 from tests.harness import metrics_view
 from tests.harness.serve import (
-    API_KEY,
     AUTH,
     BIN,
     METRICS_REPORT_MS,
     MODEL,
-    OBJECT_STORE_BYTES,
-    RAY_CPUS,
     REQUEST_TIMEOUT_S,
     ROOT,
     STARTUP_TIMEOUT_S,
     dummy_opt_yaml,
     engine_options,
     free_port,
-    stop_tree,
+    private_ray_head,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -85,30 +80,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     import ray
 
     tmp = tmp_path_factory.mktemp("ops")
-    gcs = free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", API_KEY_ENV: API_KEY, "RAY_ADDRESS": f"127.0.0.1:{gcs}",
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "RAY_metrics_report_interval_ms": METRICS_REPORT_MS}
-    ray_log = tmp / "ray.log"
-    head = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
-         "--num-cpus", RAY_CPUS, "--object-store-memory", OBJECT_STORE_BYTES, "--include-dashboard", "false",
-         "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port())],
-        cwd=ROOT, env=env, stdout=ray_log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    connected = False
-    try:
-        wait_until("ray start", lambda: "--block" in ray_log.read_text(errors="replace"), 90)
-        ray.init(address=f"127.0.0.1:{gcs}", log_to_driver=False, configure_logging=False)
-        connected = True
-        yield Cluster(f"127.0.0.1:{gcs}", free_port(), tmp, env)
-    finally:
-        if connected:
+    with private_ray_head(tmp) as head:
+        ray.init(address=head.address, log_to_driver=False, configure_logging=False)
+        try:
+            yield Cluster(head.address, free_port(), tmp, head.env)
+        finally:
             ray.shutdown()
-        stop_tree(head, grace_s=10)
-        current = Path("/tmp/ray/ray_current_cluster")   # see test_serve.serve_app
-        with contextlib.suppress(OSError):
-            if current.read_text().strip() == f"127.0.0.1:{gcs}":
-                current.unlink()
 
 
 def wait_until(what: str, check: Callable[[], bool], timeout: float) -> None:

@@ -41,6 +41,7 @@ from tests.harness.serve import (
     Server,
     dummy_opt_yaml,
     engine_options,
+    greedy_completion,
     serve_app,
 )
 
@@ -298,15 +299,6 @@ def test_an_idle_delivery_channel_ends_at_both_ends_and_the_next_job_reopens_it(
     asyncio.run(run())
 
 
-def greedy(srv: Server, prompt: str, max_tokens: int) -> list[int]:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
-    resp = httpx.post(srv.url("/v1/completions"), headers=AUTH, json=body, timeout=REQUEST_TIMEOUT_S)
-    assert resp.status_code == 200, resp.text
-    ids: list[int] = resp.json()["choices"][0]["token_ids"]
-    return ids
-
-
 PIPELINE_PROMPTS = ("Hello", "The capital of France is", "Once upon a time")
 
 
@@ -338,7 +330,7 @@ def test_two_model_copies_each_with_a_ray_pipeline(tmp_path: Path) -> None:
     app_args["parallel"].update(pipeline_parallel_size=2, worker_cpus=0.01)
     engine_options(config)["num_replicas"] = 2
     with serve_app(tmp_path, config) as srv:
-        got = [greedy(srv, p, 6) for p in PIPELINE_PROMPTS for _ in range(2)]
+        got = [greedy_completion(srv, p, 6) for p in PIPELINE_PROMPTS for _ in range(2)]
         assert got == [e for e in expected for _ in range(2)]
         m = wait_metrics(srv, lambda m: len(m.replicas("fastserve:num_requests_running")) == 2)
         assert len(m.replicas("fastserve:num_requests_running")) == 2   # both model copies record

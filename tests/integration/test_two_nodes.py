@@ -39,7 +39,16 @@ import ray
 from fastserve.scheduler.job import JobRequest
 from fastserve.worker.messages import SamplingParams
 from tests.harness.ray_nodes import HEAD_RESOURCE, WORKER_RESOURCE, TwoNodeCluster, two_node_cluster
-from tests.harness.serve import AUTH, REQUEST_TIMEOUT_S, ROOT, TOK, Server, dummy_opt_yaml, serve_run
+from tests.harness.serve import (
+    AUTH,
+    REQUEST_TIMEOUT_S,
+    ROOT,
+    TOK,
+    Server,
+    dummy_opt_yaml,
+    greedy_completion,
+    serve_run,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -116,15 +125,6 @@ class Stream:
     errors: list[dict[str, Any]] = field(default_factory=list)
 
 
-def completion(srv: Server, prompt: str, max_tokens: int) -> list[int]:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
-    resp = httpx.post(srv.url("/v1/completions"), headers=AUTH, json=body, timeout=REQUEST_TIMEOUT_S)
-    assert resp.status_code == 200, resp.text
-    ids: list[int] = resp.json()["choices"][0]["token_ids"]
-    return ids
-
-
 def stream_into(srv: Server, prompt: str, max_tokens: int, out: Stream) -> None:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True, "stream": True}
@@ -197,7 +197,7 @@ def test_a_pipeline_across_two_nodes_survives_losing_one(tmp_path: Path) -> None
             phases["serve"] = time.monotonic() - started
 
             def short(prompt: str) -> list[int]:
-                return completion(srv, prompt, SHORT_TOKENS)
+                return greedy_completion(srv, prompt, SHORT_TOKENS, MODEL)
 
             placed = stage_workers_by_node()
             assert sorted(placed.values()) == [(HEAD_RESOURCE, TP), (WORKER_RESOURCE, TP)], placed

@@ -29,6 +29,7 @@ from fastserve.worker.model.gemma3_config import FULL, SLIDING, Gemma3Config
 from fastserve.worker.model.llama_config import RopeScaling
 from fastserve.worker.spec import ModelSpec
 from tests.harness.engine_driver import Driver
+from tests.harness.hf_reference import hf_greedy, hf_logits
 from tests.harness.tensor_parallel import RankPools, run_tensor_parallel
 
 WINDOW = 8
@@ -75,20 +76,6 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[transformers.PreTrai
 
 def executor_for(path: Path) -> InProcessExecutor:
     return InProcessExecutor(ModelSpec(TINY_GEMMA3, 96, 48, BLOCK_SIZE, load_format="auto", model_path=str(path)))
-
-
-def hf_logits(hf: transformers.PreTrainedModel, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
-
-
-def hf_greedy(hf: transformers.PreTrainedModel, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    hf.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                          pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def test_config_round_trips_through_the_saved_folder(pair: tuple[Any, Path]) -> None:

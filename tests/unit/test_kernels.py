@@ -634,6 +634,6 @@ def test_kernel_sources_ship_in_the_package() -> None:
     globs = package_data["fastserve.kernels"]
     folder = root / "fastserve" / "kernels"
     sources = [p.relative_to(folder).as_posix() for p in folder.rglob("*")
-               if p.suffix in (".c", ".cu", ".h")]
+               if p.suffix in (".c", ".cu", ".cuh", ".h")]
     assert {"cpu/paged_attention.c", "cpu/linear_bf16.c", "cpu/elementwise_bf16.c", "cpu/simd_math.h"} <= set(sources)
     assert all(any(fnmatch.fnmatch(s, g) for g in globs) for s in sources), (sources, globs)

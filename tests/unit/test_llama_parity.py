@@ -23,6 +23,7 @@ from fastserve.worker.messages import BatchEntry, BatchPlan, SamplingParams
 from fastserve.worker.model.llama_config import LlamaConfig, RopeScaling
 from fastserve.worker.spec import ModelSpec
 from tests.harness.engine_driver import Driver
+from tests.harness.hf_reference import hf_greedy, hf_logits
 from tests.harness.tensor_parallel import RankPools, run_tensor_parallel
 
 LLAMA3_ROPE = RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -78,23 +79,6 @@ def executor_for(config: LlamaConfig, path: Path, num_device_blocks: int = 96,
                  num_host_blocks: int = 48) -> InProcessExecutor:
     return InProcessExecutor(ModelSpec(config, num_device_blocks, num_host_blocks, BLOCK_SIZE,
                                        load_format="auto", model_path=str(path)))
-
-
-def hf_logits(hf: transformers.PreTrainedModel, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
-
-
-def hf_greedy(hf: transformers.PreTrainedModel, prompt: list[int], n: int) -> list[int]:
-    """``n`` greedy tokens. Our runs ignore EOS; so must this one: ``min_new_tokens`` would instead
-    *mask* EOS (a different sequence), so generation has no EOS at all."""
-    ids = torch.tensor([prompt])
-    hf.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                          pad_token_id=0)
-    assert out.shape[1] == len(prompt) + n
-    return out[0, len(prompt):].tolist()
 
 
 Event = Callable[[Driver, list[str]], tuple[list[str], tuple[Any, ...], tuple[Any, ...]]]

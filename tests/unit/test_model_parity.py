@@ -21,6 +21,7 @@ from fastserve.worker.model.config import OPTConfig
 from fastserve.worker.model.weights import dummy_weights
 from fastserve.worker.spec import ModelSpec
 from tests.harness.engine_driver import Driver
+from tests.harness.hf_reference import hf_logits
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = OPTConfig(vocab_size=320, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -57,11 +58,6 @@ def hf_greedy(hf: transformers.OPTForCausalLM, prompt: list[int], n: int) -> lis
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                           min_new_tokens=n, do_sample=False, pad_token_id=1)
     return out[0, len(prompt):].tolist()
-
-
-def hf_logits(hf: transformers.OPTForCausalLM, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
 
 
 @pytest.mark.parametrize("config", [TINY, TINY_POST_LN], ids=lambda c: c.name)

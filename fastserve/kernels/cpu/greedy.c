@@ -2,11 +2,9 @@
  * torch.argmax returns) and whether every element of the row is finite.
  *
  * Why our own: torch's argmax over the last dimension does not vectorise its index-tracking
- * reduction on the CPU. On the 2-core AMD EPYC Zen 4, 32 rows of SmolLM2's 49,152 logits took
- * 1.31 ms in argmax (and 0.23 ms more in the float64 sum the sampler used to spot a NaN or an
- * infinity) against 0.06 ms for amax: about 4 % of a batch-32 bf16 decode step. Here a row is
- * two passes: the maximum and a finiteness flag (x - x is 0 for a finite x and NaN otherwise,
- * summed), then the first index equal to that maximum, which stops early.
+ * reduction on the CPU (docs/engine.md, "Greedy sampling in C"). Here a row is two passes: the
+ * maximum and a finiteness flag (x - x is 0 for a finite x and NaN otherwise, summed), then the
+ * first index equal to that maximum, which stops early.
  *
  * The token is torch.argmax's for a row without NaN, -inf and +inf included (a row masked with
  * -inf still has its greedy token); a row with a NaN gets finite = 0 and a token to ignore.
@@ -18,9 +16,7 @@
 #include <stdint.h>
 #include <omp.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "row_scan.h"
 
 int greedy_available(void) { return 1; }
 
@@ -43,17 +39,7 @@ static int64_t row_argmax(const float *x, int64_t vocab, uint8_t *finite) {
         bad += x[i] - x[i];
     }
     *finite = bad == 0.0f && vocab > 0;   /* bad is 0 exactly when every x is finite */
-    i = 0;
-#if defined(__AVX512F__)
-    const __m512 target = _mm512_set1_ps(m);
-    for (; i + 16 <= vocab; i += 16) {
-        const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), target, _CMP_EQ_OQ);
-        if (hit) return i + __builtin_ctz((unsigned)hit);
-    }
-#endif
-    for (; i < vocab; ++i)
-        if (x[i] == m) return i;
-    return -1;   /* only where the row holds a NaN (no element then equals the maximum found) */
+    return first_index_of(x, vocab, m);
 }
 
 /* tokens[r] = the first index of row r's maximum, finite[r] = whether row r is all finite, for

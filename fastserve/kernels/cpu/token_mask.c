@@ -3,9 +3,8 @@
  *
  * A mask is one bit per token id in little-endian 32-bit words (llguidance's bitmask): a token
  * whose bit is clear, or that lies past the mask's words, gets -inf. Why our own: torch's
- * masked_fill_ over a batch of 32 SmolLM2 rows (1.5 M logits, a byte of mask each once the bits
- * are unpacked) took 1.2 ms on the 2-core Intel Xeon with AMX, a step's few percent, and the
- * sampler then ran its greedy pass over the whole batch again; here each 32-bit word is read
+ * masked_fill_ needs the bits unpacked to a byte per token, and the sampler then ran its greedy
+ * pass over the whole batch again (docs/engine.md); here each 32-bit word is read
  * once and, with AVX-512, becomes two 16-lane blends (a word that allows all 32 tokens, the
  * common case inside a JSON string, writes nothing), and the row's first maximum (torch.argmax's
  * answer) is found while it is in cache. allowed[i] says whether row i's mask allows any token
@@ -20,9 +19,7 @@
 #include <stdint.h>
 #include <omp.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "row_scan.h"
 
 int token_mask_available(void) { return 1; }
 
@@ -37,17 +34,8 @@ static int64_t first_max(const float *x, int64_t vocab) {
 #endif
     for (; i < vocab; ++i)
         if (x[i] > m) m = x[i];
-    i = 0;
-#if defined(__AVX512F__)
-    const __m512 target = _mm512_set1_ps(m);
-    for (; i + 16 <= vocab; i += 16) {
-        const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), target, _CMP_EQ_OQ);
-        if (hit) return i + __builtin_ctz((unsigned)hit);
-    }
-#endif
-    for (; i < vocab; ++i)
-        if (x[i] == m) return i;
-    return 0;   /* a row that holds a NaN: the caller found it not finite before masking */
+    const int64_t first = first_index_of(x, vocab, m);
+    return first < 0 ? 0 : first;   /* a row that holds a NaN: the caller found it not finite before masking */
 }
 
 static uint8_t mask_row(float *x, int64_t vocab, const uint32_t *mask, int64_t words) {

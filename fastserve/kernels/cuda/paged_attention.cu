@@ -14,9 +14,8 @@
 // fp32 accumulator spread over the lanes); the warps merge their states through shared memory.
 // Softmax and accumulation are fp32 whatever the storage type (matches HF OPT's fp32 softmax).
 //
-// The source is self-contained (no #include) so that NVRTC compiles it through any CuPy wheel
-// without locating the toolkit's cuda_fp16.h / cuda_bf16.h: half types are raw 16-bit storage
-// converted with PTX `cvt` (fp16) and bit shifts (bf16).
+// Its one #include, half_types.cuh (raw 16-bit fp16/bf16 storage), is spliced in by cupy_ops.py,
+// so NVRTC compiles it through any CuPy wheel without the toolkit's headers.
 
 constexpr int WARP_SIZE = 32;
 constexpr int NUM_WARPS = 4;
@@ -25,57 +24,8 @@ constexpr int MAX_HEAD_DIM = 256;
 constexpr int DIMS_PER_LANE = MAX_HEAD_DIM / WARP_SIZE;
 constexpr unsigned int FULL_WARP_MASK = 0xffffffffu;
 constexpr unsigned int NEG_INF_BITS = 0xff800000u;
-constexpr unsigned int BF16_CANONICAL_NAN = 0x7fc0u;
-constexpr unsigned int FP32_ABS_MASK = 0x7fffffffu;
-constexpr unsigned int FP32_INF_BITS = 0x7f800000u;
-constexpr unsigned int BF16_SHIFT = 16;
-constexpr unsigned int BF16_ROUND_BIAS = 0x7fffu;
 
-struct f16_t {
-    unsigned short bits;
-};
-struct bf16_t {
-    unsigned short bits;
-};
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-
-__device__ __forceinline__ float to_float(f16_t x) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
-    return f;
-}
-
-__device__ __forceinline__ float to_float(bf16_t x) {
-    return __uint_as_float(static_cast<unsigned int>(x.bits) << BF16_SHIFT);
-}
-
-template <typename T>
-__device__ __forceinline__ T from_float(float f);
-
-template <>
-__device__ __forceinline__ float from_float<float>(float f) { return f; }
-
-template <>
-__device__ __forceinline__ f16_t from_float<f16_t>(float f) {
-    f16_t out;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(out.bits) : "f"(f));
-    return out;
-}
-
-// Round to nearest even, as torch's float -> bfloat16 conversion does.
-template <>
-__device__ __forceinline__ bf16_t from_float<bf16_t>(float f) {
-    bf16_t out;
-    unsigned int u = __float_as_uint(f);
-    if ((u & FP32_ABS_MASK) > FP32_INF_BITS) {
-        out.bits = static_cast<unsigned short>(BF16_CANONICAL_NAN);
-        return out;
-    }
-    u += BF16_ROUND_BIAS + ((u >> BF16_SHIFT) & 1u);
-    out.bits = static_cast<unsigned short>(u >> BF16_SHIFT);
-    return out;
-}
+#include "half_types.cuh"
 
 // Butterfly reduction so that every lane ends up holding the full sum.
 __device__ __forceinline__ float warp_sum(float x) {

@@ -24,7 +24,7 @@
 //   accumulator, running max and sum (log2 domain) to the workspace and paged_attention_reduce
 //   merges the splits of each (sequence, head).
 //
-// Self-contained (no #include) so that NVRTC compiles it through any CuPy wheel.
+// Its one #include, half_types.cuh, is spliced in by cupy_ops.py: NVRTC needs no toolkit header.
 
 #ifndef PA_HEAD_DIM
 #define PA_HEAD_DIM 128
@@ -46,11 +46,6 @@ constexpr int VEC_BYTES = 16;
 constexpr int MAX_SPLITS = 1024;         // must equal PAGED_ATTENTION_MAX_SPLITS in cupy_ops.py
 constexpr unsigned int FULL_WARP_MASK = 0xffffffffu;
 constexpr unsigned int NEG_INF_BITS = 0xff800000u;
-constexpr unsigned int BF16_CANONICAL_NAN = 0x7fc0u;
-constexpr unsigned int FP32_ABS_MASK = 0x7fffffffu;
-constexpr unsigned int FP32_INF_BITS = 0x7f800000u;
-constexpr unsigned int BF16_SHIFT = 16;
-constexpr unsigned int BF16_ROUND_BIAS = 0x7fffu;
 constexpr unsigned int HIGH_HALF_MASK = 0xffff0000u;
 
 // Own 16-byte and pair types rather than CUDA's uint4/int2: nothing here depends on what NVRTC
@@ -63,51 +58,7 @@ struct Row {   // where a position lives: block id, offset in the block
     int offset;
 };
 
-struct f16_t {
-    unsigned short bits;
-};
-struct bf16_t {
-    unsigned short bits;
-};
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-
-__device__ __forceinline__ float to_float(f16_t x) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
-    return f;
-}
-
-__device__ __forceinline__ float to_float(bf16_t x) {
-    return __uint_as_float(static_cast<unsigned int>(x.bits) << BF16_SHIFT);
-}
-
-template <typename T>
-__device__ __forceinline__ T from_float(float f);
-
-template <>
-__device__ __forceinline__ float from_float<float>(float f) { return f; }
-
-template <>
-__device__ __forceinline__ f16_t from_float<f16_t>(float f) {
-    f16_t out;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(out.bits) : "f"(f));
-    return out;
-}
-
-// Round to nearest even, as torch's float -> bfloat16 conversion does.
-template <>
-__device__ __forceinline__ bf16_t from_float<bf16_t>(float f) {
-    bf16_t out;
-    unsigned int u = __float_as_uint(f);
-    if ((u & FP32_ABS_MASK) > FP32_INF_BITS) {
-        out.bits = static_cast<unsigned short>(BF16_CANONICAL_NAN);
-        return out;
-    }
-    u += BF16_ROUND_BIAS + ((u >> BF16_SHIFT) & 1u);
-    out.bits = static_cast<unsigned short>(u >> BF16_SHIFT);
-    return out;
-}
+#include "half_types.cuh"
 
 // One 16-byte vector of T as floats.
 template <typename T>

@@ -1,8 +1,6 @@
-"""``paged_self_attention``: where every model's attention meets the paged KV cache. It writes the
-batch's new K/V to their slots, then runs varlen causal prefill (a later chunk also reads its cached
-prefix) and paged decode. Models apply their position scheme first; GQA (``key``/``value`` with fewer
-heads) is the kernels'. A sliding ``window`` reaches the kernels only for the part whose context it
-cuts, so windowed layers take the fast (windowless) kernels while every context fits.
+"""``paged_self_attention``: where every model's attention meets the paged KV cache. It writes the new
+K/V to their slots, then runs varlen causal prefill and paged decode; a sliding ``window`` reaches the
+kernels only where it cuts a context.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """Gemma 3's text decoder as one served stage and tensor-parallel shard: ``llama``'s machinery with
-Gemma's layer. The differences: the embedding is scaled by ``sqrt(hidden_size)``; every RMSNorm
-scales by ``1 + weight`` in float32; q and k are normed per head before the rotation; attention and
-MLP outputs are normed before the residual adds; the MLP is ``down(gelu_tanh(gate(x)) * up(x))``;
-sliding layers use the local rotary base and window, global ones the global base; queries scale by
-``query_pre_attn_scalar ** -0.5``; logits are soft-capped (``cap * tanh(logits / cap)``). Module
-names mirror transformers' ``Gemma3TextModel``.
+Gemma's layer (scaled embedding, ``1 + weight`` RMSNorms, per-head q/k norms, post-norms, gelu-tanh
+MLP, sliding and global rotary bases, soft-capped logits). Names mirror transformers' ``Gemma3TextModel``.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import cast
 
 import torch
@@ -28,23 +25,14 @@ from fastserve.worker.model.linear import (
     pack_linears,
     place_on_huge_pages,
 )
-from fastserve.worker.model.opt import AllReduce
+from fastserve.worker.model.llama import LLAMA_WEIGHTS, reduce_then_bias
+from fastserve.worker.model.opt import AllReduce, no_reduce
 from fastserve.worker.model.rope import Rotary
 from fastserve.worker.model.shard import StageShard
 
 #: The LM head is the tied embedding. Norm weights are offsets from 1: a dummy model's are zeros.
-GEMMA3_WEIGHTS = WeightLayout(
-    prefixes=("model.",),
-    column_parallel=("self_attn.q_proj.", "mlp.gate_proj.", "mlp.up_proj."),
-    row_parallel=("self_attn.o_proj.weight", "mlp.down_proj.weight"),
-    kv_parallel=("self_attn.k_proj.", "self_attn.v_proj."),
-    skipped=("lm_head.weight",),
-    zeros=(".bias", "norm.weight", "layernorm.weight"),
-)
-
-
-def _no_reduce(x: torch.Tensor) -> torch.Tensor:
-    return x
+GEMMA3_WEIGHTS = replace(LLAMA_WEIGHTS, skipped=("lm_head.weight",), ones=(),
+                         zeros=(".bias", "norm.weight", "layernorm.weight"))
 
 
 class GemmaRMSNorm(nn.Module):
@@ -58,12 +46,6 @@ class GemmaRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
-
-
-def _reduce_then_bias(out: torch.Tensor, layer: ServingLinear, all_reduce: AllReduce) -> torch.Tensor:
-    """A row-parallel layer's partial sums reduced over the ranks; its bias added once."""
-    out = all_reduce(out)
-    return out if layer.bias is None else out + layer.bias
 
 
 class Attention(nn.Module):
@@ -94,7 +76,7 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         attn = paged_self_attention(q, k, v, layer_cache, batch, self.scale, self.window)
         out = self.o_proj.multiply(attn.reshape(n, -1), with_bias=False)
-        return _reduce_then_bias(out, self.o_proj, self.all_reduce)
+        return reduce_then_bias(out, self.o_proj, self.all_reduce)
 
 
 class MLP(nn.Module):
@@ -140,7 +122,7 @@ class Gemma3Stage(nn.Module):
     _head_packed: PackedWeight | None = None
 
     def __init__(self, config: Gemma3Config, shard: StageShard | None = None,
-                 all_reduce: AllReduce = _no_reduce) -> None:
+                 all_reduce: AllReduce = no_reduce) -> None:
         super().__init__()
         shard = shard or StageShard.whole(config)
         shard.check(config)
@@ -172,8 +154,7 @@ class Gemma3Stage(nn.Module):
         return GEMMA3_WEIGHTS
 
     def kv_rows(self) -> tuple[int, int]:
-        first = self.config.kv_head_start(self.shard.tp_rank, self.shard.tp_size)
-        return first * self.config.head_dim, self.num_local_kv_heads * self.config.head_dim
+        return self.config.kv_rows(self.shard.tp_rank, self.shard.tp_size)
 
     def pack_linear_weights(self, policy: GemmPolicy | None = None) -> int:
         """Prepack the decoder linears and the tied head for CPU GEMMs; how many were packed."""

@@ -1,8 +1,5 @@
-"""Gemma 3 text-model hyper-parameters (``model_type: gemma3_text``) from a ``config.json``. Each layer
-is sliding-window (its own rotary base) or global, per ``layer_types`` (older configs: every n-th of
-``sliding_window_pattern`` global). Rotary settings are read in transformers 5's ``rope_parameters``
-and the older spelling. Fields not honoured (attention-score soft-capping, bidirectional attention,
-another activation) are refused by name. No torch here.
+"""Gemma 3 text-model hyper-parameters (``model_type: gemma3_text``) from a ``config.json``: sliding or
+global layers, each with its rotary base; fields we do not honour are refused by name. No torch here.
 """
 
 from __future__ import annotations
@@ -10,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fastserve.worker.model.llama_config import RopeScaling
+from fastserve.worker.model.llama_config import GroupedKVHeads, RopeScaling, token_ids
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -23,7 +20,7 @@ GELU_TANH = "gelu_pytorch_tanh"
 
 
 @dataclass(frozen=True)
-class Gemma3Config:
+class Gemma3Config(GroupedKVHeads):
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -87,30 +84,6 @@ class Gemma3Config:
         """Layer ``layer``'s (whole-model index) window, or None (full attention)."""
         return self.sliding_window if self.layer_types[layer] == SLIDING else None
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        # Sliding layers keep every position too: one paged layout for all layers.
-        return 2 * self.num_hidden_layers * self.num_kv_heads * self.head_dim * dtype_bytes
-
-    def kv_heads_per_rank(self, tp_size: int) -> int:
-        """KV heads split across ranks when ``tp`` divides them; otherwise each rank holds the one
-        KV head its query heads share (replicated ``tp / num_kv_heads`` times)."""
-        return self.num_kv_heads // tp_size if self.num_kv_heads % tp_size == 0 else 1
-
-    def kv_head_start(self, tp_rank: int, tp_size: int) -> int:
-        if self.num_kv_heads % tp_size == 0:
-            return tp_rank * self.num_kv_heads // tp_size
-        return tp_rank // (tp_size // self.num_kv_heads)
-
-    def check_tensor_parallel(self, tp_size: int) -> None:
-        for what, n in (("num_attention_heads", self.num_attention_heads),
-                        ("intermediate_size", self.intermediate_size)):
-            if n % tp_size:
-                raise ValueError(f"tensor_parallel_size={tp_size} does not divide the model's {what}={n}")
-        kv = self.num_kv_heads
-        if kv % tp_size and tp_size % kv:
-            raise ValueError(f"tensor_parallel_size={tp_size} and the model's num_key_value_heads={kv}: "
-                             "one must divide the other (KV heads are split, or replicated whole)")
-
     @classmethod
     def from_dict(cls, raw: dict[str, Any], name: str = "gemma3") -> Gemma3Config:
         model_type = raw.get("model_type", "gemma3_text")
@@ -138,10 +111,7 @@ class Gemma3Config:
             local_rope_theta=local[0], local_rope_scaling=local[1],
             global_rope_theta=global_[0], global_rope_scaling=global_[1],
             name=raw.get("_name_or_path") or name, model_type=model_type)
-        for key in ("bos_token_id", "eos_token_id"):
-            token = raw.get(key)
-            if token is not None:
-                values[key] = int(token[0] if isinstance(token, list) else token)
+        values.update(token_ids(raw))
         return cls(**values)
 
     def to_hf_dict(self) -> dict[str, Any]:

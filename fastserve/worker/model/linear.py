@@ -1,7 +1,5 @@
-"""``ServingLinear``: an ``nn.Linear`` whose CPU GEMMs run on the path measured fastest for its shape.
-``pack_linears`` has ``gemm_choice`` pick a path per row count and packs each weight once for it
-(MKL's per-call packing dominates decode's few-row GEMMs). Values equal ``F.linear``'s to the
-dtype's rounding; unpacked (or off CPU) it is exactly ``nn.Linear``.
+"""``ServingLinear``: an ``nn.Linear`` whose CPU GEMMs run on the path measured fastest for its shape,
+its weight packed once for that path (MKL's per-call packing dominates decode's few-row GEMMs).
 """
 
 from __future__ import annotations
@@ -190,10 +188,8 @@ def multiply_widened(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight
 
 
 class MergedLinear:
-    """Linears that read the same input (q/k/v; gate/up), multiplied as one GEMM. Members stay
-    separate modules so checkpoints load and shard by name; packing concatenates them once (on a GPU
-    ``fuse`` makes each member a view of the merged tensor). Not a module: a plain attribute. Unpacked,
-    or where members disagree on a bias, each member multiplies alone.
+    """Linears that read the same input (q/k/v; gate/up), multiplied as one GEMM; the members stay
+    modules so checkpoints load and shard by name. Not a module itself: a plain attribute.
     """
 
     def __init__(self, *members: ServingLinear) -> None:

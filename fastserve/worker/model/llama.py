@@ -1,12 +1,11 @@
-"""LLaMA-family decoder (LLaMA 2/3, Mistral, Qwen2) as one served stage and tensor-parallel shard:
-pre-norm RMSNorm, rotary q/k, grouped-query paged attention, SwiGLU MLP, an own or tied LM head.
-Megatron-style TP: q/gate/up column-parallel, o/down row-parallel then all-reduced (bias added once).
-K/V heads split when ``tp`` divides them, else each rank holds (and caches) the one its query heads
-share. Module names mirror HF's ``LlamaModel``.
+"""LLaMA-family decoder (LLaMA 2/3, Mistral, Qwen2) as one served stage and tensor-parallel shard, with
+Megatron-style TP (q/gate/up by columns, o/down by rows, then all-reduced). K/V heads split when ``tp``
+divides them, else each rank keeps the one its query heads share. Names mirror HF's ``LlamaModel``.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import cast
 
 import torch
@@ -27,7 +26,7 @@ from fastserve.worker.model.linear import (
     place_on_huge_pages,
 )
 from fastserve.worker.model.llama_config import LlamaConfig
-from fastserve.worker.model.opt import AllReduce
+from fastserve.worker.model.opt import AllReduce, no_reduce
 from fastserve.worker.model.rope import Rotary
 from fastserve.worker.model.shard import StageShard
 
@@ -39,15 +38,7 @@ LLAMA_WEIGHTS = WeightLayout(
     ones=("norm.weight", "layernorm.weight"),
 )
 #: For a tied head: a saved ``lm_head.weight`` is the embedding, skipped.
-LLAMA_TIED_WEIGHTS = WeightLayout(
-    prefixes=LLAMA_WEIGHTS.prefixes, column_parallel=LLAMA_WEIGHTS.column_parallel,
-    row_parallel=LLAMA_WEIGHTS.row_parallel, kv_parallel=LLAMA_WEIGHTS.kv_parallel,
-    skipped=("lm_head.weight",), ones=LLAMA_WEIGHTS.ones,
-)
-
-
-def _no_reduce(x: torch.Tensor) -> torch.Tensor:
-    return x
+LLAMA_TIED_WEIGHTS = replace(LLAMA_WEIGHTS, skipped=("lm_head.weight",))
 
 
 class RMSNorm(nn.Module):
@@ -66,7 +57,7 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm(x, self.weight, self.eps, delta)
 
 
-def _reduce_then_bias(out: torch.Tensor, layer: ServingLinear, all_reduce: AllReduce) -> torch.Tensor:
+def reduce_then_bias(out: torch.Tensor, layer: ServingLinear, all_reduce: AllReduce) -> torch.Tensor:
     """A row-parallel layer's partial sums reduced over the ranks; its bias added once."""
     out = all_reduce(out)
     return out if layer.bias is None else out + layer.bias
@@ -96,7 +87,7 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         attn = paged_self_attention(q, k, v, layer_cache, batch, self.scale)
         out = self.o_proj.multiply(attn.reshape(n, -1), with_bias=False)
-        return _reduce_then_bias(out, self.o_proj, self.all_reduce)
+        return reduce_then_bias(out, self.o_proj, self.all_reduce)
 
 
 class MLP(nn.Module):
@@ -114,7 +105,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
         h = kernels.silu_mul(gate, up)
-        return _reduce_then_bias(self.down_proj.multiply(h, with_bias=False), self.down_proj, self.all_reduce)
+        return reduce_then_bias(self.down_proj.multiply(h, with_bias=False), self.down_proj, self.all_reduce)
 
 
 class DecoderLayer(nn.Module):
@@ -141,7 +132,7 @@ class LlamaStage(nn.Module):
     _step_run: tuple[cpu_step.LayerDims, tuple[cpu_step.StepLayer, ...]] | None = None
 
     def __init__(self, config: LlamaConfig, shard: StageShard | None = None,
-                 all_reduce: AllReduce = _no_reduce) -> None:
+                 all_reduce: AllReduce = no_reduce) -> None:
         super().__init__()
         shard = shard or StageShard.whole(config)
         shard.check(config)
@@ -169,8 +160,7 @@ class LlamaStage(nn.Module):
         return LLAMA_TIED_WEIGHTS if self.config.tie_word_embeddings else LLAMA_WEIGHTS
 
     def kv_rows(self) -> tuple[int, int]:
-        first = self.config.kv_head_start(self.shard.tp_rank, self.shard.tp_size)
-        return first * self.config.head_dim, self.num_local_kv_heads * self.config.head_dim
+        return self.config.kv_rows(self.shard.tp_rank, self.shard.tp_size)
 
     def pack_linear_weights(self, policy: GemmPolicy | None = None) -> int:
         """Prepack the decoder linears and head for CPU GEMMs; how many were packed."""

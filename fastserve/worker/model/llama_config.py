@@ -1,20 +1,71 @@
-"""LLaMA-family hyper-parameters (LLaMA 2/3, Mistral, Qwen2) from a ``config.json``; the members
-differ only in fields. ``llama``: ``attention_bias`` biases q/k/v and o, ``mlp_bias`` the MLP;
-``qwen2``: q/k/v always biased, o never; ``mistral``: a ``sliding_window``, served by capping the
-context at it (equal to full attention while the context fits). Rotary scaling: ``default``,
-``linear``, ``llama3``; other kinds are refused by name. No torch here.
+"""LLaMA-family hyper-parameters (LLaMA 2/3, Mistral, Qwen2) from a ``config.json``: the members differ
+only in fields (biases, a sliding window, rotary scaling ``default``/``linear``/``llama3``). No torch here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Protocol
 
 ROPE_KINDS = ("linear", "llama3")
 #: How transformers names plain, unscaled RoPE.
 ROPE_DEFAULT = "default"
 #: Llama 3.1's published defaults for the llama3 kind's optional fields.
 LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+class _HeadShape(Protocol):
+    @property
+    def num_hidden_layers(self) -> int: ...
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    def kv_heads_per_rank(self, tp_size: int) -> int: ...
+    def kv_head_start(self, tp_rank: int, tp_size: int) -> int: ...
+
+
+class GroupedKVHeads:
+    """KV sizing and tensor-parallel cuts of a grouped-query decoder (the LLaMA family, Gemma 3)."""
+
+    def kv_bytes_per_token(self: _HeadShape, dtype_bytes: int) -> int:
+        # Every layer keeps every position (sliding ones too): one paged layout for all layers.
+        return 2 * self.num_hidden_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def kv_heads_per_rank(self: _HeadShape, tp_size: int) -> int:
+        """KV heads split across ranks when ``tp`` divides them; otherwise each rank holds the one
+        KV head its query heads share (replicated ``tp / num_kv_heads`` times)."""
+        return self.num_kv_heads // tp_size if self.num_kv_heads % tp_size == 0 else 1
+
+    def kv_head_start(self: _HeadShape, tp_rank: int, tp_size: int) -> int:
+        """The first (global) KV head rank ``tp_rank`` stores."""
+        if self.num_kv_heads % tp_size == 0:
+            return tp_rank * self.num_kv_heads // tp_size
+        return tp_rank // (tp_size // self.num_kv_heads)
+
+    def kv_rows(self: _HeadShape, tp_rank: int, tp_size: int) -> tuple[int, int]:
+        """The first K (or V) projection row rank ``tp_rank`` keeps, and how many."""
+        return self.kv_head_start(tp_rank, tp_size) * self.head_dim, self.kv_heads_per_rank(tp_size) * self.head_dim
+
+    def check_tensor_parallel(self: _HeadShape, tp_size: int) -> None:
+        for what, n in (("num_attention_heads", self.num_attention_heads),
+                        ("intermediate_size", self.intermediate_size)):
+            if n % tp_size:
+                raise ValueError(f"tensor_parallel_size={tp_size} does not divide the model's {what}={n}")
+        kv = self.num_kv_heads
+        if kv % tp_size and tp_size % kv:
+            raise ValueError(f"tensor_parallel_size={tp_size} and the model's num_key_value_heads={kv}: "
+                             "one must divide the other (KV heads are split, or replicated whole)")
+
+
+def token_ids(raw: dict[str, Any]) -> dict[str, int]:
+    """``bos_token_id`` and ``eos_token_id`` where the config sets them (the first of a list)."""
+    return {key: int(token[0] if isinstance(token, list) else token)
+            for key in ("bos_token_id", "eos_token_id") if (token := raw.get(key)) is not None}
 
 
 @dataclass(frozen=True)
@@ -62,7 +113,7 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
+class LlamaConfig(GroupedKVHeads):
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -115,30 +166,6 @@ class LlamaConfig:
     def queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_kv_heads
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_hidden_layers * self.num_kv_heads * self.head_dim * dtype_bytes
-
-    def kv_heads_per_rank(self, tp_size: int) -> int:
-        """KV heads split across ranks when ``tp`` divides them; otherwise each rank holds the one
-        KV head its query heads share (replicated ``tp / num_kv_heads`` times)."""
-        return self.num_kv_heads // tp_size if self.num_kv_heads % tp_size == 0 else 1
-
-    def kv_head_start(self, tp_rank: int, tp_size: int) -> int:
-        """The first (global) KV head rank ``tp_rank`` stores."""
-        if self.num_kv_heads % tp_size == 0:
-            return tp_rank * self.num_kv_heads // tp_size
-        return tp_rank // (tp_size // self.num_kv_heads)
-
-    def check_tensor_parallel(self, tp_size: int) -> None:
-        for what, n in (("num_attention_heads", self.num_attention_heads),
-                        ("intermediate_size", self.intermediate_size)):
-            if n % tp_size:
-                raise ValueError(f"tensor_parallel_size={tp_size} does not divide the model's {what}={n}")
-        kv = self.num_kv_heads
-        if kv % tp_size and tp_size % kv:
-            raise ValueError(f"tensor_parallel_size={tp_size} and the model's num_key_value_heads={kv}: "
-                             "one must divide the other (KV heads are split, or replicated whole)")
-
     @classmethod
     def from_dict(cls, raw: dict[str, Any], name: str = "llama") -> LlamaConfig:
         model_type = raw.get("model_type", "llama")
@@ -155,10 +182,7 @@ class LlamaConfig:
                       name=raw.get("_name_or_path") or name, model_type=model_type)
         if raw.get("head_dim") is not None:
             values["explicit_head_dim"] = int(raw["head_dim"])
-        for key in ("bos_token_id", "eos_token_id"):
-            token = raw.get(key)
-            if token is not None:
-                values[key] = int(token[0] if isinstance(token, list) else token)
+        values.update(token_ids(raw))
         window = _sliding_window(raw, model_type)
         if window is not None:
             values["max_position_embeddings"] = min(values.get("max_position_embeddings",

@@ -40,7 +40,7 @@ OPT_WEIGHTS = WeightLayout(
 )
 
 
-def _no_reduce(x: torch.Tensor) -> torch.Tensor:
+def no_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
@@ -103,7 +103,7 @@ class OPTStage(nn.Module):
     _head_packed: PackedWeight | None = None
 
     def __init__(self, config: OPTConfig, shard: StageShard | None = None,
-                 all_reduce: AllReduce = _no_reduce) -> None:
+                 all_reduce: AllReduce = no_reduce) -> None:
         super().__init__()
         shard = shard or StageShard.whole(config)
         shard.check(config)

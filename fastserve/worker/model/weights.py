@@ -1,8 +1,5 @@
-"""Weight loading for any served stage: Hugging Face checkpoints or seeded dummy weights. Names map
-onto ours once the ``WeightLayout`` prefix is stripped and the layer index rebased onto the stage;
-each rank takes only its slice (a ``Cut``) and reads only that (safetensors ``get_slice``, mmapped
-pickles). Dummy weights (vLLM's ``--load-format dummy``) are drawn line by line from generators
-seeded by ``(seed, name, line)``, so any TP/PP split of a seed holds exactly the unsplit model.
+"""Weight loading for any served stage: Hugging Face checkpoints, each rank reading only its slice, or
+dummy weights drawn per line from ``(seed, name, line)``, so any TP/PP split holds exactly the unsplit model.
 """
 
 from __future__ import annotations
