@@ -1,10 +1,11 @@
 """Where the time per token goes: ``python -m fastserve.bench.breakdown --base-url URL``.
 
 At light and saturating load (``--concurrency``), real ShareGPT prompts with a fixed output length,
-the engine's step totals (``GET /debug/engine``) read before and after: the decode step by phase (``sample``'s LM head apart, on CPU) and
-the loop's overhead, TPOT beside the engine's cycle, the delivery delay, TTFT. ``--model-profile``
-(``--model-only``: without a server) adds the model's decode step by operator family from torch's
-profiler. Tables, then one JSON object with every figure and the CPU model.
+the engine's step totals (``GET /debug/engine``) read before and after: the decode step by phase
+(``sample``'s LM head apart, on CPU) and the loop's overhead, TPOT beside the engine's cycle, the
+delivery delay, TTFT. ``--model-profile`` (``--model-only``: without a server) adds the model's
+decode step by operator family from torch's profiler. Tables, then one JSON object with every
+figure and the CPU model.
 """
 
 from __future__ import annotations
