@@ -49,8 +49,10 @@ WORKER_RESOURCE = "node_b"
 NODE_CPUS = "4"
 #: Ray's smallest object store is 75 MiB; what the tests send is small.
 NODE_OBJECT_STORE_BYTES = "100000000"
-#: The GCS's raylet health check: every second, three misses and the node is dead.
-HEALTH_CHECK_ENV = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
+#: The GCS's raylet health check: every second, three misses and the node is dead. A killed node's
+#: port refuses at once, so the timeout only decides how slow a live raylet may answer: at 1 s a busy
+#: 2-core box declared the restarted node dead, and Ray's head raylet then crashed on its channel.
+HEALTH_CHECK_ENV = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "10000",
                     "RAY_health_check_failure_threshold": "3"}
 START_TIMEOUT_S = 90.0
 #: How long a killed node's ``ray start --block`` may take to notice and stop its other processes.
