@@ -143,15 +143,8 @@ def test_preemption_level_gap(gap: int, evicts: bool) -> None:
     assert [e.job_id for e in plan.entries] == (["b"] if evicts else ["a", "b"])
 
 
-def test_a_claim_is_held_while_its_swap_out_is_in_flight() -> None:
-    """Two plans in flight (a pipeline of two stages), batch 2: four jobs of 20 tokens (level 2,
-    t_init 1.875; level 3 once their first iteration exceeded q2) hold the whole 8-block pool
-    (2 blocks of 16 each, no growth for 12 more tokens); a 3-token job (level 1) arrives
-    needing 1 block. Decision 4 swaps out the lowest job (L2) for it and
-    the short job claims the 2 blocks that plan releases; decision 5 comes before plan 4 returns
-    and must not evict again for the same job (it did: L3, a second victim for a 1-block need).
-    The short job runs at decision 6, once plan 4 returned."""
-    s = make(batch=2, device=8, host=64, block=16, cache=False)
+def record_evictions(s: Scheduler) -> list[tuple[int, str, str | None]]:
+    """Every eviction the scheduler's applier carries out, as (decision step, victim, the job it was for)."""
     evicted: list[tuple[int, str, str | None]] = []
     apply = s.applier.apply
 
@@ -161,6 +154,19 @@ def test_a_claim_is_held_while_its_swap_out_is_in_flight() -> None:
         apply(decision, now, out)
 
     s.applier.apply = record  # type: ignore[method-assign]
+    return evicted
+
+
+def test_a_claim_is_held_while_its_swap_out_is_in_flight() -> None:
+    """Two plans in flight (a pipeline of two stages), batch 2: four jobs of 20 tokens (level 2,
+    t_init 1.875; level 3 once their first iteration exceeded q2) hold the whole 8-block pool
+    (2 blocks of 16 each, no growth for 12 more tokens); a 3-token job (level 1) arrives
+    needing 1 block. Decision 4 swaps out the lowest job (L2) for it and
+    the short job claims the 2 blocks that plan releases; decision 5 comes before plan 4 returns
+    and must not evict again for the same job (it did: L3, a second victim for a 1-block need).
+    The short job runs at decision 6, once plan 4 returned."""
+    s = make(batch=2, device=8, host=64, block=16, cache=False)
+    evicted = record_evictions(s)
     for i in range(4):
         s.add(req(f"L{i}", 20, 10), 0.0)
     now = 0.0
@@ -202,15 +208,7 @@ def test_a_victim_the_later_ones_cover_stays_resident() -> None:
     2-block need; B alone covers it, so A stays (before: both went out and A came back a plan
     later) and, resident, runs in the very plan that swaps B out. S runs once that plan returned."""
     s = make(batch=1, device=4, host=64, block=16, cache=False)
-    evicted: list[tuple[int, str, str | None]] = []
-    apply = s.applier.apply
-
-    def record(decision: Decision, now: float, out: Applied) -> None:
-        evicted.extend((decision.step, a.job_id, a.for_job)
-                       for a in decision.batch.actions if isinstance(a, Evict))
-        apply(decision, now, out)
-
-    s.applier.apply = record  # type: ignore[method-assign]
+    evicted = record_evictions(s)
     now = 0.0
     s.add(req("A", 3, 13), now)
     while s.jobs()["A"].level < 4:
