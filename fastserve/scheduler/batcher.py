@@ -14,7 +14,6 @@ from typing import Literal
 from fastserve.kv.manager import Tier
 from fastserve.scheduler.decision import BatchDecision, Claim, Evict, Fetch, Run
 from fastserve.scheduler.job import Job
-from fastserve.scheduler.prioset import Key, PrioritySet
 from fastserve.scheduler.state import SchedulerView
 
 
@@ -66,32 +65,23 @@ class _Walk:
         return len(self.picked) >= self.max_jobs or self.tokens >= self.max_tokens
 
     def run(self) -> BatchDecision:
-        popped: list[tuple[PrioritySet, Key, str]] = []
-        try:
-            return self._walk(popped)
-        finally:    # the walk leaves the candidate sets as they were, even if it raised
-            for s, key, job_id in popped:
-                s.add(job_id, key)
-
-    def _walk(self, popped: list[tuple[PrioritySet, Key, str]]) -> BatchDecision:
         max_jobs = self.view.config.max_batch_size
         take_pending = True
         passed_over = 0
         first_waiting: str | None = None
         res = self.res
+        # The walk reads the candidate sets and changes none: the Applier files the decision's jobs.
         for level in self.view.queues.levels:
-            ready, pending = level.ready, level.pending
-            while not self.full():
-                r = ready.peek()
-                p = pending.peek() if take_pending else None
-                if r is None and p is None:
-                    break
-                use_pending = p is not None and (r is None or p[0] < r[0])
-                source = pending if use_pending else ready
-                top = source.pop()      # restored by ``run``
-                assert top is not None
-                key, job_id = top
-                popped.append((source, key, job_id))
+            ready, pending = level.ready.ordered(), level.pending.ordered()
+            r, p = next(ready, None), next(pending, None)
+            while not self.full() and (r is not None or (take_pending and p is not None)):
+                use_pending = take_pending and p is not None and (r is None or p[0] < r[0])
+                if use_pending:
+                    assert p is not None
+                    job_id, p = p[1], next(pending, None)
+                else:
+                    assert r is not None
+                    job_id, r = r[1], next(ready, None)
                 job = self.view.jobs[job_id]
                 if job_id in self.evicted:
                     continue    # preempted for an earlier pick of this batch
@@ -283,27 +273,26 @@ class _Walk:
         keep = frozenset(self.res.shared_hits)    # shared blocks stay on the device
         chosen: list[tuple[str, int]] = []
         freed = skipped = 0
-        with view.queues.ordered("evictable", lambda level, _job: -float(level)) as order:
-            for cand in order:
-                if freed >= short:
+        for cand in view.queues.ordered("evictable", lowest_first=True):
+            if freed >= short:
+                break
+            victim = view.jobs[cand]
+            if not policy.outranks_for_memory(job, victim):
+                break      # neither this one nor any after it ranks below ``job``
+            if cand in self.picked or cand in self.evicted:
+                continue
+            on_host = 0 if self.p.recompute else kv.num_blocks(cand)
+            if (kv.busy_step(cand) is not None or view.pinned(cand, self.step)
+                    or (self.p.recompute and victim.prefilling) or on_host > host_free):
+                # A part-done prefill is not dropped: two long prompts could drop each other forever.
+                skipped += 1
+                if skipped > view.config.max_batch_size:
                     break
-                victim = view.jobs[cand]
-                if not policy.outranks_for_memory(job, victim):
-                    break      # neither this one nor any after it ranks below ``job``
-                if cand in self.picked or cand in self.evicted:
-                    continue
-                on_host = 0 if self.p.recompute else kv.num_blocks(cand)
-                if (kv.busy_step(cand) is not None or view.pinned(cand, self.step)
-                        or (self.p.recompute and victim.prefilling) or on_host > host_free):
-                    # A part-done prefill is not dropped: two long prompts could drop each other forever.
-                    skipped += 1
-                    if skipped > view.config.max_batch_size:
-                        break
-                    continue
-                host_free -= on_host
-                n = kv.movable_blocks(cand, keep)
-                chosen.append((cand, n))
-                freed += n
+                continue
+            host_free -= on_host
+            n = kv.movable_blocks(cand, keep)
+            chosen.append((cand, n))
+            freed += n
         if freed < short:
             self.failed_short = short
             return None
@@ -313,14 +302,13 @@ class _Walk:
         """vLLM: growth does not fit, so preempt the latest admitted idle job (dropped if the host is full)."""
         view, res = self.view, self.res
         victim = None
-        with view.queues.ordered("evictable", None) as order:
-            for cand in order:
-                if (cand != job.job_id and cand not in res.growth_needs
-                        and cand not in self.picked and cand not in self.evicted
-                        and view.kv.busy_step(cand) is None
-                        and not view.pinned(cand, self.step)):
-                    victim = cand
-                    break
+        for cand in view.queues.ordered("evictable"):
+            if (cand != job.job_id and cand not in res.growth_needs
+                    and cand not in self.picked and cand not in self.evicted
+                    and view.kv.busy_step(cand) is None
+                    and not view.pinned(cand, self.step)):
+                victim = cand
+                break
         if victim is None:
             return
         n = view.kv.movable_blocks(victim, frozenset(res.shared_hits))

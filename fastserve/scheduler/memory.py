@@ -62,15 +62,13 @@ class MemoryPlanner:
                     and not view.pinned(job_id, step)
                     and not (drop and view.jobs[job_id].prefilling))
 
-        with view.queues.ordered("evictable", self._score(table, -1.0)) as victims, \
-                view.queues.ordered("onhost", self._score(table, 1.0)) as prefetch:
-            return plan_swaps(_Counts(view.kv, batch), self._pools(batch), keep_free=keep,
-                              wanted=batch.wanted_host,
-                              prefetch=prefetch if mode == "proactive" else (),
-                              victims=victims, can_evict=can_evict,
-                              drop=drop,
-                              max_skips=view.config.max_batch_size,
-                              prefetch_headroom=headroom)
+        prefetch = view.queues.ordered("onhost", self._score(table, 1.0)) if mode == "proactive" else ()
+        return plan_swaps(_Counts(view.kv, batch), self._pools(batch), keep_free=keep,
+                          wanted=batch.wanted_host, prefetch=prefetch,
+                          victims=view.queues.ordered("evictable", self._score(table, -1.0)),
+                          can_evict=can_evict, drop=drop,
+                          max_skips=view.config.max_batch_size,
+                          prefetch_headroom=headroom)
 
     def plan_unstick(self, batch: BatchDecision, swaps: SwapDecision,
                      table: EnstTable | None) -> SwapDecision:
@@ -92,13 +90,12 @@ class MemoryPlanner:
         taken = self._taken(batch) | set(swaps.swap_out) | set(swaps.drop) | set(swaps.swap_in) \
             | set(batch.claims)
         need = view.kv.device_blocks_needed(focus, job.num_tokens)
-        with view.queues.ordered("evictable", self._score(table, -1.0)) as victims:
-            decision = plan_swaps(kv, pools, keep_free=need, wanted={}, prefetch=(),
-                                  victims=victims,
-                                  can_evict=lambda j: j != focus and j not in taken,
-                                  drop=view.kv_config.swap_mode == "recompute",
-                                  # Both tiers full: admission waits, no admitted KV dies (§3.4).
-                                  drop_when_host_full=job.admitted)
+        decision = plan_swaps(kv, pools, keep_free=need, wanted={}, prefetch=(),
+                              victims=view.queues.ordered("evictable", self._score(table, -1.0)),
+                              can_evict=lambda j: j != focus and j not in taken,
+                              drop=view.kv_config.swap_mode == "recompute",
+                              # Both tiers full: admission waits, no admitted KV dies (§3.4).
+                              drop_when_host_full=job.admitted)
         free_now = pools.free_device + sum(kv.movable_blocks(j) for j in decision.drop)
         if (view.kv.residency(focus) is Residency.HOST and focus not in swaps.swap_in
                 and kv.swap_in_blocks(focus) <= free_now):

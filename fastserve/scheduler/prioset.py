@@ -1,5 +1,6 @@
-"""``PrioritySet``: job ids by numeric key with cheap add, discard, pop-min — a heap with lazy
-deletion, compacted past twice its live size. It keeps a decision from scanning every queued job."""
+"""``PrioritySet``: job ids by numeric key with cheap add, discard, pop-min and an in-order walk — a
+heap with lazy deletion, compacted past twice its live size. It keeps a decision from scanning every
+queued job; equal keys come out in the order they were added."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from itertools import count
 
 #: A number, not a tuple: heaps compare keys, and numbers compare several times faster.
 Key = float
+#: (key, insertion token, job id): the token orders equal keys and tells a live entry from a stale one.
+Entry = tuple[Key, int, str]
 
 #: Below this many stale entries a compaction is not worth its O(n) rebuild.
 _COMPACT_MIN_STALE = 64
@@ -16,9 +19,14 @@ _COMPACT_MIN_STALE = 64
 
 class PrioritySet:
     def __init__(self) -> None:
-        self._heap: list[tuple[Key, int, str]] = []
-        self._live: dict[str, int] = {}
+        self._heap: list[Entry] = []
+        #: job id -> its entry in the heap; any other entry of that job is stale.
+        self._live: dict[str, Entry] = {}
+        #: job id -> its discarded entry, still in the heap: re-added with the same key, it revives.
+        self._dead: dict[str, Entry] = {}
         self._tokens = count()
+        #: Stale entries walks have passed since the last compaction (they stay in the heap).
+        self._stale_seen = 0
 
     def __len__(self) -> int:
         return len(self._live)
@@ -33,32 +41,68 @@ class PrioritySet:
         return iter(self._live)
 
     def add(self, job_id: str, key: Key) -> None:
-        token = next(self._tokens)
         live = self._live
-        live[job_id] = token
+        dead = self._dead.pop(job_id, None)
+        if dead is not None and dead[0] == key and job_id not in live:
+            live[job_id] = dead     # a job back with its old key keeps its place: no push, no stale entry
+            return
+        entry = (key, next(self._tokens), job_id)
+        live[job_id] = entry
         heap = self._heap
-        heapq.heappush(heap, (key, token, job_id))
-        if len(heap) > 2 * len(live) + _COMPACT_MIN_STALE:
-            self._heap = [e for e in heap if live.get(e[2]) == e[1]]
+        heapq.heappush(heap, entry)
+        # Either bound keeps the rebuild's O(n) at O(1) a stale entry made or walked past.
+        if len(heap) > 2 * len(live) + _COMPACT_MIN_STALE or self._stale_seen > len(live):
+            self._heap = list(live.values())
             heapq.heapify(self._heap)
+            self._dead.clear()
+            self._stale_seen = 0
 
     def discard(self, job_id: str) -> None:
-        self._live.pop(job_id, None)
+        entry = self._live.pop(job_id, None)
+        if entry is not None:
+            self._dead[job_id] = entry
+
+    def _drop_stale_root(self) -> None:
+        entry = heapq.heappop(self._heap)
+        if self._dead.get(entry[2]) is entry:
+            del self._dead[entry[2]]
 
     def peek(self) -> tuple[Key, str] | None:
         heap, live = self._heap, self._live
         while heap:
-            key, token, job_id = heap[0]
-            if live.get(job_id) == token:
-                return key, job_id
-            heapq.heappop(heap)
+            entry = heap[0]
+            if live.get(entry[2]) is entry:
+                return entry[0], entry[2]
+            self._drop_stale_root()
         return None
 
-    def pop(self) -> tuple[Key, str] | None:
+    def ordered(self) -> Iterator[tuple[Key, str]]:
+        """Live entries by key, without removing any: each step pops a frontier of heap positions
+        whose parents were yielded, so k entries cost O(k log k) however large the set. The set must
+        not change while the walk is open (a change to it ends the walk with an error)."""
+        if self.peek() is None:     # stale entries at the root go for good, as a pop would take them
+            return
         heap, live = self._heap, self._live
-        while heap:
-            key, token, job_id = heapq.heappop(heap)
-            if live.get(job_id) == token:
-                del live[job_id]
-                return key, job_id
-        return None
+        size = len(heap)
+        frontier: list[tuple[Entry, int]] = [(heap[0], 0)]
+        while frontier:
+            entry, i = heapq.heappop(frontier)
+            if len(heap) != size or heap is not self._heap:
+                raise RuntimeError("a PrioritySet changed while walked")
+            if live.get(entry[2]) is entry:
+                yield entry[0], entry[2]
+            else:
+                self._stale_seen += 1
+            child = 2 * i + 1
+            if child < size:
+                heapq.heappush(frontier, (heap[child], child))
+                if child + 1 < size:
+                    heapq.heappush(frontier, (heap[child + 1], child + 1))
+
+    def pop(self) -> tuple[Key, str] | None:
+        top = self.peek()
+        if top is not None:
+            entry = self._live.pop(top[1])
+            heapq.heappop(self._heap)
+            assert entry[2] == top[1]
+        return top

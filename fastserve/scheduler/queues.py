@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
-from fastserve.scheduler.prioset import Key, PrioritySet
+from fastserve.scheduler.prioset import PrioritySet
 
 SetName = Literal["ready", "pending", "evictable", "onhost"]
 #: Score of a level's best candidate when merging levels (lower comes first).
@@ -81,37 +80,25 @@ class LevelQueues:
         self.levels[level - 1].discard(job_id)
         self.starving.discard(job_id)
 
-    @contextmanager
-    def ordered(self, name: SetName, score: LevelScore | None) -> Iterator[Iterator[str]]:
-        """Walk one kind of set across levels: ``score`` (lower first) merges the levels' tops, else
-        levels go highest first. Entries are restored on exit; apply decisions after the walk."""
-        popped: list[tuple[PrioritySet, Key, str]] = []
-
-        def walk() -> Iterator[str]:
-            sets = [getattr(lv, name) for lv in self.levels]
-            if score is None:
-                for s in sets:
-                    while (top := s.pop()) is not None:
-                        popped.append((s, top[0], top[1]))
-                        yield top[1]
-                return
-            heap: list[tuple[float, int]] = []
-            for i, s in enumerate(sets):
-                if (top := s.peek()) is not None:
-                    heap.append((score(i + 1, top[1]), i))
-            heapq.heapify(heap)
-            while heap:
-                _, i = heapq.heappop(heap)
-                top = sets[i].pop()
-                if top is None:
-                    continue
-                popped.append((sets[i], top[0], top[1]))
-                if (nxt := sets[i].peek()) is not None:
-                    heapq.heappush(heap, (score(i + 1, nxt[1]), i))
-                yield top[1]
-
-        try:
-            yield walk()
-        finally:
-            for s, key, job_id in popped:
-                s.add(job_id, key)
+    def ordered(self, name: SetName, score: LevelScore | None = None,
+                lowest_first: bool = False) -> Iterator[str]:
+        """One kind of set across levels, removing nothing: ``score`` (lower first) merges the levels'
+        tops, else levels go highest first (lowest first if asked), each walked only once reached.
+        The sets must not change while it is walked."""
+        if score is None:
+            levels = reversed(self.levels) if lowest_first else iter(self.levels)
+            for lv in levels:
+                for _key, job_id in getattr(lv, name).ordered():
+                    yield job_id
+            return
+        walks = [getattr(lv, name).ordered() for lv in self.levels]
+        heap: list[tuple[float, int, str]] = []
+        for i, walk in enumerate(walks):
+            if (top := next(walk, None)) is not None:
+                heap.append((score(i + 1, top[1]), i, top[1]))
+        heapq.heapify(heap)
+        while heap:
+            _, i, job_id = heapq.heappop(heap)
+            if (nxt := next(walks[i], None)) is not None:
+                heapq.heappush(heap, (score(i + 1, nxt[1]), i, nxt[1]))
+            yield job_id

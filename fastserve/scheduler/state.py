@@ -105,7 +105,7 @@ class SchedulerView:
         self.kv_config = state.kv_config
         self.policy = state.policy
         self.profile = state.profile
-        self.queues = state.queues     # planners walk candidate sets; every walk restores them
+        self.queues = state.queues     # planners walk the candidate sets; only the Applier changes them
         self.kv: KVView = state.kv
         self.jobs: Mapping[str, Job] = MappingProxyType(state.jobs)
 

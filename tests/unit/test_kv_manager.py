@@ -192,11 +192,11 @@ def test_swap_in_and_out_order_merges_levels_by_enst() -> None:
     table = EnstTable(queues.counts, [1.0, 2.0, 4.0, 8.0], 2, 4.5)
     assert [table(level[j], due[j]) for j in "abc"] == pytest.approx([0.5, 1.0, 0.7])
     assert table(1, None) == 0.0 and table(4, None) == 13.0     # never promoted: its level's wait
-    with queues.ordered("onhost", lambda lv, j: table(lv, due[j])) as order:
-        assert list(order) == ["a", "c", "b"]
-    with queues.ordered("evictable", lambda lv, j: -table(lv, due[j])) as order:
-        assert list(order) == ["b", "c", "a"]
+    assert list(queues.ordered("onhost", lambda lv, j: table(lv, due[j]))) == ["a", "c", "b"]
+    assert list(queues.ordered("evictable", lambda lv, j: -table(lv, due[j]))) == ["b", "c", "a"]
     assert len(queues.level(2).onhost) == 2       # the walk leaves the sets as they were
+    assert list(queues.ordered("evictable")) == ["b", "a", "c"]         # levels highest first
+    assert list(queues.ordered("evictable", lowest_first=True)) == ["c", "b", "a"]
 
 
 def test_planner_prefetches_while_the_reserve_stays_free() -> None:

@@ -1,6 +1,7 @@
-"""The decision's small data structures, exactly: ``PrioritySet`` pops in (key, insertion) order
-past stale entries, a re-added job goes behind its equals, ``StarvationClocks`` keeps one due
-per job, and ``Job.tokens_between`` is a slice of ``Job.tokens``."""
+"""The decision's small data structures, exactly: ``PrioritySet`` pops and walks in (key, insertion)
+order past stale entries, a re-added job goes behind its equals unless it was discarded and comes back
+with its old key, a walk removes nothing and refuses a set changed under it, ``StarvationClocks``
+keeps one due per job, and ``Job.tokens_between`` is a slice of ``Job.tokens``."""
 
 from __future__ import annotations
 
@@ -21,6 +22,45 @@ def test_pop_goes_by_key_then_insertion_and_skips_discarded_and_replaced_entries
     s.add("a", 2.0)      # re-added with an equal key: now behind "c"
     assert [s.pop() for _ in range(5)] == [(1.0, "d"), (2.0, "c"), (2.0, "a"), (3.0, "e"), None]
     assert len(s) == 0 and not s
+
+
+def test_a_walk_goes_by_key_then_insertion_and_removes_nothing() -> None:
+    s = PrioritySet()
+    for i in range(50):
+        s.add(f"j{i}", float((i * 7) % 5))
+    s.discard("j3")
+    s.add("j4", -1.0)                     # moved to the front; its old entry is stale
+    rest = sorted(((i * 7) % 5, i) for i in range(50) if i not in (3, 4))
+    walked = list(s.ordered())
+    assert walked == [(-1.0, "j4")] + [(float(k), f"j{i}") for k, i in rest]
+    assert len(s) == 49 and list(s.ordered()) == walked
+    assert [s.pop() for _ in range(49)] == walked and s.pop() is None
+
+
+def test_a_discarded_job_back_with_its_old_key_keeps_its_place() -> None:
+    s = PrioritySet()
+    for job_id in "abc":
+        s.add(job_id, 1.0)
+    s.discard("a")
+    s.add("a", 1.0)                       # back with the same key: ahead of b and c, as before
+    s.discard("b")
+    s.add("b", 2.0)                       # a new key: a new entry
+    assert [k for _, k in s.ordered()] == ["a", "c", "b"]
+    s.discard("c")
+    assert s.pop() == (1.0, "a")
+    s.add("c", 1.0)                       # its old entry is still in the heap: revived, not lost
+    assert [s.pop() for _ in range(3)] == [(1.0, "c"), (2.0, "b"), None]
+
+
+def test_a_set_changed_while_walked_ends_the_walk() -> None:
+    s = PrioritySet()
+    for i in range(5):
+        s.add(f"j{i}", float(i))
+    walk = s.ordered()
+    assert next(walk) == (0.0, "j0")
+    s.add("late", 9.0)
+    with pytest.raises(RuntimeError, match="changed while walked"):
+        next(walk)
 
 
 def test_compaction_keeps_every_live_entry_in_order() -> None:
