@@ -1,7 +1,8 @@
 """``python -m fastserve.bench.experiments NAME [--sim] [--quick]``: reproduce one of the paper's figures.
 
-NAME is one of fig1 fig8 fig11 fig11_chunked fig14 fig15 (fig11_chunked: skip-join with and
-without chunked prefill in the simulator; ``--chunk-tokens`` sets the chunk). Results (Markdown +
+NAME is one of fig1 fig8 fig11 fig11_chunked fig14 fig15 fig15_grid (fig11_chunked: skip-join with and
+without chunked prefill in the simulator; ``--chunk-tokens`` sets the chunk; fig15_grid: Figure 15a's
+reactive ÷ proactive over device pools and link speeds). Results (Markdown +
 JSON tables, PNG plots) go to ``results/`` (``results/quick/`` with
 ``--quick``); a readable table is printed, and the last line is one JSON object with the
 figure's headline numbers.
@@ -23,7 +24,7 @@ from fastserve.bench.experiments.common import (
     jsonable,
 )
 
-FIGURES = ("fig1", "fig8", "fig11", "fig11_chunked", "fig14", "fig15")
+FIGURES = ("fig1", "fig8", "fig11", "fig11_chunked", "fig14", "fig15", "fig15_grid")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -35,13 +36,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="a reduced run (under two minutes)")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     parser.add_argument("--seeds", type=int, default=DEFAULT_NUM_SEEDS,
-                        help="fig14, fig15: arrival seeds, from --seed on (mean, least and most)")
+                        help="fig14, fig15(_grid): arrival seeds, from --seed on (mean, least and most)")
     parser.add_argument("--jobs", type=int, default=1,
-                        help="fig14, fig15: simulations run at once, in processes")
+                        help="fig14, fig15(_grid): simulations run at once, in processes")
     parser.add_argument("--requests", type=int, default=None,
-                        help="fig14, fig15: requests per point (default: the figure's)")
+                        help="fig14, fig15(_grid): requests per point (default: the figure's)")
     parser.add_argument("--points", type=lambda v: tuple(float(x) for x in v.split(",")), default=None,
-                        help="fig14: length ratios; fig15: loads (default: the figure's)")
+                        help="fig14: length ratios; fig15(_grid): loads (default: the figure's)")
     parser.add_argument("--skip", type=lambda v: tuple(v.split(",")), default=(),
                         help="fig14, fig15: rows (setups) not to run, comma-separated")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
