@@ -1,4 +1,4 @@
-"""``PrioritySet``: job ids by numeric key with cheap add, discard, pop-min and an in-order walk — a
+"""``PrioritySet``: job ids by numeric key with cheap add, discard, peek-min and an in-order walk — a
 heap with lazy deletion, compacted past twice its live size. It keeps a decision from scanning every
 queued job; equal keys come out in the order they were added."""
 
@@ -80,7 +80,7 @@ class PrioritySet:
         """Live entries by key, without removing any: each step pops a frontier of heap positions
         whose parents were yielded, so k entries cost O(k log k) however large the set. The set must
         not change while the walk is open (a change to it ends the walk with an error)."""
-        if self.peek() is None:     # stale entries at the root go for good, as a pop would take them
+        if self.peek() is None:     # stale entries at the root go for good before the walk starts
             return
         heap, live = self._heap, self._live
         size = len(heap)
@@ -98,11 +98,3 @@ class PrioritySet:
                 heapq.heappush(frontier, (heap[child], child))
                 if child + 1 < size:
                     heapq.heappush(frontier, (heap[child + 1], child + 1))
-
-    def pop(self) -> tuple[Key, str] | None:
-        top = self.peek()
-        if top is not None:
-            entry = self._live.pop(top[1])
-            heapq.heappop(self._heap)
-            assert entry[2] == top[1]
-        return top

@@ -1,6 +1,7 @@
-"""The decision's small data structures, exactly: ``PrioritySet`` pops and walks in (key, insertion)
-order past stale entries, a re-added job goes behind its equals unless it was discarded and comes back
-with its old key, a walk removes nothing and refuses a set changed under it, ``StarvationClocks``
+"""The decision's small data structures, exactly: ``PrioritySet`` walks in (key, insertion) order
+past stale entries, a re-added job goes behind its equals unless it was discarded and comes back
+with its old key while its entry is still in the heap, a walk removes nothing and refuses a set
+changed under it, ``StarvationClocks``
 keeps one due per job, and ``Job.tokens_between`` is a slice of ``Job.tokens``."""
 
 from __future__ import annotations
@@ -13,15 +14,18 @@ from fastserve.scheduler.queues import StarvationClocks
 from fastserve.worker.messages import SamplingParams
 
 
-def test_pop_goes_by_key_then_insertion_and_skips_discarded_and_replaced_entries() -> None:
+def test_a_walk_goes_by_key_then_insertion_and_skips_discarded_and_replaced_entries() -> None:
     s = PrioritySet()
     for job_id, key in (("a", 2.0), ("b", 1.0), ("c", 2.0), ("d", 1.0), ("e", 3.0)):
         s.add(job_id, key)
     s.discard("b")
     s.add("d", 1.0)      # re-added: behind nothing, its old entry is stale
     s.add("a", 2.0)      # re-added with an equal key: now behind "c"
-    assert [s.pop() for _ in range(5)] == [(1.0, "d"), (2.0, "c"), (2.0, "a"), (3.0, "e"), None]
-    assert len(s) == 0 and not s
+    assert list(s.ordered()) == [(1.0, "d"), (2.0, "c"), (2.0, "a"), (3.0, "e")]
+    assert s.peek() == (1.0, "d") and len(s) == 4
+    for job_id in "dcae":
+        s.discard(job_id)
+    assert len(s) == 0 and not s and s.peek() is None and list(s.ordered()) == []
 
 
 def test_a_walk_goes_by_key_then_insertion_and_removes_nothing() -> None:
@@ -34,7 +38,6 @@ def test_a_walk_goes_by_key_then_insertion_and_removes_nothing() -> None:
     walked = list(s.ordered())
     assert walked == [(-1.0, "j4")] + [(float(k), f"j{i}") for k, i in rest]
     assert len(s) == 49 and list(s.ordered()) == walked
-    assert [s.pop() for _ in range(49)] == walked and s.pop() is None
 
 
 def test_a_discarded_job_back_with_its_old_key_keeps_its_place() -> None:
@@ -46,10 +49,11 @@ def test_a_discarded_job_back_with_its_old_key_keeps_its_place() -> None:
     s.discard("b")
     s.add("b", 2.0)                       # a new key: a new entry
     assert [k for _, k in s.ordered()] == ["a", "c", "b"]
+    s.discard("a")
     s.discard("c")
-    assert s.pop() == (1.0, "a")
-    s.add("c", 1.0)                       # its old entry is still in the heap: revived, not lost
-    assert [s.pop() for _ in range(3)] == [(1.0, "c"), (2.0, "b"), None]
+    assert s.peek() == (2.0, "b")         # the stale entries of a and c left the heap's root for good
+    s.add("c", 1.0)                       # so c's comes back as a new entry, not a revived lost one
+    assert list(s.ordered()) == [(1.0, "c"), (2.0, "b")]
 
 
 def test_a_set_changed_while_walked_ends_the_walk() -> None:
@@ -68,8 +72,7 @@ def test_compaction_keeps_every_live_entry_in_order() -> None:
     for i in range(200):
         s.add(f"j{i % 10}", float(i % 7))   # 190 stale entries: compacts several times
     expected = sorted((i % 7, i) for i in range(190, 200))
-    assert [s.pop() for _ in range(10)] == [(float(k), f"j{i % 10}") for k, i in expected]
-    assert s.pop() is None
+    assert list(s.ordered()) == [(float(k), f"j{i % 10}") for k, i in expected]
 
 
 def test_starvation_clocks_keep_the_latest_due_per_job() -> None:
