@@ -55,14 +55,20 @@ def capacity() -> float:
     return capacity_rate(dataset_pairs("sharegpt"), cost, BATCH)
 
 
-def simulate_point(task: tuple[float, int, int, str]) -> dict[str, Any]:
-    load, seed, n, row = task
-    cost = CostModel.from_json(PAPER_PROFILES[MODEL])
+def simulate(load: float, seed: int, n: int, setup: SimSetup, swap_time_factor: float = 1.0) -> dict[str, Any]:
+    """One point of this figure's setting: ``n`` ShareGPT jobs at ``load`` × capacity under ``setup``."""
+    cost = CostModel.from_json(PAPER_PROFILES[MODEL], swap_time_factor=swap_time_factor)
     rate = load * capacity()
-    result, point = run_point(W.workload(dataset_pairs("sharegpt"), n, rate, seed), cost, ROWS[row])
+    result, point = run_point(W.workload(dataset_pairs("sharegpt"), n, rate, seed), cost, setup)
     tokens = sum(r.output_tokens for r in result.records)
     return {**point, "rate": rate, "jobs_per_step": tokens / max(result.steps, 1),
-            "evictions_per_job": (point["swaps_out"] + point["recomputes"]) / n}
+            "evictions_per_job": (point["swaps_out"] + point["recomputes"]) / n,
+            "pcie_share": point["pcie_busy_s"] / point["makespan_s"] if point["makespan_s"] else 0.0}
+
+
+def simulate_point(task: tuple[float, int, int, str]) -> dict[str, Any]:
+    load, seed, n, row = task
+    return simulate(load, seed, n, ROWS[row])
 
 
 def _spread(points: dict[tuple[float, int, str], dict[str, Any]], loads: Sequence[float],

@@ -10,12 +10,12 @@ share. Reactive can lose only what it waits on, so the ratio follows swap traffi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from fastserve.bench import workloads as W
 from fastserve.bench.experiments import fig15
-from fastserve.bench.experiments.common import Report, RunOptions, Spread, dataset_pairs, parallel_map, run_point
-from fastserve.bench.sim import PAPER_PROFILES, CostModel, SimSetup
+from fastserve.bench.experiments.common import Report, RunOptions, Spread, parallel_map
+from fastserve.bench.sim import SimSetup
 from fastserve.scheduler.config import SwapMode
 
 POOLS = {True: (200,), False: (100, 150, 200, 300)}
@@ -32,16 +32,12 @@ Task = tuple[int, float, float, int, int, str]   # pool, link factor, load, seed
 
 def simulate(task: Task) -> dict[str, Any]:
     pool, link, load, seed, n, mode = task
-    cost = CostModel.from_json(PAPER_PROFILES[fig15.MODEL], swap_time_factor=link)
     if mode == BOUND:
         setup = SimSetup(swap_mode="proactive", num_device_blocks=fig15.UNLIMITED_BLOCKS)
     else:
         assert mode in MODES, mode
         setup = SimSetup(swap_mode=mode, num_device_blocks=pool)
-    rate = load * fig15.capacity()
-    _, point = run_point(W.workload(dataset_pairs("sharegpt"), n, rate, seed), cost, setup)
-    return {**point, "evictions_per_job": (point["swaps_out"] + point["recomputes"]) / n,
-            "pcie_share": point["pcie_busy_s"] / max(point["makespan_s"], 1e-12)}
+    return fig15.simulate(load, seed, n, setup, swap_time_factor=link)
 
 
 def _tasks(pools: tuple[int, ...], links: tuple[float, ...], loads: tuple[float, ...],
@@ -58,7 +54,7 @@ def _cell(points: dict[Task, dict[str, Any]], pool: int, link: float, load: floa
     def get(mode: str, s: int) -> dict[str, Any]:
         return points[(pool, link, load, s, n, mode)] if mode != BOUND else points[(0, 1.0, load, s, n, BOUND)]
 
-    def over(fn: Any) -> Spread:
+    def over(fn: Callable[[int], float]) -> Spread:
         return Spread.of([fn(s) for s in seeds])
 
     return {
